@@ -1,0 +1,177 @@
+"""Model and engine configuration.
+
+``ModelConfig`` is what the model code needs from a Hugging Face
+``config.json``; ``EngineConfig`` is what a user sets when starting an engine.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import attrs
+
+from .errors import ModelLoadError
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def _required(hf: dict[str, Any], key: str, source: str) -> Any:
+    if key not in hf or hf[key] is None:
+        raise ModelLoadError(f"{source}: required field {key!r} is missing")
+    return hf[key]
+
+
+@attrs.frozen
+class RopeScaling:
+    """RoPE frequency scaling, as in transformers' ``rope_type`` values."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    # llama3 only
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@attrs.frozen
+class ModelConfig:
+    """The architecture of a Llama-family model (Llama, Mistral, Qwen2)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any], *, source: str = "config.json") -> ModelConfig:
+        """Build from a parsed ``config.json``; raise ``ModelLoadError`` naming
+        ``source`` and the field for anything missing or unsupported."""
+        archs = hf.get("architectures") or []
+        model_type = hf.get("model_type")
+        by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None and not archs and model_type in by_type:
+            arch = by_type[model_type]
+        if arch is None:
+            found = ", ".join(archs) or f"model_type={model_type!r}"
+            raise ModelLoadError(
+                f"{source}: unsupported architecture {found} (field 'architectures'); "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ModelLoadError(f"{source}: unsupported hidden_act {hf['hidden_act']!r}; only 'silu' is supported")
+        hidden = int(_required(hf, "hidden_size", source))
+        heads = int(_required(hf, "num_attention_heads", source))
+        kv_heads = int(hf.get("num_key_value_heads") or heads)
+        if heads % kv_heads:
+            raise ModelLoadError(
+                f"{source}: num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv_heads})"
+            )
+        head_dim = int(hf.get("head_dim") or hidden // heads)
+        # transformers 5 moved rope_theta and rope_scaling into rope_parameters.
+        rope_params = dict(hf.get("rope_parameters") or {})
+        rope_theta = float(rope_params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+        scaling = dict(hf.get("rope_scaling") or {})
+        if rope_params.get("rope_type", "default") != "default" or "factor" in rope_params:
+            scaling = {**rope_params, **scaling}
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ModelLoadError(
+                f"{source}: unsupported rope_scaling type {rope_type!r} (field 'rope_scaling'); "
+                f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+        rope = RopeScaling(
+            rope_type=rope_type,
+            factor=float(scaling.get("factor", 1.0)),
+            low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)),
+        )
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            architecture=arch,
+            vocab_size=int(_required(hf, "vocab_size", source)),
+            hidden_size=hidden,
+            intermediate_size=int(_required(hf, "intermediate_size", source)),
+            num_hidden_layers=int(_required(hf, "num_hidden_layers", source)),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and value <= 0:
+        raise ValueError(f"{attribute.name} must be > 0, got {value!r}")
+
+
+def _kv_cache_memory(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, float) and not (0.0 < value <= 1.0):
+        raise ValueError(f"kv_cache_memory as a fraction must be in (0, 1], got {value!r}")
+    if isinstance(value, int) and value <= 0:
+        raise ValueError(f"kv_cache_memory in bytes must be > 0, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class EngineConfig:
+    """Everything a user sets when starting an engine.
+
+    ``kv_cache_memory`` is the KV pool's budget: an ``int`` is bytes, a
+    ``float`` in (0, 1] a fraction of the device's free memory at start.
+    ``None`` picks a default: 1 GiB on CPU (the host's free memory is shared
+    with everything else, so a fraction of it would be a poor guess) and 0.8
+    of free memory on CUDA, as vLLM does. The pool never needs to be larger
+    than ``max_num_seqs`` full contexts, so it is capped at that.
+    """
+
+    model: str | None = None  # a name, a checkpoint folder or a .gguf file; None is the default model
+    dtype: str | None = None  # "float32", "bfloat16" or "float16"; None: float32 on CPU, bfloat16 on CUDA
+    device: str | None = None  # "cpu", "cuda", "cuda:1"; None: CUDA when present
+    block_size: int = attrs.field(default=16, validator=_positive)
+    kv_cache_memory: int | float | None = attrs.field(default=None, validator=_kv_cache_memory)
+    max_model_len: int | None = attrs.field(default=None, validator=_positive)
+    max_num_seqs: int = attrs.field(default=64, validator=_positive)
+    max_num_batched_tokens: int = attrs.field(default=2048, validator=_positive)
+    enable_prefix_caching: bool = True
+    # Admission bounds (the actors' backpressure): requests waiting to be scheduled.
+    max_queued_requests: int = attrs.field(default=256, validator=_positive)
+    max_queued_tokens: int | None = attrs.field(default=None, validator=_positive)
+    # Torch threads for the model step; None leaves torch's default.
+    num_threads: int | None = attrs.field(default=None, validator=_positive)
+
+    def resolved_max_model_len(self, model_config: ModelConfig) -> int:
+        """The context limit in force: the user's, capped by the model's."""
+        limit = model_config.max_position_embeddings
+        return limit if self.max_model_len is None else min(self.max_model_len, limit)
+
+    def blocks_per_sequence(self, model_config: ModelConfig) -> int:
+        return math.ceil(self.resolved_max_model_len(model_config) / self.block_size)

@@ -1,0 +1,306 @@
+"""EngineCore: the synchronous engine, one step at a time.
+
+It ties the scheduler, the KV pool, the model runner, the sampler and the
+detokenizers together. The trio actors drive the same pieces
+(``schedule`` / ``execute`` / ``process_output``) from separate tasks; this
+facade runs them in a row for offline use and tests.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .detokenizer import IncrementalDetokenizer
+from .errors import InvalidRequestError
+from .kv_cache import KVCache, kv_bytes_per_block
+from .loader import LoadedModel, load_model
+from .model_runner import ModelRunner, RunnerOutput
+from .outputs import RequestOutput, RequestTimes
+from .sampler import Sampler, SamplingState
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler, SchedulerOutput
+from .sequence import FinishReason, Request
+from .tokenizer import apply_chat_template
+
+log = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_BYTES = 1 << 30
+CUDA_DEFAULT_KV_FRACTION = 0.8
+
+Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
+
+
+def kv_cache_num_blocks(config: EngineConfig, loaded: LoadedModel) -> int:
+    """How many KV blocks the pool gets from ``config.kv_cache_memory`` (see EngineConfig)."""
+    per_block = kv_bytes_per_block(loaded.model_config, config.block_size, loaded.dtype)
+    budget = config.kv_cache_memory
+    if budget is None:
+        budget = CUDA_DEFAULT_KV_FRACTION if loaded.device.type == "cuda" else CPU_DEFAULT_KV_BYTES
+    if isinstance(budget, float):
+        if loaded.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(loaded.device)
+        else:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        budget = int(free * budget)
+    wanted = config.max_num_seqs * config.blocks_per_sequence(loaded.model_config)
+    num_blocks = min(budget // per_block, wanted)
+    if num_blocks < config.blocks_per_sequence(loaded.model_config):
+        # A pool smaller than one full context could refuse requests the
+        # model accepts; say so instead of failing later.
+        log.warning(
+            "KV pool of %d blocks holds less than one max_model_len context (%d blocks)",
+            num_blocks,
+            config.blocks_per_sequence(loaded.model_config),
+        )
+    if num_blocks < 1:
+        raise ValueError(f"kv_cache_memory ({config.kv_cache_memory!r}) is smaller than one KV block ({per_block} bytes)")
+    return int(num_blocks)
+
+
+@attrs.define(eq=False)
+class _Completion:
+    """Engine-side bookkeeping of one of a request's ``n`` completions."""
+
+    request: Request
+    parent_id: str
+    index: int
+    detokenizer: IncrementalDetokenizer
+    sampling: SamplingState
+    first_scheduled: float | None = None
+    first_token: float | None = None
+
+
+class EngineCore:
+    """The engine as a plain object: add requests, call ``step()``, read outputs."""
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        self.config = config
+        self.loaded = loaded
+        self.model_config = loaded.model_config
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = config.resolved_max_model_len(loaded.model_config)
+        num_blocks = kv_cache_num_blocks(config, loaded)
+        self.kv_cache = KVCache.allocate(
+            loaded.model_config,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+            dtype=loaded.dtype,
+            device=loaded.device,
+        )
+        self.block_manager = BlockManager(
+            num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+        )
+        self.runner = ModelRunner(
+            model=loaded.model,
+            kv_cache=self.kv_cache,
+            sampler=Sampler(loaded.model_config.vocab_size, loaded.device),
+            device=loaded.device,
+        )
+        self._completions: dict[str, _Completion] = {}  # by child request id
+        self._children: dict[str, tuple[str, ...]] = {}  # request id -> its completions' ids
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> EngineCore:
+        """Load ``config.model`` (the default model when None) and build an engine on it."""
+        loaded = load_model(config.model, dtype=config.dtype, device=config.device)
+        return cls(loaded, config)
+
+    # -- requests ---------------------------------------------------------
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt: text, token ids, or chat messages (templated)."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt must not be empty", field="prompt")
+            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        items = list(prompt)
+        if not items:
+            raise InvalidRequestError("prompt must not be empty", field="prompt")
+        if all(isinstance(item, dict) for item in items):
+            return apply_chat_template(self.tokenizer, items, add_generation_prompt=True)
+        if all(isinstance(item, int) and not isinstance(item, bool) for item in items):
+            vocab = self.model_config.vocab_size
+            bad = next((t for t in items if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise InvalidRequestError(f"prompt has token id {bad} outside the vocabulary [0, {vocab})", field="prompt")
+            return items
+        raise InvalidRequestError("prompt must be a string, a list of token ids or a list of messages", field="prompt")
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> list[int]:
+        """Admit a request; return its prompt token ids.
+
+        Raises ``InvalidRequestError`` (or ``RequestTooLongError``) naming the
+        field at fault; nothing is admitted then.
+        """
+        params = params or SamplingParams()
+        if request_id in self._children:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", field="request_id")
+        params.validate_for_vocab(self.model_config.vocab_size)
+        prompt_ids = self.tokenize(prompt)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        eos = self.loaded.eos_token_ids
+        children = []
+        for index in range(params.n):
+            child_params = params
+            if params.n > 1:
+                # Each completion is its own sequence; derive distinct seeds so
+                # n seeded completions differ but stay reproducible.
+                seed = None if params.seed is None else params.seed + index
+                child_params = attrs.evolve(params, n=1, seed=seed)
+            child_id = request_id if params.n == 1 else f"{request_id}/{index}"
+            request = Request(
+                request_id=child_id,
+                prompt_token_ids=list(prompt_ids),
+                sampling_params=child_params,
+                eos_token_ids=eos,
+                priority=priority,
+                arrival_time=arrival,
+            )
+            children.append(request)
+        # The completions share one prompt, so the first is refused (too long,
+        # never fits) before anything is admitted, or none is.
+        for request in children:
+            self.scheduler.add_request(request)
+        for index, request in enumerate(children):
+            params_i = request.sampling_params
+            self._completions[request.request_id] = _Completion(
+                request=request,
+                parent_id=request_id,
+                index=index,
+                detokenizer=IncrementalDetokenizer(
+                    self.tokenizer,
+                    prompt_ids,
+                    skip_special_tokens=params_i.skip_special_tokens,
+                    stop=params_i.stop,
+                    include_stop_str_in_output=params_i.include_stop_str_in_output,
+                ),
+                sampling=SamplingState(
+                    params_i, request.prompt_token_ids, request.output_token_ids, request.eos_token_ids
+                ),
+            )
+        self._children[request_id] = tuple(r.request_id for r in children)
+        return list(prompt_ids)
+
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
+        """End a request (all its completions) now; its KV blocks are freed before the next step runs."""
+        children = self._children.get(request_id)
+        if children is None:
+            return False
+        found = False
+        for child_id in children:
+            found |= self.scheduler.finish_request(child_id, reason) is not None
+        return found
+
+    def has_unfinished(self) -> bool:
+        return bool(self._children)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._children)
+
+    # -- the step -----------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run and post-process one step."""
+        plan = self.schedule()
+        return self.process_output(plan, self.execute(plan))
+
+    def schedule(self) -> SchedulerOutput:
+        return self.scheduler.schedule(self.block_manager)
+
+    def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        states = {c.request.request_id: self._completions[c.request.request_id].sampling for c in plan.chunks if c.samples}
+        return self.runner.execute(plan, states)
+
+    def process_output(self, plan: SchedulerOutput, output: RunnerOutput) -> list[RequestOutput]:
+        """Apply a step's result: append tokens, detokenize, apply stops, report."""
+        now = time.monotonic()
+        outputs: list[RequestOutput] = []
+        # Requests that ended between steps (abort, deadline) report first.
+        for request in plan.finished:
+            completion = self._completions.get(request.request_id)
+            if completion is not None:
+                outputs.append(self._final_output(completion, (), "", (), now))
+        for chunk in plan.chunks:
+            completion = self._completions.get(chunk.request.request_id)
+            if completion is not None and completion.first_scheduled is None:
+                completion.first_scheduled = now
+        finished = {r.request_id for r in self.scheduler.update_from_output(plan, output.sampled)}
+        for request_id, token_id in output.sampled.items():
+            completion = self._completions.get(request_id)
+            if completion is None:
+                continue
+            if completion.first_token is None:
+                completion.first_token = now
+            delta = completion.detokenizer.add_tokens([token_id])
+            logprobs = (output.logprobs[request_id],) if request_id in output.logprobs else ()
+            if delta.stop_str is not None and request_id not in finished:
+                self.scheduler.finish_request(request_id, FinishReason.STOP)
+                finished.add(request_id)
+            if request_id in finished:
+                outputs.append(self._final_output(completion, (token_id,), delta.text, logprobs, now, delta.stop_str))
+            else:
+                outputs.append(self._output(completion, (token_id,), delta.text, logprobs, None, None, now))
+        return outputs
+
+    def _final_output(self, completion, token_ids, text, logprobs, now, stop_str=None) -> RequestOutput:
+        request = completion.request
+        reason = request.finish_reason
+        assert reason is not None, f"{request.request_id} reported finished without a reason"
+        if stop_str is None:
+            text += completion.detokenizer.finish()
+        stop_reason: str | int | None = stop_str
+        if stop_reason is None and reason is FinishReason.STOP and request.output_token_ids:
+            last = request.output_token_ids[-1]
+            if last in request.sampling_params.stop_token_ids:
+                stop_reason = last
+        del self._completions[request.request_id]
+        siblings = self._children[completion.parent_id]
+        if all(child not in self._completions for child in siblings):
+            del self._children[completion.parent_id]
+        return self._output(completion, token_ids, text, logprobs, reason, stop_reason, now)
+
+    def _output(self, completion, token_ids, text, logprobs, reason, stop_reason, now) -> RequestOutput:
+        request = completion.request
+        return RequestOutput(
+            request_id=completion.parent_id,
+            index=completion.index,
+            new_token_ids=tuple(token_ids),
+            text_delta=text,
+            logprobs=tuple(logprobs),
+            finish_reason=reason,
+            stop_reason=stop_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+            times=RequestTimes(
+                arrival=request.arrival_time,
+                first_scheduled=completion.first_scheduled,
+                first_token=completion.first_token,
+                now=now,
+            ),
+        )

@@ -1,0 +1,34 @@
+"""Exceptions raised by the engine core.
+
+Each is precise about what went wrong and names the file or field at fault, so
+the layers above can report it without a traceback from deep inside a library.
+"""
+
+
+class TrioserveError(Exception):
+    """Base class of every error trioserve raises on purpose."""
+
+
+class ModelLoadError(TrioserveError):
+    """A model could not be loaded: a missing path, no or corrupt weights,
+    a config that does not match the weights, or an unsupported architecture.
+
+    The message names the file or config field at fault. No part of the model
+    is left loaded when this is raised.
+    """
+
+
+class InvalidRequestError(TrioserveError, ValueError):
+    """A request's parameters are invalid.
+
+    ``field`` names the offending parameter (``"temperature"``, ``"prompt"``,
+    ...) so the HTTP layer can fill OpenAI's ``param`` in its error JSON.
+    """
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class RequestTooLongError(InvalidRequestError):
+    """A prompt does not fit the context (``max_model_len``) or the KV pool."""

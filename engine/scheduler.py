@@ -1,0 +1,508 @@
+"""The continuous-batching scheduler: which tokens of which requests run next.
+
+A policy object. Each step ``propose()`` decides what to run and what to
+preempt and returns the one ``KVBatch`` the KV pool must apply; ``finalize()``
+turns the pool's ``KVResult`` into a ``SchedulerOutput`` (the plan); the runner
+executes the plan; ``update_from_output()`` applies the sampled tokens.
+``schedule(block_manager)`` does the first two in process.
+
+There is no prefill or decode phase. Every step, within ``max_num_seqs``
+requests and ``max_num_batched_tokens`` tokens:
+
+1. Running requests that decode (one token left to compute) go first, then
+   running requests part way through their prompt, each in (priority,
+   arrival) order. A prompt gets what is left of the token budget, so a long
+   one is chunked over several steps and never stalls decodes.
+2. A running request whose next blocks the pool cannot cover preempts others
+   by recompute: lowest priority first (highest ``priority`` value), then
+   latest arrival, down to itself. A preempted request keeps its output,
+   restarts from token 0 and goes back to waiting; its computed full blocks
+   were committed to the prefix cache, so it resumes from whatever of them
+   survived.
+3. If nothing was preempted, waiting requests are admitted in (priority,
+   arrival) order until a budget runs out or the first one that does not fit
+   (no request is overtaken by a smaller one behind it). Their prefix-cache
+   hit is found by the pool, and the chunk starts after it.
+
+Planning uses the pool's budget after the previous batch plus the blocks the
+frees of this batch release. The scheduler knows every block table, so it
+knows the pool's reference counts and that number is exact; a running request
+is never refused. An admission is planned as if nothing were cached (an upper
+bound on its cost), and the first admission beyond that estimate is still
+sent, since its hit may make it fit.
+
+No deadlock: a request's context is capped at what the whole pool holds
+(``min(max_model_len, num_blocks * block_size)``; it finishes with ``LENGTH``
+there), and admission refuses a prompt beyond that cap. So the
+highest-priority running request always fits once every other is preempted,
+and when nothing runs the head waiting request fits the empty pool.
+
+Finished and aborted requests release their blocks in the next batch;
+``free_finished(block_manager)`` releases them at once in process.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import math
+from collections.abc import Iterable, Mapping
+
+import attrs
+
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .errors import InvalidRequestError, RequestTooLongError
+from .kv_batch import KVAllocation, KVBatch, KVBudget, KVCommit, KVResult
+from .sequence import FinishReason, Request, RequestStatus
+
+
+@attrs.frozen
+class ScheduledChunk:
+    """Compute ``num_tokens`` of a request's tokens from position ``start``.
+
+    ``block_ids`` is the request's block table covering them. ``samples`` is
+    True when the chunk reaches the request's last token, so the step samples
+    its next token.
+    """
+
+    request: Request
+    start: int
+    num_tokens: int
+    block_ids: tuple[int, ...]
+    samples: bool
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.all_token_ids[self.start : self.start + self.num_tokens]
+
+
+@attrs.frozen
+class SchedulerOutput:
+    """The plan for one step.
+
+    ``preempted`` lists the ids preempted this step; ``finished`` the requests
+    that finished or were aborted since the last step, whose blocks this
+    step's batch released.
+    """
+
+    chunks: tuple[ScheduledChunk, ...]
+    preempted: tuple[str, ...]
+    finished: tuple[Request, ...]
+    num_batched_tokens: int
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@attrs.frozen
+class SchedulerStatistics:
+    num_waiting: int
+    num_running: int
+    num_preemptions: int  # since start
+    kv: KVBudget  # the pool as of the last batch
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv.usage
+
+
+@attrs.define
+class _InFlight:
+    batch: KVBatch
+    preempted: tuple[str, ...]
+    finished: tuple[Request, ...]
+
+
+def _priority_key(request: Request) -> tuple[int, int]:
+    return (request.priority, request.arrival_index)
+
+
+@attrs.define
+class Scheduler:
+    """Continuous batching over a KV pool of ``num_blocks`` x ``block_size``."""
+
+    max_num_seqs: int = attrs.field(kw_only=True)
+    max_num_batched_tokens: int = attrs.field(kw_only=True)
+    max_model_len: int = attrs.field(kw_only=True)
+    num_blocks: int = attrs.field(kw_only=True)
+    block_size: int = attrs.field(kw_only=True)
+    _requests: dict[str, Request] = attrs.field(init=False, factory=dict)  # unfinished
+    _waiting: list[Request] = attrs.field(init=False, factory=list)  # sorted by _priority_key
+    _running: list[Request] = attrs.field(init=False, factory=list)
+    # The pool's block tables as this scheduler knows them: running requests
+    # plus finished or preempted ones whose free is not sent yet.
+    _tables: dict[str, tuple[int, ...]] = attrs.field(init=False, factory=dict)
+    _refs: collections.Counter[int] = attrs.field(init=False, factory=collections.Counter)
+    _committed: dict[str, int] = attrs.field(init=False, factory=dict)  # tokens the pool has hashed
+    _to_free: dict[str, Request] = attrs.field(init=False, factory=dict)
+    _finished: list[Request] = attrs.field(init=False, factory=list)  # to report in the next output
+    _budget: KVBudget = attrs.field(init=False)
+    _in_flight: _InFlight | None = attrs.field(init=False, default=None)
+    _next_arrival: int = attrs.field(init=False, default=0)
+    _num_preemptions: int = attrs.field(init=False, default=0)
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_blocks", "block_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        self._budget = KVBudget(
+            num_blocks=self.num_blocks,
+            num_free_blocks=self.num_blocks,
+            num_cached_blocks=0,
+            prefix_cache_queries=0,
+            prefix_cache_hits=0,
+            num_evictions=0,
+        )
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, *, max_model_len: int, num_blocks: int) -> Scheduler:
+        """Build from the engine config, the resolved context limit and the
+        pool size the memory budget allows."""
+        return cls(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+        )
+
+    @property
+    def max_context_len(self) -> int:
+        """The longest a request may grow: ``max_model_len``, or less if the
+        whole pool holds less."""
+        return min(self.max_model_len, self.num_blocks * self.block_size)
+
+    # -- requests -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Admit a request to the waiting queue and set its ``arrival_index``.
+
+        Raise ``RequestTooLongError`` if its prompt plus one generated token
+        exceeds ``max_model_len`` or could never fit in the KV pool, and
+        ``InvalidRequestError`` if its id is already in use.
+        """
+        if request.request_id in self._requests or request.request_id in self._to_free:
+            raise InvalidRequestError(f"request_id {request.request_id!r} is already in use", field="request_id")
+        needed = request.num_tokens + 1
+        if needed > self.max_model_len:
+            raise RequestTooLongError(
+                f"prompt has {request.num_tokens} tokens; with one generated token that exceeds "
+                f"max_model_len ({self.max_model_len})",
+                field="prompt",
+            )
+        if needed > self.num_blocks * self.block_size:
+            raise RequestTooLongError(
+                f"prompt has {request.num_tokens} tokens; with one generated token it needs "
+                f"{math.ceil(needed / self.block_size)} KV blocks of {self.block_size} tokens, "
+                f"but the KV pool has only {self.num_blocks}",
+                field="prompt",
+            )
+        request.arrival_index = self._next_arrival
+        self._next_arrival += 1
+        request.status = RequestStatus.WAITING
+        self._requests[request.request_id] = request
+        bisect.insort(self._waiting, request, key=_priority_key)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The unfinished request with this id, or None."""
+        return self._requests.get(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def finish_request(self, request_id: str, reason: FinishReason) -> Request | None:
+        """Finish an unfinished request from outside (a stop string, a
+        deadline, an error). Its blocks are released by the next batch.
+        Return the request, or None if there is no such unfinished request."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
+        self._finish(request, reason)
+        return request
+
+    def abort(self, request_id: str) -> bool:
+        """Finish a request with ``ABORT``; False if it was not unfinished.
+        Its blocks are released by the next batch (``free_finished`` does it
+        at once in process)."""
+        return self.finish_request(request_id, FinishReason.ABORT) is not None
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        del self._requests[request.request_id]
+        if request in self._running:
+            self._running.remove(request)
+        elif request in self._waiting:
+            self._waiting.remove(request)
+        self._to_free[request.request_id] = request
+        self._finished.append(request)
+
+    # -- one step -------------------------------------------------------------
+
+    def schedule(self, block_manager: BlockManager) -> SchedulerOutput:
+        """Plan a step against an in-process pool. The batch's frees are
+        applied first, so blocks of finished requests are reusable at once."""
+        batch = self.propose()
+        return self.finalize(batch, block_manager.apply(batch))
+
+    def free_finished(self, block_manager: BlockManager) -> tuple[Request, ...]:
+        """Release the blocks of finished and aborted requests now, in
+        process; return those requests (they are not reported again)."""
+        batch = self.propose_release()
+        return self.finalize(batch, block_manager.apply(batch)).finished
+
+    def propose_release(self) -> KVBatch:
+        """A batch that only commits and frees, for releasing blocks between
+        steps. Must be followed by ``finalize``."""
+        self._check_not_in_flight()
+        commits, frees, _ = self._release_pending()
+        batch = KVBatch(commits=commits, frees=frees)
+        self._in_flight = _InFlight(batch, (), self._take_finished())
+        return batch
+
+    def propose(self) -> KVBatch:
+        """Decide this step's work and preemptions; return the pool's batch.
+        Must be followed by ``finalize`` with the pool's answer."""
+        self._check_not_in_flight()
+        commits, frees, num_freed = self._release_pending()
+        free = self._budget.num_free_blocks + num_freed
+        token_budget = self.max_num_batched_tokens
+        planned: dict[str, tuple[int, int]] = {}  # running request id -> (tokens, new blocks)
+        preempted: list[str] = []
+
+        decodes = [r for r in self._running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in self._running if r.num_tokens - r.num_computed_tokens > 1]
+        for request in sorted(decodes, key=_priority_key) + sorted(prefills, key=_priority_key):
+            if token_budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            num_blocks = self._blocks_for(request.num_computed_tokens + num_tokens) - len(request.block_ids)
+            while num_blocks > free and request.status is RequestStatus.RUNNING:
+                victim = max(self._running, key=_priority_key)
+                undone_tokens, undone_blocks = planned.pop(victim.request_id, (0, 0))
+                token_budget += undone_tokens
+                free += undone_blocks + self._preempt(victim)
+                frees.append(victim.request_id)
+                preempted.append(victim.request_id)
+            if request.status is RequestStatus.RUNNING:
+                planned[request.request_id] = (num_tokens, num_blocks)
+                free -= num_blocks
+                token_budget -= num_tokens
+
+        allocations = [
+            KVAllocation(rid, self._requests[rid].num_computed_tokens, num_tokens)
+            for rid, (num_tokens, _) in planned.items()
+        ]
+        num_seqs = len(self._running)
+        if not preempted:
+            for request in self._waiting:
+                if num_seqs >= self.max_num_seqs or token_budget == 0:
+                    break
+                num_tokens = min(request.num_tokens, token_budget)
+                allocations.append(KVAllocation(request.request_id, 0, num_tokens, request.all_token_ids))
+                num_seqs += 1
+                token_budget -= num_tokens
+                free -= self._blocks_for(num_tokens)
+                if free < 0:
+                    break  # the pool decides whether its prefix hit makes it fit
+
+        batch = KVBatch(commits=commits, frees=frees, allocations=allocations)
+        self._in_flight = _InFlight(batch, tuple(preempted), self._take_finished())
+        return batch
+
+    def finalize(self, batch: KVBatch, result: KVResult) -> SchedulerOutput:
+        """Turn the pool's answer to ``batch`` into this step's plan."""
+        if self._in_flight is None or self._in_flight.batch is not batch:
+            raise ValueError("finalize() needs the batch the last propose() returned")
+        if len(result.block_tables) != len(batch.allocations):
+            raise ValueError(
+                f"result has {len(result.block_tables)} block tables for {len(batch.allocations)} allocations"
+            )
+        in_flight, self._in_flight = self._in_flight, None
+        self._budget = result.budget
+        chunks: list[ScheduledChunk] = []
+        for allocation, table, num_cached in zip(batch.allocations, result.block_tables, result.num_cached_tokens):
+            if table is None:
+                continue  # an admission stays waiting; a running request sits this step out
+            rid = allocation.request_id
+            self._set_table(rid, table)
+            request = self._requests.get(rid)
+            if request is None:
+                # Finished while the batch was in flight: _finish queued its
+                # free, which the next batch sends after this allocation.
+                assert rid in self._to_free, f"request {rid!r} got blocks but is unknown"
+                continue
+            request.block_ids = list(table)
+            start = allocation.num_computed_tokens
+            num_tokens = allocation.num_new_tokens
+            if request.status is not RequestStatus.RUNNING:
+                if request.status is RequestStatus.WAITING:
+                    request.num_cached_tokens = num_cached
+                start = num_cached
+                num_tokens = min(num_tokens, request.num_tokens - num_cached)
+                request.num_computed_tokens = num_cached
+                self._committed[rid] = num_cached
+                self._waiting.remove(request)
+                self._running.append(request)
+                request.status = RequestStatus.RUNNING
+            chunks.append(ScheduledChunk(request, start, num_tokens, table, start + num_tokens == request.num_tokens))
+        return SchedulerOutput(
+            chunks=tuple(chunks),
+            preempted=in_flight.preempted,
+            finished=in_flight.finished,
+            num_batched_tokens=sum(c.num_tokens for c in chunks),
+        )
+
+    def update_from_output(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> list[Request]:
+        """Advance every chunk's request, append sampled tokens and apply
+        token-level stops; return the requests that finished.
+
+        ``sampled`` maps the id of each chunk with ``samples=True`` to its new
+        token. A request finished since the plan was made is skipped.
+        """
+        finished: list[Request] = []
+        for chunk in output.chunks:
+            request = chunk.request
+            if request.is_finished or request.status is not RequestStatus.RUNNING:
+                continue
+            assert request.num_computed_tokens == chunk.start, (
+                f"request {request.request_id!r} has {request.num_computed_tokens} computed tokens, "
+                f"chunk starts at {chunk.start}"
+            )
+            request.num_computed_tokens += chunk.num_tokens
+            if not chunk.samples:
+                continue
+            if request.request_id not in sampled:
+                raise ValueError(f"no sampled token for request {request.request_id!r}, whose chunk samples")
+            request.output_token_ids.append(sampled[request.request_id])
+            reason = self._stop_reason(request)
+            if reason is not None:
+                self._finish(request, reason)
+                finished.append(request)
+        return finished
+
+    def _stop_reason(self, request: Request) -> FinishReason | None:
+        params = request.sampling_params
+        token = request.output_token_ids[-1]
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in request.eos_token_ids:
+                return FinishReason.STOP
+            if token in params.stop_token_ids:
+                return FinishReason.STOP
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return FinishReason.LENGTH
+        if request.num_tokens >= self.max_context_len:
+            return FinishReason.LENGTH
+        return None
+
+    # -- helpers --------------------------------------------------------------
+
+    def _check_not_in_flight(self) -> None:
+        if self._in_flight is not None:
+            raise RuntimeError("the previous batch is still in flight: call finalize() first")
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.block_size)
+
+    def _take_finished(self) -> tuple[Request, ...]:
+        finished, self._finished = tuple(self._finished), []
+        return finished
+
+    def _commit_for(self, request: Request) -> KVCommit | None:
+        done = self._committed.get(request.request_id, 0)
+        full = request.num_computed_tokens // self.block_size * self.block_size
+        if full <= done or request.request_id not in self._tables:
+            return None
+        self._committed[request.request_id] = full
+        return KVCommit(request.request_id, request.all_token_ids[done:full])
+
+    def _release_pending(self) -> tuple[list[KVCommit], list[str], int]:
+        """Commits for every holder, frees for finished ones, and how many
+        blocks those frees return to the pool."""
+        holders: Iterable[Request] = [*self._running, *self._to_free.values()]
+        commits = [c for c in map(self._commit_for, holders) if c is not None]
+        frees = list(self._to_free)
+        num_freed = sum(self._drop_table(rid) for rid in frees)
+        self._to_free.clear()
+        return commits, frees, num_freed
+
+    def _preempt(self, request: Request) -> int:
+        """Preempt by recompute; return the blocks that become free."""
+        self._running.remove(request)
+        num_freed = self._drop_table(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.block_ids = []
+        request.num_preemptions += 1
+        self._num_preemptions += 1
+        bisect.insort(self._waiting, request, key=_priority_key)
+        return num_freed
+
+    def _set_table(self, request_id: str, table: tuple[int, ...]) -> None:
+        old = self._tables.get(request_id, ())
+        self._refs.update(table[len(old) :])
+        self._tables[request_id] = table
+
+    def _drop_table(self, request_id: str) -> int:
+        """Forget a request's blocks; return how many no one else holds."""
+        num_freed = 0
+        for block_id in self._tables.pop(request_id, ()):
+            self._refs[block_id] -= 1
+            if self._refs[block_id] == 0:
+                del self._refs[block_id]
+                num_freed += 1
+        self._committed.pop(request_id, None)
+        return num_freed
+
+    # -- introspection ----------------------------------------------------------
+
+    def block_holders(self) -> Mapping[str, tuple[int, ...]]:
+        """Request id -> block table, as the pool holds them (for
+        ``BlockManager.check_invariants``)."""
+        return dict(self._tables)
+
+    def statistics(self) -> SchedulerStatistics:
+        return SchedulerStatistics(
+            num_waiting=len(self._waiting),
+            num_running=len(self._running),
+            num_preemptions=self._num_preemptions,
+            kv=self._budget,
+        )
+
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` if the queues or block tables are
+        inconsistent."""
+        if self._in_flight is not None:
+            raise AssertionError("a batch is in flight")
+        if len(self._running) > self.max_num_seqs:
+            raise AssertionError(f"{len(self._running)} running requests exceed max_num_seqs ({self.max_num_seqs})")
+        if [_priority_key(r) for r in self._waiting] != sorted(_priority_key(r) for r in self._waiting):
+            raise AssertionError("the waiting queue is out of (priority, arrival) order")
+        if {r.request_id for r in self._running} | {r.request_id for r in self._waiting} != set(self._requests):
+            raise AssertionError("the running and waiting queues do not hold exactly the unfinished requests")
+        for request in self._waiting:
+            if request.block_ids or request.num_computed_tokens or request.request_id in self._tables:
+                raise AssertionError(f"waiting request {request.request_id!r} holds blocks or computed tokens")
+        for request in self._running:
+            table = self._tables.get(request.request_id)
+            if table is None or tuple(request.block_ids) != table:
+                raise AssertionError(f"running request {request.request_id!r} has no or a stale block table")
+            if request.num_computed_tokens > len(table) * self.block_size:
+                raise AssertionError(f"request {request.request_id!r} computed more tokens than its blocks hold")
+            if request.num_tokens > self.max_context_len:
+                raise AssertionError(f"request {request.request_id!r} grew past max_context_len")
+        expected = collections.Counter(b for table in self._tables.values() for b in table)
+        if expected != self._refs:
+            raise AssertionError("reference counts differ from the block tables")

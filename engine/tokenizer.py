@@ -1,0 +1,108 @@
+"""Tokenizer loading from local files, chat templating and EOS discovery.
+
+transformers is imported inside the functions: its tokenizer machinery is
+the slowest import of a warm start, and modules that only need the helpers'
+names should not pay for it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .errors import InvalidRequestError, ModelLoadError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+# Any one of these makes a folder a tokenizer folder.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    """Load the tokenizer in checkpoint folder ``path`` from local files only.
+
+    Raises ``ModelLoadError`` naming the folder when it has no tokenizer files
+    or they cannot be read.
+    """
+    path = Path(path)
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelLoadError(f"{path}: no tokenizer files (expected one of {', '.join(TOKENIZER_FILES)})")
+    try:
+        if (path / "tokenizer.json").is_file():
+            # tokenizer.json defines the whole pipeline (normalizer through
+            # post-processor), so the generic fast class reproduces any
+            # model-specific one. AutoTokenizer would also read config.json
+            # through AutoConfig, whose imports cost seconds.
+            from transformers import PreTrainedTokenizerFast
+
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+        else:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as exc:  # json, tokenizers, sentencepiece and OS errors all end here
+        raise ModelLoadError(f"{path}: cannot load the tokenizer: {type(exc).__name__}: {exc}") from None
+    if not tokenizer.chat_template:
+        logger.warning("%s: the tokenizer has no chat template; only plain completions will work", path)
+    return tokenizer
+
+
+def apply_chat_template(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: Sequence[Mapping[str, Any]],
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """Render ``messages`` with the tokenizer's chat template into token ids.
+
+    Raises ``InvalidRequestError`` (field ``messages``) when the tokenizer has
+    no template or the template rejects the messages (many raise on an
+    unexpected role order).
+    """
+    if not tokenizer.chat_template:
+        raise InvalidRequestError("this model has no chat template; use a plain completion", field="messages")
+    from jinja2 import TemplateError
+
+    try:
+        ids = tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False
+        )
+    except TemplateError as exc:
+        raise InvalidRequestError(f"the chat template rejected the messages: {exc}", field="messages") from None
+    return [int(i) for i in ids]
+
+
+def eos_token_ids(
+    tokenizer: PreTrainedTokenizerBase, config_eos: Iterable[int] = (), folder: Path | None = None
+) -> tuple[int, ...]:
+    """Every token id that ends generation, in order, without repeats.
+
+    The union of the model config's ``eos_token_id`` (``config_eos``),
+    ``generation_config.json``'s in ``folder`` (Llama 3 lists several there)
+    and the tokenizer's ``eos_token_id``.
+    """
+    ids: list[int] = [int(i) for i in config_eos]
+    if folder is not None:
+        ids.extend(_generation_config_eos(Path(folder) / "generation_config.json"))
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    return tuple(dict.fromkeys(ids))
+
+
+def _generation_config_eos(path: Path) -> list[int]:
+    if not path.is_file():
+        return []
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+        if eos is None:
+            return []
+        return [int(i) for i in eos] if isinstance(eos, list) else [int(eos)]
+    except (OSError, ValueError, TypeError, AttributeError) as exc:
+        # An optional file: a broken one costs only its extra EOS ids.
+        logger.warning("%s: ignored, unreadable: %s", path, exc)
+        return []

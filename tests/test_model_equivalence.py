@@ -1,0 +1,272 @@
+"""Our paged-KV model against transformers, on tiny random-weight checkpoints.
+
+Each test saves a tiny Llama, Mistral or Qwen2 with ``save_pretrained``,
+loads it into our model, and runs several sequences through a small
+continuous-batching loop: prompts split into chunks in different ways,
+sequences starting at different steps so decode tokens share batches with
+other sequences' prefill chunks, batch order shuffled, scattered block
+tables over a cache full of stale values. Every logit we produce must match
+transformers' full recompute of the same tokens within 1e-4.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import attrs
+import pytest
+import safetensors.torch
+import torch
+import transformers
+
+from trioserve.engine.config import ModelConfig
+from trioserve.engine.errors import ModelLoadError
+from trioserve.engine.forward_batch import ForwardBatch, SeqChunk
+from trioserve.engine.kv_cache import KVCache
+from trioserve.engine.model import LlamaForCausalLM
+
+NUM_DECODE_STEPS = 16
+PROMPT_LENS = (11, 19, 26, 33, 4)
+DELAYS = (0, 0, 2, 5, 9)  # forward steps before each sequence starts
+
+
+def _llama_config():
+    # Explicit head_dim != hidden / heads, tied embeddings, llama3 RoPE with
+    # a short original context so all three frequency bands occur, and
+    # attention_bias (q/k/v and o biases in Llama).
+    return transformers.LlamaConfig(
+        vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=128,
+        rms_norm_eps=1e-5, tie_word_embeddings=True, attention_bias=True,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+    )  # fmt: skip
+
+
+def _mistral_config():
+    return transformers.MistralConfig(
+        vocab_size=89, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, sliding_window=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+    )  # fmt: skip
+
+
+def _qwen2_config():
+    return transformers.Qwen2Config(
+        vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=128,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False,
+        rope_parameters={"rope_type": "linear", "rope_theta": 1000.0, "factor": 2.0},
+    )  # fmt: skip
+
+
+HF_MODELS = {
+    "llama": (_llama_config, transformers.LlamaForCausalLM),
+    "mistral": (_mistral_config, transformers.MistralForCausalLM),
+    "qwen2": (_qwen2_config, transformers.Qwen2ForCausalLM),
+}
+
+
+def _save_tiny(kind: str, path) -> transformers.PreTrainedModel:
+    """Build a random ``kind`` model, save it to ``path`` and return it."""
+    make_config, model_cls = HF_MODELS[kind]
+    torch.manual_seed(0)
+    config = make_config()
+    config._attn_implementation = "eager"
+    hf = model_cls(config).eval()
+    # transformers' init (std 0.02) gives near-uniform attention and tiny
+    # logits, which would hide position or masking bugs: use unit-variance
+    # activations and peaky attention instead.
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.5 * torch.randn_like(p))
+            elif "embed_tokens" in name:
+                p.copy_(torch.randn_like(p))
+            else:
+                gain = 2.0 if ("q_proj" in name or "k_proj" in name) else 1.0
+                p.copy_(gain * torch.randn_like(p) / math.sqrt(p.shape[1]))
+    hf.save_pretrained(path)
+    return hf
+
+
+def _load_ours(path, *, threads: int = 1) -> LlamaForCausalLM:
+    config = ModelConfig.from_hf_config(json.loads((path / "config.json").read_text()))
+    model = LlamaForCausalLM(config)
+    items = list(safetensors.torch.load_file(path / "model.safetensors").items())
+    with ThreadPoolExecutor(threads) as pool:
+        parts = pool.map(model.load_weights, [items[i::threads] for i in range(threads)])
+        loaded = set().union(*parts)
+    assert loaded >= model.required_weight_names()
+    return model
+
+
+@attrs.define
+class _Seq:
+    tokens: list[int]
+    prompt_len: int
+    chunk_lens: list[int]
+    delay: int
+    block_table: list[int]
+    computed: int = 0
+    logits: dict[int, torch.Tensor] = attrs.Factory(dict)
+
+    @property
+    def done(self) -> bool:
+        return len(self.tokens) == self.prompt_len + NUM_DECODE_STEPS + 1
+
+
+def _split(length: int, how: str, rng: random.Random) -> list[int]:
+    if how == "whole":
+        return [length]
+    if how == "ones":
+        return [1] * length
+    if how.startswith("fixed"):
+        size = int(how[len("fixed") :])
+        return [min(size, length - s) for s in range(0, length, size)]
+    cuts = sorted(rng.sample(range(1, length), min(3, length - 1)))
+    return [b - a for a, b in zip([0, *cuts], [*cuts, length])]
+
+
+def _run(model, *, vocab, block_size, splits, all_logits, seed) -> tuple[list[_Seq], int]:
+    """Drive every sequence to completion; return them and the number of
+    batches that mixed a decode token with a multi-token prefill chunk."""
+    rng = random.Random(seed)
+    config = model.config
+    blocks_per_seq = [-(-(n + NUM_DECODE_STEPS + 1) // block_size) for n in PROMPT_LENS]
+    num_blocks = sum(blocks_per_seq) + 3
+    free = list(range(num_blocks))
+    rng.shuffle(free)  # scattered, out-of-order block tables
+    kv = KVCache.allocate(config, num_blocks=num_blocks, block_size=block_size, dtype=torch.float32, device="cpu")
+    # Stale finite garbage: reading a slot not written this sequence shows up.
+    kv.key.normal_(0, 30)
+    kv.value.normal_(0, 30)
+    seqs = []
+    for n, how, delay, nb in zip(PROMPT_LENS, splits, DELAYS, blocks_per_seq):
+        prompt = [rng.randrange(vocab) for _ in range(n)]
+        table = [free.pop() for _ in range(nb)]
+        seqs.append(_Seq(prompt, n, _split(n, how, rng), delay, table))
+    mixed = 0
+    step = 0
+    while not all(s.done for s in seqs):
+        work = []
+        for s in seqs:
+            if s.done or step < s.delay:
+                continue
+            if s.chunk_lens:
+                n = s.chunk_lens.pop(0)
+                end = s.computed + n
+                num_logits = n if all_logits else int(end == s.prompt_len)
+            else:
+                n, num_logits = 1, 1
+            toks = s.tokens[s.computed : s.computed + n]
+            work.append((s, SeqChunk(toks, s.computed, s.block_table, num_logits)))
+        rng.shuffle(work)
+        batch = ForwardBatch.build([c for _, c in work], block_size=block_size, device="cpu")
+        with torch.inference_mode():
+            logits = model(batch, kv)
+        assert logits.dtype == torch.float32
+        assert logits.shape == (sum(c.num_logits for _, c in work), vocab)
+        decoding = any(s.computed >= s.prompt_len for s, _ in work)
+        mixed += decoding and any(len(c.token_ids) > 1 for _, c in work)
+        rows = iter(logits)
+        for s, c in work:
+            end = c.start_position + len(c.token_ids)
+            for pos in range(end - c.num_logits, end):
+                s.logits[pos] = next(rows)
+            s.computed = end
+            if end == len(s.tokens):  # every known token is in: sample greedily
+                s.tokens.append(int(s.logits[end - 1].argmax()))
+        step += 1
+    return seqs, mixed
+
+
+def _check_against_hf(hf, seqs: list[_Seq]) -> None:
+    for s in seqs:
+        with torch.no_grad():
+            ref = hf(input_ids=torch.tensor([s.tokens[:-1]])).logits[0]
+        assert ref.abs().max() > 1.0  # the logits carry signal, not noise around 0
+        for pos, ours in s.logits.items():
+            diff = (ours - ref[pos]).abs().max().item()
+            assert diff < 1e-4, f"position {pos} of a {s.prompt_len}-token prompt: max |diff| {diff:.2e}"
+
+
+SCHEMES = {
+    # (block_size, how each of the five prompts is split, logits for every prompt token?)
+    "all-logits": (5, ("whole", "fixed4", "random", "ones", "fixed3"), True),
+    "last-logit": (7, ("random", "whole", "fixed6", "random", "whole"), False),
+}
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("kind", HF_MODELS)
+def test_matches_transformers(kind, scheme, tmp_path):
+    block_size, splits, all_logits = SCHEMES[scheme]
+    assert all(n % block_size for n in PROMPT_LENS)
+    hf = _save_tiny(kind, tmp_path)
+    model = _load_ours(tmp_path, threads=3)
+    seqs, mixed = _run(
+        model, vocab=hf.config.vocab_size, block_size=block_size, splits=splits, all_logits=all_logits, seed=7
+    )
+    assert mixed >= 3
+    for s in seqs:
+        assert len(s.logits) == (s.prompt_len if all_logits else 1) + NUM_DECODE_STEPS
+    _check_against_hf(hf, seqs)
+
+
+def test_tied_model_accepts_redundant_lm_head_and_skips_rotary_buffers(tmp_path):
+    _save_tiny("llama", tmp_path)
+    model = _load_ours(tmp_path)
+    assert "lm_head.weight" not in model.required_weight_names()
+    embed = model.embed_tokens.clone()
+    extra = [
+        ("lm_head.weight", torch.zeros_like(embed)),
+        ("model.layers.0.self_attn.rotary_emb.inv_freq", torch.zeros(16)),
+    ]
+    assert model.load_weights(extra) == {"lm_head.weight"}
+    assert torch.equal(model.embed_tokens, embed)
+
+
+def test_load_weights_rejects_unknown_name(tmp_path):
+    _save_tiny("qwen2", tmp_path)
+    model = _load_ours(tmp_path)
+    for name in ("model.layers.0.self_attn.q_norm.weight", "model.layers.3.mlp.up_proj.weight"):
+        with pytest.raises(ModelLoadError, match=f"unknown weight '{name}'"):
+            model.load_weights([(name, torch.zeros(48))])
+
+
+def test_load_weights_rejects_wrong_shape(tmp_path):
+    _save_tiny("mistral", tmp_path)
+    model = _load_ours(tmp_path)
+    name = "model.layers.1.self_attn.k_proj.weight"
+    with pytest.raises(ModelLoadError, match=r"'model\.layers\.1\.self_attn\.k_proj\.weight'.*\(16, 64\).*\(16, 48\)"):
+        model.load_weights([(name, torch.zeros(16, 48))])
+
+
+def test_forward_batch_build():
+    chunks = [
+        SeqChunk(token_ids=[5, 6, 7], start_position=5, block_table=[7, 2, 9], num_logits=3),
+        SeqChunk(token_ids=[8], start_position=0, block_table=[3], num_logits=1),
+        SeqChunk(token_ids=[1, 2], start_position=3, block_table=[4, 6], num_logits=0),
+    ]
+    b = ForwardBatch.build(chunks, block_size=4, device="cpu")
+    assert b.input_ids.tolist() == [5, 6, 7, 8, 1, 2]
+    assert b.positions.tolist() == [5, 6, 7, 0, 3, 4]
+    # position p of a sequence lives in slot table[p // 4] * 4 + p % 4
+    assert b.slot_mapping.tolist() == [9, 10, 11, 12, 19, 24]
+    assert b.cu_query_lens.tolist() == [0, 3, 4, 6]
+    assert b.context_lens.tolist() == [8, 1, 5]
+    # tables are cut to the blocks the context needs, then padded with 0
+    assert b.block_tables.tolist() == [[7, 2], [3, 0], [4, 6]]
+    assert b.logits_indices.tolist() == [0, 1, 2, 3]
+    assert (b.query_lens_cpu, b.context_lens_cpu) == ((3, 1, 2), (8, 1, 5))
+    with pytest.raises(ValueError, match="block_table has 1 blocks, context of 8 tokens needs 2"):
+        ForwardBatch.build([attrs.evolve(chunks[0], block_table=[7])], block_size=4, device="cpu")
+    with pytest.raises(ValueError, match="num_logits"):
+        ForwardBatch.build([attrs.evolve(chunks[1], num_logits=2)], block_size=4, device="cpu")

@@ -1,0 +1,108 @@
+"""SamplingParams rejects bad values with an error that names the field."""
+
+import math
+
+import pytest
+
+from trioserve.engine.errors import InvalidRequestError
+from trioserve.engine.sampling_params import SamplingParams
+
+BAD_VALUES = [
+    ("n", 0),
+    ("n", -3),
+    ("temperature", -0.1),
+    ("temperature", math.nan),
+    ("temperature", math.inf),
+    ("top_p", 0.0),
+    ("top_p", 1.5),
+    ("top_p", -0.2),
+    ("top_k", -2),
+    ("min_p", -0.01),
+    ("min_p", 1.01),
+    ("presence_penalty", 2.5),
+    ("presence_penalty", -2.01),
+    ("frequency_penalty", 3.0),
+    ("repetition_penalty", 0.0),
+    ("repetition_penalty", -1.0),
+    ("repetition_penalty", math.inf),
+    ("max_tokens", 0),
+    ("max_tokens", -5),
+    ("min_tokens", -1),
+    ("logprobs", 21),
+    ("logprobs", -1),
+    ("logit_bias", {5: 100.5}),
+    ("logit_bias", {5: -101}),
+    ("logit_bias", {"not-a-token": 1.0}),
+    ("stop", ["ok", ""]),
+    ("stop_token_ids", ["x"]),
+    ("seed", 1.5),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), BAD_VALUES)
+def test_bad_value_names_its_field(field, value):
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(**{field: value})
+    assert info.value.field == field
+    assert field in str(info.value)
+
+
+def test_min_tokens_above_max_tokens_names_min_tokens():
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(min_tokens=10, max_tokens=5)
+    assert info.value.field == "min_tokens"
+    assert "max_tokens" in str(info.value)
+
+
+def test_invalid_request_error_is_a_value_error():
+    with pytest.raises(ValueError):
+        SamplingParams(temperature=-1.0)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"temperature": 0.0},
+        {"top_p": 1.0, "top_k": -1, "min_p": 1.0},
+        {"presence_penalty": -2.0, "frequency_penalty": 2.0, "repetition_penalty": 1.3},
+        {"max_tokens": None, "min_tokens": 100},
+        {"max_tokens": 1, "min_tokens": 1},
+        {"logprobs": 0},
+        {"logprobs": 20},
+        {"logit_bias": {"7": -100, 3: 100}},
+        {"seed": -(2**63)},
+    ],
+)
+def test_good_values_are_accepted(kwargs):
+    SamplingParams(**kwargs)
+
+
+def test_conversions():
+    params = SamplingParams(stop="END", logit_bias={"7": -100, 3: 2}, stop_token_ids=[4, 9])
+    assert params.stop == ("END",)
+    assert params.logit_bias == ((3, 2.0), (7, -100.0))
+    assert params.stop_token_ids == (4, 9)
+    assert SamplingParams(temperature=0.0).greedy
+    assert not SamplingParams(temperature=0.7).greedy
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"logit_bias": {100: 1.0}}, "logit_bias"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"stop_token_ids": [3, 100]}, "stop_token_ids"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+    ],
+)
+def test_validate_for_vocab_rejects_unknown_token_ids(kwargs, field):
+    params = SamplingParams(**kwargs)
+    with pytest.raises(InvalidRequestError) as info:
+        params.validate_for_vocab(100)
+    assert info.value.field == field
+    assert "100" in str(info.value)
+
+
+def test_validate_for_vocab_accepts_known_token_ids():
+    SamplingParams(logit_bias={0: 1.0, 99: -1.0}, stop_token_ids=[0, 99]).validate_for_vocab(100)

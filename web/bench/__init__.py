@@ -1,0 +1,42 @@
+"""``trioserve bench serve``: a benchmark client for OpenAI-compatible servers.
+
+It streams ``/v1/completions`` (or ``/v1/chat/completions``) requests from a
+random, prefix-sharing or file dataset, under a concurrency limit and a
+Poisson arrival rate, and reports throughput, TTFT, TPOT, ITL, E2E latency,
+goodput and prefix-cache reuse with vLLM's ``benchmark_serving`` definitions.
+"""
+
+from .cli import add_bench_serve_parser, bench_serve, run_bench_serve
+from .client import RequestOutput, RunResult, ServerError, Target, arrival_offsets, run_benchmark, send_request
+from .datasets import DatasetError, SampleRequest, file_dataset, load_tokenizer, prefix_dataset, random_dataset
+from .metrics import SLO, BenchmarkMetrics, Distribution, calculate_metrics
+from .plot import PlotUnavailableError, write_plots
+from .report import ProgressBar, format_table, result_json
+
+__all__ = [
+    "SLO",
+    "BenchmarkMetrics",
+    "DatasetError",
+    "Distribution",
+    "PlotUnavailableError",
+    "ProgressBar",
+    "RequestOutput",
+    "RunResult",
+    "SampleRequest",
+    "ServerError",
+    "Target",
+    "add_bench_serve_parser",
+    "arrival_offsets",
+    "bench_serve",
+    "calculate_metrics",
+    "file_dataset",
+    "format_table",
+    "load_tokenizer",
+    "prefix_dataset",
+    "random_dataset",
+    "result_json",
+    "run_bench_serve",
+    "run_benchmark",
+    "send_request",
+    "write_plots",
+]

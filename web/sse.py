@@ -1,0 +1,426 @@
+"""Response bodies and SSE chunks in OpenAI's exact shapes.
+
+The engine streams ``RequestOutput`` deltas, the ``n`` completions of a
+request interleaved by ``index``. ``CompletionStream`` and
+``ChatCompletionStream`` turn each delta into ``text_completion`` or
+``chat.completion.chunk`` chunks; ``OutputAccumulator`` gathers the deltas
+into the non-streaming ``text_completion`` or ``chat.completion`` body.
+``sse_event`` and ``SSE_DONE`` frame them as server-sent events.
+
+Finish reasons are the engine's, except that a request ended by its
+deadline reports ``"timeout"`` (see ``FINISH_REASONS``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+import uuid
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from trioserve.engine.sequence import FinishReason
+
+from .errors import ApiError
+
+if TYPE_CHECKING:
+    from trioserve.engine.outputs import RequestOutput
+    from trioserve.engine.sampler import TokenLogprobs
+
+# OpenAI's finish reasons are stop/length; the others are ours, named so a
+# client can tell them apart: "timeout" is a deadline that expired (the
+# request's ``timeout`` or X-Request-Timeout, or --max-request-time),
+# "abort" a request cancelled on the server, "error" a failed model step.
+FINISH_REASONS = {
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.ABORT: "abort",
+    FinishReason.DEADLINE: "timeout",
+    FinishReason.ERROR: "error",
+}
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+# JSON has no -Infinity; OpenAI reports impossible tokens as -9999.0.
+MIN_LOGPROB = -9999.0
+
+
+def finish_reason(reason: FinishReason | None) -> str | None:
+    return None if reason is None else FINISH_REASONS[reason]
+
+
+def sse_event(data: dict[str, Any]) -> bytes:
+    """One server-sent event, ``data: {json}\\n\\n``; the JSON holds no newline."""
+    return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+def sse_events(chunks: Iterable[dict[str, Any]]) -> bytes:
+    return b"".join(sse_event(chunk) for chunk in chunks)
+
+
+def sse_error(error: ApiError) -> bytes:
+    """An error inside an already started stream (the status is already 200)."""
+    return sse_event(error.to_json())
+
+
+def completion_id() -> str:
+    return f"cmpl-{uuid.uuid4().hex}"
+
+
+def chat_completion_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+def _logprob(value: float) -> float:
+    return float(value) if math.isfinite(value) and value > MIN_LOGPROB else MIN_LOGPROB
+
+
+# -- token strings ---------------------------------------------------------
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2 byte-level BPE: the printable character standing for each byte."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table = {chr(b): b for b in printable}
+    others = (b for b in range(256) if b not in table.values())
+    table.update({chr(0x100 + i): b for i, b in enumerate(others)})
+    return table
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _piece_bytes(piece: str) -> bytes | None:
+    """The raw bytes a vocabulary piece stands for, when it encodes bytes."""
+    if match := _BYTE_FALLBACK.fullmatch(piece):  # SentencePiece byte fallback
+        return bytes([int(match.group(1), 16)])
+    if piece and all(ch in _BYTE_LEVEL for ch in piece):
+        return bytes(_BYTE_LEVEL[ch] for ch in piece)
+    return None
+
+
+def _is_utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+@attrs.define
+class TokenTexts:
+    """The text and UTF-8 bytes of single tokens, for logprobs.
+
+    ``tokenizer`` needs ``decode(ids, skip_special_tokens=...)``, and
+    ``convert_ids_to_tokens`` (transformers) or ``id_to_token`` (tokenizers)
+    to recover the bytes of a token that is part of a UTF-8 character; such a
+    token is shown as ``"bytes:\\xe2\\x80"`` as OpenAI does, since its text
+    alone would be a replacement character.
+    """
+
+    tokenizer: Any
+    _cache: dict[int, tuple[str, list[int]]] = attrs.field(factory=dict, init=False)
+
+    def text(self, token_id: int) -> str:
+        return self._lookup(token_id)[0]
+
+    def bytes(self, token_id: int) -> list[int]:
+        return self._lookup(token_id)[1]
+
+    def _piece(self, token_id: int) -> str | None:
+        if hasattr(self.tokenizer, "convert_ids_to_tokens"):
+            return self.tokenizer.convert_ids_to_tokens(token_id)
+        if hasattr(self.tokenizer, "id_to_token"):
+            return self.tokenizer.id_to_token(token_id)
+        return None
+
+    def _lookup(self, token_id: int) -> tuple[str, list[int]]:
+        found = self._cache.get(token_id)
+        if found is not None:
+            return found
+        text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        piece = self._piece(token_id)
+        # SentencePiece decoders strip the leading space of a lone token;
+        # its piece still shows it as "▁".
+        if piece and piece.startswith("\u2581") and not text.startswith(" "):
+            text = " " + text
+        raw = text.encode("utf-8")
+        piece_raw = _piece_bytes(piece) if "\ufffd" in text and piece else None
+        if piece_raw is not None and not _is_utf8(piece_raw):
+            raw = piece_raw
+            text = "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        found = self._cache[token_id] = (text, list(raw))
+        return found
+
+
+def _completion_logprobs(entries: Iterable[TokenLogprobs], texts: TokenTexts, offset: int) -> tuple[dict[str, Any], int]:
+    """The legacy ``logprobs`` object; ``offset`` is where the first token's text starts."""
+    tokens, token_logprobs, top_logprobs, text_offset = [], [], [], []
+    for entry in entries:
+        text = texts.text(entry.token_id)
+        tokens.append(text)
+        token_logprobs.append(_logprob(entry.logprob))
+        # OpenAI always includes the sampled token among the top ones.
+        top = {texts.text(tid): _logprob(lp) for tid, lp in entry.top}
+        top.setdefault(text, _logprob(entry.logprob))
+        top_logprobs.append(top)
+        text_offset.append(offset)
+        offset += len(text)
+    body = {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": text_offset}
+    return body, offset
+
+
+def _chat_logprobs(entries: Iterable[TokenLogprobs], texts: TokenTexts) -> list[dict[str, Any]]:
+    def one(token_id: int, logprob: float) -> dict[str, Any]:
+        return {"token": texts.text(token_id), "logprob": _logprob(logprob), "bytes": texts.bytes(token_id)}
+
+    return [{**one(e.token_id, e.logprob), "top_logprobs": [one(tid, lp) for tid, lp in e.top]} for e in entries]
+
+
+# -- per-choice state ------------------------------------------------------
+
+
+@attrs.define
+class _Choice:
+    text: list[str] = attrs.field(factory=list)
+    logprobs: list[Any] = attrs.field(factory=list)
+    text_offset: int = 0
+    started: bool = False
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+
+
+@attrs.define
+class _Choices:
+    """What a request's completions have produced so far, by index."""
+
+    by_index: dict[int, _Choice] = attrs.field(factory=dict)
+    num_prompt_tokens: int = 0
+
+    def update(self, output: RequestOutput) -> _Choice:
+        choice = self.by_index.setdefault(output.index, _Choice())
+        self.num_prompt_tokens = output.num_prompt_tokens
+        choice.num_output_tokens = output.num_output_tokens
+        choice.num_cached_tokens = output.num_cached_tokens
+        if output.finish_reason is not None:
+            choice.finish_reason = output.finish_reason
+            choice.stop_reason = output.stop_reason
+        return choice
+
+    def usage(self) -> dict[str, Any]:
+        """Usage: the shared prompt counts once; each completion's tokens count."""
+        completion = sum(c.num_output_tokens for c in self.by_index.values())
+        first = self.by_index[min(self.by_index)] if self.by_index else None
+        cached = first.num_cached_tokens if first is not None else 0
+        return {
+            "prompt_tokens": self.num_prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.num_prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+
+# -- streams -------------------------------------------------------------
+
+
+@attrs.define
+class CompletionStream:
+    """Chunks of a streamed ``POST /v1/completions`` response.
+
+    Pass ``texts`` when the request asked for logprobs. Call ``chunks`` per
+    engine delta and ``final_chunks`` once all completions finished, then
+    send ``SSE_DONE``.
+    """
+
+    model: str
+    texts: TokenTexts | None = None
+    include_usage: bool = False
+    id: str = attrs.field(factory=completion_id)
+    created: int = attrs.field(factory=_now)
+    _choices: _Choices = attrs.field(factory=_Choices, init=False)
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        chunk = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model, "choices": choices}
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def chunks(self, output: RequestOutput) -> list[dict[str, Any]]:
+        choice = self._choices.update(output)
+        logprobs = None
+        if self.texts is not None:
+            logprobs, choice.text_offset = _completion_logprobs(output.logprobs, self.texts, choice.text_offset)
+        if not output.text_delta and not output.logprobs and output.finish_reason is None:
+            return []  # the detokenizer is holding text back; nothing to say yet
+        return [
+            self._chunk(
+                [
+                    {
+                        "index": output.index,
+                        "text": output.text_delta,
+                        "logprobs": logprobs,
+                        "finish_reason": finish_reason(output.finish_reason),
+                        "stop_reason": output.stop_reason,
+                    }
+                ]
+            )
+        ]
+
+    def final_chunks(self) -> list[dict[str, Any]]:
+        """The usage chunk (empty ``choices``) when ``stream_options.include_usage`` asked for it."""
+        if not self.include_usage:
+            return []
+        return [{**self._chunk([]), "usage": self._choices.usage()}]
+
+
+@attrs.define
+class ChatCompletionStream:
+    """Chunks of a streamed ``POST /v1/chat/completions`` response.
+
+    Each completion's first chunk carries ``delta.role``; later ones carry
+    ``delta.content`` and, with logprobs, ``logprobs.content``.
+    """
+
+    model: str
+    texts: TokenTexts | None = None
+    include_usage: bool = False
+    id: str = attrs.field(factory=chat_completion_id)
+    created: int = attrs.field(factory=_now)
+    _choices: _Choices = attrs.field(factory=_Choices, init=False)
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model}
+        chunk["choices"] = choices
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    @staticmethod
+    def _choice(index: int, delta: dict[str, Any], logprobs: Any = None, output: RequestOutput | None = None) -> dict[str, Any]:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
+        if output is not None and output.finish_reason is not None:
+            choice["finish_reason"] = finish_reason(output.finish_reason)
+            choice["stop_reason"] = output.stop_reason
+        return choice
+
+    def chunks(self, output: RequestOutput) -> list[dict[str, Any]]:
+        choice = self._choices.update(output)
+        chunks = []
+        if not choice.started:
+            choice.started = True
+            chunks.append(self._chunk([self._choice(output.index, {"role": "assistant", "content": ""})]))
+        logprobs = None
+        if self.texts is not None and output.logprobs:
+            logprobs = {"content": _chat_logprobs(output.logprobs, self.texts), "refusal": None}
+        if output.text_delta or logprobs is not None or output.finish_reason is not None:
+            delta = {"content": output.text_delta} if output.text_delta or logprobs is not None else {}
+            chunks.append(self._chunk([self._choice(output.index, delta, logprobs, output)]))
+        return chunks
+
+    def final_chunks(self) -> list[dict[str, Any]]:
+        """The usage chunk (empty ``choices``) when ``stream_options.include_usage`` asked for it."""
+        if not self.include_usage:
+            return []
+        return [{**self._chunk([]), "usage": self._choices.usage()}]
+
+
+# -- whole bodies ----------------------------------------------------------
+
+
+@attrs.define
+class OutputAccumulator:
+    """Gathers a request's deltas into one non-streaming body.
+
+    ``n`` is the number of completions to wait for; pass ``texts`` when the
+    request asked for logprobs.
+    """
+
+    n: int = 1
+    texts: TokenTexts | None = None
+    _choices: _Choices = attrs.field(factory=_Choices, init=False)
+
+    def add(self, output: RequestOutput) -> None:
+        choice = self._choices.update(output)
+        choice.text.append(output.text_delta)
+        choice.logprobs.extend(output.logprobs)
+
+    @property
+    def finished(self) -> bool:
+        done = [c for c in self._choices.by_index.values() if c.finish_reason is not None]
+        return len(done) >= self.n
+
+    @property
+    def timed_out(self) -> bool:
+        """Whether any completion ended by its deadline (the app answers 504)."""
+        return any(c.finish_reason is FinishReason.DEADLINE for c in self._choices.by_index.values())
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(c.num_output_tokens for c in self._choices.by_index.values())
+
+    def usage(self) -> dict[str, Any]:
+        return self._choices.usage()
+
+    def _sorted(self) -> list[tuple[int, _Choice]]:
+        return sorted(self._choices.by_index.items())
+
+    def completion_body(self, model: str, *, id: str | None = None, created: int | None = None) -> dict[str, Any]:
+        """A ``text_completion`` body."""
+        choices = []
+        for index, choice in self._sorted():
+            logprobs = None
+            if self.texts is not None:
+                logprobs, _ = _completion_logprobs(choice.logprobs, self.texts, 0)
+            choices.append(
+                {
+                    "index": index,
+                    "text": "".join(choice.text),
+                    "logprobs": logprobs,
+                    "finish_reason": finish_reason(choice.finish_reason),
+                    "stop_reason": choice.stop_reason,
+                }
+            )
+        return {
+            "id": id or completion_id(),
+            "object": "text_completion",
+            "created": created if created is not None else _now(),
+            "model": model,
+            "choices": choices,
+            "usage": self.usage(),
+        }
+
+    def chat_completion_body(self, model: str, *, id: str | None = None, created: int | None = None) -> dict[str, Any]:
+        """A ``chat.completion`` body."""
+        choices = []
+        for index, choice in self._sorted():
+            logprobs = None
+            if self.texts is not None:
+                logprobs = {"content": _chat_logprobs(choice.logprobs, self.texts), "refusal": None}
+            choices.append(
+                {
+                    "index": index,
+                    "message": {"role": "assistant", "content": "".join(choice.text)},
+                    "logprobs": logprobs,
+                    "finish_reason": finish_reason(choice.finish_reason),
+                    "stop_reason": choice.stop_reason,
+                }
+            )
+        return {
+            "id": id or chat_completion_id(),
+            "object": "chat.completion",
+            "created": created if created is not None else _now(),
+            "model": model,
+            "choices": choices,
+            "usage": self.usage(),
+        }
