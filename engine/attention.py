@@ -7,8 +7,10 @@ token over its sequence's cache. Everything that depends only on the batch
 once per forward in ``AttentionMetadata``, not once per layer. A faster
 kernel can replace these two functions and keep the metadata.
 
-Queries of one KV head's group are stacked along the query axis (GQA by
-grouping), so keys and values are never repeated per query head.
+Keys and values are never repeated per query head (GQA): decode stacks a
+KV head's group of query heads along the query axis, prefill broadcasts each
+KV head over its group with a stride-0 view. Both run on torch's
+``scaled_dot_product_attention``, on CPU and CUDA alike.
 """
 
 from __future__ import annotations
@@ -119,7 +121,11 @@ class AttentionMetadata:
 
 
 def write_kv(
-    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
 ) -> None:
     """Store ``key``/``value`` (``[T, kv_heads, head_dim]``) at ``slot_mapping``
     in one layer's ``[num_blocks, block_size, kv_heads, head_dim]`` pools."""
@@ -188,7 +194,5 @@ def _decode(
     k = k.view(num_decodes, span, kv_heads, head_dim)
     v = v.view(num_decodes, span, kv_heads, head_dim)
     q = query.view(num_decodes, kv_heads, heads // kv_heads, head_dim)
-    o = F.scaled_dot_product_attention(
-        q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=meta.decode_mask, scale=scale
-    )
+    o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=meta.decode_mask, scale=scale)
     return o.view(num_decodes, heads, head_dim)

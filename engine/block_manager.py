@@ -252,7 +252,9 @@ class BlockManager:
         for rid in sorted(set(mine) | set(holders)):
             theirs = list(holders.get(rid, ()))
             if mine.get(rid, []) != theirs:
-                raise AssertionError(f"request {rid!r}: the pool holds blocks {mine.get(rid, [])}, the caller says {theirs}")
+                raise AssertionError(
+                    f"request {rid!r}: the pool holds blocks {mine.get(rid, [])}, the caller says {theirs}"
+                )
         counts = collections.Counter(b for table in mine.values() for b in table)
         for rid, table in mine.items():
             if len(set(table)) != len(table):

@@ -28,7 +28,7 @@ from .outputs import RequestOutput, RequestTimes
 from .sampler import Sampler, SamplingState
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
-from .sequence import FinishReason, Request
+from .sequence import FinishReason, Request, RequestStatus
 from .tokenizer import apply_chat_template
 
 log = logging.getLogger(__name__)
@@ -88,6 +88,8 @@ class EngineCore:
         self.model_config = loaded.model_config
         self.tokenizer = loaded.tokenizer
         self.max_model_len = config.resolved_max_model_len(loaded.model_config)
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)  # process-wide: the step is the only heavy user
         num_blocks = kv_cache_num_blocks(config, loaded)
         self.kv_cache = KVCache.allocate(
             loaded.model_config,
@@ -114,6 +116,8 @@ class EngineCore:
         )
         self._completions: dict[str, _Completion] = {}  # by child request id
         self._children: dict[str, tuple[str, ...]] = {}  # request id -> its completions' ids
+        self._ended: list[Request] = []  # ended between steps, final output not yet reported
+        self._held_siblings: dict[str, list[Request]] = {}  # n > 1: completions waiting for the first's prefill
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> EngineCore:
@@ -162,7 +166,7 @@ class EngineCore:
         params.validate_for_vocab(self.model_config.vocab_size)
         prompt_ids = self.tokenize(prompt)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        eos = self.loaded.eos_token_ids
+        eos = self.model_config.eos_token_ids
         children = []
         for index in range(params.n):
             child_params = params
@@ -181,10 +185,13 @@ class EngineCore:
                 arrival_time=arrival,
             )
             children.append(request)
-        # The completions share one prompt, so the first is refused (too long,
-        # never fits) before anything is admitted, or none is.
-        for request in children:
-            self.scheduler.add_request(request)
+        # Only the first completion is scheduled now (it is refused, too long
+        # or never fitting, before anything is kept). Its siblings wait until
+        # it has computed the prompt, so they find every full prompt block in
+        # the prefix cache and share it instead of computing it again.
+        self.scheduler.add_request(children[0])
+        if len(children) > 1:
+            self._held_siblings[request_id] = children[1:]
         for index, request in enumerate(children):
             params_i = request.sampling_params
             self._completions[request.request_id] = _Completion(
@@ -205,15 +212,45 @@ class EngineCore:
         self._children[request_id] = tuple(r.request_id for r in children)
         return list(prompt_ids)
 
-    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
-        """End a request (all its completions) now; its KV blocks are freed before the next step runs."""
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT, *, release: bool = True) -> bool:
+        """End a request (all its completions) now; its KV blocks are freed before the next step runs.
+
+        ``release=False`` leaves the frees to the next plan's batch (the
+        actors send every batch through the allocator actor, which owns the
+        pool)."""
         children = self._children.get(request_id)
         if children is None:
             return False
         found = False
         for child_id in children:
             found |= self.scheduler.finish_request(child_id, reason) is not None
+        for held in self._held_siblings.pop(request_id, ()):
+            # Never scheduled, so they hold no blocks: end them directly.
+            held.status, held.finish_reason = RequestStatus.FINISHED, reason
+            self._ended.append(held)
+            found = True
+        if found and release:
+            # Give the blocks back now rather than with the next plan; the
+            # final outputs still go out with the next step.
+            self._ended.extend(self.scheduler.free_finished(self.block_manager))
         return found
+
+    def pause(self, request_id: str) -> bool:
+        """Preempt a request's completions by recompute and keep them out of
+        scheduling until ``resume`` (its reader is behind). Their output is
+        kept; their blocks go back with the next batch."""
+        children = self._children.get(request_id, ())
+        return any([self.scheduler.pause(child_id) for child_id in children])
+
+    def resume(self, request_id: str) -> bool:
+        """Let a paused request's completions be scheduled again."""
+        children = self._children.get(request_id, ())
+        return any([self.scheduler.resume(child_id) for child_id in children])
+
+    def parent_of(self, child_id: str) -> str | None:
+        """The request id a completion's sequence id belongs to."""
+        completion = self._completions.get(child_id)
+        return None if completion is None else completion.parent_id
 
     def has_unfinished(self) -> bool:
         return bool(self._children)
@@ -233,15 +270,20 @@ class EngineCore:
         return self.scheduler.schedule(self.block_manager)
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
-        states = {c.request.request_id: self._completions[c.request.request_id].sampling for c in plan.chunks if c.samples}
-        return self.runner.execute(plan, states)
+        return self.runner.execute(plan, self.sampling_states(plan))
+
+    def sampling_states(self, plan: SchedulerOutput) -> dict[str, SamplingState]:
+        """The sampling state of each chunk that samples. Built on the event
+        loop by the actors, so the step's thread never reads engine dicts."""
+        return {c.request.request_id: self._completions[c.request.request_id].sampling for c in plan.chunks if c.samples}
 
     def process_output(self, plan: SchedulerOutput, output: RunnerOutput) -> list[RequestOutput]:
         """Apply a step's result: append tokens, detokenize, apply stops, report."""
         now = time.monotonic()
         outputs: list[RequestOutput] = []
         # Requests that ended between steps (abort, deadline) report first.
-        for request in plan.finished:
+        ended, self._ended = [*self._ended, *plan.finished], []
+        for request in ended:
             completion = self._completions.get(request.request_id)
             if completion is not None:
                 outputs.append(self._final_output(completion, (), "", (), now))
@@ -250,6 +292,8 @@ class EngineCore:
             if completion is not None and completion.first_scheduled is None:
                 completion.first_scheduled = now
         finished = {r.request_id for r in self.scheduler.update_from_output(plan, output.sampled)}
+        if self._held_siblings:
+            self._admit_siblings(output.sampled.keys() | finished)
         for request_id, token_id in output.sampled.items():
             completion = self._completions.get(request_id)
             if completion is None:
@@ -265,7 +309,20 @@ class EngineCore:
                 outputs.append(self._final_output(completion, (token_id,), delta.text, logprobs, now, delta.stop_str))
             else:
                 outputs.append(self._output(completion, (token_id,), delta.text, logprobs, None, None, now))
+        if finished:
+            # Return finished requests' blocks now, so an idle engine holds none.
+            self._ended.extend(r for r in self.scheduler.free_finished(self.block_manager) if r.request_id in self._completions)
         return outputs
+
+    def _admit_siblings(self, progressed: set[str]) -> None:
+        """Schedule the held completions of requests whose first completion
+        has computed its prompt (it sampled or finished)."""
+        for child_id in progressed:
+            completion = self._completions.get(child_id)
+            if completion is None or completion.index != 0:
+                continue
+            for sibling in self._held_siblings.pop(completion.parent_id, ()):
+                self.scheduler.add_request(sibling)
 
     def _final_output(self, completion, token_ids, text, logprobs, now, stop_str=None) -> RequestOutput:
         request = completion.request

@@ -11,6 +11,7 @@ into place at the end: an interrupted one never leaves a half cache.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -22,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .config import ModelConfig
 from .errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -40,8 +42,9 @@ class Progress:
     call from several threads (tqdm locks; ``logging`` is thread-safe).
     """
 
-    def __init__(self, desc: str, total: int, *, unit: str = "step") -> None:
+    def __init__(self, desc: str, total: int, *, unit: str = "step", log: logging.Logger = logger) -> None:
         self.desc = desc
+        self._log = log
         self.total = total
         self._start = time.perf_counter()
         self._bar = None
@@ -50,24 +53,24 @@ class Progress:
 
             self._bar = tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "B", leave=False)
         elif unit == "B":
-            logger.info("%s: %.1f MB", desc, total / 1e6)
+            log.info("%s: %.1f MB", desc, total / 1e6)
         else:
-            logger.info("%s: %d %ss", desc, total, unit)
+            log.info("%s: %d %ss", desc, total, unit)
 
     def advance(self, n: int = 1, note: str | None = None) -> None:
         if self._bar is not None:
             if note:
-                self._bar.set_postfix_str(note, refresh=False)
+                self._bar.set_postfix_str(note)
             self._bar.update(n)
         elif note:
-            logger.info("%s: %s", self.desc, note)
+            self._log.info("%s: %s", self.desc, note)
 
     def close(self) -> float:
         """Finish; return the seconds elapsed."""
         elapsed = time.perf_counter() - self._start
         if self._bar is not None:
             self._bar.close()
-        logger.info("%s: done in %.1f s", self.desc, elapsed)
+        self._log.info("%s: done in %.1f s", self.desc, elapsed)
         return elapsed
 
 
@@ -94,8 +97,8 @@ def cache_key(gguf_path: Path) -> str:
 
 def cached_checkpoint_dir(gguf_path: Path, cache_dir: Path | None = None) -> Path:
     """Where the converted checkpoint of ``gguf_path`` lives (it may not exist yet)."""
-    gguf_path = Path(gguf_path)
-    return cache_root(cache_dir) / f"{gguf_path.stem}-{cache_key(gguf_path)}"
+    resolved = Path(gguf_path).resolve()  # a link to a converted file finds its entry
+    return cache_root(cache_dir) / f"{resolved.stem}-{cache_key(resolved)}"
 
 
 def ensure_converted(gguf_path: Path, cache_dir: Path | None = None) -> Path:
@@ -117,6 +120,7 @@ def ensure_converted(gguf_path: Path, cache_dir: Path | None = None) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}-", suffix=f"-{target.name}", dir=target.parent))
     try:
         convert_gguf(gguf_path, tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it private; the files inside follow the umask
         try:
             os.rename(tmp, target)
         except OSError:
@@ -133,8 +137,6 @@ def ensure_converted(gguf_path: Path, cache_dir: Path | None = None) -> Path:
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Dequantize ``gguf_path`` into ``out_dir`` (an existing, empty folder)
     as ``config.json``, ``model.safetensors`` and tokenizer files."""
-    from .config import ModelConfig
-
     progress = Progress(f"converting {gguf_path.name}", total=4)
     try:
         model = _read_gguf_model(gguf_path)
@@ -158,19 +160,28 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
 def _read_gguf_model(gguf_path: Path) -> Any:
     from transformers import AutoModelForCausalLM
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
     from transformers.utils import logging as hf_logging
 
-    # transformers draws its own tqdm bars; keep them off a log file.
+    # transformers draws tqdm bars (its own, and a plain one while
+    # dequantizing); off a terminal they would fill a log with \r lines.
+    quiet = not sys.stderr.isatty()
     bars_were_on = hf_logging.is_progress_bar_enabled()
-    if not sys.stderr.isatty():
+    plain_tqdm = getattr(hf_gguf, "tqdm", None)
+    if quiet:
         hf_logging.disable_progress_bar()
+        if plain_tqdm is not None:
+            hf_gguf.tqdm = functools.partial(plain_tqdm, disable=True)
     try:
         return AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except Exception as exc:  # transformers and gguf raise anything from ValueError to KeyError
         raise ModelLoadError(f"{gguf_path}: not a readable GGUF model: {type(exc).__name__}: {exc}") from None
     finally:
-        if bars_were_on:
-            hf_logging.enable_progress_bar()
+        if quiet:
+            if bars_were_on:
+                hf_logging.enable_progress_bar()
+            if plain_tqdm is not None:
+                hf_gguf.tqdm = plain_tqdm
 
 
 def _write_weights(model: Any, path: Path, *, tied: bool) -> None:

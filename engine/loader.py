@@ -152,6 +152,11 @@ def load_model(
                 f"or {DEFAULT_MODEL_NAME!r})"
             )
         name = source.stem if source.is_file() else source.resolve().name
+    if source.is_dir() and not (source / "config.json").exists():
+        # A folder holding just a GGUF file (as a download often is).
+        ggufs = sorted(source.glob("*.gguf"))
+        if len(ggufs) == 1:
+            source = ggufs[0]
     if source.is_file():
         if source.suffix.lower() != ".gguf":
             raise ModelLoadError(f"{source}: expected a checkpoint folder or a .gguf file")
@@ -251,7 +256,7 @@ def load_checkpoint(
 
 def _fill(model: LlamaForCausalLM, shards: list[Path], config_path: Path) -> str | None:
     """Load every shard into ``model``; return an error message or None."""
-    progress = Progress(f"loading {config_path.parent.name}", sum(s.stat().st_size for s in shards), unit="B")
+    progress = Progress(f"loading {config_path.parent.name}", sum(s.stat().st_size for s in shards), unit="B", log=logger)
     stop = threading.Event()
     try:
         with ThreadPoolExecutor(min(len(shards), _MAX_LOAD_THREADS), thread_name_prefix="shard") as pool:

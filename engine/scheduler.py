@@ -98,6 +98,8 @@ class SchedulerOutput:
 
 @attrs.frozen
 class SchedulerStatistics:
+    """Queue lengths, preemptions and the pool's last budget."""
+
     num_waiting: int
     num_running: int
     num_preemptions: int  # since start
@@ -250,8 +252,9 @@ class Scheduler:
     # -- one step -------------------------------------------------------------
 
     def schedule(self, block_manager: BlockManager) -> SchedulerOutput:
-        """Plan a step against an in-process pool. The batch's frees are
-        applied first, so blocks of finished requests are reusable at once."""
+        """Plan a step against an in-process pool. The pool applies the
+        batch's frees before its allocations, so the blocks of requests that
+        finished or were aborted since the last step are reusable at once."""
         batch = self.propose()
         return self.finalize(batch, block_manager.apply(batch))
 
@@ -288,7 +291,7 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
-            num_blocks = self._blocks_for(request.num_computed_tokens + num_tokens) - len(request.block_ids)
+            num_blocks = max(0, self._blocks_for(request.num_computed_tokens + num_tokens) - len(request.block_ids))
             while num_blocks > free and request.status is RequestStatus.RUNNING:
                 victim = max(self._running, key=_priority_key)
                 undone_tokens, undone_blocks = planned.pop(victim.request_id, (0, 0))

@@ -259,6 +259,13 @@ def test_shard_listed_in_index_is_missing(tmp_path):
         load_model(str(folder))
 
 
+def test_unreadable_tokenizer_names_the_folder(llama_dir):
+    folder, _ = llama_dir
+    (folder / "tokenizer.json").write_text("{broken")
+    with pytest.raises(ModelLoadError, match=f"{folder}: cannot load the tokenizer"):
+        load_model(str(folder))
+
+
 def test_unsupported_architecture_lists_supported_ones(llama_dir):
     folder, _ = llama_dir
     config = json.loads((folder / "config.json").read_text())
@@ -420,3 +427,37 @@ def test_leftovers_of_a_killed_conversion_are_removed(tmp_path):
     alive.mkdir()
     gguf_cache._remove_stale_temps(target)
     assert not dead.exists() and alive.exists()
+
+
+def test_progress_is_logged_off_a_terminal(llama_dir, caplog):
+    folder, _ = llama_dir
+    with caplog.at_level("INFO", logger="trioserve.engine.loader"):
+        load_model(str(folder))
+    messages = [r.getMessage() for r in caplog.records if r.name == "trioserve.engine.loader"]
+    assert any("model.safetensors loaded" in m for m in messages)
+    assert any("done in" in m for m in messages)
+
+
+def test_progress_draws_a_bar_on_a_terminal(monkeypatch):
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    screen = Terminal()
+    monkeypatch.setattr("sys.stderr", screen)
+    progress = gguf_cache.Progress("converting x.gguf", total=4)
+    progress.advance(note="weights dequantized")
+    progress.close()
+    assert "converting x.gguf" in screen.getvalue() and "weights dequantized" in screen.getvalue()
+
+
+def test_a_folder_holding_one_gguf_file_loads_it(default_cache, tmp_path, monkeypatch):
+    cache, first, _ = default_cache
+    folder = tmp_path / "downloaded"
+    folder.mkdir()
+    (folder / "model.gguf").symlink_to(loader.default_model_path())
+    monkeypatch.setattr(gguf_cache, "convert_gguf", None)  # the resolved file is cached already
+    loaded = load_model(str(folder), cache_dir=cache)
+    assert loaded.path == first.path and loaded.name == "downloaded"

@@ -270,3 +270,16 @@ def test_forward_batch_build():
         ForwardBatch.build([attrs.evolve(chunks[0], block_table=[7])], block_size=4, device="cpu")
     with pytest.raises(ValueError, match="num_logits"):
         ForwardBatch.build([attrs.evolve(chunks[1], num_logits=2)], block_size=4, device="cpu")
+
+
+def test_batch_without_logits_still_fills_the_cache(tmp_path):
+    hf = _save_tiny("mistral", tmp_path)
+    model = _load_ours(tmp_path)
+    kv = KVCache.allocate(model.config, num_blocks=4, block_size=3, dtype=torch.float32, device="cpu")
+    tokens = [3, 1, 4, 1, 5, 9, 2, 6, 5]
+    with torch.inference_mode():
+        first = model(ForwardBatch.build([SeqChunk(tokens[:5], 0, [2, 0, 3, 1], 0)], block_size=3, device="cpu"), kv)
+        last = model(ForwardBatch.build([SeqChunk(tokens[5:], 5, [2, 0, 3, 1], 1)], block_size=3, device="cpu"), kv)
+        ref = hf(input_ids=torch.tensor([tokens])).logits[0, -1]
+    assert first.shape == (0, hf.config.vocab_size)
+    assert (last[0] - ref).abs().max() < 1e-4

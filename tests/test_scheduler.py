@@ -20,7 +20,8 @@ def chunk_sizes(output: SchedulerOutput) -> dict[str, int]:
 def step_with(scheduler: Scheduler, bm, tokens: dict[str, int]) -> SchedulerOutput:
     """A step whose sampled tokens are given, for stop-condition tests."""
     output = scheduler.schedule(bm)
-    scheduler.update_from_output(output, {c.request.request_id: tokens[c.request.request_id] for c in output.chunks if c.samples})
+    sampled = {c.request.request_id: tokens[c.request.request_id] for c in output.chunks if c.samples}
+    scheduler.update_from_output(output, sampled)
     return output
 
 
@@ -170,7 +171,8 @@ def test_admission_refuses_prompts_that_cannot_fit():
     scheduler.add_request(make_request("ok", prompt_len=15))
 
     small_pool, _ = make_scheduler(max_model_len=64, num_blocks=4)
-    with pytest.raises(RequestTooLongError, match=r"needs 5 KV blocks of 4 tokens, but the KV pool has only 4") as no_room:
+    message = r"needs 5 KV blocks of 4 tokens, but the KV pool has only 4"
+    with pytest.raises(RequestTooLongError, match=message) as no_room:
         small_pool.add_request(make_request("b", prompt_len=16))
     assert no_room.value.field == "prompt"
     small_pool.add_request(make_request("fits", prompt_len=15))

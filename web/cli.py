@@ -76,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=64)
     add_engine_options(gen)
     gen.set_defaults(func=cmd_generate)
+
+    from trioserve.web.bench.cli import add_bench_serve_parser
+
+    add_bench_serve_parser(commands)
     return parser
 
 

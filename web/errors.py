@@ -42,7 +42,8 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.status}, {self.message!r}, type={self.type!r}, param={self.param!r}, code={self.code!r})"
+        fields = f"type={self.type!r}, param={self.param!r}, code={self.code!r}"
+        return f"{type(self).__name__}({self.status}, {self.message!r}, {fields})"
 
 
 class InvalidRequest(ApiError):

@@ -61,7 +61,9 @@ def _float(
         raise InvalidRequest(f"{name} must be a number, got {value!r}", param=name)
     too_low = low is not None and (value <= low if low_open else value < low)
     if too_low or (high is not None and value > high):
-        bound = f"> {low}" if low_open and high is None else _range(low, high)
+        bound = _range(low, high)
+        if low_open:
+            bound = f"> {low}" + (f" and <= {high}" if high is not None else "")
         raise InvalidRequest(f"{name} must be {bound}, got {value}", param=name)
     return float(value)
 

@@ -62,11 +62,11 @@ def add_bench_serve_parser(subparsers) -> argparse.ArgumentParser:
     server.add_argument("--model", default=None, help="model name to request (default: first id of GET /v1/models)")
     server.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default: $OPENAI_API_KEY")
     server.add_argument("--request-timeout", type=_positive_float, default=3600.0, help="seconds per request")
-    server.add_argument("--ignore-eos", action="store_true", help="send ignore_eos so every output is --output-len long")
+    server.add_argument("--ignore-eos", action="store_true", help="send ignore_eos: every output is --output-len long")
 
     data = p.add_argument_group("dataset")
     data.add_argument("--dataset", choices=["random", "prefix", "file"], default="random")
-    data.add_argument("--dataset-path", default=None, help="JSON list or JSONL of {prompt, output_len?} (--dataset file)")
+    data.add_argument("--dataset-path", default=None, help="JSON list or JSONL of {prompt, output_len?}")
     data.add_argument("--tokenizer", default=None, help="tokenizer.json, HF folder or .gguf (default: SmolLM2-135M)")
     data.add_argument("--num-prompts", type=_positive_int, default=100)
     data.add_argument("--input-len", type=_positive_int, default=256, help="prompt tokens (prefix: the distinct part)")
@@ -78,7 +78,7 @@ def add_bench_serve_parser(subparsers) -> argparse.ArgumentParser:
 
     load = p.add_argument_group("load")
     load.add_argument("--max-concurrency", type=_positive_int, default=None, help="requests in flight at most")
-    load.add_argument("--request-rate", type=_positive_float, default=math.inf, help="requests/s (default: all at once)")
+    load.add_argument("--request-rate", type=_positive_float, default=math.inf, help="requests/s (default: inf)")
     load.add_argument("--burstiness", type=_positive_float, default=1.0, help="gamma shape of the gaps; 1 is Poisson")
     load.add_argument("--num-warmups", type=int, default=0, help="requests sent first and left out of the results")
     load.add_argument("--sweep-concurrency", type=_concurrency_list, default=None, metavar="1,8,16,32,64",
@@ -147,6 +147,8 @@ async def bench_serve(args: argparse.Namespace) -> int:
         slo = SLO.parse(args.goodput)
         if args.sweep_concurrency and args.max_concurrency is not None:
             raise ValueError("give --max-concurrency or --sweep-concurrency, not both")
+        if not args.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"--base-url must start with http:// or https://, got {args.base_url!r}")
         if args.num_warmups < 0:
             raise ValueError("--num-warmups must be >= 0")
         if args.plot is not None:
@@ -177,7 +179,8 @@ async def bench_serve(args: argparse.Namespace) -> int:
 
     if args.result_json is not None:
         runs = [result_json(run, m, info, detailed=args.save_detailed) for run, m in results]
-        document = runs[0] if not args.sweep_concurrency else {"sweep_concurrency": args.sweep_concurrency, "runs": runs}
+        sweep = {"sweep_concurrency": args.sweep_concurrency, "runs": runs}
+        document = sweep if args.sweep_concurrency else runs[0]
         path = Path(args.result_json)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")

@@ -129,48 +129,73 @@ def _chunk_text(data: dict, chat: bool) -> str:
     return choices[0].get("text") or ""
 
 
+class _Recorder:
+    """Accumulates one response's events with the time each arrived."""
+
+    def __init__(self, start: float, chat: bool) -> None:
+        self.start = self.last = start
+        self.chat = chat
+        self.ttft = 0.0
+        self.itl: list[float] = []
+        self.texts: list[str] = []
+        self.usage: dict = {}
+
+    def event(self, payload: str, now: float) -> None:
+        if payload == "[DONE]":
+            return
+        try:
+            data = json.loads(payload)
+        except json.JSONDecodeError:
+            raise _StreamError(f"malformed SSE data: {payload[:200]}") from None
+        if not isinstance(data, dict):
+            raise _StreamError(f"malformed SSE data: {payload[:200]}")
+        if data.get("error"):
+            raise _StreamError(f"server error in stream: {json.dumps(data['error'])[:300]}")
+        if isinstance(data.get("usage"), dict):
+            self.usage = data["usage"]
+        try:
+            text = _chunk_text(data, self.chat)
+        except (AttributeError, TypeError, IndexError):
+            raise _StreamError(f"unexpected chunk shape: {payload[:200]}") from None
+        if text:
+            if self.texts:
+                self.itl.append(now - self.last)
+            else:
+                self.ttft = now - self.start
+            self.last = now
+            self.texts.append(text)
+
+    def output(self, sample: SampleRequest) -> RequestOutput:
+        if not self.texts:
+            error = "no token in the response stream"
+            return RequestOutput(False, sample.prompt_len, start_time=self.start, error=error)
+        return RequestOutput(
+            success=True,
+            prompt_len=self.usage.get("prompt_tokens") or sample.prompt_len,
+            output_tokens=self.usage.get("completion_tokens") or len(self.texts),
+            ttft=self.ttft,
+            itl=tuple(self.itl),
+            e2el=self.last - self.start,
+            start_time=self.start,
+            generated_text="".join(self.texts),
+        )
+
+
 async def _stream(client: httpx.AsyncClient, target: Target, sample: SampleRequest) -> RequestOutput:
-    start = last = trio.current_time()
-    ttft, itl, text_parts = 0.0, [], []
-    usage: dict = {}
+    recorder = _Recorder(trio.current_time(), target.chat)
     parser = SSEParser()
     async with client.stream("POST", target.url, json=build_payload(target, sample), headers=target.headers()) as r:
         if r.status_code != 200:
             body = (await r.aread()).decode("utf-8", errors="replace").strip()
-            return RequestOutput(False, sample.prompt_len, start_time=start, error=f"HTTP {r.status_code}: {body[:300]}")
+            error = f"HTTP {r.status_code}: {body[:300]}"
+            return RequestOutput(False, sample.prompt_len, start_time=recorder.start, error=error)
         async for chunk in r.aiter_bytes():
             now = trio.current_time()
             for payload in parser.feed(chunk):
-                if payload == "[DONE]":
-                    continue
-                try:
-                    data = json.loads(payload)
-                except json.JSONDecodeError:
-                    raise _StreamError(f"malformed SSE data: {payload[:200]}") from None
-                if not isinstance(data, dict):
-                    raise _StreamError(f"malformed SSE data: {payload[:200]}")
-                if "error" in data:
-                    raise _StreamError(f"server error in stream: {json.dumps(data['error'])[:300]}")
-                usage = data.get("usage") or usage
-                if text := _chunk_text(data, target.chat):
-                    if text_parts:
-                        itl.append(now - last)
-                    else:
-                        ttft = now - start
-                    last = now
-                    text_parts.append(text)
-    if not text_parts:
-        return RequestOutput(False, sample.prompt_len, start_time=start, error="no token in the response stream")
-    return RequestOutput(
-        success=True,
-        prompt_len=usage.get("prompt_tokens") or sample.prompt_len,
-        output_tokens=usage.get("completion_tokens") or len(text_parts),
-        ttft=ttft,
-        itl=tuple(itl),
-        e2el=last - start,
-        start_time=start,
-        generated_text="".join(text_parts),
-    )
+                recorder.event(payload, now)
+    for payload in parser.close():
+        recorder.event(payload, trio.current_time())
+    return recorder.output(sample)
 
 
 async def send_request(client: httpx.AsyncClient, target: Target, sample: SampleRequest) -> RequestOutput:
@@ -251,7 +276,10 @@ def arrival_offsets(num_requests: int, request_rate: float, burstiness: float = 
     rng = random.Random(seed)
     offsets, total = [], 0.0
     for _ in range(num_requests):
-        total += 1.0 / request_rate if math.isinf(burstiness) else rng.gammavariate(burstiness, 1.0 / (request_rate * burstiness))
+        if math.isinf(burstiness):
+            total += 1.0 / request_rate
+        else:
+            total += rng.gammavariate(burstiness, 1.0 / (request_rate * burstiness))
         offsets.append(total)
     scale = (num_requests / request_rate) / total
     return [offset * scale for offset in offsets]

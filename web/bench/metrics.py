@@ -135,6 +135,13 @@ def tpot_of(output: RequestOutput) -> float | None:
     return (output.e2el - output.ttft) / (output.output_tokens - 1)
 
 
+def _per_second(count: float, duration_s: float) -> float:
+    # A run where every request failed at once can take no time at all.
+    if duration_s == 0:
+        return 0.0 if count == 0 else math.inf
+    return count / duration_s
+
+
 def calculate_metrics(
     outputs: Sequence[RequestOutput],
     duration_s: float,
@@ -142,8 +149,8 @@ def calculate_metrics(
     prefix_cache_hit_rate: float | None = None,
 ) -> BenchmarkMetrics:
     """The metrics of one run of ``outputs`` that took ``duration_s``."""
-    if duration_s <= 0:
-        raise ValueError("duration_s must be > 0")
+    if duration_s < 0:
+        raise ValueError("duration_s must be >= 0")
     done = [o for o in outputs if o.success]
     errors: dict[str, int] = {}
     for o in outputs:
@@ -155,16 +162,16 @@ def calculate_metrics(
     goodput = None
     if slo is not None and not slo.is_empty():
         good = sum(slo.met_by(o.ttft, tpot_of(o) or 0.0, o.e2el) for o in done)
-        goodput = good / duration_s
+        goodput = _per_second(good, duration_s)
     return BenchmarkMetrics(
         duration_s=duration_s,
         completed=len(done),
         failed=len(outputs) - len(done),
         total_input_tokens=total_in,
         total_output_tokens=total_out,
-        request_throughput=len(done) / duration_s,
-        output_throughput=total_out / duration_s,
-        total_token_throughput=(total_in + total_out) / duration_s,
+        request_throughput=_per_second(len(done), duration_s),
+        output_throughput=_per_second(total_out, duration_s),
+        total_token_throughput=_per_second(total_in + total_out, duration_s),
         request_goodput=goodput,
         ttft=Distribution.from_seconds([o.ttft for o in done]),
         tpot=Distribution.from_seconds(tpots),

@@ -19,7 +19,8 @@ _WIDTH = 50
 
 
 def _finite(value: float) -> float | None:
-    # JSON has no infinity: an unlimited request rate is written as null.
+    # JSON has no infinity: an unlimited request rate (or a rate over a run
+    # that took no time) is written as null.
     return None if math.isinf(value) else value
 
 
@@ -42,10 +43,10 @@ def result_json(
         failed=metrics.failed,
         total_input_tokens=metrics.total_input_tokens,
         total_output_tokens=metrics.total_output_tokens,
-        request_throughput=metrics.request_throughput,
-        request_goodput=metrics.request_goodput,
-        output_throughput=metrics.output_throughput,
-        total_token_throughput=metrics.total_token_throughput,
+        request_throughput=_finite(metrics.request_throughput),
+        request_goodput=None if metrics.request_goodput is None else _finite(metrics.request_goodput),
+        output_throughput=_finite(metrics.output_throughput),
+        total_token_throughput=_finite(metrics.total_token_throughput),
         prefix_cache_hit_rate=metrics.prefix_cache_hit_rate,
     )
     for key, _ in _LATENCIES:
@@ -115,7 +116,10 @@ def _mean(dist: Distribution | None) -> str:
 
 def format_sweep(rows: Sequence[tuple[int | None, BenchmarkMetrics]]) -> str:
     """One line per concurrency of a sweep: throughputs and mean latencies."""
-    header = f"{'conc':>6} {'ok':>6} {'fail':>5} {'req/s':>8} {'out tok/s':>10} {'TTFT ms':>9} {'TPOT ms':>9} {'E2E ms':>9}"
+    header = (
+        f"{'conc':>6} {'ok':>6} {'fail':>5} {'req/s':>8} {'out tok/s':>10} "
+        f"{'TTFT ms':>9} {'TPOT ms':>9} {'E2E ms':>9}"
+    )
     lines = [header, "-" * len(header)]
     for concurrency, m in rows:
         lines.append(

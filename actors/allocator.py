@@ -1,0 +1,60 @@
+"""The cache-allocator actor: owns the KV block pool and its prefix cache.
+
+It serves one ``Allocate`` (a ``KVBatch``: commits, frees and allocations
+with their prefix-cache lookups) per step with one ``KVResult``: at most one
+round trip a step, however many sequences the step touches. Nothing else
+changes the pool, so the pool needs no lock.
+"""
+
+from __future__ import annotations
+
+import trio
+
+from trioserve.engine.block_manager import BlockManager
+from trioserve.engine.kv_batch import KVBudget, KVResult
+
+from .messages import Allocate
+from .statistics import AllocatorStatistics
+
+# One batch in flight: the scheduler waits for the answer before the next.
+INBOX_CAPACITY = 1
+
+
+class AllocatorActor:
+    """Serves ``Allocate`` messages from the scheduler against ``block_manager``."""
+
+    def __init__(self, block_manager: BlockManager) -> None:
+        self.block_manager = block_manager
+        self._num_batches = 0
+        self._budget: KVBudget = block_manager.statistics()
+
+    async def run(
+        self,
+        replies: trio.MemorySendChannel[KVResult],
+        *,
+        task_status: trio.TaskStatus[trio.MemorySendChannel[Allocate]] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Answer each batch on ``replies``; return when the inbox's sender
+        (the scheduler) closes it."""
+        inbox_send, inbox = trio.open_memory_channel[Allocate](INBOX_CAPACITY)
+        with inbox, replies:
+            task_status.started(inbox_send)
+            async for message in inbox:
+                result = self.block_manager.apply(message.batch)
+                self._num_batches += 1
+                self._budget = result.budget
+                await replies.send(result)
+
+    def statistics(self) -> AllocatorStatistics:
+        """The pool as of the last batch; published by the actor, read
+        without a round trip."""
+        budget = self._budget
+        return AllocatorStatistics(
+            num_blocks=budget.num_blocks,
+            num_free_blocks=budget.num_free_blocks,
+            num_cached_blocks=budget.num_cached_blocks,
+            prefix_cache_queries=budget.prefix_cache_queries,
+            prefix_cache_hits=budget.prefix_cache_hits,
+            num_evictions=budget.num_evictions,
+            num_batches=self._num_batches,
+        )

@@ -1,0 +1,44 @@
+"""Errors the actor engine raises to its callers."""
+
+from __future__ import annotations
+
+from trioserve.engine.errors import InvalidRequestError, TrioserveError
+
+
+class EngineError(TrioserveError):
+    """Base class of the actor engine's own errors."""
+
+
+class EngineOverloaded(EngineError):
+    """The admission queue is full (requests or tokens); nothing was queued.
+
+    ``retry_after`` estimates, in seconds, when there will be room: the
+    queue's length over the recent completion rate. The web layer answers
+    429 with a ``Retry-After`` header from it.
+    """
+
+    def __init__(self, message: str, *, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineClosed(EngineError):
+    """The engine does not take requests any more (drained or shut down),
+    or shut down before this request finished."""
+
+
+class DuplicateRequestError(InvalidRequestError):
+    """A request with this id is still in the engine."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(f"request id {request_id!r} is already in use", field="request_id")
+        self.request_id = request_id
+
+
+class RequestFailed(EngineError):
+    """The model step that ran this request raised; the request is over and
+    its KV blocks are freed. Other requests are unaffected."""
+
+    def __init__(self, message: str, *, request_id: str) -> None:
+        super().__init__(message)
+        self.request_id = request_id

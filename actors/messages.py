@@ -1,0 +1,128 @@
+"""The messages that cross the actors' channels; every one is a frozen attrs value.
+
+Who sends what to whom (see docs/architecture.md for capacities):
+
+- request actor -> scheduler, admission queue: ``AddRequest``.
+- request actor -> scheduler, control channel: ``Abort``, ``Resume``;
+  ``Engine.drain`` sends ``AbortAll``.
+- scheduler -> request actor, the request's output channel:
+  ``RequestOutput`` (the engine core's value), ``Paused``, ``Failed``.
+- scheduler -> allocator: ``Allocate``; allocator -> scheduler: ``KVResult``.
+- scheduler -> executor: ``RunStep``; executor -> scheduler: ``StepDone`` or
+  ``StepFailed``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import trio
+
+from trioserve.engine.kv_batch import KVBatch
+from trioserve.engine.model_runner import RunnerOutput
+from trioserve.engine.sampling_params import SamplingParams
+from trioserve.engine.scheduler import SchedulerOutput
+from trioserve.engine.sequence import FinishReason
+
+
+@attrs.frozen
+class AddRequest:
+    """A tokenized request asking to be scheduled.
+
+    ``deadline`` is in ``trio.current_time()`` units (None: none);
+    ``arrival_time`` is ``time.monotonic()``, the clock of ``RequestTimes``.
+    ``outputs`` is the send end of the request's output channel, which the
+    scheduler owns from the moment it receives this message.
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    priority: int
+    deadline: float | None
+    arrival_time: float
+    outputs: trio.MemorySendChannel[Any] = attrs.field(eq=False, repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@attrs.frozen
+class Abort:
+    """End a request at the next step boundary, freeing its blocks.
+
+    ``reason`` is ``ABORT`` (the caller went away or asked) or ``DEADLINE``.
+    Each request sends at most one, and only while the scheduler still
+    holds it (queued or live).
+    """
+
+    request_id: str
+    reason: FinishReason = FinishReason.ABORT
+
+
+@attrs.frozen
+class Resume:
+    """The request's reader took the ``Paused`` marker: schedule it again."""
+
+    request_id: str
+
+
+@attrs.frozen
+class AbortAll:
+    """End every request, queued or live (``Engine.drain`` past its timeout)."""
+
+    reason: FinishReason = FinishReason.ABORT
+
+
+@attrs.frozen
+class Paused:
+    """Output-channel marker: the reader fell ``max_buffered_outputs`` behind,
+    so the sequence was preempted (its output is kept) until the reader
+    takes this marker and answers ``Resume``."""
+
+    request_id: str
+
+
+@attrs.frozen
+class Failed:
+    """Output-channel marker: the request ended on an error, not a finish
+    reason. ``error`` is the exception the caller's ``generate`` raises."""
+
+    request_id: str
+    error: Exception = attrs.field(eq=False)
+
+
+@attrs.frozen
+class Allocate:
+    """One step's KV work (commits, frees, allocations) for the allocator."""
+
+    batch: KVBatch
+
+
+@attrs.frozen
+class RunStep:
+    """Run one planned step. ``states`` maps each sampling chunk's request id
+    to its ``SamplingState``."""
+
+    step_id: int
+    plan: SchedulerOutput
+    states: Mapping[str, Any] = attrs.field(eq=False)
+
+
+@attrs.frozen
+class StepDone:
+    step_id: int
+    output: RunnerOutput
+    seconds: float  # wall time of the step itself
+
+
+@attrs.frozen
+class StepFailed:
+    """The step raised; ``error`` is the exception (its requests fail)."""
+
+    step_id: int
+    error: Exception = attrs.field(eq=False)
+    seconds: float

@@ -1,0 +1,363 @@
+"""The request actor: one per request, run by the task that reads the request.
+
+It owns the request's output stream (the receive end of its output channel)
+and its deadline, and it always tells the scheduler when the request ends
+early: ``close()`` sends the one ``Abort`` with ``send_nowait``, so it works
+in a ``finally`` under a cancelled scope.
+
+Why the caller's task and not a task of its own: the caller bounds a request
+with a cancel scope around its ``async for``. A task in the engine's nursery
+would be out of that scope's reach, and a nursery opened per request inside
+``generate`` would have to stay open across ``yield`` (which trio forbids in
+async generators). Run in the caller's task, the caller's cancel scope *is*
+the request's scope. The deadline is a cancel scope around each receive,
+never around a ``yield``.
+
+The reader coalesces: each time it runs it takes everything buffered and
+merges it into one delta per completion. A reader that falls
+``max_buffered_outputs`` behind finds a ``Paused`` marker where the
+scheduler preempted its sequence; taking the marker sends ``Resume``.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import trio
+
+from trioserve.engine.outputs import RequestOutput, RequestTimes
+from trioserve.engine.sampler import TokenLogprobs
+from trioserve.engine.sampling_params import SamplingParams
+from trioserve.engine.sequence import FinishReason
+
+from .errors import EngineClosed, EngineOverloaded
+from .messages import Abort, AddRequest, Failed, Paused, Resume
+
+log = logging.getLogger(__name__)
+
+
+def output_capacity(max_buffered_outputs: int, n: int) -> int:
+    """The output channel's capacity: ``max_buffered_outputs`` deltas before
+    the scheduler pauses the sequence, plus room that can never be exceeded
+    after that: the ``Paused`` marker, one output per completion of the step
+    in flight, one final output per completion and a ``Failed`` marker."""
+    return max_buffered_outputs + 2 * n + 2
+
+
+def final_output(
+    request_id: str,
+    index: int,
+    reason: FinishReason,
+    *,
+    num_prompt_tokens: int,
+    arrival_time: float,
+    last: RequestOutput | None = None,
+) -> RequestOutput:
+    """A final output with no new tokens, for a completion that ends outside
+    a step (its deadline passed on the caller's side, or it was dropped
+    before it was scheduled). ``last`` is its latest output, if any."""
+    now = time.monotonic()
+    if last is not None:
+        return attrs.evolve(
+            last,
+            new_token_ids=(),
+            text_delta="",
+            logprobs=(),
+            finish_reason=reason,
+            stop_reason=None,
+            times=attrs.evolve(last.times, now=now),
+        )
+    return RequestOutput(
+        request_id=request_id,
+        index=index,
+        new_token_ids=(),
+        text_delta="",
+        logprobs=(),
+        finish_reason=reason,
+        stop_reason=None,
+        num_prompt_tokens=num_prompt_tokens,
+        num_output_tokens=0,
+        num_cached_tokens=0,
+        times=RequestTimes(arrival=arrival_time, first_scheduled=None, first_token=None, now=now),
+    )
+
+
+@attrs.define
+class _Delta:
+    """Outputs of one completion merged into one: tokens, text and logprobs
+    concatenated, everything else from the latest."""
+
+    token_ids: list[int] = attrs.field(factory=list)
+    text: list[str] = attrs.field(factory=list)
+    logprobs: list[TokenLogprobs] = attrs.field(factory=list)
+    last: RequestOutput | None = None
+
+    def add(self, output: RequestOutput) -> None:
+        self.token_ids.extend(output.new_token_ids)
+        self.text.append(output.text_delta)
+        self.logprobs.extend(output.logprobs)
+        self.last = output
+
+    def build(self) -> RequestOutput:
+        assert self.last is not None
+        return attrs.evolve(
+            self.last,
+            new_token_ids=tuple(self.token_ids),
+            text_delta="".join(self.text),
+            logprobs=tuple(self.logprobs),
+        )
+
+
+class RequestActor:
+    """One request, from admission to its last output.
+
+    ``submit()`` waits for room in the admission queue (bounded by the
+    deadline); ``submit_nowait()`` raises ``EngineOverloaded`` instead.
+    ``receive()`` returns the next coalesced output, or None once every
+    completion has finished. ``close()`` must follow, always.
+    """
+
+    def __init__(
+        self,
+        *,
+        request_id: str,
+        prompt_token_ids: tuple[int, ...],
+        params: SamplingParams,
+        priority: int,
+        deadline: float | None,
+        final_only: bool,
+        max_buffered_outputs: int,
+        admission: Any,
+        control: trio.MemorySendChannel[Any],
+        retry_after: Callable[[], float],
+        on_close: Callable[[str, bool], None],
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.priority = priority
+        self.deadline = deadline
+        self.final_only = final_only
+        self.arrival_time = time.monotonic()
+        self._admission = admission
+        self._control = control
+        self._retry_after = retry_after
+        self._on_close = on_close
+        capacity = output_capacity(max_buffered_outputs, params.n)
+        self._outputs_send, self._inbox = trio.open_memory_channel[Any](capacity)
+        self._submitted = False
+        self._submit_scope: trio.CancelScope | None = None
+        self._abort_requested = False
+        self._abort_sent = False
+        self._ended = False  # the reader has its last output
+        self._engine_done = False  # the scheduler has forgotten the request
+        self._closed = False
+        self._done: set[int] = set()
+        self._deltas: dict[int, _Delta] = {}
+        self._last: dict[int, RequestOutput] = {}
+        self._ready: collections.deque[RequestOutput] = collections.deque()
+
+    # -- admission ------------------------------------------------------------
+
+    def _message(self) -> AddRequest:
+        return AddRequest(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_token_ids,
+            params=self.params,
+            priority=self.priority,
+            deadline=self.deadline,
+            arrival_time=self.arrival_time,
+            outputs=self._outputs_send,
+        )
+
+    async def submit(self) -> None:
+        """Queue the request, waiting for room; a passed deadline or
+        ``abort()`` while waiting ends it without the engine."""
+        if not self._abort_requested:
+            deadline = math.inf if self.deadline is None else self.deadline
+            with trio.CancelScope(deadline=deadline) as scope:
+                self._submit_scope = scope
+                try:
+                    await self._admission.send(self._message())
+                except (trio.ClosedResourceError, trio.BrokenResourceError):
+                    raise EngineClosed("the engine is not taking requests") from None
+                finally:
+                    self._submit_scope = None
+                self._submitted = True
+        if not self._submitted:
+            self._end_here(FinishReason.ABORT if self._abort_requested else FinishReason.DEADLINE)
+
+    def submit_nowait(self) -> None:
+        """Queue the request now or raise ``EngineOverloaded``."""
+        try:
+            self._admission.send_nowait(self._message())
+        except trio.WouldBlock:
+            retry_after = self._retry_after()
+            raise EngineOverloaded(
+                f"the admission queue is full; retry in about {retry_after:.1f} s", retry_after=retry_after
+            ) from None
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            raise EngineClosed("the engine is not taking requests") from None
+        self._submitted = True
+
+    # -- the stream -----------------------------------------------------------
+
+    async def receive(self) -> RequestOutput | None:
+        """The next output (a coalesced delta, or the cumulative final one
+        with ``final_only``); None after the last."""
+        while not self._ready:
+            if self._ended:
+                return None
+            await self._read()
+        return self._ready.popleft()
+
+    async def _read(self) -> None:
+        messages: list[Any] = []
+        end_of_channel = False
+        with trio.move_on_at(math.inf if self.deadline is None else self.deadline):
+            try:
+                messages.append(await self._inbox.receive())
+            except trio.EndOfChannel:
+                end_of_channel = True
+        while not end_of_channel:  # take everything already buffered
+            try:
+                messages.append(self._inbox.receive_nowait())
+            except trio.WouldBlock:
+                break
+            except trio.EndOfChannel:
+                end_of_channel = True
+        self._take(messages)
+        if not self._ended and self.deadline is not None and trio.current_time() >= self.deadline:
+            self._send_abort(FinishReason.DEADLINE)
+            self._end_here(FinishReason.DEADLINE)
+        if end_of_channel:
+            self._engine_done = True
+            if not self._ended:
+                self._ended = True
+                raise EngineClosed(f"the engine shut down before request {self.request_id!r} finished")
+        self._publish()
+
+    def _take(self, messages: list[Any]) -> None:
+        for message in messages:
+            if isinstance(message, RequestOutput):
+                self._last[message.index] = message
+                self._deltas.setdefault(message.index, _Delta()).add(message)
+                if message.finished:
+                    self._done.add(message.index)
+            elif isinstance(message, Paused):
+                self._send_control(Resume(self.request_id))
+            elif isinstance(message, Failed):
+                self._ended = self._engine_done = True
+                self._deltas.clear()
+                raise message.error
+        if len(self._done) == self.params.n:
+            self._ended = self._engine_done = True
+
+    def _publish(self) -> None:
+        if self.final_only and not self._ended:
+            return
+        for index in sorted(self._deltas) if self.final_only else list(self._deltas):
+            self._ready.append(self._deltas[index].build())
+        self._deltas.clear()
+
+    def _end_here(self, reason: FinishReason) -> None:
+        """Finish every open completion with ``reason`` on this side."""
+        for index in range(self.params.n):
+            if index in self._done:
+                continue
+            delta = self._deltas.get(index)
+            if delta is not None and delta.last is not None:
+                self._deltas[index].last = attrs.evolve(delta.last, finish_reason=reason, stop_reason=None)
+            else:
+                self._deltas[index] = _Delta(
+                    last=final_output(
+                        self.request_id,
+                        index,
+                        reason,
+                        num_prompt_tokens=len(self.prompt_token_ids),
+                        arrival_time=self.arrival_time,
+                        last=self._last.get(index),
+                    )
+                )
+            self._done.add(index)
+        self._ended = True
+        self._publish()
+
+    # -- ending -----------------------------------------------------------------
+
+    def abort(self) -> bool:
+        """Ask the engine to end this request (``engine.abort``); the stream
+        then ends with an ``ABORT`` final output. False if already over."""
+        if self._ended or self._closed:
+            return False
+        if not self._submitted:
+            self._abort_requested = True
+            if self._submit_scope is not None:
+                self._submit_scope.cancel()
+            return True
+        self._send_abort(FinishReason.ABORT)
+        return True
+
+    def close(self) -> None:
+        """End the request on this side; sends the ``Abort`` unless the
+        engine already finished it. Safe to call more than once.
+
+        ``on_close(request_id, held)`` follows; ``held`` says the scheduler
+        still holds the request (its id stays reserved until it lets go)."""
+        if self._closed:
+            return
+        self._closed = True
+        held = False
+        try:
+            if not self._submitted:
+                self._outputs_send.close()
+            elif not self._engine_done and not self._end_is_buffered():
+                held = True
+                self._send_abort(FinishReason.DEADLINE if self._deadline_passed() else FinishReason.ABORT)
+        finally:
+            self._inbox.close()
+            self._on_close(self.request_id, held)
+
+    def _deadline_passed(self) -> bool:
+        return self.deadline is not None and trio.current_time() >= self.deadline
+
+    def _end_is_buffered(self) -> bool:
+        """Whether the engine's last word is already in the buffer (then the
+        scheduler has forgotten the request and wants no abort)."""
+        done = set(self._done)
+        while True:
+            try:
+                message = self._inbox.receive_nowait()
+            except trio.WouldBlock:
+                return False
+            except trio.EndOfChannel:
+                return True
+            if isinstance(message, Failed):
+                return True
+            if isinstance(message, RequestOutput) and message.finished:
+                done.add(message.index)
+                if len(done) == self.params.n:
+                    return True
+
+    def _send_abort(self, reason: FinishReason) -> None:
+        if not self._abort_sent:
+            self._abort_sent = True
+            self._send_control(Abort(self.request_id, reason))
+
+    def _send_control(self, message: Abort | Resume) -> None:
+        try:
+            self._control.send_nowait(message)
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            pass  # the engine is gone, and the request with it
+        except trio.WouldBlock:
+            # Cannot happen (see docs/architecture.md: each request sends at
+            # most one Abort and one Resume per Paused while the scheduler
+            # holds it). Were it to, the scheduler still aborts a request
+            # whose reader has closed at its next output.
+            log.error("control channel full; %s for %r dropped", type(message).__name__, self.request_id)

@@ -1,0 +1,514 @@
+"""The scheduler actor: admission, the step loop, routing outputs.
+
+It owns the engine core's scheduling state (``EngineCore`` minus its pool and
+runner) and runs three loops in one nursery:
+
+- the *admission loop* takes ``AddRequest`` messages from the admission
+  queue, but only while the core's waiting queue is short and its working
+  set has room, so the queue's bound really bounds the backlog;
+- the *control loop* takes ``Abort`` / ``Resume`` / ``AbortAll`` and queues
+  them; they are applied at the next step boundary;
+- the *step loop*: apply control and expired deadlines, plan the step with
+  one allocator round trip (``propose`` -> ``Allocate`` -> ``finalize``),
+  hand it to the executor, and while it computes deliver the previous
+  step's outputs; then post-process the result.
+
+While a step runs in the executor's thread the other two loops keep going:
+requests are admitted into the core (validated, given detokenizers and
+sampling state, queued in priority order), aborts are collected and outputs
+are delivered. That is the part of planning step n+1 that is safe to do
+during step n; choosing step n+1's tokens is not, because every decoding
+request needs the token step n samples.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import trio
+
+from trioserve.engine.engine_core import EngineCore
+from trioserve.engine.errors import InvalidRequestError
+from trioserve.engine.kv_batch import KVResult
+from trioserve.engine.model_runner import RunnerOutput
+from trioserve.engine.outputs import RequestOutput
+from trioserve.engine.scheduler import SchedulerOutput
+from trioserve.engine.sequence import FinishReason
+
+from .errors import RequestFailed
+from .messages import Abort, AbortAll, AddRequest, Allocate, Failed, Paused, Resume, RunStep, StepDone, StepFailed
+from .request import final_output
+from .statistics import RateMeter, SchedulerActorStatistics
+
+_NO_OUTPUT = RunnerOutput(sampled={}, logprobs={})
+
+
+class AdmissionQueue:
+    """The admission queue: a memory channel of ``max_requests`` plus a bound
+    of ``max_tokens`` queued prompt tokens (None: none).
+
+    ``send`` waits for room under both bounds, first come first served;
+    ``send_nowait`` raises ``trio.WouldBlock`` when either is full or others
+    are already waiting. A prompt longer than ``max_tokens`` is let in when
+    the queue holds no tokens, so it waits but is never refused for good.
+    """
+
+    def __init__(self, max_requests: int, max_tokens: int | None = None) -> None:
+        if max_requests < 1:
+            raise ValueError("max_requests must be >= 1")
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        self.max_requests = max_requests
+        self.max_tokens = max_tokens
+        self._send, self._receive = trio.open_memory_channel[AddRequest](max_requests)
+        self._fifo = trio.Lock()
+        self._room = trio.lowlevel.ParkingLot()
+        self._tokens = 0
+        self._closed = False
+
+    def _fits(self, num_tokens: int) -> bool:
+        return self.max_tokens is None or self._tokens == 0 or self._tokens + num_tokens <= self.max_tokens
+
+    async def send(self, message: AddRequest) -> None:
+        async with self._fifo:
+            while not self._closed and not self._fits(message.num_tokens):
+                await self._room.park()
+            if self._closed:
+                raise trio.ClosedResourceError("the admission queue is closed")
+            self._tokens += message.num_tokens
+            try:
+                await self._send.send(message)
+            except BaseException:
+                self._tokens -= message.num_tokens
+                self._room.unpark_all()
+                raise
+
+    def send_nowait(self, message: AddRequest) -> None:
+        if self._closed:
+            raise trio.ClosedResourceError("the admission queue is closed")
+        if self._fifo.locked() or not self._fits(message.num_tokens):
+            raise trio.WouldBlock
+        self._send.send_nowait(message)
+        self._tokens += message.num_tokens
+
+    async def receive(self) -> AddRequest:
+        message = await self._receive.receive()
+        self._tokens -= message.num_tokens
+        self._room.unpark_all()
+        return message
+
+    def close(self) -> None:
+        """Stop admission: waiting and later senders get ``ClosedResourceError``;
+        the receiver takes what is queued, then ``EndOfChannel``."""
+        self._closed = True
+        self._send.close()
+        self._room.unpark_all()
+
+    def close_receiver(self) -> None:
+        self._receive.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def num_queued(self) -> int:
+        return self._receive.statistics().current_buffer_used
+
+    @property
+    def num_queued_tokens(self) -> int:
+        return self._tokens
+
+    @property
+    def num_waiting_to_send(self) -> int:
+        return self._send.statistics().tasks_waiting_send + self._fifo.statistics().tasks_waiting + (
+            1 if self._fifo.locked() and not self._send.statistics().tasks_waiting_send else 0
+        )
+
+    @property
+    def receiver_parked(self) -> bool:
+        """The receiver waits in ``receive`` (so no message is in transit)."""
+        return self._receive.statistics().tasks_waiting_receive > 0
+
+
+@attrs.define(eq=False)
+class _Route:
+    """Where one request's outputs go, and its delivery state."""
+
+    request_id: str
+    outputs: trio.MemorySendChannel[Any]
+    num_completions: int
+    reasons: dict[int, FinishReason] = attrs.field(factory=dict)  # finished completions
+    pause_pending: bool = False  # Paused sent, preemption not applied yet
+    paused: bool = False
+    broken: bool = False  # the reader closed its end
+
+
+class SchedulerActor:
+    """Drives ``core`` (its scheduler, detokenizers and sampling states).
+
+    ``max_buffered_outputs``: deltas a request's reader may fall behind
+    before its sequence is paused. ``max_ready``: waiting requests the core
+    holds before admission stops pulling (default ``max_num_seqs``).
+    ``max_live``: requests it holds at all, paused ones included (default
+    ``2 * max_num_seqs``).
+    """
+
+    def __init__(
+        self,
+        core: EngineCore,
+        admission: AdmissionQueue,
+        *,
+        max_buffered_outputs: int,
+        max_ready: int | None = None,
+        max_live: int | None = None,
+        rate_window: float = 10.0,
+        on_forget: Callable[[str], None] = lambda request_id: None,
+    ) -> None:
+        self.core = core
+        self._on_forget = on_forget
+        self.admission = admission
+        self.max_buffered_outputs = max_buffered_outputs
+        num_seqs = core.scheduler.max_num_seqs
+        self.max_ready = max_ready or num_seqs
+        self.max_live = max_live or 2 * num_seqs
+        # Each request sends at most one Abort, and one Resume per Paused,
+        # and only while this actor holds it (queued or live): see
+        # docs/architecture.md. Twice that leaves room for stale messages.
+        self.control_capacity = 4 * (admission.max_requests + self.max_live) + 16
+        self._routes: dict[str, _Route] = {}
+        self._deadlines: list[tuple[float, int, _Route]] = []  # heap
+        self._order = itertools.count()
+        self._pending_aborts: dict[str, FinishReason] = {}  # for requests still in the admission queue
+        self._control: list[Any] = []
+        self._abort_all: FinishReason | None = None
+        self._input_closed = False
+        self._receiving = False
+        self._release_needed = False
+        self._wakeup = trio.Event()
+        self._room = trio.Event()
+        self._num_steps = 0
+        self._num_paused = 0
+        self._counts = {"finished": 0, "aborted": 0, "deadline": 0, "failed": 0}
+        self._prompt_rate = RateMeter(rate_window)
+        self._generation_rate = RateMeter(rate_window)
+        self._request_rate = RateMeter(rate_window)
+        self._total_prompt = 0
+        self._total_generation = 0
+
+    # -- the actor --------------------------------------------------------------
+
+    async def run(
+        self,
+        *,
+        allocator: trio.MemorySendChannel[Allocate],
+        kv_results: trio.MemoryReceiveChannel[KVResult],
+        executor: trio.MemorySendChannel[RunStep],
+        step_results: trio.MemoryReceiveChannel[StepDone | StepFailed],
+        task_status: trio.TaskStatus[trio.MemorySendChannel[Any]] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Serve until the admission queue is closed and every request has
+        been delivered; then close the allocator's and executor's inboxes,
+        which ends them. ``task_status.started`` hands out the control
+        channel's send end."""
+        control_send, control = trio.open_memory_channel[Any](self.control_capacity)
+        try:
+            with control, allocator, kv_results, executor, step_results:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._control_loop, control)
+                    nursery.start_soon(self._admission_loop)
+                    task_status.started(control_send)
+                    await self._step_loop(allocator, kv_results, executor, step_results)
+                    nursery.cancel_scope.cancel()
+        finally:
+            self.admission.close_receiver()
+            for route in self._routes.values():
+                route.outputs.close()
+            self._routes.clear()
+
+    async def _control_loop(self, control: trio.MemoryReceiveChannel[Any]) -> None:
+        async for message in control:
+            self._control.append(message)
+            self._wakeup.set()
+
+    async def _admission_loop(self) -> None:
+        while True:
+            while not self._has_room():
+                await self._room.wait()
+                self._room = trio.Event()
+            self._receiving = True
+            try:
+                message = await self.admission.receive()
+            except (trio.EndOfChannel, trio.ClosedResourceError):
+                self._input_closed = True
+                self._wakeup.set()
+                return
+            finally:
+                self._receiving = False
+            self._admit(message)
+
+    def _has_room(self) -> bool:
+        return self.core.scheduler.num_waiting < self.max_ready and len(self._routes) < self.max_live
+
+    async def _step_loop(
+        self,
+        allocator: trio.MemorySendChannel[Allocate],
+        kv_results: trio.MemoryReceiveChannel[KVResult],
+        executor: trio.MemorySendChannel[RunStep],
+        step_results: trio.MemoryReceiveChannel[StepDone | StepFailed],
+    ) -> None:
+        pending: list[RequestOutput] = []  # the last step's outputs, delivered during the next
+        while True:
+            self._apply_control()
+            if not self._has_work():
+                self._deliver_all(pending)
+                pending = []
+                if self._input_closed and not self._routes and not self.core.has_unfinished():
+                    return
+                await self._wait_for_news()
+                continue
+            plan = await self._plan(allocator, kv_results)
+            if plan.chunks:
+                self._num_steps += 1
+                await executor.send(RunStep(self._num_steps, plan, self.core.sampling_states(plan)))
+                self._deliver_all(pending)
+                pending = self._process(plan, await step_results.receive())
+            else:
+                self._deliver_all(pending)
+                pending = self.core.process_output(plan, _NO_OUTPUT)
+                if not plan.finished and not plan.preempted:
+                    # Nothing could run and nothing changed: wait for news
+                    # rather than plan the same empty step again.
+                    self._deliver_all(pending)
+                    pending = []
+                    await self._wait_for_news()
+            await trio.lowlevel.checkpoint()
+
+    async def _wait_for_news(self) -> None:
+        """Sleep until a message arrives, a request is admitted or the
+        earliest deadline passes."""
+        deadline = self._deadlines[0][0] if self._deadlines else math.inf
+        with trio.move_on_at(deadline):
+            await self._wakeup.wait()
+        self._wakeup = trio.Event()
+
+    def _has_work(self) -> bool:
+        scheduler = self.core.scheduler
+        return self._release_needed or scheduler.num_running > 0 or scheduler.num_waiting > 0
+
+    async def _plan(
+        self, allocator: trio.MemorySendChannel[Allocate], kv_results: trio.MemoryReceiveChannel[KVResult]
+    ) -> SchedulerOutput:
+        scheduler = self.core.scheduler
+        batch = scheduler.propose()
+        self._release_needed = False
+        if batch.commits or batch.frees or batch.allocations:
+            await allocator.send(Allocate(batch))
+            result = await kv_results.receive()
+        else:
+            result = KVResult(block_tables=(), num_cached_tokens=(), budget=scheduler.statistics().kv)
+        plan = scheduler.finalize(batch, result)
+        if self._has_room():
+            self._room.set()
+        return plan
+
+    def _process(self, plan: SchedulerOutput, reply: StepDone | StepFailed) -> list[RequestOutput]:
+        if isinstance(reply, StepFailed):
+            error = reply.error
+            message = f"the model step failed: {type(error).__name__}: {error}"
+            for request_id in {self.core.parent_of(c.request.request_id) for c in plan.chunks}:
+                route = self._routes.get(request_id)
+                if route is not None:
+                    self._send(route, Failed(request_id, RequestFailed(message, request_id=request_id)))
+                    self._close_route(route, outcome="failed")
+                self.core.abort(request_id, FinishReason.ERROR, release=False)
+                self._release_needed = True
+            return self.core.process_output(plan, _NO_OUTPUT)
+        now = trio.current_time()
+        # Decode chunks compute the token sampled last step; the rest is prefill.
+        decodes = sum(1 for c in plan.chunks if c.num_tokens == 1 and c.start >= c.request.num_prompt_tokens)
+        self._prompt_rate.add(now, plan.num_batched_tokens - decodes)
+        self._generation_rate.add(now, len(reply.output.sampled))
+        self._total_prompt += plan.num_batched_tokens - decodes
+        self._total_generation += len(reply.output.sampled)
+        return self.core.process_output(plan, reply.output)
+
+    # -- admission ----------------------------------------------------------------
+
+    def _admit(self, message: AddRequest) -> None:
+        reason = self._pending_aborts.pop(message.request_id, None) or self._abort_all
+        if reason is None and message.deadline is not None and message.deadline <= trio.current_time():
+            reason = FinishReason.DEADLINE
+        if not self.admission.num_queued:
+            self._pending_aborts.clear()  # nothing else queued: the rest are stale
+        route = _Route(message.request_id, message.outputs, message.params.n)
+        self._routes[message.request_id] = route
+        if reason is not None:
+            # Dropped before any compute was spent on it.
+            for index in range(message.params.n):
+                self._send(route, self._dropped(message, index, reason))
+            self._close_route(route, outcome=self._outcome({reason}))
+            return
+        try:
+            self.core.add_request(
+                message.request_id,
+                list(message.prompt_token_ids),
+                message.params,
+                priority=message.priority,
+                arrival_time=message.arrival_time,
+            )
+        except InvalidRequestError as exc:
+            self._send(route, Failed(message.request_id, exc))
+            self._close_route(route, outcome="failed")
+            return
+        if message.deadline is not None:
+            heapq.heappush(self._deadlines, (message.deadline, next(self._order), route))
+        self._wakeup.set()
+
+    @staticmethod
+    def _dropped(message: AddRequest, index: int, reason: FinishReason) -> RequestOutput:
+        return final_output(
+            message.request_id,
+            index,
+            reason,
+            num_prompt_tokens=message.num_tokens,
+            arrival_time=message.arrival_time,
+        )
+
+    # -- step boundary: control, deadlines, pauses ----------------------------------
+
+    def _apply_control(self) -> None:
+        control, self._control = self._control, []
+        for message in control:
+            if isinstance(message, Abort):
+                self._abort(message.request_id, message.reason)
+            elif isinstance(message, Resume):
+                route = self._routes.get(message.request_id)
+                if route is not None and route.pause_pending:
+                    route.pause_pending = False
+                elif route is not None and route.paused:
+                    route.paused = False
+                    self._num_paused -= 1
+                    self.core.resume(route.request_id)
+            elif isinstance(message, AbortAll):
+                self._abort_all = message.reason
+                for request_id in list(self._routes):
+                    self._abort(request_id, message.reason)
+        if self._deadlines:
+            now = trio.current_time()
+            while self._deadlines and self._deadlines[0][0] <= now:
+                _, _, route = heapq.heappop(self._deadlines)
+                if self._routes.get(route.request_id) is route:
+                    self._abort(route.request_id, FinishReason.DEADLINE)
+        for route in self._routes.values():
+            if route.pause_pending:
+                route.pause_pending = False
+                if self.core.pause(route.request_id):
+                    route.paused = True
+                    self._num_paused += 1
+                    self._release_needed = True
+
+    def _abort(self, request_id: str, reason: FinishReason) -> None:
+        route = self._routes.get(request_id)
+        if route is None:
+            # Still in the admission queue (or being handed to the admission
+            # loop): drop it when it is taken. Otherwise it is stale.
+            in_transit = self._receiving and not self.admission.receiver_parked
+            if self.admission.num_queued or in_transit:
+                self._pending_aborts[request_id] = reason
+            return
+        if self.core.abort(request_id, reason, release=False):
+            self._release_needed = True
+            if route.paused:
+                route.paused = False
+                self._num_paused -= 1
+
+    # -- delivery -----------------------------------------------------------------
+
+    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            route = self._routes.get(output.request_id)
+            if route is None:
+                continue
+            self._send(route, output)
+            if output.finish_reason is not None:
+                route.reasons[output.index] = output.finish_reason
+                if len(route.reasons) == route.num_completions:
+                    self._close_route(route, outcome=self._outcome(set(route.reasons.values())))
+                    continue
+            if route.broken:
+                # The reader is gone without an abort reaching us (it raced
+                # the admission): end the request here.
+                self._control.append(Abort(route.request_id))
+            elif (
+                not route.paused
+                and not route.pause_pending
+                and route.outputs.statistics().current_buffer_used >= self.max_buffered_outputs
+            ):
+                route.pause_pending = True
+                self._send(route, Paused(route.request_id))
+
+    def _send(self, route: _Route, message: Any) -> None:
+        if route.broken:
+            return
+        try:
+            route.outputs.send_nowait(message)
+        except trio.BrokenResourceError:
+            route.broken = True
+        # trio.WouldBlock cannot happen (request.output_capacity); if it did,
+        # it is a bug and tears the engine down.
+
+    @staticmethod
+    def _outcome(reasons: set[FinishReason]) -> str:
+        if FinishReason.ERROR in reasons:
+            return "failed"
+        if FinishReason.DEADLINE in reasons:
+            return "deadline"
+        if FinishReason.ABORT in reasons:
+            return "aborted"
+        return "finished"
+
+    def _close_route(self, route: _Route, *, outcome: str) -> None:
+        route.outputs.close()
+        del self._routes[route.request_id]
+        if route.paused:
+            self._num_paused -= 1
+        self._counts[outcome] += 1
+        self._request_rate.add(trio.current_time(), 1)
+        self._room.set()
+        self._on_forget(route.request_id)
+
+    # -- statistics ---------------------------------------------------------------
+
+    @property
+    def num_live(self) -> int:
+        return len(self._routes)
+
+    def statistics(self) -> SchedulerActorStatistics:
+        now = trio.current_time()
+        core = self.core.scheduler.statistics()
+        return SchedulerActorStatistics(
+            num_waiting=core.num_waiting,
+            num_running=core.num_running,
+            num_paused=self._num_paused,
+            num_live=len(self._routes),
+            num_steps=self._num_steps,
+            num_preemptions=core.num_preemptions,
+            num_finished=self._counts["finished"],
+            num_aborted=self._counts["aborted"],
+            num_deadline_exceeded=self._counts["deadline"],
+            num_failed=self._counts["failed"],
+            prompt_tokens_per_s=self._prompt_rate.rate(now),
+            generation_tokens_per_s=self._generation_rate.rate(now),
+            requests_per_s=self._request_rate.rate(now),
+            total_prompt_tokens=self._total_prompt,
+            total_generation_tokens=self._total_generation,
+        )
+
+    def completion_rate(self) -> float:
+        return self._request_rate.rate(trio.current_time())

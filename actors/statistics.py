@@ -1,0 +1,138 @@
+"""Statistics values of each actor and of the whole engine (frozen attrs),
+and the sliding-window rate meter behind the throughput figures."""
+
+from __future__ import annotations
+
+import collections
+
+import attrs
+
+
+@attrs.frozen
+class AllocatorStatistics:
+    """The KV pool as of the allocator's last batch."""
+
+    num_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    prefix_cache_queries: int  # tokens looked up, cumulative
+    prefix_cache_hits: int  # of those, tokens found
+    num_evictions: int
+    num_batches: int  # round trips served
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def kv_usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+@attrs.frozen
+class ExecutorStatistics:
+    num_steps: int
+    num_failed_steps: int
+    busy_seconds: float  # summed wall time of the steps
+    last_step_seconds: float
+    step_in_flight: bool
+
+
+@attrs.frozen
+class SchedulerActorStatistics:
+    """The scheduler actor's view: its queues, outcomes and throughput."""
+
+    num_waiting: int  # admitted, waiting to be scheduled (new or preempted)
+    num_running: int
+    num_paused: int  # preempted because their reader fell behind
+    num_live: int  # requests the scheduler actor holds (incl. finished, not yet delivered)
+    num_steps: int
+    num_preemptions: int
+    num_finished: int  # by a finish reason of the model: stop or length
+    num_aborted: int
+    num_deadline_exceeded: int
+    num_failed: int  # by a failed step or an invalid request
+    prompt_tokens_per_s: float  # over the last ``window`` seconds
+    generation_tokens_per_s: float
+    requests_per_s: float  # completions of any kind
+    total_prompt_tokens: int
+    total_generation_tokens: int
+
+
+@attrs.frozen
+class EngineStatistics:
+    """What ``Engine.statistics()`` reports."""
+
+    num_queued: int  # in the admission queue, not yet taken by the scheduler
+    num_queued_tokens: int
+    num_waiting_to_queue: int  # generate() calls blocked on a full queue
+    max_queued_requests: int
+    max_queued_tokens: int | None
+    num_refused: int  # generate_nowait calls refused with EngineOverloaded
+    scheduler: SchedulerActorStatistics
+    allocator: AllocatorStatistics
+    executor: ExecutorStatistics
+
+    # The headline figures, flattened.
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def kv_usage(self) -> float:
+        return self.allocator.kv_usage
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.allocator.prefix_cache_hit_rate
+
+    @property
+    def generation_tokens_per_s(self) -> float:
+        return self.scheduler.generation_tokens_per_s
+
+    @property
+    def prompt_tokens_per_s(self) -> float:
+        return self.scheduler.prompt_tokens_per_s
+
+
+@attrs.define
+class RateMeter:
+    """Counts events over the last ``window`` seconds of some clock."""
+
+    window: float
+    _events: collections.deque[tuple[float, int]] = attrs.field(init=False, factory=collections.deque)
+    _total_in_window: int = attrs.field(init=False, default=0)
+    _first: float | None = attrs.field(init=False, default=None)
+
+    def __attrs_post_init__(self) -> None:
+        if self.window <= 0:
+            raise ValueError("window must be > 0")
+
+    def add(self, now: float, count: int) -> None:
+        if self._first is None:
+            self._first = now
+        if count:
+            self._events.append((now, count))
+            self._total_in_window += count
+        self._expire(now)
+
+    def rate(self, now: float) -> float:
+        """Events per second over the window (or since the first event, if
+        that is more recent)."""
+        self._expire(now)
+        if self._first is None:
+            return 0.0
+        span = min(self.window, now - self._first)
+        return self._total_in_window / span if span > 0 else 0.0
+
+    def _expire(self, now: float) -> None:
+        while self._events and self._events[0][0] <= now - self.window:
+            self._total_in_window -= self._events.popleft()[1]
