@@ -1,0 +1,33 @@
+"""trioserve's actor engine: request, scheduler, executor and cache-allocator
+actors on trio, talking over bounded memory channels.
+
+    async with open_engine(config) as engine:
+        async for out in engine.generate("Hello", SamplingParams(max_tokens=32)):
+            print(out.text_delta, end="")
+
+See docs/architecture.md for the actors, their channels and the semantics of
+backpressure, deadlines, cancellation, priorities and faults.
+"""
+
+from .engine import Engine, RequestStream, open_engine
+from .errors import DuplicateRequestError, EngineClosed, EngineError, EngineOverloaded, RequestFailed
+from .executor import Executor, FakeExecutor, ModelExecutor
+from .statistics import AllocatorStatistics, EngineStatistics, ExecutorStatistics, SchedulerActorStatistics
+
+__all__ = [
+    "AllocatorStatistics",
+    "DuplicateRequestError",
+    "Engine",
+    "EngineClosed",
+    "EngineError",
+    "EngineOverloaded",
+    "EngineStatistics",
+    "Executor",
+    "ExecutorStatistics",
+    "FakeExecutor",
+    "ModelExecutor",
+    "RequestFailed",
+    "RequestStream",
+    "SchedulerActorStatistics",
+    "open_engine",
+]

@@ -365,6 +365,7 @@ async def open_engine(
     else:
         core = await trio.to_thread.run_sync(EngineCore, loaded, config)
     core.scheduler.aging_interval = priority_aging_steps
+    core.release_in_process = False  # the allocator actor owns the pool
     admission = AdmissionQueue(config.max_queued_requests, config.max_queued_tokens)
     allocator = AllocatorActor(core.block_manager)
     executor_actor = ModelExecutor(core.runner) if executor is None else executor(core)
@@ -390,6 +391,7 @@ async def open_engine(
         try:
             yield engine
         except BaseException:
+            admission.close()
             nursery.cancel_scope.cancel()
             raise
         await engine._shutdown(shutdown_timeout)

@@ -27,7 +27,7 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import attrs
 import trio
@@ -195,9 +195,10 @@ class SchedulerActor:
         self._num_steps = 0
         self._num_paused = 0
         self._counts = {"finished": 0, "aborted": 0, "deadline": 0, "failed": 0}
-        self._prompt_rate = RateMeter(rate_window)
-        self._generation_rate = RateMeter(rate_window)
-        self._request_rate = RateMeter(rate_window)
+        now = trio.current_time()
+        self._prompt_rate = RateMeter(rate_window, now)
+        self._generation_rate = RateMeter(rate_window, now)
+        self._request_rate = RateMeter(rate_window, now)
         self._total_prompt = 0
         self._total_generation = 0
 
@@ -275,9 +276,15 @@ class SchedulerActor:
             plan = await self._plan(allocator, kv_results)
             if plan.chunks:
                 self._num_steps += 1
-                await executor.send(RunStep(self._num_steps, plan, self.core.sampling_states(plan)))
-                self._deliver_all(pending)
-                pending = self._process(plan, await step_results.receive())
+                try:
+                    await executor.send(RunStep(self._num_steps, plan, self.core.sampling_states(plan)))
+                    self._deliver_all(pending)
+                    reply = await step_results.receive()
+                except (trio.EndOfChannel, trio.BrokenResourceError):
+                    await self._lost("executor")
+                pending = self._process(plan, reply)
+                if any(output.finish_reason is not None for output in pending):
+                    self._release_needed = True  # their blocks go back with the next batch
             else:
                 self._deliver_all(pending)
                 pending = self.core.process_output(plan, _NO_OUTPUT)
@@ -288,6 +295,14 @@ class SchedulerActor:
                     pending = []
                     await self._wait_for_news()
             await trio.lowlevel.checkpoint()
+
+    @staticmethod
+    async def _lost(actor: str) -> NoReturn:
+        # A crashed actor closes its channels as it unwinds, and its
+        # exception then cancels the engine's nursery: this checkpoint
+        # delivers that cancel, so the crash is the one error reported.
+        await trio.lowlevel.checkpoint()
+        raise RuntimeError(f"the {actor} actor ended while the scheduler needed it")
 
     async def _wait_for_news(self) -> None:
         """Sleep until a message arrives, a request is admitted or the
@@ -308,8 +323,11 @@ class SchedulerActor:
         batch = scheduler.propose()
         self._release_needed = False
         if batch.commits or batch.frees or batch.allocations:
-            await allocator.send(Allocate(batch))
-            result = await kv_results.receive()
+            try:
+                await allocator.send(Allocate(batch))
+                result = await kv_results.receive()
+            except (trio.EndOfChannel, trio.BrokenResourceError):
+                await self._lost("allocator")
         else:
             result = KVResult(block_tables=(), num_cached_tokens=(), budget=scheduler.statistics().kv)
         plan = scheduler.finalize(batch, result)
@@ -326,7 +344,7 @@ class SchedulerActor:
                 if route is not None:
                     self._send(route, Failed(request_id, RequestFailed(message, request_id=request_id)))
                     self._close_route(route, outcome="failed")
-                self.core.abort(request_id, FinishReason.ERROR, release=False)
+                self.core.abort(request_id, FinishReason.ERROR)
                 self._release_needed = True
             return self.core.process_output(plan, _NO_OUTPUT)
         now = trio.current_time()
@@ -422,7 +440,7 @@ class SchedulerActor:
             if self.admission.num_queued or in_transit:
                 self._pending_aborts[request_id] = reason
             return
-        if self.core.abort(request_id, reason, release=False):
+        if self.core.abort(request_id, reason):
             self._release_needed = True
             if route.paused:
                 route.paused = False

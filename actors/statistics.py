@@ -108,29 +108,25 @@ class RateMeter:
     """Counts events over the last ``window`` seconds of some clock."""
 
     window: float
+    start: float  # when counting began
     _events: collections.deque[tuple[float, int]] = attrs.field(init=False, factory=collections.deque)
     _total_in_window: int = attrs.field(init=False, default=0)
-    _first: float | None = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
         if self.window <= 0:
             raise ValueError("window must be > 0")
 
     def add(self, now: float, count: int) -> None:
-        if self._first is None:
-            self._first = now
         if count:
             self._events.append((now, count))
             self._total_in_window += count
         self._expire(now)
 
     def rate(self, now: float) -> float:
-        """Events per second over the window (or since the first event, if
-        that is more recent)."""
+        """Events per second over the window (or since ``start``, if that
+        is more recent)."""
         self._expire(now)
-        if self._first is None:
-            return 0.0
-        span = min(self.window, now - self._first)
+        span = min(self.window, now - self.start)
         return self._total_in_window / span if span > 0 else 0.0
 
     def _expire(self, now: float) -> None:

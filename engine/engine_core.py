@@ -101,6 +101,10 @@ class EngineCore:
         self.block_manager = BlockManager(
             num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
         )
+        # True: abort() and process_output() return finished requests' blocks
+        # to block_manager at once. The actors set it False: the allocator
+        # actor owns the pool and every change reaches it in the next batch.
+        self.release_in_process = True
         self.scheduler = Scheduler(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -212,12 +216,8 @@ class EngineCore:
         self._children[request_id] = tuple(r.request_id for r in children)
         return list(prompt_ids)
 
-    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT, *, release: bool = True) -> bool:
-        """End a request (all its completions) now; its KV blocks are freed before the next step runs.
-
-        ``release=False`` leaves the frees to the next plan's batch (the
-        actors send every batch through the allocator actor, which owns the
-        pool)."""
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
+        """End a request (all its completions) now; its KV blocks are freed before the next step runs."""
         children = self._children.get(request_id)
         if children is None:
             return False
@@ -229,7 +229,7 @@ class EngineCore:
             held.status, held.finish_reason = RequestStatus.FINISHED, reason
             self._ended.append(held)
             found = True
-        if found and release:
+        if found and self.release_in_process:
             # Give the blocks back now rather than with the next plan; the
             # final outputs still go out with the next step.
             self._ended.extend(self.scheduler.free_finished(self.block_manager))
@@ -309,7 +309,7 @@ class EngineCore:
                 outputs.append(self._final_output(completion, (token_id,), delta.text, logprobs, now, delta.stop_str))
             else:
                 outputs.append(self._output(completion, (token_id,), delta.text, logprobs, None, None, now))
-        if finished:
+        if finished and self.release_in_process:
             # Return finished requests' blocks now, so an idle engine holds none.
             self._ended.extend(r for r in self.scheduler.free_finished(self.block_manager) if r.request_id in self._completions)
         return outputs

@@ -31,6 +31,21 @@ is never refused. An admission is planned as if nothing were cached (an upper
 bound on its cost), and the first admission beyond that estimate is still
 sent, since its hit may make it fit.
 
+4. A waiting request that does not fit may preempt running requests of a
+   strictly lower (effective) priority, lowest first, when preempting them
+   all would make room for it (its cost estimated without its prefix hit).
+   Equal priorities never preempt each other, so arrival order holds.
+5. Aging (``aging_interval``, in steps; None: off): a request's effective
+   priority is its ``priority`` minus one for every ``aging_interval`` steps
+   since its admission, running or waiting, preempted or not. So a
+   low-priority request waits at most ``aging_interval`` steps per level of
+   difference before it outranks every newer arrival: it cannot starve, and
+   once it runs, newer arrivals of the old level cannot preempt it.
+6. ``pause(request_id)`` preempts a request by recompute (its output kept,
+   its computed full blocks committed to the prefix cache) and keeps it out
+   of scheduling until ``resume(request_id)``; the actors use it for a
+   reader that fell behind.
+
 No deadlock: a request's context is capped at what the whole pool holds
 (``min(max_model_len, num_blocks * block_size)``; it finishes with ``LENGTH``
 there), and admission refuses a prompt beyond that cap. So the
@@ -104,6 +119,7 @@ class SchedulerStatistics:
     num_running: int
     num_preemptions: int  # since start
     kv: KVBudget  # the pool as of the last batch
+    num_paused: int = 0  # out of scheduling until resumed
 
     @property
     def kv_usage(self) -> float:
@@ -117,10 +133,6 @@ class _InFlight:
     finished: tuple[Request, ...]
 
 
-def _priority_key(request: Request) -> tuple[int, int]:
-    return (request.priority, request.arrival_index)
-
-
 @attrs.define
 class Scheduler:
     """Continuous batching over a KV pool of ``num_blocks`` x ``block_size``."""
@@ -131,7 +143,8 @@ class Scheduler:
     num_blocks: int = attrs.field(kw_only=True)
     block_size: int = attrs.field(kw_only=True)
     _requests: dict[str, Request] = attrs.field(init=False, factory=dict)  # unfinished
-    _waiting: list[Request] = attrs.field(init=False, factory=list)  # sorted by _priority_key
+    aging_interval: int | None = attrs.field(default=None, kw_only=True)
+    _waiting: list[Request] = attrs.field(init=False, factory=list)  # sorted by _key
     _running: list[Request] = attrs.field(init=False, factory=list)
     # The pool's block tables as this scheduler knows them: running requests
     # plus finished or preempted ones whose free is not sent yet.
@@ -144,11 +157,20 @@ class Scheduler:
     _in_flight: _InFlight | None = attrs.field(init=False, default=None)
     _next_arrival: int = attrs.field(init=False, default=0)
     _num_preemptions: int = attrs.field(init=False, default=0)
+    _num_steps: int = attrs.field(init=False, default=0)
+    _admitted_step: dict[str, int] = attrs.field(init=False, factory=dict)  # for aging
+    _paused: dict[str, Request] = attrs.field(init=False, factory=dict)
+    # What pause() owes the pool, sent with the next batch.
+    _pause_commits: list[KVCommit] = attrs.field(init=False, factory=list)
+    _pause_frees: list[str] = attrs.field(init=False, factory=list)
+    _pause_freed_blocks: int = attrs.field(init=False, default=0)
 
     def __attrs_post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_blocks", "block_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.aging_interval is not None and self.aging_interval <= 0:
+            raise ValueError(f"aging_interval must be > 0 or None, got {self.aging_interval!r}")
         self._budget = KVBudget(
             num_blocks=self.num_blocks,
             num_free_blocks=self.num_blocks,
@@ -205,7 +227,8 @@ class Scheduler:
         self._next_arrival += 1
         request.status = RequestStatus.WAITING
         self._requests[request.request_id] = request
-        bisect.insort(self._waiting, request, key=_priority_key)
+        self._admitted_step[request.request_id] = self._num_steps
+        bisect.insort(self._waiting, request, key=self._key)
 
     def get_request(self, request_id: str) -> Request | None:
         """The unfinished request with this id, or None."""
@@ -242,10 +265,13 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self._requests[request.request_id]
+        self._admitted_step.pop(request.request_id, None)
         if request in self._running:
             self._running.remove(request)
         elif request in self._waiting:
             self._waiting.remove(request)
+        else:
+            self._paused.pop(request.request_id, None)
         self._to_free[request.request_id] = request
         self._finished.append(request)
 
@@ -277,6 +303,9 @@ class Scheduler:
         """Decide this step's work and preemptions; return the pool's batch.
         Must be followed by ``finalize`` with the pool's answer."""
         self._check_not_in_flight()
+        self._num_steps += 1
+        if self.aging_interval:
+            self._waiting.sort(key=self._key)  # effective priorities moved on
         commits, frees, num_freed = self._release_pending()
         free = self._budget.num_free_blocks + num_freed
         token_budget = self.max_num_batched_tokens
@@ -285,7 +314,7 @@ class Scheduler:
 
         decodes = [r for r in self._running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in self._running if r.num_tokens - r.num_computed_tokens > 1]
-        for request in sorted(decodes, key=_priority_key) + sorted(prefills, key=_priority_key):
+        for request in sorted(decodes, key=self._key) + sorted(prefills, key=self._key):
             if token_budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:
@@ -293,7 +322,7 @@ class Scheduler:
             num_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
             num_blocks = max(0, self._blocks_for(request.num_computed_tokens + num_tokens) - len(request.block_ids))
             while num_blocks > free and request.status is RequestStatus.RUNNING:
-                victim = max(self._running, key=_priority_key)
+                victim = max(self._running, key=self._key)
                 undone_tokens, undone_blocks = planned.pop(victim.request_id, (0, 0))
                 token_budget += undone_tokens
                 free += undone_blocks + self._preempt(victim)
@@ -304,24 +333,42 @@ class Scheduler:
                 free -= num_blocks
                 token_budget -= num_tokens
 
-        allocations = [
-            KVAllocation(rid, self._requests[rid].num_computed_tokens, num_tokens)
-            for rid, (num_tokens, _) in planned.items()
-        ]
+        admissions: list[KVAllocation] = []
         num_seqs = len(self._running)
         if not preempted:
-            for request in self._waiting:
+            for request in list(self._waiting):  # a snapshot: preemption below inserts
                 if num_seqs >= self.max_num_seqs or token_budget == 0:
                     break
                 num_tokens = min(request.num_tokens, token_budget)
-                allocations.append(KVAllocation(request.request_id, 0, num_tokens, request.all_token_ids))
+                needed = self._blocks_for(num_tokens)
+                if needed > free:
+                    # Preempt strictly lower priorities, lowest first, if
+                    # preempting all of them would make room.
+                    level = self._key(request)[0]
+                    victims = sorted((r for r in self._running if self._key(r)[0] > level), key=self._key, reverse=True)
+                    reclaimable = sum(self._sole_blocks(v) + planned.get(v.request_id, (0, 0))[1] for v in victims)
+                    for victim in victims if free + reclaimable >= needed else ():
+                        if free >= needed:
+                            break
+                        undone_tokens, undone_blocks = planned.pop(victim.request_id, (0, 0))
+                        token_budget += undone_tokens
+                        free += undone_blocks + self._preempt(victim)
+                        frees.append(victim.request_id)
+                        preempted.append(victim.request_id)
+                        num_seqs -= 1
+                    num_tokens = min(request.num_tokens, token_budget)
+                admissions.append(KVAllocation(request.request_id, 0, num_tokens, request.all_token_ids))
                 num_seqs += 1
                 token_budget -= num_tokens
                 free -= self._blocks_for(num_tokens)
                 if free < 0:
                     break  # the pool decides whether its prefix hit makes it fit
 
-        batch = KVBatch(commits=commits, frees=frees, allocations=allocations)
+        allocations = [
+            KVAllocation(rid, self._requests[rid].num_computed_tokens, num_tokens)
+            for rid, (num_tokens, _) in planned.items()
+        ]
+        batch = KVBatch(commits=commits, frees=frees, allocations=allocations + admissions)
         self._in_flight = _InFlight(batch, tuple(preempted), self._take_finished())
         return batch
 
@@ -432,14 +479,68 @@ class Scheduler:
         return KVCommit(request.request_id, request.all_token_ids[done:full])
 
     def _release_pending(self) -> tuple[list[KVCommit], list[str], int]:
-        """Commits for every holder, frees for finished ones, and how many
-        blocks those frees return to the pool."""
+        """Commits for every holder, frees for finished and paused ones, and
+        how many blocks those frees return to the pool."""
         holders: Iterable[Request] = [*self._running, *self._to_free.values()]
-        commits = [c for c in map(self._commit_for, holders) if c is not None]
-        frees = list(self._to_free)
-        num_freed = sum(self._drop_table(rid) for rid in frees)
+        commits = self._pause_commits + [c for c in map(self._commit_for, holders) if c is not None]
+        frees = list(dict.fromkeys([*self._pause_frees, *self._to_free]))
+        num_freed = self._pause_freed_blocks + sum(self._drop_table(rid) for rid in self._to_free)
         self._to_free.clear()
+        self._pause_commits, self._pause_frees, self._pause_freed_blocks = [], [], 0
         return commits, frees, num_freed
+
+    def _key(self, request: Request) -> tuple[int, int]:
+        """(effective priority, arrival): lower runs first and is preempted
+        last. Aging takes one level off per ``aging_interval`` steps since
+        admission."""
+        if not self.aging_interval:
+            return (request.priority, request.arrival_index)
+        age = self._num_steps - self._admitted_step.get(request.request_id, self._num_steps)
+        return (request.priority - age // self.aging_interval, request.arrival_index)
+
+    def _sole_blocks(self, request: Request) -> int:
+        """Blocks only this request holds (what preempting it frees)."""
+        return sum(1 for block_id in self._tables.get(request.request_id, ()) if self._refs[block_id] == 1)
+
+    # -- pausing ----------------------------------------------------------------
+
+    def pause(self, request_id: str) -> bool:
+        """Preempt an unfinished request by recompute and skip it until
+        ``resume``; its output is kept and its computed full blocks are
+        committed to the prefix cache with the next batch, which also frees
+        its blocks. False if it is not unfinished or already paused."""
+        self._check_not_in_flight()
+        request = self._requests.get(request_id)
+        if request is None or request_id in self._paused:
+            return False
+        if request.status is RequestStatus.RUNNING:
+            commit = self._commit_for(request)
+            if commit is not None:
+                self._pause_commits.append(commit)
+            self._running.remove(request)
+            self._pause_freed_blocks += self._drop_table(request_id)
+            self._pause_frees.append(request_id)
+            request.status = RequestStatus.PREEMPTED
+            request.num_computed_tokens = 0
+            request.block_ids = []
+            request.num_preemptions += 1
+            self._num_preemptions += 1
+        else:
+            self._waiting.remove(request)
+        self._paused[request_id] = request
+        return True
+
+    def resume(self, request_id: str) -> bool:
+        """Let a paused request be scheduled again; False if not paused."""
+        request = self._paused.pop(request_id, None)
+        if request is None:
+            return False
+        bisect.insort(self._waiting, request, key=self._key)
+        return True
+
+    @property
+    def num_paused(self) -> int:
+        return len(self._paused)
 
     def _preempt(self, request: Request) -> int:
         """Preempt by recompute; return the blocks that become free."""
@@ -450,7 +551,7 @@ class Scheduler:
         request.block_ids = []
         request.num_preemptions += 1
         self._num_preemptions += 1
-        bisect.insort(self._waiting, request, key=_priority_key)
+        bisect.insort(self._waiting, request, key=self._key)
         return num_freed
 
     def _set_table(self, request_id: str, table: tuple[int, ...]) -> None:
@@ -482,6 +583,7 @@ class Scheduler:
             num_running=len(self._running),
             num_preemptions=self._num_preemptions,
             kv=self._budget,
+            num_paused=len(self._paused),
         )
 
     def check_invariants(self) -> None:
@@ -491,11 +593,12 @@ class Scheduler:
             raise AssertionError("a batch is in flight")
         if len(self._running) > self.max_num_seqs:
             raise AssertionError(f"{len(self._running)} running requests exceed max_num_seqs ({self.max_num_seqs})")
-        if [_priority_key(r) for r in self._waiting] != sorted(_priority_key(r) for r in self._waiting):
+        if [self._key(r) for r in self._waiting] != sorted(self._key(r) for r in self._waiting):
             raise AssertionError("the waiting queue is out of (priority, arrival) order")
-        if {r.request_id for r in self._running} | {r.request_id for r in self._waiting} != set(self._requests):
-            raise AssertionError("the running and waiting queues do not hold exactly the unfinished requests")
-        for request in self._waiting:
+        queued = {r.request_id for r in self._running} | {r.request_id for r in self._waiting} | set(self._paused)
+        if queued != set(self._requests):
+            raise AssertionError("the running, waiting and paused requests are not exactly the unfinished ones")
+        for request in [*self._waiting, *self._paused.values()]:
             if request.block_ids or request.num_computed_tokens or request.request_id in self._tables:
                 raise AssertionError(f"waiting request {request.request_id!r} holds blocks or computed tokens")
         for request in self._running:

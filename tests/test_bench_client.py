@@ -7,7 +7,6 @@ every timing the client measures is exact.
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import math
@@ -30,7 +29,6 @@ from trioserve.web.bench import (
     RequestOutput,
     SampleRequest,
     Target,
-    add_bench_serve_parser,
     arrival_offsets,
     bench_serve,
     calculate_metrics,
@@ -550,9 +548,9 @@ async def test_warmups_are_excluded_and_precede_the_cache_reading(fake, autojump
 
 
 def parse(argv):
-    parser = argparse.ArgumentParser(prog="trioserve")
-    add_bench_serve_parser(parser.add_subparsers(dest="command", required=True))
-    return parser.parse_args(["bench", "serve", *argv])
+    from trioserve.web.cli import build_parser
+
+    return build_parser().parse_args(["bench", "serve", *argv])
 
 
 async def test_cli_sweep_writes_json_table_and_plots(fake, tmp_path, tiny_tokenizer_path, capsys, autojump_clock):

@@ -78,8 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     from trioserve.web.bench.cli import add_bench_serve_parser
+    from trioserve.web.bench.offline import add_bench_offline_parser
 
-    add_bench_serve_parser(commands)
+    bench = commands.add_parser("bench", help="benchmarks: a running server, or the engine offline")
+    bench_commands = bench.add_subparsers(dest="bench_command", required=True)
+    add_bench_serve_parser(bench_commands)
+    add_bench_offline_parser(bench_commands)
     return parser
 
 

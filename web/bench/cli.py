@@ -45,11 +45,9 @@ def _concurrency_list(text: str) -> list[int]:
     return values
 
 
-def add_bench_serve_parser(subparsers) -> argparse.ArgumentParser:
-    """Add ``bench`` (with its ``serve`` command) to the top-level
-    subparsers; ``args.func`` is set to :func:`run_bench_serve`."""
-    bench = subparsers.add_parser("bench", help="benchmark a running server")
-    commands = bench.add_subparsers(dest="bench_command", required=True)
+def add_bench_serve_parser(commands) -> argparse.ArgumentParser:
+    """Add the ``serve`` command to the ``bench`` group's subparsers;
+    ``args.func`` is set to :func:`run_bench_serve`."""
     p = commands.add_parser(
         "serve",
         help="load an OpenAI-compatible server and report throughput and latency",

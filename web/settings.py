@@ -1,0 +1,129 @@
+"""The server's configuration: which models to serve, and how.
+
+``ServerConfig`` holds one ``EngineConfig`` (shared by every served model,
+each taking its own ``model`` path) plus the HTTP side: API key, request
+deadline cap, body size limit and shutdown timeout. ``trioserve serve``
+builds it from its options; ``ServerConfig.from_env`` builds the same from
+``TRIOSERVE_*`` environment variables, for
+``hypercorn --worker-class trio 'trioserve.web.app:create_app()'``.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from collections.abc import Mapping
+from pathlib import Path
+
+import attrs
+
+from trioserve.engine.config import EngineConfig
+from trioserve.engine.loader import DEFAULT_MODEL_NAME
+
+DEFAULT_MAX_BODY_SIZE = 1 << 20
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0
+ENV_PREFIX = "TRIOSERVE_"
+
+
+@attrs.frozen
+class ModelSpec:
+    """One served model: ``name`` is what requests put in ``model``, ``path``
+    what the loader reads (None: the default model)."""
+
+    name: str
+    path: str | None
+
+    @classmethod
+    def parse(cls, text: str) -> ModelSpec:
+        """``NAME=PATH``, or just ``PATH`` (named as the loader names it)."""
+        name, sep, path = text.partition("=")
+        if sep:
+            if not name or not path:
+                raise ValueError(f"expected NAME=PATH with both parts, got {text!r}")
+            return cls(name, None if path.lower() == DEFAULT_MODEL_NAME.lower() else path)
+        return cls.from_path(text)
+
+    @classmethod
+    def from_path(cls, path: str | None) -> ModelSpec:
+        """The spec the loader would name: the default model's name, a
+        file's stem, or a folder's name."""
+        if path is None or path.lower() == DEFAULT_MODEL_NAME.lower():
+            return cls(DEFAULT_MODEL_NAME, None)
+        source = Path(path).expanduser()
+        return cls(source.stem if source.is_file() else source.resolve().name, path)
+
+
+def _positive(instance: object, attribute: attrs.Attribute, value: float | None) -> None:
+    if value is not None and not value > 0:
+        raise ValueError(f"{attribute.name} must be > 0, got {value!r}")
+
+
+def _unique_names(instance: object, attribute: attrs.Attribute, value: tuple[ModelSpec, ...]) -> None:
+    if not value:
+        raise ValueError("models must name at least one model")
+    names = [spec.name for spec in value]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"model names must be unique; {', '.join(map(repr, duplicates))} given twice")
+
+
+@attrs.frozen(kw_only=True)
+class ServerConfig:
+    """Everything ``create_app`` needs.
+
+    ``engine.model`` is ignored: each of ``models`` gets ``engine`` with its
+    own path. The first model answers requests that name none.
+    ``max_request_time`` caps every request's deadline (seconds; None: no
+    cap). ``shutdown_timeout`` is how long in-flight requests may run on
+    after SIGTERM before they are aborted.
+    """
+
+    engine: EngineConfig = attrs.field(factory=EngineConfig)
+    models: tuple[ModelSpec, ...] = attrs.field(
+        default=(ModelSpec(DEFAULT_MODEL_NAME, None),), converter=tuple, validator=_unique_names
+    )
+    api_key: str | None = None
+    max_request_time: float | None = attrs.field(default=None, validator=_positive)
+    shutdown_timeout: float = attrs.field(default=DEFAULT_SHUTDOWN_TIMEOUT, validator=_positive)
+    max_body_size: int = attrs.field(default=DEFAULT_MAX_BODY_SIZE, validator=_positive)
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return tuple(spec.name for spec in self.models)
+
+    def engine_config(self, spec: ModelSpec) -> EngineConfig:
+        """The engine config of one served model."""
+        return attrs.evolve(self.engine, model=spec.path)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> ServerConfig:
+        """Read ``trioserve serve``'s options from the environment.
+
+        Each option ``--some-option`` is ``TRIOSERVE_SOME_OPTION``; flags
+        take ``1``/``true``/``yes``; ``TRIOSERVE_MODEL`` may list several
+        models separated by commas. ``TRIOSERVE_ARGS`` may hold further
+        options in command-line form. ``--host`` and ``--port`` are
+        hypercorn's business there and are ignored.
+        """
+        from .cli import build_serve_parser, server_config_from_args
+
+        environ = os.environ if environ is None else environ
+        parser = build_serve_parser()
+        argv = shlex.split(environ.get(ENV_PREFIX + "ARGS", ""))
+        for action in parser._actions:
+            option = next((s for s in action.option_strings if s.startswith("--")), None)
+            if option is None or option == "--help":
+                continue
+            value = environ.get(ENV_PREFIX + option[2:].upper().replace("-", "_"))
+            if value is None:
+                continue
+            if action.nargs == 0:  # a flag
+                if value.strip().lower() in ("1", "true", "yes", "on"):
+                    argv.append(option)
+            elif action.dest == "model":
+                for item in value.split(","):
+                    if item.strip():
+                        argv += [option, item.strip()]
+            else:
+                argv += [option, value]
+        return server_config_from_args(parser.parse_args(argv))
