@@ -1,0 +1,26 @@
+"""The command line, run as a user would run it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "trioserve.web.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_generate_prints_a_greedy_continuation_of_the_chat_prompt():
+    result = run_cli("generate", "--chat", "--max-tokens", "12", "What is the capital of France?")
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+
+
+def test_a_missing_model_path_is_one_clear_error(tmp_path):
+    missing = tmp_path / "no-such-model"
+    result = run_cli("generate", "--model", str(missing), "hello")
+    assert result.returncode == 2
+    assert str(missing) in result.stderr
+    assert "Traceback" not in result.stderr
