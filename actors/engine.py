@@ -29,6 +29,7 @@ from trioserve.engine.kv_batch import KVResult
 from trioserve.engine.loader import LoadedModel
 from trioserve.engine.outputs import RequestOutput
 from trioserve.engine.sampling_params import SamplingParams
+from trioserve.engine.sequence import FinishReason
 
 from .allocator import AllocatorActor
 from .errors import DuplicateRequestError, EngineClosed
@@ -124,6 +125,8 @@ class Engine:
         self._live: dict[str, RequestActor | None] = {}
         self._orphans: collections.deque[RequestActor] = collections.deque()
         self._num_refused = 0
+        self._num_deadline_unqueued = 0
+        self._num_cancelled_unqueued = 0
 
     # -- facts the web layer needs ------------------------------------------------
 
@@ -255,11 +258,16 @@ class Engine:
         self._live[request_id] = actor
         return actor
 
-    def _on_request_closed(self, request_id: str, held: bool) -> None:
-        if held:
-            self._live[request_id] = None
+    def _on_request_closed(self, actor: RequestActor) -> None:
+        if actor.held:
+            self._live[actor.request_id] = None
         else:
-            self._live.pop(request_id, None)
+            self._live.pop(actor.request_id, None)
+        # Ended while waiting for room: the scheduler never saw it.
+        if actor.unqueued_reason is FinishReason.DEADLINE:
+            self._num_deadline_unqueued += 1
+        elif actor.unqueued_reason is not None:
+            self._num_cancelled_unqueued += 1
 
     def _on_forget(self, request_id: str) -> None:
         if request_id in self._live and self._live[request_id] is None:
@@ -292,6 +300,8 @@ class Engine:
             max_queued_requests=self._admission.max_requests,
             max_queued_tokens=self._admission.max_tokens,
             num_refused=self._num_refused,
+            num_deadline_unqueued=self._num_deadline_unqueued,
+            num_cancelled_unqueued=self._num_cancelled_unqueued,
             scheduler=self._scheduler.statistics(),
             allocator=self._allocator.statistics(),
             executor=self._executor.statistics(),

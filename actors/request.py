@@ -98,14 +98,19 @@ class _Delta:
     logprobs: list[TokenLogprobs] = attrs.field(factory=list)
     last: RequestOutput | None = None
 
+    count: int = 0
+
     def add(self, output: RequestOutput) -> None:
         self.token_ids.extend(output.new_token_ids)
         self.text.append(output.text_delta)
         self.logprobs.extend(output.logprobs)
         self.last = output
+        self.count += 1
 
     def build(self) -> RequestOutput:
         assert self.last is not None
+        if self.count == 1:
+            return self.last  # nothing to merge
         return attrs.evolve(
             self.last,
             new_token_ids=tuple(self.token_ids),
@@ -136,7 +141,7 @@ class RequestActor:
         admission: Any,
         control: trio.MemorySendChannel[Any],
         retry_after: Callable[[], float],
-        on_close: Callable[[str, bool], None],
+        on_close: Callable[[RequestActor], None],
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -158,6 +163,9 @@ class RequestActor:
         self._ended = False  # the reader has its last output
         self._engine_done = False  # the scheduler has forgotten the request
         self._closed = False
+        self.held = False  # after close(): the scheduler still holds the request
+        # Why it ended while waiting for room in the queue, if it did.
+        self.unqueued_reason: FinishReason | None = None
         self._done: set[int] = set()
         self._deltas: dict[int, _Delta] = {}
         self._last: dict[int, RequestOutput] = {}
@@ -187,11 +195,15 @@ class RequestActor:
                     await self._admission.send(self._message())
                 except (trio.ClosedResourceError, trio.BrokenResourceError):
                     raise EngineClosed("the engine is not taking requests") from None
+                except BaseException:
+                    self.unqueued_reason = FinishReason.ABORT  # cancelled while waiting for room
+                    raise
                 finally:
                     self._submit_scope = None
                 self._submitted = True
         if not self._submitted:
-            self._end_here(FinishReason.ABORT if self._abort_requested else FinishReason.DEADLINE)
+            self.unqueued_reason = FinishReason.ABORT if self._abort_requested else FinishReason.DEADLINE
+            self._end_here(self.unqueued_reason)
 
     def submit_nowait(self) -> None:
         """Queue the request now or raise ``EngineOverloaded``."""
@@ -220,11 +232,14 @@ class RequestActor:
     async def _read(self) -> None:
         messages: list[Any] = []
         end_of_channel = False
-        with trio.move_on_at(math.inf if self.deadline is None else self.deadline):
-            try:
+        try:
+            if self.deadline is None:
                 messages.append(await self._inbox.receive())
-            except trio.EndOfChannel:
-                end_of_channel = True
+            else:
+                with trio.move_on_at(self.deadline):
+                    messages.append(await self._inbox.receive())
+        except trio.EndOfChannel:
+            end_of_channel = True
         while not end_of_channel:  # take everything already buffered
             try:
                 messages.append(self._inbox.receive_nowait())
@@ -304,27 +319,30 @@ class RequestActor:
         self._send_abort(FinishReason.ABORT)
         return True
 
+    @property
+    def submitted(self) -> bool:
+        return self._submitted
+
     def close(self) -> None:
         """End the request on this side; sends the ``Abort`` unless the
         engine already finished it. Safe to call more than once.
 
-        ``on_close(request_id, held)`` follows; ``held`` says the scheduler
+        ``on_close(self)`` follows; ``held`` then says whether the scheduler
         still holds the request (its id stays reserved until it lets go)."""
         if self._closed:
             return
         self._closed = True
-        held = False
         try:
             if not self._submitted:
                 self._outputs_send.close()
             elif not self._engine_done and not self._end_is_buffered():
-                held = True
-                self._send_abort(FinishReason.DEADLINE if self._deadline_passed() else FinishReason.ABORT)
+                self.held = True
+                self._send_abort(FinishReason.DEADLINE if self.deadline_passed() else FinishReason.ABORT)
         finally:
             self._inbox.close()
-            self._on_close(self.request_id, held)
+            self._on_close(self)
 
-    def _deadline_passed(self) -> bool:
+    def deadline_passed(self) -> bool:
         return self.deadline is not None and trio.current_time() >= self.deadline
 
     def _end_is_buffered(self) -> bool:

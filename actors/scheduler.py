@@ -75,6 +75,14 @@ class AdmissionQueue:
         return self.max_tokens is None or self._tokens == 0 or self._tokens + num_tokens <= self.max_tokens
 
     async def send(self, message: AddRequest) -> None:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        try:
+            self.send_nowait(message)  # room, and nobody waiting before us
+        except trio.WouldBlock:
+            pass
+        else:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return
         async with self._fifo:
             while not self._closed and not self._fits(message.num_tokens):
                 await self._room.park()
@@ -97,7 +105,12 @@ class AdmissionQueue:
         self._tokens += message.num_tokens
 
     async def receive(self) -> AddRequest:
-        message = await self._receive.receive()
+        return self._taken(await self._receive.receive())
+
+    def receive_nowait(self) -> AddRequest:
+        return self._taken(self._receive.receive_nowait())
+
+    def _taken(self, message: AddRequest) -> AddRequest:
         self._tokens -= message.num_tokens
         self._room.unpark_all()
         return message
@@ -245,13 +258,22 @@ class SchedulerActor:
             self._receiving = True
             try:
                 message = await self.admission.receive()
+                self._receiving = False
+                self._admit(message)
+                # Take what else is queued without a checkpoint per message,
+                # so requests that arrive together start in the same step.
+                while self._has_room():
+                    try:
+                        message = self.admission.receive_nowait()
+                    except trio.WouldBlock:
+                        break
+                    self._admit(message)
             except (trio.EndOfChannel, trio.ClosedResourceError):
                 self._input_closed = True
                 self._wakeup.set()
                 return
             finally:
                 self._receiving = False
-            self._admit(message)
 
     def _has_room(self) -> bool:
         return self.core.scheduler.num_waiting < self.max_ready and len(self._routes) < self.max_live
@@ -294,7 +316,8 @@ class SchedulerActor:
                     self._deliver_all(pending)
                     pending = []
                     await self._wait_for_news()
-            await trio.lowlevel.checkpoint()
+                else:
+                    await trio.lowlevel.checkpoint()
 
     @staticmethod
     async def _lost(actor: str) -> NoReturn:

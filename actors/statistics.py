@@ -73,6 +73,9 @@ class EngineStatistics:
     max_queued_requests: int
     max_queued_tokens: int | None
     num_refused: int  # generate_nowait calls refused with EngineOverloaded
+    # Requests that ended while waiting for room in the queue (never queued):
+    num_deadline_unqueued: int  # their deadline passed
+    num_cancelled_unqueued: int  # cancelled or aborted
     scheduler: SchedulerActorStatistics
     allocator: AllocatorStatistics
     executor: ExecutorStatistics
@@ -89,6 +92,11 @@ class EngineStatistics:
     @property
     def kv_usage(self) -> float:
         return self.allocator.kv_usage
+
+    @property
+    def num_deadline_exceeded(self) -> int:
+        """Every request that ended by its deadline, queued or not."""
+        return self.scheduler.num_deadline_exceeded + self.num_deadline_unqueued
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -11,6 +11,13 @@ Keys and values are never repeated per query head (GQA): decode stacks a
 KV head's group of query heads along the query axis, prefill broadcasts each
 KV head over its group with a stride-0 view. Both run on torch's
 ``scaled_dot_product_attention``, on CPU and CUDA alike.
+
+Decode gathers each sequence's blocks into a scratch buffer and attends
+over it. On CPU the decode rows go in chunks whose gathered keys and values
+fit in the cache (``CPU_DECODE_CHUNK_BYTES``): gathering a whole batch at
+once wrote tens of MB per layer that attention then read back from memory,
+which cost more than the attention itself. Rows are sorted by context length
+so that a chunk reads little past its shortest context.
 """
 
 from __future__ import annotations
@@ -21,6 +28,10 @@ import torch.nn.functional as F
 
 from .forward_batch import ForwardBatch
 from .kv_cache import KVCache
+
+# Gathered keys plus values per decode chunk on CPU: within the last-level
+# cache, so attention reads what the gather just wrote from cache, not DRAM.
+CPU_DECODE_CHUNK_BYTES = 4 << 20
 
 
 @attrs.frozen
@@ -40,84 +51,140 @@ class PrefillPlan:
 
 
 @attrs.frozen
+class DecodeChunk:
+    """Decode rows ``start:end`` (in attention order) attended in one call."""
+
+    start: int
+    end: int
+    blocks: torch.Tensor  # [(end - start) * num_blocks] block ids, row-major
+    num_blocks: int
+    context_len: int  # the chunk's longest context; keys past it are not read
+    # [end - start, 1, 1, context_len] bool, True where a key is in the row's
+    # context; None when every row of the chunk has context_len tokens.
+    mask: torch.Tensor | None
+
+
+@attrs.frozen
 class AttentionMetadata:
     """The per-forward plan of which rows decode and which prefill.
 
-    Decode rows (query length 1) are attended in one batched call over a
-    padded ``[D, S, kv_heads, head_dim]`` gather of their blocks; prefill
-    chunks one sequence at a time.
+    Decode rows (query length 1) are taken longest context first and
+    attended in ``decode_chunks``, each one gather of its blocks into the
+    shared scratch buffers and one batched attention call; prefill chunks go
+    one sequence at a time.
     """
 
     num_tokens: int
     block_size: int
-    # Batch rows of the decode tokens; None when every token decodes, in order.
+    num_decodes: int
+    # Batch rows of the decode tokens in attention order; None when every
+    # token decodes and the order is the batch's.
     decode_token_indices: torch.Tensor | None
-    decode_blocks: torch.Tensor | None  # [D * max_blocks] block ids, row-major
-    decode_max_blocks: int
-    decode_mask: torch.Tensor | None  # [D, 1, 1, max_blocks * block_size] bool
-    # [D * max_blocks, block_size, kv_heads, head_dim] scratch for the gathered
-    # keys and values, shared by all layers: a fresh multi-MB allocation per
-    # layer costs page faults that took longer than the gather itself.
+    decode_chunks: tuple[DecodeChunk, ...]
+    # [blocks of the largest chunk, block_size, kv_heads, head_dim] scratch
+    # for the gathered keys and values, shared by all chunks and layers: a
+    # fresh multi-MB allocation per layer costs page faults.
     decode_key_buffer: torch.Tensor | None
     decode_value_buffer: torch.Tensor | None
     prefills: tuple[PrefillPlan, ...]
 
-    @property
-    def num_decodes(self) -> int:
-        return 0 if self.decode_mask is None else int(self.decode_mask.shape[0])
-
     @classmethod
-    def build(cls, batch: ForwardBatch, kv_cache: KVCache) -> AttentionMetadata:
-        """Plan ``batch`` from its host-side lengths; no device sync."""
+    def build(cls, batch: ForwardBatch, kv_cache: KVCache, *, decode_chunk_bytes: int | None = None) -> AttentionMetadata:
+        """Plan ``batch`` from its host-side lengths and tables; no device sync.
+
+        ``decode_chunk_bytes`` bounds the keys and values one decode chunk
+        gathers (a chunk holds at least one row); the default is
+        ``CPU_DECODE_CHUNK_BYTES`` on CPU and no bound elsewhere, where one
+        gather and one call for the whole batch is fastest.
+        """
         device = batch.input_ids.device
         block_size = kv_cache.block_size
-        decode_rows: list[int] = []
-        decode_tokens: list[int] = []
+        if decode_chunk_bytes is None and device.type == "cpu":
+            decode_chunk_bytes = CPU_DECODE_CHUNK_BYTES
+        decodes: list[tuple[int, int, int]] = []  # (context_len, batch row of the token, sequence)
         prefills: list[PrefillPlan] = []
         offset = 0
-        for row, (qlen, ctx) in enumerate(zip(batch.query_lens_cpu, batch.context_lens_cpu)):
+        for seq, (qlen, ctx) in enumerate(zip(batch.query_lens_cpu, batch.context_lens_cpu)):
             if qlen == 1:
-                decode_rows.append(row)
-                decode_tokens.append(offset)
+                decodes.append((ctx, offset, seq))
             else:
                 start = ctx - qlen
                 blocks = mask = None
                 if start > 0:
-                    blocks = batch.block_tables[row, : -(-ctx // block_size)]
+                    table = batch.block_tables_cpu[seq][: -(-ctx // block_size)]
+                    blocks = torch.tensor(table, dtype=torch.int64, device=device)
                     # Query i sits at position start + i and sees keys 0 .. start + i.
                     mask = torch.ones(qlen, ctx, dtype=torch.bool, device=device).tril(start)
                 prefills.append(PrefillPlan(offset, offset + qlen, blocks, ctx, mask))
             offset += qlen
-        decode_blocks = decode_mask = token_indices = key_buffer = value_buffer = None
-        max_blocks = 0
-        if decode_rows:
-            max_ctx = max(batch.context_lens_cpu[r] for r in decode_rows)
-            max_blocks = -(-max_ctx // block_size)
-            if len(decode_rows) == batch.num_seqs:
-                tables = batch.block_tables[:, :max_blocks]
-                ctx_lens = batch.context_lens
-            else:
-                rows = torch.tensor(decode_rows, dtype=torch.int64, device=device)
-                tables = batch.block_tables[rows, :max_blocks]
-                ctx_lens = batch.context_lens[rows]
-                token_indices = torch.tensor(decode_tokens, dtype=torch.int64, device=device)
-            decode_blocks = tables.reshape(-1)
-            span = torch.arange(max_blocks * block_size, device=device)
-            decode_mask = (span[None, :] < ctx_lens[:, None])[:, None, None, :]
-            shape = (decode_blocks.shape[0], *kv_cache.key.shape[2:])
+        token_indices = key_buffer = value_buffer = None
+        chunks: tuple[DecodeChunk, ...] = ()
+        if decodes:
+            # Stable: equal contexts keep the batch's order.
+            decodes.sort(key=lambda d: -d[0])
+            tokens = [d[1] for d in decodes]
+            if len(decodes) != batch.num_tokens or tokens != list(range(len(tokens))):
+                token_indices = torch.tensor(tokens, dtype=torch.int64, device=device)
+            token_bytes = 2 * kv_cache.key[0, 0, 0].numel() * kv_cache.key.element_size()
+            chunks = _plan_decode_chunks(batch, decodes, block_size, token_bytes, decode_chunk_bytes, device)
+            largest = max((c.end - c.start) * c.num_blocks for c in chunks)
+            shape = (largest, *kv_cache.key.shape[2:])
             key_buffer = kv_cache.key.new_empty(shape)
             value_buffer = kv_cache.value.new_empty(shape)
         return cls(
             num_tokens=batch.num_tokens,
             block_size=block_size,
+            num_decodes=len(decodes),
             decode_token_indices=token_indices,
-            decode_blocks=decode_blocks,
-            decode_max_blocks=max_blocks,
-            decode_mask=decode_mask,
+            decode_chunks=chunks,
             decode_key_buffer=key_buffer,
             decode_value_buffer=value_buffer,
             prefills=tuple(prefills),
         )
+
+
+def _plan_decode_chunks(
+    batch: ForwardBatch,
+    decodes: list[tuple[int, int, int]],
+    block_size: int,
+    token_bytes: int,
+    chunk_bytes: int | None,
+    device: torch.device,
+) -> tuple[DecodeChunk, ...]:
+    """Cut ``decodes`` (longest context first) into chunks of at most
+    ``chunk_bytes`` gathered bytes, each padded to its first row's blocks."""
+    bounds: list[tuple[int, int]] = []
+    start = 0
+    while start < len(decodes):
+        span = -(-decodes[start][0] // block_size) * block_size
+        rows = len(decodes) - start if chunk_bytes is None else max(1, chunk_bytes // (span * token_bytes))
+        bounds.append((start, min(start + rows, len(decodes))))
+        start = bounds[-1][1]
+    # One host-to-device copy for all chunks' block ids and context lengths.
+    flat: list[int] = []
+    for a, b in bounds:
+        num_blocks = -(-decodes[a][0] // block_size)
+        for _, _, seq in decodes[a:b]:
+            table = batch.block_tables_cpu[seq][:num_blocks]
+            # Rows shorter than the chunk's longest read any valid block past
+            # their end; the mask hides it.
+            flat.extend(table)
+            flat.extend(table[:1] * (num_blocks - len(table)))
+    all_blocks = torch.tensor(flat, dtype=torch.int64, device=device)
+    ctx_lens = torch.tensor([d[0] for d in decodes], dtype=torch.int64, device=device)
+    positions = torch.arange(decodes[0][0], device=device)
+    chunks = []
+    first_block = 0
+    for a, b in bounds:
+        context_len = decodes[a][0]
+        num_blocks = -(-context_len // block_size)
+        mask = None
+        if decodes[b - 1][0] != context_len:
+            mask = (positions[None, :context_len] < ctx_lens[a:b, None])[:, None, None, :]
+        end_block = first_block + (b - a) * num_blocks
+        chunks.append(DecodeChunk(a, b, all_blocks[first_block:end_block], num_blocks, context_len, mask))
+        first_block = end_block
+    return tuple(chunks)
 
 
 def write_kv(
@@ -154,7 +221,7 @@ def paged_attention(
     num_tokens, heads, head_dim = query.shape
     kv_heads = key_cache.shape[2]
     group = heads // kv_heads
-    if meta.num_decodes == num_tokens:
+    if meta.num_decodes == num_tokens and meta.decode_token_indices is None:
         return _decode(query, key_cache, value_cache, meta, scale).view(num_tokens, heads * head_dim)
     out = query.new_empty(num_tokens, heads * head_dim)
     if meta.num_decodes:
@@ -184,15 +251,21 @@ def paged_attention(
 def _decode(
     query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    """Batched attention of ``D`` single-token queries; returns ``[D, heads, head_dim]``."""
+    """Attention of the ``D`` single-token queries (in attention order); returns ``[D, heads, head_dim]``."""
     num_decodes, heads, head_dim = query.shape
     kv_heads = key_cache.shape[2]
-    span = meta.decode_max_blocks * meta.block_size
-    # A block-wise gather moves block_size rows per index: far cheaper than per token.
-    k = torch.index_select(key_cache, 0, meta.decode_blocks, out=meta.decode_key_buffer)
-    v = torch.index_select(value_cache, 0, meta.decode_blocks, out=meta.decode_value_buffer)
-    k = k.view(num_decodes, span, kv_heads, head_dim)
-    v = v.view(num_decodes, span, kv_heads, head_dim)
-    q = query.view(num_decodes, kv_heads, heads // kv_heads, head_dim)
-    o = F.scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=meta.decode_mask, scale=scale)
-    return o.view(num_decodes, heads, head_dim)
+    # [D, heads, d] -> [D, kv_heads, group, d]: a KV head's query heads share its keys.
+    query = query.view(num_decodes, kv_heads, heads // kv_heads, head_dim)
+    outs = []
+    for c in meta.decode_chunks:
+        rows = c.end - c.start
+        size = rows * c.num_blocks
+        # A block-wise gather moves block_size rows per index: far cheaper than per token.
+        k = torch.index_select(key_cache, 0, c.blocks, out=meta.decode_key_buffer[:size])
+        v = torch.index_select(value_cache, 0, c.blocks, out=meta.decode_value_buffer[:size])
+        # [rows, span, kv_heads, d] -> [rows, kv_heads, context_len, d], a view.
+        k = k.view(rows, -1, kv_heads, head_dim)[:, : c.context_len].transpose(1, 2)
+        v = v.view(rows, -1, kv_heads, head_dim)[:, : c.context_len].transpose(1, 2)
+        outs.append(F.scaled_dot_product_attention(query[c.start : c.end], k, v, attn_mask=c.mask, scale=scale))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    return out.view(num_decodes, heads, head_dim)

@@ -50,6 +50,7 @@ class ForwardBatch:
     # Host copies, so the attention code can plan without a device sync.
     query_lens_cpu: tuple[int, ...]
     context_lens_cpu: tuple[int, ...]
+    block_tables_cpu: tuple[tuple[int, ...], ...]  # each cut to the blocks its context needs, unpadded
 
     @property
     def num_tokens(self) -> int:
@@ -131,4 +132,5 @@ class ForwardBatch:
             logits_indices=tensor(logits_indices),
             query_lens_cpu=tuple(query_lens),
             context_lens_cpu=tuple(context_lens),
+            block_tables_cpu=tuple(map(tuple, tables)),
         )

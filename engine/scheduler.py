@@ -160,10 +160,10 @@ class Scheduler:
     _num_steps: int = attrs.field(init=False, default=0)
     _admitted_step: dict[str, int] = attrs.field(init=False, factory=dict)  # for aging
     _paused: dict[str, Request] = attrs.field(init=False, factory=dict)
-    # What pause() owes the pool, sent with the next batch.
+    # What pause() owes the pool, sent with the next batch (the tables of
+    # _pause_frees stay in _tables until then, as the pool still holds them).
     _pause_commits: list[KVCommit] = attrs.field(init=False, factory=list)
     _pause_frees: list[str] = attrs.field(init=False, factory=list)
-    _pause_freed_blocks: int = attrs.field(init=False, default=0)
 
     def __attrs_post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_blocks", "block_size"):
@@ -484,9 +484,9 @@ class Scheduler:
         holders: Iterable[Request] = [*self._running, *self._to_free.values()]
         commits = self._pause_commits + [c for c in map(self._commit_for, holders) if c is not None]
         frees = list(dict.fromkeys([*self._pause_frees, *self._to_free]))
-        num_freed = self._pause_freed_blocks + sum(self._drop_table(rid) for rid in self._to_free)
+        num_freed = sum(self._drop_table(rid) for rid in frees)
         self._to_free.clear()
-        self._pause_commits, self._pause_frees, self._pause_freed_blocks = [], [], 0
+        self._pause_commits, self._pause_frees = [], []
         return commits, frees, num_freed
 
     def _key(self, request: Request) -> tuple[int, int]:
@@ -518,7 +518,6 @@ class Scheduler:
             if commit is not None:
                 self._pause_commits.append(commit)
             self._running.remove(request)
-            self._pause_freed_blocks += self._drop_table(request_id)
             self._pause_frees.append(request_id)
             request.status = RequestStatus.PREEMPTED
             request.num_computed_tokens = 0
@@ -599,7 +598,8 @@ class Scheduler:
         if queued != set(self._requests):
             raise AssertionError("the running, waiting and paused requests are not exactly the unfinished ones")
         for request in [*self._waiting, *self._paused.values()]:
-            if request.block_ids or request.num_computed_tokens or request.request_id in self._tables:
+            owed = request.request_id in self._pause_frees  # its free goes with the next batch
+            if request.block_ids or request.num_computed_tokens or (request.request_id in self._tables and not owed):
                 raise AssertionError(f"waiting request {request.request_id!r} holds blocks or computed tokens")
         for request in self._running:
             table = self._tables.get(request.request_id)

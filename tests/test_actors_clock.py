@@ -283,6 +283,7 @@ async def test_higher_priority_arrival_preempts_when_kv_runs_out(autojump_clock)
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(run, "low1", 5, 1000)
+            await trio.testing.wait_all_tasks_blocked()
             nursery.start_soon(run, "low2", 5, 2000)
             await trio.sleep(3 * STEP)
             nursery.start_soon(run, "high", 0, 3000)

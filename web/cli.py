@@ -4,14 +4,25 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 
 from trioserve.engine.errors import TrioserveError
 
 
-def add_engine_options(parser: argparse.ArgumentParser) -> None:
-    """Options shared by every command that starts an engine."""
-    parser.add_argument("--model", default=None, help="checkpoint folder, .gguf file, or NAME=PATH (default: SmolLM2-135M-Instruct)")
+def add_engine_options(parser: argparse.ArgumentParser, *, several_models: bool = False) -> None:
+    """Options shared by every command that starts an engine; with
+    ``several_models``, ``--model`` may repeat (``args.model`` is a list)."""
+    if several_models:
+        parser.add_argument(
+            "--model",
+            action="append",
+            default=None,
+            help="checkpoint folder, .gguf file, or NAME=PATH; repeat to serve several models, "
+            "requests pick one by their model field (default: SmolLM2-135M-Instruct)",
+        )
+    else:
+        parser.add_argument("--model", default=None, help="checkpoint folder, .gguf file (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when present)")
     parser.add_argument("--block-size", type=int, default=16)
@@ -53,6 +64,95 @@ def engine_config_from_args(args: argparse.Namespace, **overrides):
     return EngineConfig(**fields)
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
+
+
+def _bytes(text: str) -> int:
+    try:
+        value = parse_memory(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, int) or value < 1:
+        raise argparse.ArgumentTypeError(f"expected a size in bytes such as 1048576 or 1M, got {text!r}")
+    return value
+
+
+def _model_spec(text: str):
+    from .settings import ModelSpec
+
+    try:
+        return ModelSpec.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def build_serve_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """The options of ``trioserve serve``, added to ``parser`` (default: a
+    new one). ``ServerConfig.from_env`` reads the same options."""
+    from .settings import DEFAULT_MAX_BODY_SIZE, DEFAULT_SHUTDOWN_TIMEOUT
+
+    if parser is None:
+        parser = argparse.ArgumentParser(prog="trioserve serve")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default: 8000)")
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize")
+    parser.add_argument(
+        "--max-request-time", type=_seconds, default=None, help="cap on every request's deadline, in seconds (default: none)"
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=_seconds,
+        default=DEFAULT_SHUTDOWN_TIMEOUT,
+        help=f"seconds in-flight requests may run on after SIGTERM/SIGINT (default: {DEFAULT_SHUTDOWN_TIMEOUT:g})",
+    )
+    parser.add_argument(
+        "--max-body-size", type=_bytes, default=DEFAULT_MAX_BODY_SIZE, help="largest request body, e.g. 1M (default: 1M)"
+    )
+    parser.add_argument(
+        "--max-queued-requests", type=int, default=256, help="admission queue bound; beyond it requests get 429 (default: 256)"
+    )
+    parser.add_argument("--max-queued-tokens", type=int, default=None, help="bound on queued prompt tokens (default: none)")
+    add_engine_options(parser, several_models=True)
+    return parser
+
+
+def server_config_from_args(args: argparse.Namespace):
+    """The ``ServerConfig`` that ``trioserve serve``'s options describe."""
+    from .settings import ModelSpec, ServerConfig
+
+    specs = [_model_spec(text) for text in args.model or []] or [ModelSpec.from_path(None)]
+    engine = engine_config_from_args(
+        args, model=None, max_queued_requests=args.max_queued_requests, max_queued_tokens=args.max_queued_tokens
+    )
+    return ServerConfig(
+        engine=engine,
+        models=tuple(specs),
+        api_key=args.api_key,
+        max_request_time=args.max_request_time,
+        shutdown_timeout=args.shutdown_timeout,
+        max_body_size=args.max_body_size,
+    )
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .app import create_app
+    from .serve import run
+
+    try:
+        config = server_config_from_args(args)
+    except ValueError as exc:
+        print(f"trioserve serve: error: {exc}", file=sys.stderr)
+        return 2
+    return run(create_app(config), host=args.host, port=args.port)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from trioserve.engine.generate import generate_greedy
 
@@ -76,6 +176,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=64)
     add_engine_options(gen)
     gen.set_defaults(func=cmd_generate)
+
+    serve = commands.add_parser(
+        "serve",
+        help="serve the OpenAI-compatible API",
+        description="Serve models over the OpenAI-compatible HTTP API (docs/api.md) until SIGTERM or SIGINT.",
+    )
+    build_serve_parser(serve)
+    serve.set_defaults(func=cmd_serve)
 
     from trioserve.web.bench.cli import add_bench_serve_parser
     from trioserve.web.bench.offline import add_bench_offline_parser

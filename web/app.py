@@ -1,0 +1,68 @@
+"""``create_app``: the OpenAI-compatible server as a quart-trio app.
+
+The engines run in the app's serving nursery: ``before_serving`` starts the
+``ModelHost`` there (it loads the models in a worker thread while ``/health``
+answers 503), and ``after_serving`` drains them. Serve the app with
+``trioserve serve`` (``web/serve.py``) or with hypercorn's own command line,
+configured by ``TRIOSERVE_*`` environment variables::
+
+    TRIOSERVE_API_KEY=secret hypercorn --worker-class trio 'trioserve.web.app:create_app()'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from quart_trio import QuartTrio
+
+from trioserve.engine.loader import LoadedModel
+
+from . import routes
+from .host import EXTENSION, ModelHost
+from .settings import ServerConfig
+
+# Seconds past ``shutdown_timeout`` that the engines get to abort what is
+# left and close, before quart cancels the serving nursery.
+SHUTDOWN_MARGIN = 10.0
+
+
+def create_app(
+    config: ServerConfig | None = None, *, loaded: LoadedModel | Mapping[str, LoadedModel] | None = None
+) -> QuartTrio:
+    """The app serving ``config`` (default: ``ServerConfig.from_env()``).
+
+    ``loaded`` hands over models already in memory: one ``LoadedModel`` for
+    the first served model, or a mapping from served names.
+    """
+    if config is None:
+        config = ServerConfig.from_env()
+    if isinstance(loaded, LoadedModel):
+        loaded = {config.model_names[0]: loaded}
+    host = ModelHost(config, dict(loaded or {}))
+    app = QuartTrio(__name__)
+    app.config.update(
+        # A stream lasts as long as its generation; quart would cut any
+        # response body after 60 s (streams also set response.timeout).
+        RESPONSE_TIMEOUT=None,
+        # web/body.py enforces config.max_body_size with our own 413.
+        MAX_CONTENT_LENGTH=None,
+        BACKGROUND_TASK_SHUTDOWN_TIMEOUT=config.shutdown_timeout + SHUTDOWN_MARGIN,
+    )
+    app.extensions[EXTENSION] = host
+    routes.register(app)
+
+    @app.before_serving
+    async def start_engines() -> None:
+        await app.nursery.start(host.run)
+
+    @app.after_serving
+    async def stop_engines() -> None:
+        host.begin_drain()
+        await host.wait_stopped()
+
+    return app
+
+
+def app_host(app: QuartTrio) -> ModelHost:
+    """The ``ModelHost`` of an app made by ``create_app``."""
+    return app.extensions[EXTENSION]

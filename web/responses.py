@@ -1,0 +1,20 @@
+"""JSON responses with OpenAI's field order (quart's ``jsonify`` sorts keys)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from quart import Response
+
+from .errors import ApiError
+
+
+def json_response(body: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> Response:
+    data = json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+    return Response(data, status=status, headers=dict(headers or {}), content_type="application/json")
+
+
+def error_response(error: ApiError) -> Response:
+    return json_response(error.to_json(), error.status, error.headers)

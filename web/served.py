@@ -1,0 +1,71 @@
+"""A served model: its engine, and what the HTTP layer needs of it."""
+
+from __future__ import annotations
+
+import time
+
+import attrs
+
+from trioserve.actors.engine import Engine
+from trioserve.actors.statistics import EngineStatistics
+from trioserve.engine.outputs import RequestOutput
+from trioserve.engine.sequence import FinishReason
+
+from .metrics import Metrics
+from .sse import TokenTexts
+
+
+@attrs.frozen
+class MetricsStatistics:
+    """``engine.statistics()`` in the shape ``Metrics.update_from_statistics`` reads."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+
+    @classmethod
+    def from_engine(cls, stats: EngineStatistics) -> MetricsStatistics:
+        return cls(
+            num_running=stats.num_running,
+            # Admitted but not scheduled yet, plus still in the admission queue.
+            num_waiting=stats.num_waiting + stats.num_queued,
+            kv_cache_usage=stats.kv_usage,
+            prefix_cache_queries=stats.allocator.prefix_cache_queries,
+            prefix_cache_hits=stats.allocator.prefix_cache_hits,
+            num_preemptions=stats.scheduler.num_preemptions,
+            prompt_tokens=stats.scheduler.total_prompt_tokens,
+            generation_tokens=stats.scheduler.total_generation_tokens,
+        )
+
+
+@attrs.define(eq=False)
+class ServedModel:
+    """One model being served: its engine, and what responses need of it."""
+
+    name: str
+    engine: Engine
+    metrics: Metrics
+    created: int = attrs.field(factory=lambda: int(time.time()))
+    texts: TokenTexts = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.texts = TokenTexts(self.engine.tokenizer)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def observe(self, output: RequestOutput, num_completions: int) -> None:
+        """Feed one delta to the metrics."""
+        self.metrics.observe_output(self.name, output, num_completions=num_completions)
+        if output.index == 0 and output.finish_reason is FinishReason.DEADLINE and output.times.first_scheduled is None:
+            # Its time ran out before it ever ran: refused for lack of time.
+            self.metrics.reject(self.name, "deadline")
+
+    def update_metrics(self) -> None:
+        self.metrics.update_from_statistics(self.name, MetricsStatistics.from_engine(self.engine.statistics()))
