@@ -89,6 +89,25 @@ def run_engine(core_factory: Callable[[], Any], prompts: list[list[int]], output
     return ContenderResult(name, len(prompts), tokens, seconds, latency), decode_steps
 
 
+def measure_batch_prefill(loaded: Any, prompts: list[list[int]], config_fields: dict) -> float:
+    """Seconds the engine takes to prefill every prompt in one batch (one
+    step, the token budget raised to hold them all): the floor for the
+    slowest time to first token when they all arrive at once."""
+    from trioserve.engine.config import EngineConfig
+    from trioserve.engine.engine_core import EngineCore
+    from trioserve.engine.sampling_params import SamplingParams
+
+    total = sum(len(p) for p in prompts)
+    fields = config_fields | {"max_num_batched_tokens": total, "max_num_seqs": max(len(prompts), 1)}
+    core = EngineCore(loaded, EngineConfig(**fields))
+    for i, ids in enumerate(prompts):
+        core.add_request(f"p{i}", ids, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    start = time.perf_counter()
+    while core.has_unfinished():
+        core.step()
+    return time.perf_counter() - start
+
+
 def run_transformers(model: Any, prompts: list[list[int]], output_len: int, batch_size: int, pad_id: int) -> ContenderResult:
     """transformers ``generate`` over static batches of ``batch_size`` prompts
     (equal lengths, so no padding is involved)."""
@@ -129,6 +148,7 @@ def add_bench_offline_parser(bench_commands) -> None:
     p.add_argument("--sequential-prompts", type=int, default=4, help="prompts run one at a time (a rate, so a few suffice)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--prefill-batch", type=int, default=32, help="prompts prefilled together for the TTFT floor")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--result-json", type=Path, default=None)
@@ -143,11 +163,12 @@ def run_bench_offline(args: argparse.Namespace) -> int:
     from trioserve.engine.loader import load_model
 
     loaded = load_model(args.model, dtype="float32", device="cpu")
-    config = EngineConfig(
+    config_fields = dict(
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.input_len + args.output_len + 16,
     )
+    config = EngineConfig(**config_fields)
     prompts = make_prompts(args.num_prompts, args.input_len, loaded.model_config.vocab_size, args.seed)
     gflops = measure_matmul_gflops()
     print(f"fp32 matmul: {gflops:.1f} GFLOP/s ({torch.get_num_threads()} threads)", file=sys.stderr)
@@ -163,6 +184,7 @@ def run_bench_offline(args: argparse.Namespace) -> int:
     results.append(engine)
     single, _ = run_engine(core_factory, prompts[:1], args.output_len)
     results.append(single)
+    prefill_seconds = measure_batch_prefill(loaded, prompts[: args.prefill_batch], config_fields)
 
     if not args.skip_transformers:
         from transformers import AutoModelForCausalLM
@@ -200,8 +222,11 @@ def run_bench_offline(args: argparse.Namespace) -> int:
         f"roofline: batch-{batch} decode step {step_ms:.1f} ms median over {len(full_batch)} steps, "
         f"{step_gflop:.1f} GFLOP -> {efficiency:.0%} of {gflops:.1f} GFLOP/s"
     )
+    print(f"prefill of {min(args.prefill_batch, len(prompts))} prompts as one batch: {prefill_seconds:.2f} s")
     if args.result_json:
         payload = {
+            "batch_prefill_seconds": prefill_seconds,
+            "batch_prefill_prompts": min(args.prefill_batch, len(prompts)),
             "matmul_gflops": gflops,
             "decode_step_ms": step_ms,
             "decode_step_efficiency": efficiency,

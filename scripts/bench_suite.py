@@ -1,0 +1,173 @@
+"""Run every serving benchmark of docs/benchmarks.md in one go and save the JSON.
+
+    .venv/bin/python scripts/bench_suite.py --out bench-results [--quick]
+
+It runs ``trioserve bench offline`` (the engine against transformers
+``generate`` on the same prompts), starts ``trioserve serve`` on a free
+loopback port, and drives it with ``trioserve bench serve``: concurrency 32
+and 1, a concurrency sweep with plots, 32 requests arriving at once, prefix
+sharing with the prefix cache on and off, and 2,000 requests while sampling
+the server's resident memory. Everything here talks only to 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+BIN = Path(sys.executable).parent / "trioserve"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for {pid}")
+
+
+@contextlib.contextmanager
+def server(*extra: str, log: Path):
+    port = free_port()
+    with open(log, "w") as log_file:
+        proc = subprocess.Popen(
+            [str(BIN), "serve", "--port", str(port), "--shutdown-timeout", "5", *extra],
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            for _ in range(600):  # up to 5 minutes: a cold start converts the GGUF
+                if proc.poll() is not None:
+                    raise RuntimeError(f"server exited with {proc.returncode}; see {log}")
+                try:
+                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.5)
+            else:
+                raise RuntimeError("server did not become ready")
+            yield url, proc
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def bench(url: str, out: Path, *args: str) -> dict:
+    cmd = [str(BIN), "bench", "serve", "--base-url", url, "--result-json", str(out), "--no-progress", *args]
+    print("$", " ".join(cmd[1:]), flush=True)
+    subprocess.run(cmd, check=True)
+    return json.loads(out.read_text())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, default=Path("bench-results"))
+    parser.add_argument("--plots", type=Path, default=Path("docs/img"))
+    parser.add_argument("--quick", action="store_true", help="small counts, to check the script runs")
+    parser.add_argument("--skip", default="", help="comma list of parts to skip: offline,c32,c1,sweep,burst,prefix,memory")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    skip = set(filter(None, args.skip.split(",")))
+    q = args.quick
+    n32, n1, n_mem = (8, 2, 50) if q else (64, 8, 2000)
+    out_len = 16 if q else 128
+    summary: dict = {}
+
+    if "offline" not in skip:
+        cmd = [str(BIN), "bench", "offline", "--result-json", str(args.out / "offline.json")]
+        if q:
+            cmd += ["--num-prompts", "8", "--output-len", "16", "--batch-size", "4", "--sequential-prompts", "1", "--prefill-batch", "8"]
+        print("$", " ".join(cmd[1:]), flush=True)
+        subprocess.run(cmd, check=True)
+        summary["offline"] = json.loads((args.out / "offline.json").read_text())
+
+    common = ["--dataset", "random", "--input-len", "128", "--ignore-eos", "--seed", "1"]
+    with server(log=args.out / "server.log") as (url, proc):
+        if "c32" not in skip:
+            summary["c32"] = bench(url, args.out / "c32.json", *common, "--output-len", str(out_len),
+                                   "--max-concurrency", "32", "--num-prompts", str(n32), "--num-warmups", "2")  # fmt: skip
+        if "c1" not in skip:
+            summary["c1"] = bench(url, args.out / "c1.json", *common, "--output-len", str(out_len),
+                                  "--max-concurrency", "1", "--num-prompts", str(n1), "--num-warmups", "1")  # fmt: skip
+        if "burst" not in skip:
+            summary["burst32"] = bench(url, args.out / "burst32.json", *common, "--output-len", str(out_len),
+                                       "--max-concurrency", "32", "--num-prompts", "32")  # fmt: skip
+        if "sweep" not in skip:
+            sweep = "1,8,16" if q else "1,8,16,32,64"
+            summary["sweep"] = bench(url, args.out / "sweep.json", *common, "--output-len", "32",
+                                     "--num-prompts", "16" if q else "64", "--sweep-concurrency", sweep,
+                                     "--plot", str(args.plots))  # fmt: skip
+        if "prefix" not in skip:
+            summary["prefix_on"] = bench(url, args.out / "prefix_on.json", "--dataset", "prefix", "--prefix-len", "512",
+                                         "--input-len", "32", "--output-len", "16", "--num-prompts", "32",
+                                         "--max-concurrency", "32", "--ignore-eos", "--seed", "2")  # fmt: skip
+        if "memory" not in skip:
+            samples = []
+            warm = bench(url, args.out / "memory_warmup.json", "--dataset", "random", "--input-len", "32",
+                         "--output-len", "8", "--num-prompts", "100", "--max-concurrency", "32", "--ignore-eos")  # fmt: skip
+            samples.append(("after 100 warm-up requests", rss_bytes(proc.pid)))
+            for part in range(4):
+                bench(url, args.out / f"memory_{part}.json", "--dataset", "random", "--input-len", "32",
+                      "--output-len", "8", "--num-prompts", str(n_mem // 4), "--max-concurrency", "32",
+                      "--ignore-eos", "--seed", str(10 + part))  # fmt: skip
+                samples.append((f"after {100 + (part + 1) * (n_mem // 4)} requests", rss_bytes(proc.pid)))
+            summary["memory"] = {"samples": samples, "warmup_completed": warm["completed"]}
+    if "prefix" not in skip:
+        with server("--no-prefix-caching", log=args.out / "server_nocache.log") as (url, _):
+            summary["prefix_off"] = bench(url, args.out / "prefix_off.json", "--dataset", "prefix", "--prefix-len", "512",
+                                          "--input-len", "32", "--output-len", "16", "--num-prompts", "32",
+                                          "--max-concurrency", "32", "--ignore-eos", "--seed", "2")  # fmt: skip
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    print_summary(summary)
+    return 0
+
+
+def print_summary(s: dict) -> None:
+    off = s.get("offline")
+    if off:
+        by = {r["name"]: r for r in off["results"]}
+        static = next((r for n, r in by.items() if "static batch" in n), None)
+        seq = by.get("transformers generate, sequential")
+        print(f"matmul roofline {off['matmul_gflops']:.1f} GFLOP/s; batch decode step {off['decode_step_ms']:.1f} ms "
+              f"= {off['decode_step_efficiency']:.0%} of roofline")  # fmt: skip
+        if "c32" in s and static:
+            print(f"c=32 HTTP output {s['c32']['output_throughput']:.1f} tok/s vs transformers static "
+                  f"{static['output_tokens_per_s']:.1f} -> {s['c32']['output_throughput'] / static['output_tokens_per_s']:.2f}x")  # fmt: skip
+        if "c1" in s and seq:
+            print(f"c=1 TPOT p50 {s['c1']['median_tpot_ms']:.1f} ms vs transformers {seq['per_token_latency_ms']:.1f} ms/token "
+                  f"-> {s['c1']['median_tpot_ms'] / seq['per_token_latency_ms']:.2f}")  # fmt: skip
+        if "burst32" in s:
+            print(f"32 at once: TTFT p99 {s['burst32']['p99_ttft_ms']:.0f} ms vs one-batch prefill "
+                  f"{off['batch_prefill_seconds'] * 1000:.0f} ms -> {s['burst32']['p99_ttft_ms'] / (off['batch_prefill_seconds'] * 1000):.2f}x")  # fmt: skip
+    if "prefix_on" in s and "prefix_off" in s:
+        on, offc = s["prefix_on"]["mean_ttft_ms"], s["prefix_off"]["mean_ttft_ms"]
+        print(f"prefix sharing: mean TTFT {on:.0f} ms cached vs {offc:.0f} ms uncached -> {offc / on:.2f}x")
+    if "memory" in s:
+        samples = s["memory"]["samples"]
+        base = samples[0][1]
+        for label, value in samples:
+            print(f"RSS {label}: {value / 2**20:.0f} MiB ({(value - base) / base:+.1%})")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
