@@ -10,8 +10,10 @@ and only the rows that want logits go through the final norm and LM head.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
 
+import attrs
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,6 +33,36 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Pa
     # Uninitialised: every value is overwritten by load_weights, so random
     # init would only cost time.
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def can_pack_weights(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether ``pack_weights`` works for ``device`` and ``dtype``: CPU
+    float32 or bfloat16 with torch's oneDNN."""
+    return (
+        torch.device(device).type == "cpu"
+        and dtype in (torch.float32, torch.bfloat16)
+        and torch.backends.mkldnn.is_available()
+    )
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    # oneDNN's blocked layout for this weight, for any number of rows.
+    return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@attrs.frozen
+class LayerWeights:
+    """One layer's projection weights and the ``linear(x, weight, bias)`` that takes them."""
+
+    linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+    qkv: torch.Tensor
+    o: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
 
 
 class DecoderLayer(nn.Module):
@@ -60,6 +92,7 @@ class DecoderLayer(nn.Module):
         self,
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
+        weights: LayerWeights,
         cos: torch.Tensor,
         sin: torch.Tensor,
         key_cache: torch.Tensor,
@@ -68,10 +101,14 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Return this layer's MLP output and the residual stream before it;
-        the next layer adds them, which saves one add per layer."""
+        the next layer adds them, which saves one add per layer.
+
+        ``weights`` are this layer's projections as ``linear`` takes them:
+        the parameters themselves, or their CPU-packed copies."""
+        linear = weights.linear
         residual = hidden if residual is None else hidden + residual
         x = F.rms_norm(residual, (residual.shape[-1],), self.input_layernorm, self.eps)
-        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
+        qkv = linear(x, weights.qkv, self.qkv_bias)
         tokens = qkv.shape[0]
         q_and_k = self.num_heads + self.num_kv_heads
         # Rotate q and k together: one rotary op per layer.
@@ -80,20 +117,54 @@ class DecoderLayer(nn.Module):
         v = qkv[:, q_and_k * self.head_dim :].view(tokens, self.num_kv_heads, self.head_dim)
         write_kv(k, v, key_cache, value_cache, slot_mapping)
         attn = paged_attention(q, k, v, key_cache, value_cache, meta, scale=self.scale)
-        residual = F.linear(attn, self.o_proj, self.o_bias) + residual
+        residual = linear(attn, weights.o, self.o_bias) + residual
         x = F.rms_norm(residual, (residual.shape[-1],), self.post_attention_layernorm, self.eps)
-        gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj), residual
+        gate, up = linear(x, weights.gate_up, None).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, weights.down, None), residual
+
+    def weights(self, pack: bool) -> LayerWeights:
+        """This layer's projection weights, packed for oneDNN when ``pack``."""
+        if not pack:
+            return LayerWeights(F.linear, self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
+        return LayerWeights(
+            _packed_linear,
+            _pack(self.qkv_proj),
+            _pack(self.o_proj),
+            _pack(self.gate_up_proj),
+            _pack(self.down_proj),
+        )
 
 
 class LlamaForCausalLM(nn.Module):
     """A Llama, Mistral or Qwen2 causal LM; parameters start uninitialised
-    and are filled by ``load_weights``."""
+    and are filled by ``load_weights``.
 
-    def __init__(self, config: ModelConfig, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+    ``pack_weights`` (default: where ``can_pack_weights`` allows, that is on
+    CPU) runs the projections and the LM head on oneDNN with its weights
+    reordered once into its blocked layout: on CPU that runs the matmuls of
+    a decode step up to twice as fast as ``F.linear`` on plain weights. The
+    packed copies are made at the first forward after ``load_weights`` and
+    cost one more copy of those weights' memory.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        pack_weights: bool | None = None,
+    ):
         super().__init__()
         self.config = config
         self.dtype = dtype
+        if pack_weights is None:
+            pack_weights = can_pack_weights(device, dtype)
+        elif pack_weights and not can_pack_weights(device, dtype):
+            raise ValueError(f"pack_weights needs a CPU float32 or bfloat16 model with oneDNN, not {dtype} on {device}")
+        self.pack_weights = pack_weights
+        self._packed: tuple[list[LayerWeights], torch.Tensor] | None = None
+        self._pack_lock = threading.Lock()
         self.embed_tokens = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(
             DecoderLayer(config, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)
@@ -112,19 +183,32 @@ class LlamaForCausalLM(nn.Module):
         Returns float32 logits ``[len(batch.logits_indices), vocab_size]``,
         one row per entry of ``logits_indices``, in that order.
         """
+        layer_weights, lm_head = self._linear_weights()
         meta = AttentionMetadata.build(batch, kv_cache)
         cos, sin = self.rotary.cos_sin(batch.positions)
         hidden = F.embedding(batch.input_ids, self.embed_tokens)
         residual = None
-        for i, layer in enumerate(self.layers):
+        for i, (layer, weights) in enumerate(zip(self.layers, layer_weights)):
             hidden, residual = layer(
-                hidden, residual, cos, sin, kv_cache.key[i], kv_cache.value[i], batch.slot_mapping, meta
+                hidden, residual, weights, cos, sin, kv_cache.key[i], kv_cache.value[i], batch.slot_mapping, meta
             )
         if residual is not None:
             hidden = hidden + residual
         hidden = hidden.index_select(0, batch.logits_indices)
         hidden = F.rms_norm(hidden, (hidden.shape[-1],), self.norm, self.config.rms_norm_eps)
-        return F.linear(hidden, self.lm_head).float()
+        return layer_weights[0].linear(hidden, lm_head, None).float()
+
+    def _linear_weights(self) -> tuple[list[LayerWeights], torch.Tensor]:
+        """Each layer's projection weights and the LM head's, packed when
+        ``pack_weights``; made once, and again after ``load_weights``."""
+        packed = self._packed
+        if packed is not None:
+            return packed
+        with self._pack_lock, torch.inference_mode():
+            if self._packed is None:
+                lm_head = _pack(self.lm_head) if self.pack_weights else self.lm_head
+                self._packed = ([layer.weights(self.pack_weights) for layer in self.layers], lm_head)
+            return self._packed
 
     def required_weight_names(self) -> set[str]:
         """Checkpoint names ``load_weights`` must see for a complete model
@@ -162,6 +246,7 @@ class LlamaForCausalLM(nn.Module):
                     )
                 if not (name == "lm_head.weight" and self.config.tie_word_embeddings):
                     dest.copy_(tensor)
+                    self._packed = None  # the packed copies are stale
                 loaded.add(name)
         return loaded
 
