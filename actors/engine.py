@@ -40,7 +40,6 @@ from .scheduler import AdmissionQueue, SchedulerActor
 from .statistics import EngineStatistics
 
 DEFAULT_MAX_BUFFERED_OUTPUTS = 64
-DEFAULT_PRIORITY_AGING_STEPS = 256
 
 
 class RequestStream:
@@ -355,7 +354,6 @@ async def open_engine(
     loaded: LoadedModel | None = None,
     executor: Callable[[EngineCore], Executor] | None = None,
     max_buffered_outputs: int = DEFAULT_MAX_BUFFERED_OUTPUTS,
-    priority_aging_steps: int | None = DEFAULT_PRIORITY_AGING_STEPS,
     shutdown_timeout: float = 30.0,
 ) -> AsyncIterator[Engine]:
     """Start an engine on ``loaded`` (else load ``config.model`` in a worker
@@ -365,8 +363,6 @@ async def open_engine(
     on the core's runner; tests pass a ``FakeExecutor``).
     ``max_buffered_outputs``: outputs a request's reader may fall behind
     before its sequence is paused (preempted, output kept) until it reads.
-    ``priority_aging_steps``: a request waiting this many steps gains one
-    priority level (None: no aging); see docs/architecture.md.
     """
     if max_buffered_outputs < 1:
         raise ValueError("max_buffered_outputs must be >= 1")
@@ -374,7 +370,6 @@ async def open_engine(
         core = await trio.to_thread.run_sync(EngineCore.from_config, config)
     else:
         core = await trio.to_thread.run_sync(EngineCore, loaded, config)
-    core.scheduler.aging_interval = priority_aging_steps
     core.release_in_process = False  # the allocator actor owns the pool
     admission = AdmissionQueue(config.max_queued_requests, config.max_queued_tokens)
     allocator = AllocatorActor(core.block_manager)

@@ -165,6 +165,9 @@ class EngineConfig:
     # Admission bounds (the actors' backpressure): requests waiting to be scheduled.
     max_queued_requests: int = attrs.field(default=256, validator=_positive)
     max_queued_tokens: int | None = attrs.field(default=None, validator=_positive)
+    # A waiting request gains one priority level per this many steps, so low
+    # priority is delayed, never starved (None: strict priorities).
+    priority_aging_steps: int | None = attrs.field(default=256, validator=_positive)
     # Torch threads for the model step; None leaves torch's default.
     num_threads: int | None = attrs.field(default=None, validator=_positive)
 

@@ -111,6 +111,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             num_blocks=num_blocks,
             block_size=config.block_size,
+            aging_interval=config.priority_aging_steps,
         )
         self.runner = ModelRunner(
             model=loaded.model,
