@@ -72,6 +72,24 @@ def server(*extra: str, log: Path):
                 proc.kill()
 
 
+def measure_start(cache: Path) -> dict:
+    """Wall time of a fresh process that loads the default model (weights and
+    tokenizer ready), imports included: once with an empty cache (the GGUF is
+    converted), then twice from the cache."""
+    import shutil
+
+    shutil.rmtree(cache, ignore_errors=True)
+    env = dict(os.environ, TRIOSERVE_CACHE=str(cache))
+    code = "from trioserve.engine.loader import load_model; load_model(None)"
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True)
+        times.append(time.perf_counter() - start)
+    shutil.rmtree(cache, ignore_errors=True)
+    return {"cold_s": times[0], "warm_s": min(times[1:])}
+
+
 def bench(url: str, out: Path, *args: str) -> dict:
     cmd = [str(BIN), "bench", "serve", "--base-url", url, "--result-json", str(out), "--no-progress", *args]
     print("$", " ".join(cmd[1:]), flush=True)
@@ -84,7 +102,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
     parser.add_argument("--plots", type=Path, default=Path("docs/img"))
     parser.add_argument("--quick", action="store_true", help="small counts, to check the script runs")
-    parser.add_argument("--skip", default="", help="comma list of parts to skip: offline,c32,c1,sweep,burst,prefix,memory")
+    parser.add_argument("--skip", default="", help="comma list of parts to skip: start,offline,c32,c1,sweep,burst,prefix,memory")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     skip = set(filter(None, args.skip.split(",")))
@@ -92,6 +110,9 @@ def main() -> int:
     n32, n1, n_mem = (8, 2, 50) if q else (64, 8, 2000)
     out_len = 16 if q else 128
     summary: dict = {}
+
+    if "start" not in skip:
+        summary["start"] = measure_start(args.out / "start-cache")
 
     if "offline" not in skip:
         cmd = [str(BIN), "bench", "offline", "--result-json", str(args.out / "offline.json")]
@@ -143,6 +164,8 @@ def main() -> int:
 
 
 def print_summary(s: dict) -> None:
+    if "start" in s:
+        print(f"default model start: cold {s['start']['cold_s']:.1f} s, warm {s['start']['warm_s']:.1f} s")
     off = s.get("offline")
     if off:
         by = {r["name"]: r for r in off["results"]}
