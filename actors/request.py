@@ -45,9 +45,11 @@ log = logging.getLogger(__name__)
 def output_capacity(max_buffered_outputs: int, n: int) -> int:
     """The output channel's capacity: ``max_buffered_outputs`` deltas before
     the scheduler pauses the sequence, plus room that can never be exceeded
-    after that: the ``Paused`` marker, one output per completion of the step
-    in flight, one final output per completion and a ``Failed`` marker."""
-    return max_buffered_outputs + 2 * n + 2
+    after that: the ``Paused`` marker, the rest of the step being delivered
+    when it was sent (up to ``n - 1`` outputs), one output per completion of
+    the step in flight, one final output per completion and a ``Failed``
+    marker."""
+    return max_buffered_outputs + 3 * n + 1
 
 
 def final_output(
@@ -166,7 +168,8 @@ class RequestActor:
         self.held = False  # after close(): the scheduler still holds the request
         # Why it ended while waiting for room in the queue, if it did.
         self.unqueued_reason: FinishReason | None = None
-        self._done: set[int] = set()
+        self._done: set[int] = set()  # completions over, by the engine or on this side
+        self._engine_finished: set[int] = set()  # completions whose final output the engine sent
         self._deltas: dict[int, _Delta] = {}
         self._last: dict[int, RequestOutput] = {}
         self._ready: collections.deque[RequestOutput] = collections.deque()
@@ -265,6 +268,7 @@ class RequestActor:
                 self._deltas.setdefault(message.index, _Delta()).add(message)
                 if message.finished:
                     self._done.add(message.index)
+                    self._engine_finished.add(message.index)
             elif isinstance(message, Paused):
                 self._send_control(Resume(self.request_id))
             elif isinstance(message, Failed):
@@ -347,8 +351,9 @@ class RequestActor:
 
     def _end_is_buffered(self) -> bool:
         """Whether the engine's last word is already in the buffer (then the
-        scheduler has forgotten the request and wants no abort)."""
-        done = set(self._done)
+        scheduler has forgotten the request and wants no abort). Completions
+        ended on this side (a deadline) do not count: the engine still holds them."""
+        done = set(self._engine_finished)
         while True:
             try:
                 message = self._inbox.receive_nowait()

@@ -123,6 +123,15 @@ class AdmissionQueue:
         self._room.unpark_all()
 
     def close_receiver(self) -> None:
+        """The scheduler is gone: close the output channel of every request
+        still queued (its reader gets ``EngineClosed`` rather than waiting
+        forever), then the receive end."""
+        while True:
+            try:
+                message = self._receive.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                break
+            message.outputs.close()
         self._receive.close()
 
     @property

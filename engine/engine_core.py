@@ -303,9 +303,14 @@ class EngineCore:
                 completion.first_token = now
             delta = completion.detokenizer.add_tokens([token_id])
             logprobs = (output.logprobs[request_id],) if request_id in output.logprobs else ()
-            if delta.stop_str is not None and request_id not in finished:
-                self.scheduler.finish_request(request_id, FinishReason.STOP)
-                finished.add(request_id)
+            if delta.stop_str is not None:
+                if request_id in finished:
+                    # The same token also reached a length limit: the stop
+                    # string wins (its text was cut there), as in vLLM.
+                    completion.request.finish_reason = FinishReason.STOP
+                else:
+                    self.scheduler.finish_request(request_id, FinishReason.STOP)
+                    finished.add(request_id)
             if request_id in finished:
                 outputs.append(self._final_output(completion, (token_id,), delta.text, logprobs, now, delta.stop_str))
             else:

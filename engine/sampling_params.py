@@ -38,6 +38,9 @@ def _as_bias(value: Any) -> tuple[tuple[int, float], ...]:
         raise InvalidRequestError("logit_bias must map token ids to numbers", field="logit_bias") from None
 
 
+_NUMBER_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
 @attrs.frozen(kw_only=True)
 class SamplingParams:
     """How to choose tokens for one request, and when to stop.
@@ -69,6 +72,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __attrs_post_init__(self) -> None:
+        # Types first, so a wrong one is named rather than a TypeError below.
+        for name in _NUMBER_FIELDS:
+            value = getattr(self, name)
+            _check(isinstance(value, int | float) and not isinstance(value, bool), name, f"must be a number, got {value!r}")
         _check(isinstance(self.n, int) and self.n >= 1, "n", f"must be >= 1, got {self.n!r}")
         _check(
             self.temperature >= 0.0 and math.isfinite(self.temperature),
@@ -102,6 +109,7 @@ class SamplingParams:
             "min_tokens",
             f"({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
         )
+        _check(all(isinstance(s, str) for s in self.stop), "stop", f"must be strings, got {self.stop!r}")
         _check(all(s for s in self.stop), "stop", "must not contain an empty string")
         _check(
             self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),

@@ -377,3 +377,60 @@ async def test_an_actor_crash_tears_the_engine_down_through_the_nursery(autojump
     assert readers_ended == 3
     with pytest.raises(EngineClosed):
         await collect(engine, "after")
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+async def test_a_stalled_reader_of_n_completions_never_overflows_its_channel(autojump_clock, n):
+    # The Paused marker can go out mid-step, with up to n - 1 of that step's
+    # outputs still to deliver, then the step in flight and the finals.
+    for max_buffered in range(1, 8):
+        async with fake_engine(engine_kw={"max_buffered_outputs": max_buffered}) as engine:
+            stalled = engine.generate_nowait("stall here", params(100, n=n), request_id="s")
+            timed = engine.generate_nowait("stall too", params(100, n=n), timeout=15 * STEP)
+            await trio.sleep(20 * STEP)
+            assert engine.abort("s")
+            await trio.sleep(5 * STEP)
+            aborted = [out async for out in stalled]
+            assert {o.index for o in aborted if o.finish_reason is FinishReason.ABORT} == set(range(n))
+            expired = [out async for out in timed]
+            assert {o.index for o in expired if o.finish_reason is FinishReason.DEADLINE} == set(range(n))
+
+
+async def test_an_id_stays_reserved_after_a_caller_side_deadline_until_the_engine_lets_go(autojump_clock):
+    # n=2: completion 0 finishes a step before completion 1. The reader's
+    # deadline passes first; by the time it closes, completion 0's final is
+    # buffered but the engine still holds completion 1.
+    async with fake_engine(step_time=1.0) as engine:
+
+        async def keep_busy() -> None:
+            await collect(engine, "keep busy", params(12))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(keep_busy)
+            start = trio.current_time()
+            async for out in engine.generate("x", params(3, n=2), request_id="x", deadline=start + 2.5):
+                if out.finish_reason is not None:
+                    assert out.finish_reason is FinishReason.DEADLINE
+                    await trio.sleep_until(start + 3.5)
+            with pytest.raises(DuplicateRequestError):
+                engine.generate_nowait("y", request_id="x")
+        await collect(engine, "y", request_id="x")  # free again once the engine let go
+
+
+async def test_streams_still_queued_when_an_actor_crashes_raise_engine_closed(autojump_clock):
+    streams = []
+    with pytest.RaisesGroup(pytest.RaisesExc(RuntimeError, match="crashed")):
+        async with open_engine(
+            engine_config(max_num_seqs=1),
+            loaded=tiny_loaded(),
+            executor=lambda core: _CrashingExecutor(vocab_size=core.model_config.vocab_size, step_time=STEP),
+        ) as engine:
+            # One running, one waiting in the core, the rest in the admission queue.
+            streams = [engine.generate_nowait(f"q{i}", params(100)) for i in range(4)]
+            await trio.testing.wait_all_tasks_blocked()
+            assert engine.statistics().num_queued == 2
+            await trio.sleep_forever()
+    for stream in streams:
+        with trio.fail_after(1), pytest.raises(EngineClosed):
+            async with stream:
+                [out async for out in stream]

@@ -135,6 +135,17 @@ def test_stop_string_ends_generation_and_is_not_emitted(default_loaded):
     assert stopped["text"] == unstopped[: unstopped.index(" 7")]
     core.add_request("kept", "1, 2, 3, 4,", SamplingParams(max_tokens=24, stop=[" 7"], include_stop_str_in_output=True, **GREEDY))
     assert run_all(core)[("kept", 0)]["text"] == unstopped[: unstopped.index(" 7") + 2]
+    # A stop string completed by the last token max_tokens allows is still a stop.
+    core.add_request("free", "1, 2, 3, 4,", SamplingParams(max_tokens=24, **GREEDY))
+    outputs = [out for _ in range(64) if core.has_unfinished() for out in core.step()]
+    text, last = "", None
+    for last, out in enumerate(outputs, start=1):
+        text += out.text_delta
+        if " 7" in text:
+            break
+    core.add_request("at-length", "1, 2, 3, 4,", SamplingParams(max_tokens=last, stop=[" 7"], **GREEDY))
+    final = [out for _ in range(64) if core.has_unfinished() for out in core.step()][-1]
+    assert (final.finish_reason, final.stop_reason) == (FinishReason.STOP, " 7")
 
 
 def test_n_seeded_completions_share_the_prompt_and_reproduce(default_loaded):

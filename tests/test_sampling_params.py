@@ -36,6 +36,12 @@ BAD_VALUES = [
     ("stop", ["ok", ""]),
     ("stop_token_ids", ["x"]),
     ("seed", 1.5),
+    # Wrong types name the field too, rather than escaping as a TypeError.
+    ("temperature", "hot"),
+    ("top_p", None),
+    ("min_p", [0.1]),
+    ("presence_penalty", True),
+    ("stop", [1]),
 ]
 
 

@@ -18,7 +18,7 @@ import math
 import re
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -377,48 +377,43 @@ class OutputAccumulator:
 
     def completion_body(self, model: str, *, id: str | None = None, created: int | None = None) -> dict[str, Any]:
         """A ``text_completion`` body."""
-        choices = []
-        for index, choice in self._sorted():
+
+        def content(choice: _Choice) -> dict[str, Any]:
             logprobs = None
             if self.texts is not None:
                 logprobs, _ = _completion_logprobs(choice.logprobs, self.texts, 0)
-            choices.append(
-                {
-                    "index": index,
-                    "text": "".join(choice.text),
-                    "logprobs": logprobs,
-                    "finish_reason": finish_reason(choice.finish_reason),
-                    "stop_reason": choice.stop_reason,
-                }
-            )
-        return {
-            "id": id or completion_id(),
-            "object": "text_completion",
-            "created": created if created is not None else _now(),
-            "model": model,
-            "choices": choices,
-            "usage": self.usage(),
-        }
+            return {"text": "".join(choice.text), "logprobs": logprobs}
+
+        return self._body(model, "text_completion", id or completion_id(), created, content)
 
     def chat_completion_body(self, model: str, *, id: str | None = None, created: int | None = None) -> dict[str, Any]:
         """A ``chat.completion`` body."""
-        choices = []
-        for index, choice in self._sorted():
+
+        def content(choice: _Choice) -> dict[str, Any]:
             logprobs = None
             if self.texts is not None:
                 logprobs = {"content": _chat_logprobs(choice.logprobs, self.texts), "refusal": None}
-            choices.append(
-                {
-                    "index": index,
-                    "message": {"role": "assistant", "content": "".join(choice.text)},
-                    "logprobs": logprobs,
-                    "finish_reason": finish_reason(choice.finish_reason),
-                    "stop_reason": choice.stop_reason,
-                }
-            )
+            return {"message": {"role": "assistant", "content": "".join(choice.text)}, "logprobs": logprobs}
+
+        return self._body(model, "chat.completion", id or chat_completion_id(), created, content)
+
+    def _body(
+        self, model: str, kind: str, id: str, created: int | None, content: Callable[[_Choice], dict[str, Any]]
+    ) -> dict[str, Any]:
+        """The body shared by both endpoints; ``content`` gives a choice's
+        text (or message) and logprobs."""
+        choices = [
+            {
+                "index": index,
+                **content(choice),
+                "finish_reason": finish_reason(choice.finish_reason),
+                "stop_reason": choice.stop_reason,
+            }
+            for index, choice in self._sorted()
+        ]
         return {
-            "id": id or chat_completion_id(),
-            "object": "chat.completion",
+            "id": id,
+            "object": kind,
             "created": created if created is not None else _now(),
             "model": model,
             "choices": choices,
