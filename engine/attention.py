@@ -56,7 +56,10 @@ class DecodeChunk:
 
     start: int
     end: int
-    blocks: torch.Tensor  # [(end - start) * num_blocks] block ids, row-major
+    # [(end - start) * num_blocks] block ids, row-major; None when the chunk
+    # is one row whose blocks are consecutive from first_block, read in place.
+    blocks: torch.Tensor | None
+    first_block: int
     num_blocks: int
     context_len: int  # the chunk's longest context; keys past it are not read
     # [end - start, 1, 1, context_len] bool, True where a key is in the row's
@@ -127,10 +130,11 @@ class AttentionMetadata:
                 token_indices = torch.tensor(tokens, dtype=torch.int64, device=device)
             token_bytes = 2 * kv_cache.key[0, 0, 0].numel() * kv_cache.key.element_size()
             chunks = _plan_decode_chunks(batch, decodes, block_size, token_bytes, decode_chunk_bytes, device)
-            largest = max((c.end - c.start) * c.num_blocks for c in chunks)
-            shape = (largest, *kv_cache.key.shape[2:])
-            key_buffer = kv_cache.key.new_empty(shape)
-            value_buffer = kv_cache.value.new_empty(shape)
+            largest = max(((c.end - c.start) * c.num_blocks for c in chunks if c.blocks is not None), default=0)
+            if largest:
+                shape = (largest, *kv_cache.key.shape[2:])
+                key_buffer = kv_cache.key.new_empty(shape)
+                value_buffer = kv_cache.value.new_empty(shape)
         return cls(
             num_tokens=batch.num_tokens,
             block_size=block_size,
@@ -153,6 +157,7 @@ def _plan_decode_chunks(
 ) -> tuple[DecodeChunk, ...]:
     """Cut ``decodes`` (longest context first) into chunks of at most
     ``chunk_bytes`` gathered bytes, each padded to its first row's blocks."""
+    tables = batch.block_tables_cpu
     bounds: list[tuple[int, int]] = []
     start = 0
     while start < len(decodes):
@@ -160,30 +165,44 @@ def _plan_decode_chunks(
         rows = len(decodes) - start if chunk_bytes is None else max(1, chunk_bytes // (span * token_bytes))
         bounds.append((start, min(start + rows, len(decodes))))
         start = bounds[-1][1]
-    # One host-to-device copy for all chunks' block ids and context lengths.
+    # One host-to-device copy for all chunks' block ids, one for the context
+    # lengths when some chunk needs a mask.
     flat: list[int] = []
+    firsts: list[int | None] = []  # per chunk: its first block when read in place
     for a, b in bounds:
         num_blocks = -(-decodes[a][0] // block_size)
+        table = tables[decodes[a][2]][:num_blocks]
+        if b - a == 1 and table == tuple(range(table[0], table[0] + num_blocks)):
+            # A lone sequence on consecutive blocks (one stream on a fresh
+            # pool) is attended over a view of the pool: no gather.
+            firsts.append(table[0])
+            continue
+        firsts.append(None)
         for _, _, seq in decodes[a:b]:
-            table = batch.block_tables_cpu[seq][:num_blocks]
+            table = tables[seq][:num_blocks]
             # Rows shorter than the chunk's longest read any valid block past
             # their end; the mask hides it.
             flat.extend(table)
             flat.extend(table[:1] * (num_blocks - len(table)))
-    all_blocks = torch.tensor(flat, dtype=torch.int64, device=device)
-    ctx_lens = torch.tensor([d[0] for d in decodes], dtype=torch.int64, device=device)
-    positions = torch.arange(decodes[0][0], device=device)
+    all_blocks = torch.tensor(flat, dtype=torch.int64, device=device) if flat else None
+    ctx_lens = positions = None
+    if any(decodes[a][0] != decodes[b - 1][0] for a, b in bounds):
+        ctx_lens = torch.tensor([d[0] for d in decodes], dtype=torch.int64, device=device)
+        positions = torch.arange(decodes[0][0], device=device)
     chunks = []
-    first_block = 0
-    for a, b in bounds:
+    offset = 0
+    for (a, b), first in zip(bounds, firsts):
         context_len = decodes[a][0]
         num_blocks = -(-context_len // block_size)
         mask = None
         if decodes[b - 1][0] != context_len:
             mask = (positions[None, :context_len] < ctx_lens[a:b, None])[:, None, None, :]
-        end_block = first_block + (b - a) * num_blocks
-        chunks.append(DecodeChunk(a, b, all_blocks[first_block:end_block], num_blocks, context_len, mask))
-        first_block = end_block
+        if first is not None:
+            chunks.append(DecodeChunk(a, b, None, first, num_blocks, context_len, mask))
+        else:
+            end = offset + (b - a) * num_blocks
+            chunks.append(DecodeChunk(a, b, all_blocks[offset:end], 0, num_blocks, context_len, mask))
+            offset = end
     return tuple(chunks)
 
 
@@ -259,10 +278,14 @@ def _decode(
     outs = []
     for c in meta.decode_chunks:
         rows = c.end - c.start
-        size = rows * c.num_blocks
-        # A block-wise gather moves block_size rows per index: far cheaper than per token.
-        k = torch.index_select(key_cache, 0, c.blocks, out=meta.decode_key_buffer[:size])
-        v = torch.index_select(value_cache, 0, c.blocks, out=meta.decode_value_buffer[:size])
+        if c.blocks is None:
+            k = key_cache[c.first_block : c.first_block + c.num_blocks]
+            v = value_cache[c.first_block : c.first_block + c.num_blocks]
+        else:
+            size = rows * c.num_blocks
+            # A block-wise gather moves block_size rows per index: far cheaper than per token.
+            k = torch.index_select(key_cache, 0, c.blocks, out=meta.decode_key_buffer[:size])
+            v = torch.index_select(value_cache, 0, c.blocks, out=meta.decode_value_buffer[:size])
         # [rows, span, kv_heads, d] -> [rows, kv_heads, context_len, d], a view.
         k = k.view(rows, -1, kv_heads, head_dim)[:, : c.context_len].transpose(1, 2)
         v = v.view(rows, -1, kv_heads, head_dim)[:, : c.context_len].transpose(1, 2)

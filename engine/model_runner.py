@@ -10,7 +10,18 @@ import torch
 from .forward_batch import ForwardBatch, SeqChunk
 from .kv_cache import KVCache
 from .sampler import Sampler, SamplingState, TokenLogprobs
-from .scheduler import SchedulerOutput
+from .scheduler import ScheduledChunk, SchedulerOutput
+
+
+def _chunk_tokens(prompt: list[int], output: list[int], chunk: ScheduledChunk) -> list[int]:
+    """``chunk``'s tokens, sliced from the prompt or the output without
+    joining them (a decode step would copy the whole sequence)."""
+    start, end = chunk.start, chunk.start + chunk.num_tokens
+    if start >= len(prompt):
+        return output[start - len(prompt) : end - len(prompt)]
+    if end <= len(prompt):
+        return prompt[start:end]
+    return prompt[start:] + output[: end - len(prompt)]
 
 
 @attrs.frozen
@@ -47,7 +58,7 @@ class ModelRunner:
         chunks = []
         sampling_ids = []
         for chunk in plan.chunks:
-            tokens = chunk.request.all_token_ids[chunk.start : chunk.start + chunk.num_tokens]
+            tokens = _chunk_tokens(chunk.request.prompt_token_ids, chunk.request.output_token_ids, chunk)
             chunks.append(
                 SeqChunk(
                     token_ids=tokens,

@@ -44,7 +44,11 @@ def _llama3(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
 class RotaryEmbedding(torch.nn.Module):
     """Precomputed cos/sin tables for every position up to
     ``max_position_embeddings``; a forward gathers the rows it needs once and
-    every layer reuses them."""
+    every layer reuses them.
+
+    The tables are laid out for ``apply_rotary``: cos repeated over both
+    halves of a head, sin negated on the first half.
+    """
 
     def __init__(self, config: ModelConfig, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
         super().__init__()
@@ -52,17 +56,25 @@ class RotaryEmbedding(torch.nn.Module):
         inv_freq = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)
+        cos, sin = freqs.cos(), freqs.sin()
         # Not saved with the model: it is derived from the config.
-        self.register_buffer("cos_table", freqs.cos().to(dtype=dtype, device=device), persistent=False)
-        self.register_buffer("sin_table", freqs.sin().to(dtype=dtype, device=device), persistent=False)
+        self.register_buffer("cos_table", torch.cat((cos, cos), -1).to(dtype=dtype, device=device), persistent=False)
+        self.register_buffer("sin_table", torch.cat((-sin, sin), -1).to(dtype=dtype, device=device), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[T, 1, head_dim // 2]`` cos and sin for ``positions``, ready to
-        broadcast over heads."""
-        return self.cos_table[positions].unsqueeze(1), self.sin_table[positions].unsqueeze(1)
+        """``[T, 1, head_dim]`` cos and sin tables for ``positions``, ready
+        to broadcast over heads in ``apply_rotary``."""
+        return self.cos_table.index_select(0, positions).unsqueeze(1), self.sin_table.index_select(0, positions).unsqueeze(1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` (``[T, heads, head_dim]``) by the angles of ``cos``/``sin``."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """Rotate ``x`` (``[T, heads, head_dim]``, any strides) by the angles of
+    ``RotaryEmbedding.cos_sin``; returns a new contiguous tensor.
+
+    ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = (-x2, x1)``:
+    the sign lives in the sin table, so swapping the halves is one ``flip``
+    and the whole rotation three ops.
+    """
+    tokens, heads, head_dim = x.shape
+    swapped = x.view(tokens, heads, 2, head_dim // 2).flip(2).view(tokens, heads, head_dim)
+    return torch.addcmul(x * cos, swapped, sin)

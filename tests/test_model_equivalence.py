@@ -96,9 +96,9 @@ def _save_tiny(kind: str, path) -> transformers.PreTrainedModel:
     return hf
 
 
-def _load_ours(path, *, threads: int = 1) -> LlamaForCausalLM:
+def _load_ours(path, *, threads: int = 1, pack_weights: bool | None = None) -> LlamaForCausalLM:
     config = ModelConfig.from_hf_config(json.loads((path / "config.json").read_text()))
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config, pack_weights=pack_weights)
     items = list(safetensors.torch.load_file(path / "model.safetensors").items())
     with ThreadPoolExecutor(threads) as pool:
         parts = pool.map(model.load_weights, [items[i::threads] for i in range(threads)])
@@ -204,13 +204,16 @@ SCHEMES = {
 }
 
 
+@pytest.mark.parametrize("pack_weights", [True, False], ids=["packed", "plain"])
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("kind", HF_MODELS)
-def test_matches_transformers(kind, scheme, tmp_path):
+def test_matches_transformers(kind, scheme, pack_weights, tmp_path):
     block_size, splits, all_logits = SCHEMES[scheme]
     assert all(n % block_size for n in PROMPT_LENS)
     hf = _save_tiny(kind, tmp_path)
-    model = _load_ours(tmp_path, threads=3)
+    # Packed: oneDNN's reordered weights, the CPU default; plain: F.linear, as on CUDA.
+    model = _load_ours(tmp_path, threads=3, pack_weights=pack_weights)
+    assert model.pack_weights is pack_weights
     seqs, mixed = _run(
         model, vocab=hf.config.vocab_size, block_size=block_size, splits=splits, all_logits=all_logits, seed=7
     )
@@ -283,3 +286,29 @@ def test_batch_without_logits_still_fills_the_cache(tmp_path):
         ref = hf(input_ids=torch.tensor([tokens])).logits[0, -1]
     assert first.shape == (0, hf.config.vocab_size)
     assert (last[0] - ref).abs().max() < 1e-4
+
+
+def test_reloading_weights_refreshes_the_packed_copies(tmp_path):
+    _save_tiny("qwen2", tmp_path)
+    model = _load_ours(tmp_path)
+    assert model.pack_weights
+    kv = KVCache.allocate(model.config, num_blocks=4, block_size=4, dtype=torch.float32, device="cpu")
+    batch = ForwardBatch.build([SeqChunk([5, 7, 11], 0, [1, 3])], block_size=4, device="cpu")
+    name = "model.layers.1.mlp.down_proj.weight"
+    with torch.inference_mode():
+        before = model(batch, kv)
+        doubled = 2 * model.layers[1].down_proj
+        model.load_weights([(name, doubled)])
+        after = model(batch, kv)
+        plain = LlamaForCausalLM(model.config, pack_weights=False)
+        plain.load_state_dict(model.state_dict())
+        expected = plain(batch, kv)
+    assert (after - before).abs().max() > 1e-2
+    assert (after - expected).abs().max() < 1e-4
+
+
+def test_pack_weights_needs_a_cpu_model():
+    config = ModelConfig.from_hf_config(_qwen2_config().to_dict())
+    with pytest.raises(ValueError, match="pack_weights needs a CPU float32 or bfloat16 model"):
+        LlamaForCausalLM(config, dtype=torch.float16, pack_weights=True)
+    assert not LlamaForCausalLM(config, device="meta").pack_weights
