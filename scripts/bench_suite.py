@@ -122,42 +122,45 @@ def main() -> int:
         subprocess.run(cmd, check=True)
         summary["offline"] = json.loads((args.out / "offline.json").read_text())
 
-    common = ["--dataset", "random", "--input-len", "128", "--ignore-eos", "--seed", "1"]
+    common = ["--dataset", "random", "--input-len", "128", "--ignore-eos"]
+    prefix = ["--dataset", "prefix", "--prefix-len", "512", "--input-len", "32", "--output-len", "16",
+              "--num-prompts", "32", "--max-concurrency", "32", "--ignore-eos", "--seed", "2"]  # fmt: skip
+    # Every part draws its own prompts (its own seed), so none finds another's in the prefix cache.
     with server(log=args.out / "server.log") as (url, proc):
         if "c32" not in skip:
-            summary["c32"] = bench(url, args.out / "c32.json", *common, "--output-len", str(out_len),
+            summary["c32"] = bench(url, args.out / "c32.json", *common, "--output-len", str(out_len), "--seed", "1",
                                    "--max-concurrency", "32", "--num-prompts", str(n32), "--num-warmups", "2")  # fmt: skip
         if "c1" not in skip:
-            summary["c1"] = bench(url, args.out / "c1.json", *common, "--output-len", str(out_len),
+            summary["c1"] = bench(url, args.out / "c1.json", *common, "--output-len", str(out_len), "--seed", "5",
                                   "--max-concurrency", "1", "--num-prompts", str(n1), "--num-warmups", "1")  # fmt: skip
+        if "prefix" not in skip:
+            summary["prefix_on"] = bench(url, args.out / "prefix_on.json", *prefix)
+        if "memory" not in skip:
+            samples = []
+            small = ["--dataset", "random", "--input-len", "32", "--output-len", "8", "--max-concurrency", "32", "--ignore-eos"]
+            warm = bench(url, args.out / "memory_warmup.json", *small, "--num-prompts", "100", "--seed", "9")
+            samples.append(("after 100 warm-up requests", rss_bytes(proc.pid)))
+            for part in range(4):
+                bench(url, args.out / f"memory_{part}.json", *small, "--num-prompts", str(n_mem // 4), "--seed", str(10 + part))
+                samples.append((f"after {100 + (part + 1) * (n_mem // 4)} requests", rss_bytes(proc.pid)))
+            summary["memory"] = {"samples": samples, "warmup_completed": warm["completed"]}
+    # Without the prefix cache: the sweep reuses its prompts at every
+    # concurrency, and the burst must prefill for real to compare with the
+    # one-batch prefill.
+    with server("--no-prefix-caching", log=args.out / "server_nocache.log") as (url, _):
         if "burst" not in skip:
-            summary["burst32"] = bench(url, args.out / "burst32.json", *common, "--output-len", str(out_len),
+            summary["burst32"] = bench(url, args.out / "burst32.json", *common, "--output-len", str(out_len), "--seed", "3",
                                        "--max-concurrency", "32", "--num-prompts", "32")  # fmt: skip
         if "sweep" not in skip:
             sweep = "1,8,16" if q else "1,8,16,32,64"
-            summary["sweep"] = bench(url, args.out / "sweep.json", *common, "--output-len", "32",
+            summary["sweep"] = bench(url, args.out / "sweep.json", *common, "--output-len", "32", "--seed", "4",
                                      "--num-prompts", "16" if q else "64", "--sweep-concurrency", sweep,
                                      "--plot", str(args.plots))  # fmt: skip
         if "prefix" not in skip:
-            summary["prefix_on"] = bench(url, args.out / "prefix_on.json", "--dataset", "prefix", "--prefix-len", "512",
-                                         "--input-len", "32", "--output-len", "16", "--num-prompts", "32",
-                                         "--max-concurrency", "32", "--ignore-eos", "--seed", "2")  # fmt: skip
-        if "memory" not in skip:
-            samples = []
-            warm = bench(url, args.out / "memory_warmup.json", "--dataset", "random", "--input-len", "32",
-                         "--output-len", "8", "--num-prompts", "100", "--max-concurrency", "32", "--ignore-eos")  # fmt: skip
-            samples.append(("after 100 warm-up requests", rss_bytes(proc.pid)))
-            for part in range(4):
-                bench(url, args.out / f"memory_{part}.json", "--dataset", "random", "--input-len", "32",
-                      "--output-len", "8", "--num-prompts", str(n_mem // 4), "--max-concurrency", "32",
-                      "--ignore-eos", "--seed", str(10 + part))  # fmt: skip
-                samples.append((f"after {100 + (part + 1) * (n_mem // 4)} requests", rss_bytes(proc.pid)))
-            summary["memory"] = {"samples": samples, "warmup_completed": warm["completed"]}
-    if "prefix" not in skip:
-        with server("--no-prefix-caching", log=args.out / "server_nocache.log") as (url, _):
-            summary["prefix_off"] = bench(url, args.out / "prefix_off.json", "--dataset", "prefix", "--prefix-len", "512",
-                                          "--input-len", "32", "--output-len", "16", "--num-prompts", "32",
-                                          "--max-concurrency", "32", "--ignore-eos", "--seed", "2")  # fmt: skip
+            summary["prefix_off"] = bench(url, args.out / "prefix_off.json", *prefix)
+    for key in ("offline", "c32", "c1", "burst32", "sweep", "prefix_on", "prefix_off"):
+        if key not in summary and (args.out / f"{key}.json").exists():
+            summary[key] = json.loads((args.out / f"{key}.json").read_text())  # from an earlier run of that part
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
     print_summary(summary)
     return 0
