@@ -73,8 +73,8 @@ class AttentionMetadata:
 
     Decode rows (query length 1) are taken longest context first and
     attended in ``decode_chunks``, each one gather of its blocks into the
-    shared scratch buffers and one batched attention call; prefill chunks go
-    one sequence at a time.
+    shared scratch buffers (or a view of the pool) and one batched attention
+    call; prefill chunks go one sequence at a time.
     """
 
     num_tokens: int
@@ -92,7 +92,9 @@ class AttentionMetadata:
     prefills: tuple[PrefillPlan, ...]
 
     @classmethod
-    def build(cls, batch: ForwardBatch, kv_cache: KVCache, *, decode_chunk_bytes: int | None = None) -> AttentionMetadata:
+    def build(
+        cls, batch: ForwardBatch, kv_cache: KVCache, *, decode_chunk_bytes: int | None = None
+    ) -> AttentionMetadata:
         """Plan ``batch`` from its host-side lengths and tables; no device sync.
 
         ``decode_chunk_bytes`` bounds the keys and values one decode chunk

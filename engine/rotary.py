@@ -64,7 +64,8 @@ class RotaryEmbedding(torch.nn.Module):
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[T, 1, head_dim]`` cos and sin tables for ``positions``, ready
         to broadcast over heads in ``apply_rotary``."""
-        return self.cos_table.index_select(0, positions).unsqueeze(1), self.sin_table.index_select(0, positions).unsqueeze(1)
+        cos = self.cos_table.index_select(0, positions).unsqueeze(1)
+        return cos, self.sin_table.index_select(0, positions).unsqueeze(1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -93,7 +93,7 @@ def test_mixed_batch_matches_reference_for_any_chunking(chunk_bytes):
     assert meta.decode_token_indices.tolist() == [15, 0, 8, 16, 7, 14]
     if chunk_bytes == 1:
         assert len(meta.decode_chunks) == 6  # at least one row per chunk
-    if chunk_bytes is None:
+    if chunk_bytes is None:  # the CPU default holds this whole batch
         assert len(meta.decode_chunks) == 1
 
 

@@ -269,6 +269,7 @@ def test_forward_batch_build():
     assert b.block_tables.tolist() == [[7, 2], [3, 0], [4, 6]]
     assert b.logits_indices.tolist() == [0, 1, 2, 3]
     assert (b.query_lens_cpu, b.context_lens_cpu) == ((3, 1, 2), (8, 1, 5))
+    assert b.block_tables_cpu == ((7, 2), (3,), (4, 6))
     with pytest.raises(ValueError, match="block_table has 1 blocks, context of 8 tokens needs 2"):
         ForwardBatch.build([attrs.evolve(chunks[0], block_table=[7])], block_size=4, device="cpu")
     with pytest.raises(ValueError, match="num_logits"):
@@ -312,3 +313,29 @@ def test_pack_weights_needs_a_cpu_model():
     with pytest.raises(ValueError, match="pack_weights needs a CPU float32 or bfloat16 model"):
         LlamaForCausalLM(config, dtype=torch.float16, pack_weights=True)
     assert not LlamaForCausalLM(config, device="meta").pack_weights
+
+
+def test_bfloat16_packed_and_plain_agree_and_track_float32(tmp_path):
+    hf = _save_tiny("llama", tmp_path)
+    config = ModelConfig.from_hf_config(json.loads((tmp_path / "config.json").read_text()))
+    weights = list(safetensors.torch.load_file(tmp_path / "model.safetensors").items())
+    tokens = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43]
+    logits = {}
+    for pack in (True, False):
+        model = LlamaForCausalLM(config, dtype=torch.bfloat16, pack_weights=pack)
+        model.load_weights(weights)
+        kv = KVCache.allocate(config, num_blocks=4, block_size=5, dtype=torch.bfloat16, device="cpu")
+        with torch.inference_mode():
+            first = model(ForwardBatch.build([SeqChunk(tokens[:9], 0, [2, 0, 3], 9)], block_size=5, device="cpu"), kv)
+            rest = [
+                model(ForwardBatch.build([SeqChunk([t], 9 + i, [2, 0, 3], 1)], block_size=5, device="cpu"), kv)
+                for i, t in enumerate(tokens[9:])
+            ]
+        logits[pack] = torch.cat([first, *rest])
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([tokens])).logits[0]
+    assert logits[True].dtype == torch.float32
+    scale = ref.abs().max()
+    # bfloat16 keeps 8 bits of mantissa: about 1% of the logit range here.
+    assert (logits[True] - logits[False]).abs().max() < 0.02 * scale
+    assert (logits[True] - ref).abs().max() < 0.02 * scale
