@@ -30,6 +30,7 @@ from trioserve.engine.loader import LoadedModel
 from trioserve.engine.outputs import RequestOutput
 from trioserve.engine.sampling_params import SamplingParams
 from trioserve.engine.sequence import FinishReason
+from trioserve.engine.step_thread import StepThread
 
 from .allocator import AllocatorActor
 from .errors import DuplicateRequestError, EngineClosed
@@ -37,6 +38,7 @@ from .executor import Executor, ModelExecutor
 from .messages import AbortAll, StepDone, StepFailed
 from .request import RequestActor
 from .scheduler import AdmissionQueue, SchedulerActor
+from .step_calls import run_in_step_thread
 from .statistics import EngineStatistics
 
 DEFAULT_MAX_BUFFERED_OUTPUTS = 64
@@ -356,8 +358,8 @@ async def open_engine(
     max_buffered_outputs: int = DEFAULT_MAX_BUFFERED_OUTPUTS,
     shutdown_timeout: float = 30.0,
 ) -> AsyncIterator[Engine]:
-    """Start an engine on ``loaded`` (else load ``config.model`` in a worker
-    thread) and yield it; see the module docstring for start and shutdown.
+    """Start an engine on ``loaded`` (else load ``config.model`` on the
+    engine's step thread) and yield it; see the module docstring for start and shutdown.
 
     ``executor(core)`` makes the executor actor (default: ``ModelExecutor``
     on the core's runner; tests pass a ``FakeExecutor``).
@@ -366,38 +368,43 @@ async def open_engine(
     """
     if max_buffered_outputs < 1:
         raise ValueError("max_buffered_outputs must be >= 1")
-    if loaded is None:
-        core = await trio.to_thread.run_sync(EngineCore.from_config, config)
-    else:
-        core = await trio.to_thread.run_sync(EngineCore, loaded, config)
-    core.release_in_process = False  # the allocator actor owns the pool
-    admission = AdmissionQueue(config.max_queued_requests, config.max_queued_tokens)
-    allocator = AllocatorActor(core.block_manager)
-    executor_actor = ModelExecutor(core.runner) if executor is None else executor(core)
-    engine = Engine(core, admission, allocator, executor_actor, max_buffered_outputs=max_buffered_outputs)
-    scheduler = SchedulerActor(core, admission, max_buffered_outputs=max_buffered_outputs, on_forget=engine._on_forget)
-    engine._scheduler = scheduler
-    kv_send, kv_receive = trio.open_memory_channel[KVResult](1)
-    step_send, step_receive = trio.open_memory_channel[StepDone | StepFailed](1)
-    async with trio.open_nursery() as nursery:
-        engine._nursery = nursery
-        allocator_inbox = await nursery.start(allocator.run, kv_send)
-        executor_inbox = await nursery.start(executor_actor.run, step_send)
-        engine._control = await nursery.start(
-            functools.partial(
-                engine._run_scheduler,
-                scheduler,
-                allocator=allocator_inbox,
-                kv_results=kv_receive,
-                executor=executor_inbox,
-                step_results=step_receive,
+    # Loading and every step run on this one thread: see step_thread.py.
+    step_thread = StepThread(config.num_threads)
+    try:
+        if loaded is None:
+            core = await run_in_step_thread(step_thread, EngineCore.from_config, config)
+        else:
+            core = await run_in_step_thread(step_thread, EngineCore, loaded, config)
+        core.release_in_process = False  # the allocator actor owns the pool
+        admission = AdmissionQueue(config.max_queued_requests, config.max_queued_tokens)
+        allocator = AllocatorActor(core.block_manager)
+        executor_actor = ModelExecutor(core.runner, step_thread) if executor is None else executor(core)
+        engine = Engine(core, admission, allocator, executor_actor, max_buffered_outputs=max_buffered_outputs)
+        scheduler = SchedulerActor(core, admission, max_buffered_outputs=max_buffered_outputs, on_forget=engine._on_forget)
+        engine._scheduler = scheduler
+        kv_send, kv_receive = trio.open_memory_channel[KVResult](1)
+        step_send, step_receive = trio.open_memory_channel[StepDone | StepFailed](1)
+        async with trio.open_nursery() as nursery:
+            engine._nursery = nursery
+            allocator_inbox = await nursery.start(allocator.run, kv_send)
+            executor_inbox = await nursery.start(executor_actor.run, step_send)
+            engine._control = await nursery.start(
+                functools.partial(
+                    engine._run_scheduler,
+                    scheduler,
+                    allocator=allocator_inbox,
+                    kv_results=kv_receive,
+                    executor=executor_inbox,
+                    step_results=step_receive,
+                )
             )
-        )
-        try:
-            yield engine
-        except BaseException:
-            admission.close()
-            nursery.cancel_scope.cancel()
-            raise
-        await engine._shutdown(shutdown_timeout)
-        engine._control.close()
+            try:
+                yield engine
+            except BaseException:
+                admission.close()
+                nursery.cancel_scope.cancel()
+                raise
+            await engine._shutdown(shutdown_timeout)
+            engine._control.close()
+    finally:
+        step_thread.close()  # steps are not cancellable: none is in flight here

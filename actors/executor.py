@@ -1,8 +1,9 @@
 """The executor actor: runs the model step, one at a time.
 
-``ModelExecutor`` runs ``ModelRunner.execute`` in a worker thread
-(``trio.to_thread.run_sync`` under a ``CapacityLimiter(1)``), so the event
-loop goes on admitting, aborting and delivering while the step computes. A
+``ModelExecutor`` runs ``ModelRunner.execute`` on the engine's
+``StepThread`` (one long-lived thread for all its torch work; see
+``trioserve.engine.step_thread``), so the event loop goes on admitting,
+aborting and delivering while the step computes. A
 step is not cancellable once started: its thread finishes, and aborts are
 applied after it. An exception in the step becomes ``StepFailed`` (only that
 step's requests fail); the actor keeps serving.
@@ -23,9 +24,11 @@ import trio
 
 from trioserve.engine.model_runner import RunnerOutput
 from trioserve.engine.scheduler import ScheduledChunk, SchedulerOutput
+from trioserve.engine.step_thread import StepThread
 
 from .messages import RunStep, StepDone, StepFailed
 from .statistics import ExecutorStatistics
+from .step_calls import run_in_step_thread
 
 # One step in flight: the scheduler plans the next step from this one's tokens.
 INBOX_CAPACITY = 1
@@ -93,20 +96,30 @@ class Executor(abc.ABC):
 
 
 class ModelExecutor(Executor):
-    """Runs ``runner.execute`` in a worker thread, one step at a time.
+    """Runs ``runner.execute`` on ``step_thread``, one step at a time.
 
     ``runner.execute`` enters ``torch.inference_mode`` itself (grad mode is
-    per thread). The thread is never abandoned: the step has side effects on
-    the KV cache, so a cancel waits for it to finish.
+    per thread). A step is never abandoned: it has side effects on the KV
+    cache, so a cancel waits for it to finish.
     """
 
-    def __init__(self, runner: Runner) -> None:
+    def __init__(self, runner: Runner, step_thread: StepThread | None = None) -> None:
+        """``step_thread``: the thread that loaded the model (None: a thread
+        of the executor's own, closed when ``run`` returns)."""
         super().__init__()
         self.runner = runner
-        self._limiter = trio.CapacityLimiter(1)
+        self._owns_thread = step_thread is None
+        self.step_thread = StepThread() if step_thread is None else step_thread
+
+    async def run(self, replies: trio.MemorySendChannel[StepDone | StepFailed], **kwargs: Any) -> None:
+        try:
+            await super().run(replies, **kwargs)
+        finally:
+            if self._owns_thread:
+                self.step_thread.close()  # no step is in flight: they are not cancellable
 
     async def execute(self, plan: SchedulerOutput, states: Mapping[str, Any]) -> RunnerOutput:
-        return await trio.to_thread.run_sync(self.runner.execute, plan, states, limiter=self._limiter)
+        return await run_in_step_thread(self.step_thread, self.runner.execute, plan, states)
 
 
 def fake_token(chunk: ScheduledChunk, vocab_size: int) -> int:

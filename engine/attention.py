@@ -293,4 +293,5 @@ def _decode(
         v = v.view(rows, -1, kv_heads, head_dim)[:, : c.context_len].transpose(1, 2)
         outs.append(F.scaled_dot_product_attention(query[c.start : c.end], k, v, attn_mask=c.mask, scale=scale))
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
-    return out.view(num_decodes, heads, head_dim)
+    # CUDA's SDPA kernels may return a permuted layout: reshape copies only then.
+    return out.reshape(num_decodes, heads, head_dim)

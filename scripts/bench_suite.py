@@ -102,6 +102,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
     parser.add_argument("--plots", type=Path, default=Path("docs/img"))
     parser.add_argument("--quick", action="store_true", help="small counts, to check the script runs")
+    parser.add_argument("--dtype", default=None, help="the engine's weights and KV cache (server and bench offline)")
     parser.add_argument("--skip", default="", help="comma list of parts to skip: start,offline,c32,c1,sweep,burst,prefix,memory")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -110,12 +111,13 @@ def main() -> int:
     n32, n1, n_mem = (8, 2, 50) if q else (64, 8, 2000)
     out_len = 16 if q else 128
     summary: dict = {}
+    dtype = ["--dtype", args.dtype] if args.dtype else []
 
     if "start" not in skip:
         summary["start"] = measure_start(args.out / "start-cache")
 
     if "offline" not in skip:
-        cmd = [str(BIN), "bench", "offline", "--result-json", str(args.out / "offline.json")]
+        cmd = [str(BIN), "bench", "offline", "--result-json", str(args.out / "offline.json"), *dtype]
         if q:
             cmd += ["--num-prompts", "8", "--output-len", "16", "--batch-size", "4", "--sequential-prompts", "1", "--prefill-batch", "8"]
         print("$", " ".join(cmd[1:]), flush=True)
@@ -126,7 +128,7 @@ def main() -> int:
     prefix = ["--dataset", "prefix", "--prefix-len", "512", "--input-len", "32", "--output-len", "16",
               "--num-prompts", "32", "--max-concurrency", "32", "--ignore-eos", "--seed", "2"]  # fmt: skip
     # Every part draws its own prompts (its own seed), so none finds another's in the prefix cache.
-    with server(log=args.out / "server.log") as (url, proc):
+    with server(*dtype, log=args.out / "server.log") as (url, proc):
         if "c32" not in skip:
             summary["c32"] = bench(url, args.out / "c32.json", *common, "--output-len", str(out_len), "--seed", "1",
                                    "--max-concurrency", "32", "--num-prompts", str(n32), "--num-warmups", "2")  # fmt: skip
@@ -147,7 +149,7 @@ def main() -> int:
     # Without the prefix cache: the sweep reuses its prompts at every
     # concurrency, and the burst must prefill for real to compare with the
     # one-batch prefill.
-    with server("--no-prefix-caching", log=args.out / "server_nocache.log") as (url, _):
+    with server("--no-prefix-caching", *dtype, log=args.out / "server_nocache.log") as (url, _):
         if "burst" not in skip:
             summary["burst32"] = bench(url, args.out / "burst32.json", *common, "--output-len", str(out_len), "--seed", "3",
                                        "--max-concurrency", "32", "--num-prompts", "32")  # fmt: skip

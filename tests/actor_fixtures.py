@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from conftest import TEST_DEVICE
 
 from trioserve.engine.config import EngineConfig, ModelConfig, RopeScaling
 from trioserve.engine.engine_core import EngineCore
@@ -63,9 +64,11 @@ def tiny_model_config() -> ModelConfig:
 def tiny_loaded() -> LoadedModel:
     """A 2-layer, 64-wide Llama with random weights (seeded) and a 49152
     token vocabulary; its logits are peaked enough that greedy choices do
-    not hinge on float rounding."""
+    not hinge on float rounding. On TEST_DEVICE (CPU unless
+    TRIOSERVE_TEST_DEVICE says otherwise); the weights are drawn on CPU, so
+    they are the same on every device."""
     config = tiny_model_config()
-    model = LlamaForCausalLM(config, dtype=torch.float32, device="cpu")
+    model = LlamaForCausalLM(config, dtype=torch.float32, device=TEST_DEVICE)
     generator = torch.Generator().manual_seed(1234)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -81,7 +84,7 @@ def tiny_loaded() -> LoadedModel:
         name="tiny-random-llama",
         path=default_gguf().parent,
         dtype=torch.float32,
-        device=torch.device("cpu"),
+        device=torch.device(TEST_DEVICE),
     )
 
 

@@ -7,6 +7,8 @@ runs start warm.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -14,11 +16,27 @@ from trioserve.engine.config import EngineConfig
 from trioserve.engine.engine_core import EngineCore
 from trioserve.engine.loader import LoadedModel, load_model
 
+# Where the model/KV-path tests put the model, its KV cache and its batches:
+# "cpu" (the default) or "cuda" / "cuda:N" (TRIOSERVE_TEST_DEVICE=cuda), so
+# the same tests check the CUDA path on a machine that has one.
+TEST_DEVICE = os.environ.get("TRIOSERVE_TEST_DEVICE", "cpu")
+ON_CUDA = torch.device(TEST_DEVICE).type == "cuda"
+
+# float32 tests compare against float32 references at 1e-4 or tighter: keep
+# CUDA matmuls in full float32 (no TF32). No effect on CPU.
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.backends.cudnn.allow_tf32 = False
+
+
+def pytest_configure(config):
+    if ON_CUDA and not torch.cuda.is_available():
+        raise pytest.UsageError(f"TRIOSERVE_TEST_DEVICE={TEST_DEVICE}, but CUDA is not available")
+
 
 @pytest.fixture(scope="session")
 def default_loaded() -> LoadedModel:
-    """The default model, float32 on CPU."""
-    return load_model(None, dtype="float32", device="cpu")
+    """The default model, float32 on TEST_DEVICE (CPU unless TRIOSERVE_TEST_DEVICE says otherwise)."""
+    return load_model(None, dtype="float32", device=TEST_DEVICE)
 
 
 @pytest.fixture(scope="session", autouse=True)

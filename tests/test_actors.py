@@ -32,6 +32,7 @@ class GatedRunner:
         self.nth = nth
         self.fail = fail
         self.entered = trio.Event()
+        self.trio_token = trio.lowlevel.current_trio_token()  # the step thread is not trio's
         self.release = threading.Event()
         self.plans: list[set[str]] = []
         self._seen = 0
@@ -44,7 +45,7 @@ class GatedRunner:
         if self.gate_id in ids:
             self._seen += 1
             if self._seen == self.nth:
-                trio.from_thread.run_sync(self.entered.set)
+                trio.from_thread.run_sync(self.entered.set, trio_token=self.trio_token)
                 if not self.release.wait(timeout=60):
                     raise TimeoutError("the test never released the step")
         return self.runner.execute(plan, states)

@@ -3,6 +3,9 @@
 Every plan (one decode chunk or many, masked or not, gathered or read in
 place, decode rows reordered around prefill chunks) must give the same
 output as attending each sequence's keys in position order.
+
+The cache, the batch and the attention run on TEST_DEVICE
+(TRIOSERVE_TEST_DEVICE, default CPU); the reference always runs on CPU.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import random
 
 import pytest
 import torch
+from conftest import TEST_DEVICE
 
 from trioserve.engine.attention import AttentionMetadata, paged_attention, write_kv
 from trioserve.engine.forward_batch import ForwardBatch, SeqChunk
@@ -25,14 +29,15 @@ def _cache() -> KVCache:
     torch.manual_seed(0)
     key = torch.randn(1, NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM) * 3
     value = torch.randn(1, NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM)
-    return KVCache(key=key, value=value)
+    return KVCache(key=key.to(TEST_DEVICE), value=value.to(TEST_DEVICE))
 
 
 def _reference(query, kv: KVCache, chunks: list[SeqChunk]) -> torch.Tensor:
     """Each query token attends its sequence's positions 0..its own, read
-    slot by slot, with every KV head repeated over its group."""
-    keys = kv.key[0].reshape(-1, KV_HEADS, HEAD_DIM)
-    values = kv.value[0].reshape(-1, KV_HEADS, HEAD_DIM)
+    slot by slot, with every KV head repeated over its group; on CPU."""
+    query = query.cpu()
+    keys = kv.key[0].cpu().reshape(-1, KV_HEADS, HEAD_DIM)
+    values = kv.value[0].cpu().reshape(-1, KV_HEADS, HEAD_DIM)
     group = HEADS // KV_HEADS
     rows = []
     t = 0
@@ -50,15 +55,16 @@ def _reference(query, kv: KVCache, chunks: list[SeqChunk]) -> torch.Tensor:
 
 def _run(chunks: list[SeqChunk], chunk_bytes: int | None) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     kv = _cache()
-    batch = ForwardBatch.build(chunks, block_size=BLOCK, device="cpu")
+    batch = ForwardBatch.build(chunks, block_size=BLOCK, device=TEST_DEVICE)
     torch.manual_seed(1)
-    query = torch.randn(batch.num_tokens, HEADS, HEAD_DIM)
-    key = torch.randn(batch.num_tokens, KV_HEADS, HEAD_DIM) * 3
-    value = torch.randn(batch.num_tokens, KV_HEADS, HEAD_DIM)
+    query = torch.randn(batch.num_tokens, HEADS, HEAD_DIM).to(TEST_DEVICE)
+    key = (torch.randn(batch.num_tokens, KV_HEADS, HEAD_DIM) * 3).to(TEST_DEVICE)
+    value = torch.randn(batch.num_tokens, KV_HEADS, HEAD_DIM).to(TEST_DEVICE)
     write_kv(key, value, kv.key[0], kv.value[0], batch.slot_mapping)
     meta = AttentionMetadata.build(batch, kv, decode_chunk_bytes=chunk_bytes)
     out = paged_attention(query, key, value, kv.key[0], kv.value[0], meta, scale=HEAD_DIM**-0.5)
-    return out, _reference(query, kv, chunks), meta
+    assert out.device == kv.key.device
+    return out.cpu(), _reference(query, kv, chunks), meta
 
 
 def _scattered_tables(num: int, seed: int) -> list[list[int]]:

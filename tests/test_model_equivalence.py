@@ -7,6 +7,9 @@ sequences starting at different steps so decode tokens share batches with
 other sequences' prefill chunks, batch order shuffled, scattered block
 tables over a cache full of stale values. Every logit we produce must match
 transformers' full recompute of the same tokens within 1e-4.
+
+Our model runs on TEST_DEVICE (TRIOSERVE_TEST_DEVICE, default CPU); the
+transformers reference always runs on CPU in float32.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import pytest
 import safetensors.torch
 import torch
 import transformers
+from conftest import ON_CUDA, TEST_DEVICE
 
 from trioserve.engine.config import ModelConfig
 from trioserve.engine.errors import ModelLoadError
@@ -98,13 +102,17 @@ def _save_tiny(kind: str, path) -> transformers.PreTrainedModel:
 
 def _load_ours(path, *, threads: int = 1, pack_weights: bool | None = None) -> LlamaForCausalLM:
     config = ModelConfig.from_hf_config(json.loads((path / "config.json").read_text()))
-    model = LlamaForCausalLM(config, pack_weights=pack_weights)
+    model = LlamaForCausalLM(config, device=TEST_DEVICE, pack_weights=pack_weights)
     items = list(safetensors.torch.load_file(path / "model.safetensors").items())
     with ThreadPoolExecutor(threads) as pool:
         parts = pool.map(model.load_weights, [items[i::threads] for i in range(threads)])
         loaded = set().union(*parts)
     assert loaded >= model.required_weight_names()
     return model
+
+
+def _batch(chunks: list[SeqChunk], block_size: int) -> ForwardBatch:
+    return ForwardBatch.build(chunks, block_size=block_size, device=TEST_DEVICE)
 
 
 @attrs.define
@@ -143,7 +151,7 @@ def _run(model, *, vocab, block_size, splits, all_logits, seed) -> tuple[list[_S
     num_blocks = sum(blocks_per_seq) + 3
     free = list(range(num_blocks))
     rng.shuffle(free)  # scattered, out-of-order block tables
-    kv = KVCache.allocate(config, num_blocks=num_blocks, block_size=block_size, dtype=torch.float32, device="cpu")
+    kv = KVCache.allocate(config, num_blocks=num_blocks, block_size=block_size, dtype=torch.float32, device=TEST_DEVICE)
     # Stale finite garbage: reading a slot not written this sequence shows up.
     kv.key.normal_(0, 30)
     kv.value.normal_(0, 30)
@@ -168,9 +176,9 @@ def _run(model, *, vocab, block_size, splits, all_logits, seed) -> tuple[list[_S
             toks = s.tokens[s.computed : s.computed + n]
             work.append((s, SeqChunk(toks, s.computed, s.block_table, num_logits)))
         rng.shuffle(work)
-        batch = ForwardBatch.build([c for _, c in work], block_size=block_size, device="cpu")
+        batch = _batch([c for _, c in work], block_size)
         with torch.inference_mode():
-            logits = model(batch, kv)
+            logits = model(batch, kv).cpu()
         assert logits.dtype == torch.float32
         assert logits.shape == (sum(c.num_logits for _, c in work), vocab)
         decoding = any(s.computed >= s.prompt_len for s, _ in work)
@@ -204,7 +212,12 @@ SCHEMES = {
 }
 
 
-@pytest.mark.parametrize("pack_weights", [True, False], ids=["packed", "plain"])
+# Packed weights are CPU-only (oneDNN): on CUDA only the plain path runs.
+CPU_ONLY = pytest.mark.skipif(ON_CUDA, reason="packed weights are CPU-only")
+PACK_CHOICES = [pytest.param(True, id="packed", marks=CPU_ONLY), pytest.param(False, id="plain")]
+
+
+@pytest.mark.parametrize("pack_weights", PACK_CHOICES)
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("kind", HF_MODELS)
 def test_matches_transformers(kind, scheme, pack_weights, tmp_path):
@@ -258,7 +271,8 @@ def test_forward_batch_build():
         SeqChunk(token_ids=[8], start_position=0, block_table=[3], num_logits=1),
         SeqChunk(token_ids=[1, 2], start_position=3, block_table=[4, 6], num_logits=0),
     ]
-    b = ForwardBatch.build(chunks, block_size=4, device="cpu")
+    b = ForwardBatch.build(chunks, block_size=4, device=TEST_DEVICE)
+    assert b.input_ids.device.type == torch.device(TEST_DEVICE).type
     assert b.input_ids.tolist() == [5, 6, 7, 8, 1, 2]
     assert b.positions.tolist() == [5, 6, 7, 0, 3, 4]
     # position p of a sequence lives in slot table[p // 4] * 4 + p % 4
@@ -271,24 +285,25 @@ def test_forward_batch_build():
     assert (b.query_lens_cpu, b.context_lens_cpu) == ((3, 1, 2), (8, 1, 5))
     assert b.block_tables_cpu == ((7, 2), (3,), (4, 6))
     with pytest.raises(ValueError, match="block_table has 1 blocks, context of 8 tokens needs 2"):
-        ForwardBatch.build([attrs.evolve(chunks[0], block_table=[7])], block_size=4, device="cpu")
+        ForwardBatch.build([attrs.evolve(chunks[0], block_table=[7])], block_size=4, device=TEST_DEVICE)
     with pytest.raises(ValueError, match="num_logits"):
-        ForwardBatch.build([attrs.evolve(chunks[1], num_logits=2)], block_size=4, device="cpu")
+        ForwardBatch.build([attrs.evolve(chunks[1], num_logits=2)], block_size=4, device=TEST_DEVICE)
 
 
 def test_batch_without_logits_still_fills_the_cache(tmp_path):
     hf = _save_tiny("mistral", tmp_path)
     model = _load_ours(tmp_path)
-    kv = KVCache.allocate(model.config, num_blocks=4, block_size=3, dtype=torch.float32, device="cpu")
+    kv = KVCache.allocate(model.config, num_blocks=4, block_size=3, dtype=torch.float32, device=TEST_DEVICE)
     tokens = [3, 1, 4, 1, 5, 9, 2, 6, 5]
     with torch.inference_mode():
-        first = model(ForwardBatch.build([SeqChunk(tokens[:5], 0, [2, 0, 3, 1], 0)], block_size=3, device="cpu"), kv)
-        last = model(ForwardBatch.build([SeqChunk(tokens[5:], 5, [2, 0, 3, 1], 1)], block_size=3, device="cpu"), kv)
+        first = model(_batch([SeqChunk(tokens[:5], 0, [2, 0, 3, 1], 0)], 3), kv)
+        last = model(_batch([SeqChunk(tokens[5:], 5, [2, 0, 3, 1], 1)], 3), kv)
         ref = hf(input_ids=torch.tensor([tokens])).logits[0, -1]
     assert first.shape == (0, hf.config.vocab_size)
-    assert (last[0] - ref).abs().max() < 1e-4
+    assert (last[0].cpu() - ref).abs().max() < 1e-4
 
 
+@CPU_ONLY
 def test_reloading_weights_refreshes_the_packed_copies(tmp_path):
     _save_tiny("qwen2", tmp_path)
     model = _load_ours(tmp_path)
@@ -321,21 +336,23 @@ def test_bfloat16_packed_and_plain_agree_and_track_float32(tmp_path):
     weights = list(safetensors.torch.load_file(tmp_path / "model.safetensors").items())
     tokens = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43]
     logits = {}
-    for pack in (True, False):
-        model = LlamaForCausalLM(config, dtype=torch.bfloat16, pack_weights=pack)
+    # On CUDA there is no packed path: the plain one is checked against float32.
+    for pack in (False,) if ON_CUDA else (True, False):
+        model = LlamaForCausalLM(config, dtype=torch.bfloat16, device=TEST_DEVICE, pack_weights=pack)
         model.load_weights(weights)
-        kv = KVCache.allocate(config, num_blocks=4, block_size=5, dtype=torch.bfloat16, device="cpu")
+        kv = KVCache.allocate(config, num_blocks=4, block_size=5, dtype=torch.bfloat16, device=TEST_DEVICE)
         with torch.inference_mode():
-            first = model(ForwardBatch.build([SeqChunk(tokens[:9], 0, [2, 0, 3], 9)], block_size=5, device="cpu"), kv)
-            rest = [
-                model(ForwardBatch.build([SeqChunk([t], 9 + i, [2, 0, 3], 1)], block_size=5, device="cpu"), kv)
-                for i, t in enumerate(tokens[9:])
-            ]
-        logits[pack] = torch.cat([first, *rest])
+            first = model(_batch([SeqChunk(tokens[:9], 0, [2, 0, 3], 9)], 5), kv)
+            rest = [model(_batch([SeqChunk([t], 9 + i, [2, 0, 3], 1)], 5), kv) for i, t in enumerate(tokens[9:])]
+        logits[pack] = torch.cat([first, *rest]).cpu()
     with torch.no_grad():
         ref = hf(input_ids=torch.tensor([tokens])).logits[0]
-    assert logits[True].dtype == torch.float32
     scale = ref.abs().max()
+    if ON_CUDA:
+        assert logits[False].dtype == torch.float32
+        assert (logits[False] - ref).abs().max() < 0.02 * scale
+        return
+    assert logits[True].dtype == torch.float32
     # bfloat16 keeps 8 bits of mantissa: about 1% of the logit range here.
     assert (logits[True] - logits[False]).abs().max() < 0.02 * scale
     assert (logits[True] - ref).abs().max() < 0.02 * scale

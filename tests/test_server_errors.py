@@ -10,7 +10,7 @@ import pytest
 import trio
 
 from trioserve.engine.errors import ModelLoadError
-from trioserve.web import host as host_module
+from trioserve.engine import engine_core as engine_core_module
 from trioserve.web.app import create_app
 from trioserve.web.host import HostState
 from trioserve.web.settings import ModelSpec
@@ -216,7 +216,7 @@ async def test_health_503_while_loading(default_loaded, monkeypatch):
         release.wait(timeout=60)
         return default_loaded
 
-    monkeypatch.setattr(host_module, "load_model", slow_load)
+    monkeypatch.setattr(engine_core_module, "load_model", slow_load)  # the engine loads through it
     app = create_app(server_config())
     try:
         async with serving(app, wait_ready=False) as running, httpx.AsyncClient(base_url=running.url) as http:

@@ -21,12 +21,12 @@ from quart import current_app
 
 from trioserve.actors.engine import open_engine
 from trioserve.engine.errors import TrioserveError
-from trioserve.engine.loader import LoadedModel, load_model
+from trioserve.engine.loader import LoadedModel
 
 from .errors import NotFoundError, ServiceUnavailable
 from .metrics import Metrics
 from .served import ServedModel
-from .settings import ModelSpec, ServerConfig
+from .settings import ServerConfig
 
 log = logging.getLogger(__name__)
 
@@ -142,10 +142,13 @@ class ModelHost:
                 for spec in self.config.models:
                     if self._drain_requested.is_set():
                         break
-                    loaded = await self._load(spec)
+                    log.info("loading %s from %s", spec.name, spec.path or "the default model")
+                    # Unless preloaded, open_engine loads on the engine's step thread.
                     engine = await stack.enter_async_context(
                         open_engine(
-                            self.config.engine_config(spec), loaded=loaded, shutdown_timeout=self.config.shutdown_timeout
+                            self.config.engine_config(spec),
+                            loaded=self.preloaded.get(spec.name),
+                            shutdown_timeout=self.config.shutdown_timeout,
                         )
                     )
                     self.models[spec.name] = ServedModel(spec.name, engine, self.metrics)
@@ -166,17 +169,6 @@ class ModelHost:
             if self.state is not HostState.FAILED:
                 self.state = HostState.STOPPED
             self._stopped.set()
-
-    async def _load(self, spec: ModelSpec) -> LoadedModel:
-        loaded = self.preloaded.get(spec.name)
-        if loaded is not None:
-            return loaded
-        engine = self.config.engine
-        log.info("loading %s from %s", spec.name, spec.path or "the default model")
-        # Not abandoned on cancel: the load would go on in its thread anyway.
-        return await trio.to_thread.run_sync(
-            lambda: load_model(spec.path, dtype=engine.dtype, device=engine.device)
-        )
 
     async def _drain(self) -> None:
         async def drain(model: ServedModel, timeout: float) -> None:

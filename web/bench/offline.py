@@ -33,42 +33,26 @@ class ContenderResult:
         return self.output_tokens / self.seconds
 
 
-def in_worker_thread(fn: Callable[..., Any], *args: Any) -> Any:
-    """Run ``fn`` in a fresh thread and return its result.
-
-    On this project's machines torch runs several times slower in a
-    process's main thread than in any other thread, and the server runs its
-    model step in a worker thread; so every contender runs in one, and none
-    is handicapped by where it happens to be called from."""
-    import threading
-
-    result: list[Any] = []
-    errors: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            result.append(fn(*args))
-        except BaseException as exc:  # re-raised in the caller
-            errors.append(exc)
-
-    thread = threading.Thread(target=target, name=f"bench-{getattr(fn, '__name__', 'run')}")
-    thread.start()
-    thread.join()
-    if errors:
-        raise errors[0]
-    return result[0]
-
-
-def measure_matmul_gflops(size: int = 2048, repeats: int = 10) -> float:
-    """fp32 GEMM throughput of this machine with torch's current threads."""
+def measure_matmul_gflops(dtype: Any, device: Any, size: int = 2048, repeats: int = 10) -> float:
+    """GEMM throughput of this machine in ``dtype`` with torch's current threads."""
     import torch
 
-    a, b = torch.randn(size, size), torch.randn(size, size)
+    a = torch.randn(size, size, dtype=dtype, device=device)
+    b = torch.randn(size, size, dtype=dtype, device=device)
     torch.mm(a, b)  # warm-up: thread pool and allocator
+    synchronize(device)
     start = time.perf_counter()
     for _ in range(repeats):
         torch.mm(a, b)
+    synchronize(device)
     return 2 * size**3 * repeats / (time.perf_counter() - start) / 1e9
+
+
+def synchronize(device: Any) -> None:
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def decode_flops_per_token(model_config: Any, context_len: int) -> float:
@@ -134,7 +118,9 @@ def measure_batch_prefill(loaded: Any, prompts: list[list[int]], config_fields: 
     return time.perf_counter() - start
 
 
-def run_transformers(model: Any, prompts: list[list[int]], output_len: int, batch_size: int, pad_id: int) -> ContenderResult:
+def run_transformers(
+    model: Any, prompts: list[list[int]], output_len: int, batch_size: int, pad_id: int
+) -> ContenderResult:
     """transformers ``generate`` over static batches of ``batch_size`` prompts
     (equal lengths, so no padding is involved)."""
     import torch
@@ -143,7 +129,7 @@ def run_transformers(model: Any, prompts: list[list[int]], output_len: int, batc
     start = time.perf_counter()
     with torch.inference_mode():
         for first in range(0, len(prompts), batch_size):
-            batch = torch.tensor(prompts[first : first + batch_size])
+            batch = torch.tensor(prompts[first : first + batch_size], device=model.device)
             out = model.generate(
                 batch,
                 attention_mask=torch.ones_like(batch),
@@ -153,6 +139,7 @@ def run_transformers(model: Any, prompts: list[list[int]], output_len: int, batc
                 pad_token_id=pad_id,
             )
             tokens += (out.shape[1] - batch.shape[1]) * out.shape[0]
+    synchronize(model.device)
     seconds = time.perf_counter() - start
     name = "transformers generate, sequential" if batch_size == 1 else f"transformers generate, static batch {batch_size}"
     latency = seconds / tokens * 1000 if batch_size == 1 else None
@@ -176,28 +163,42 @@ def add_bench_offline_parser(bench_commands) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--prefill-batch", type=int, default=32, help="prompts prefilled together for the TTFT floor")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="every contender's")
+    p.add_argument("--device", default="cpu", help="every contender's: cpu, cuda, cuda:1")
+    p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--skip-transformers", action="store_true")
     p.add_argument("--result-json", type=Path, default=None)
     p.set_defaults(func=run_bench_offline)
 
 
 def run_bench_offline(args: argparse.Namespace) -> int:
+    """Every contender, and the load, runs on one long-lived thread: one
+    OpenMP pool for all of them (see ``trioserve.engine.step_thread``)."""
+    from trioserve.engine.step_thread import StepThread
+
+    with StepThread(args.num_threads) as step_thread:
+        return step_thread.call(_run_bench_offline, args)
+
+
+def _run_bench_offline(args: argparse.Namespace) -> int:
     import torch
 
     from trioserve.engine.config import EngineConfig
     from trioserve.engine.engine_core import EngineCore
     from trioserve.engine.loader import load_model
 
-    loaded = load_model(args.model, dtype="float32", device="cpu")
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     config_fields = dict(
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.input_len + args.output_len + 16,
+        dtype=args.dtype,
+        device=args.device,
     )
     config = EngineConfig(**config_fields)
     prompts = make_prompts(args.num_prompts, args.input_len, loaded.model_config.vocab_size, args.seed)
-    gflops = in_worker_thread(measure_matmul_gflops)
-    print(f"fp32 matmul: {gflops:.1f} GFLOP/s ({torch.get_num_threads()} threads)", file=sys.stderr)
+    gflops = measure_matmul_gflops(loaded.dtype, loaded.device)
+    print(f"{args.dtype} matmul: {gflops:.1f} GFLOP/s ({torch.get_num_threads()} threads)", file=sys.stderr)
 
     results: list[ContenderResult] = []
 
@@ -205,22 +206,22 @@ def run_bench_offline(args: argparse.Namespace) -> int:
         return EngineCore(loaded, config)
 
     # One short warm-up run so one-time costs (allocator, thread pools) do not count.
-    in_worker_thread(run_engine, core_factory, prompts[:2], 4)
-    engine, decode_steps = in_worker_thread(run_engine, core_factory, prompts, args.output_len)
+    run_engine(core_factory, prompts[:2], 4)
+    engine, decode_steps = run_engine(core_factory, prompts, args.output_len)
     results.append(engine)
-    single, _ = in_worker_thread(run_engine, core_factory, prompts[:1], args.output_len)
+    single, _ = run_engine(core_factory, prompts[:1], args.output_len)
     results.append(single)
-    prefill_seconds = in_worker_thread(measure_batch_prefill, loaded, prompts[: args.prefill_batch], config_fields)
+    prefill_seconds = measure_batch_prefill(loaded, prompts[: args.prefill_batch], config_fields)
 
     if not args.skip_transformers:
         from transformers import AutoModelForCausalLM
 
-        reference = AutoModelForCausalLM.from_pretrained(str(loaded.path), dtype=torch.float32)
+        reference = AutoModelForCausalLM.from_pretrained(str(loaded.path), dtype=loaded.dtype).to(loaded.device)
         reference.eval()
         pad = loaded.model_config.eos_token_ids[0] if loaded.model_config.eos_token_ids else 0
         sequential = prompts[: args.sequential_prompts]
-        results.append(in_worker_thread(run_transformers, reference, sequential, args.output_len, 1, pad))
-        results.append(in_worker_thread(run_transformers, reference, prompts, args.output_len, args.batch_size, pad))
+        results.append(run_transformers(reference, sequential, args.output_len, 1, pad))
+        results.append(run_transformers(reference, prompts, args.output_len, args.batch_size, pad))
 
     full_batch = [t for n, t in decode_steps if n == min(args.num_prompts, args.max_num_seqs)]
     step_ms = statistics.median(full_batch) * 1000 if full_batch else float("nan")

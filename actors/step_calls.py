@@ -1,0 +1,36 @@
+"""Awaiting work on an engine's ``StepThread`` from trio."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import outcome
+import trio
+
+from trioserve.engine.step_thread import StepThread
+
+T = TypeVar("T")
+
+
+async def run_in_step_thread(step_thread: StepThread, fn: Callable[..., T], *args: Any) -> T:
+    """Run ``fn(*args)`` on ``step_thread`` and return its result.
+
+    Like ``trio.to_thread.run_sync`` without ``abandon_on_cancel``: once
+    queued, the call is not cancellable, because a step writes the KV cache
+    and its effects must be known before anyone goes on. The event loop keeps
+    running while it waits.
+    """
+    await trio.lowlevel.checkpoint_if_cancelled()
+    task = trio.lowlevel.current_task()
+    token = trio.lowlevel.current_trio_token()
+
+    def deliver(future: concurrent.futures.Future[T]) -> None:
+        # Runs on the step thread (or here, if the future is already done);
+        # run_sync_soon hands the result to the event loop either way.
+        token.run_sync_soon(trio.lowlevel.reschedule, task, outcome.capture(future.result))
+
+    step_thread.submit(fn, *args).add_done_callback(deliver)
+    # Returns the outcome's value, or raises its exception.
+    return await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.FAILED)
