@@ -95,7 +95,7 @@ class RequestStream:
 
     def __del__(self) -> None:
         # Only a deque append here: trio objects are not touched from a
-        # finalizer. The engine closes orphans at its next call.
+        # finalizer. The engine closes orphans at its next step or call.
         if not getattr(self, "_closed", True):
             self._orphans.append(self._actor)
 
@@ -380,7 +380,13 @@ async def open_engine(
         allocator = AllocatorActor(core.block_manager)
         executor_actor = ModelExecutor(core.runner, step_thread) if executor is None else executor(core)
         engine = Engine(core, admission, allocator, executor_actor, max_buffered_outputs=max_buffered_outputs)
-        scheduler = SchedulerActor(core, admission, max_buffered_outputs=max_buffered_outputs, on_forget=engine._on_forget)
+        scheduler = SchedulerActor(
+            core,
+            admission,
+            max_buffered_outputs=max_buffered_outputs,
+            on_forget=engine._on_forget,
+            before_step=engine._reap,  # streams dropped unclosed are aborted within a step
+        )
         engine._scheduler = scheduler
         kv_send, kv_receive = trio.open_memory_channel[KVResult](1)
         step_send, step_receive = trio.open_memory_channel[StepDone | StepFailed](1)

@@ -169,6 +169,7 @@ class _Route:
     pause_pending: bool = False  # Paused sent, preemption not applied yet
     paused: bool = False
     broken: bool = False  # the reader closed its end
+    has_deadline: bool = False  # an entry of the deadline heap points here
 
 
 class SchedulerActor:
@@ -191,9 +192,11 @@ class SchedulerActor:
         max_live: int | None = None,
         rate_window: float = 10.0,
         on_forget: Callable[[str], None] = lambda request_id: None,
+        before_step: Callable[[], None] = lambda: None,
     ) -> None:
         self.core = core
         self._on_forget = on_forget
+        self._before_step = before_step
         self.admission = admission
         self.max_buffered_outputs = max_buffered_outputs
         num_seqs = core.scheduler.max_num_seqs
@@ -205,6 +208,7 @@ class SchedulerActor:
         self.control_capacity = 4 * (admission.max_requests + self.max_live) + 16
         self._routes: dict[str, _Route] = {}
         self._deadlines: list[tuple[float, int, _Route]] = []  # heap
+        self._stale_deadlines = 0  # heap entries whose route is closed
         self._order = itertools.count()
         self._pending_aborts: dict[str, FinishReason] = {}  # for requests still in the admission queue
         self._control: list[Any] = []
@@ -296,6 +300,7 @@ class SchedulerActor:
     ) -> None:
         pending: list[RequestOutput] = []  # the last step's outputs, delivered during the next
         while True:
+            self._before_step()
             self._apply_control()
             if not self._has_work():
                 self._deliver_all(pending)
@@ -418,6 +423,7 @@ class SchedulerActor:
             return
         if message.deadline is not None:
             heapq.heappush(self._deadlines, (message.deadline, next(self._order), route))
+            route.has_deadline = True
         self._wakeup.set()
 
     @staticmethod
@@ -454,7 +460,10 @@ class SchedulerActor:
             while self._deadlines and self._deadlines[0][0] <= now:
                 _, _, route = heapq.heappop(self._deadlines)
                 if self._routes.get(route.request_id) is route:
+                    route.has_deadline = False  # its entry is gone
                     self._abort(route.request_id, FinishReason.DEADLINE)
+                else:
+                    self._stale_deadlines -= 1
         for route in self._routes.values():
             if route.pause_pending:
                 route.pause_pending = False
@@ -523,9 +532,21 @@ class SchedulerActor:
             return "aborted"
         return "finished"
 
+    def _forget_deadline(self) -> None:
+        # Finished requests leave their entries behind (a heap cannot drop
+        # one cheaply); rebuild once they are half of it, so the heap, and
+        # the routes it holds, stay proportional to the requests in flight.
+        self._stale_deadlines += 1
+        if self._stale_deadlines * 2 > len(self._deadlines):
+            self._deadlines = [e for e in self._deadlines if self._routes.get(e[2].request_id) is e[2]]
+            heapq.heapify(self._deadlines)
+            self._stale_deadlines = 0
+
     def _close_route(self, route: _Route, *, outcome: str) -> None:
         route.outputs.close()
         del self._routes[route.request_id]
+        if route.has_deadline:
+            self._forget_deadline()
         if route.paused:
             self._num_paused -= 1
         self._counts[outcome] += 1

@@ -59,6 +59,17 @@ class ModelConfig:
     attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Attention span of a sliding-window model (Mistral v0.1, Qwen2 with
+    # use_sliding_window). The engine attends to the whole context, which is
+    # the same thing only up to the window: it caps the context there.
+    sliding_window: int | None = None
+
+    @property
+    def max_context_len(self) -> int:
+        """The longest context this engine computes exactly."""
+        if self.sliding_window is None:
+            return self.max_position_embeddings
+        return min(self.max_position_embeddings, self.sliding_window)
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any], *, source: str = "config.json") -> ModelConfig:
@@ -107,6 +118,9 @@ class ModelConfig:
         )
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        window = hf.get("sliding_window")
+        if arch == "LlamaForCausalLM" or (arch == "Qwen2ForCausalLM" and not hf.get("use_sliding_window", False)):
+            window = None  # present in some configs, but not applied by these models
         return cls(
             architecture=arch,
             vocab_size=int(_required(hf, "vocab_size", source)),
@@ -124,6 +138,7 @@ class ModelConfig:
             attention_bias=bool(hf.get("attention_bias", arch == "Qwen2ForCausalLM")),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            sliding_window=None if window is None else int(window),
         )
 
 
@@ -173,7 +188,7 @@ class EngineConfig:
 
     def resolved_max_model_len(self, model_config: ModelConfig) -> int:
         """The context limit in force: the user's, capped by the model's."""
-        limit = model_config.max_position_embeddings
+        limit = model_config.max_context_len
         return limit if self.max_model_len is None else min(self.max_model_len, limit)
 
     def blocks_per_sequence(self, model_config: ModelConfig) -> int:

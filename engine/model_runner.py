@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 
 import attrs
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .forward_batch import ForwardBatch, SeqChunk
 from .kv_cache import KVCache
 from .sampler import Sampler, SamplingState, TokenLogprobs
 from .scheduler import ScheduledChunk, SchedulerOutput
+
+# cuDNN's attention (torch's first choice for bf16 on Hopper) builds a plan
+# for each new shape, and a decode step's context lengths change every step:
+# measured on an H200, a batch-64 step took 55-80 ms with it, 13 ms without.
+CUDA_ATTENTION_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
 
 def _chunk_tokens(prompt: list[int], output: list[int], chunk: ScheduledChunk) -> list[int]:
@@ -51,6 +58,11 @@ class ModelRunner:
     def block_size(self) -> int:
         return self.kv_cache.block_size
 
+    def _attention_backends(self) -> contextlib.AbstractContextManager:
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        return sdpa_kernel(list(CUDA_ATTENTION_BACKENDS))
+
     def execute(self, plan: SchedulerOutput, states: Mapping[str, SamplingState]) -> RunnerOutput:
         """Run the forward for every chunk of ``plan`` and sample for those that end their known tokens."""
         if not plan.chunks:
@@ -69,7 +81,7 @@ class ModelRunner:
             )
             if chunk.samples:
                 sampling_ids.append(chunk.request.request_id)
-        with torch.inference_mode():
+        with torch.inference_mode(), self._attention_backends():
             batch = ForwardBatch.build(chunks, block_size=self.block_size, device=self.device)
             logits = self.model(batch, self.kv_cache)
             if not sampling_ids:

@@ -127,7 +127,7 @@ def apply_top_k_top_p_min_p(
     """
     vocab = logits.shape[-1]
     out = logits
-    if top_k is not None and top_p is None:
+    if top_k is not None:
         # A partial topk is much cheaper than sorting the whole vocabulary.
         enabled = (top_k > 0) & (top_k < vocab)
         if bool(enabled.any()):
@@ -135,25 +135,51 @@ def apply_top_k_top_p_min_p(
             largest = logits.topk(int(k.max()), dim=-1).values
             kth = largest.gather(-1, (k - 1).unsqueeze(-1))
             out = logits.masked_fill((logits < kth) & enabled.unsqueeze(-1), float("-inf"))
-    elif top_k is not None or top_p is not None:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        drop_sorted = torch.zeros_like(sorted_logits, dtype=torch.bool)
-        if top_k is not None:
-            k = torch.where((top_k <= 0) | (top_k > vocab), vocab, top_k).to(torch.long)
-            kth = sorted_logits.gather(-1, (k - 1).unsqueeze(-1))
-            drop_sorted |= sorted_logits < kth
-        if top_p is not None:
-            probs = sorted_logits.masked_fill(drop_sorted, float("-inf")).softmax(dim=-1)
-            mass_above = probs.cumsum(dim=-1) - probs
-            keep_all = (top_p >= 1.0).unsqueeze(-1)
-            drop_sorted |= (mass_above >= top_p.unsqueeze(-1)) & ~keep_all
-        drop = torch.empty_like(drop_sorted).scatter_(-1, order, drop_sorted)
-        out = logits.masked_fill(drop, float("-inf"))
+    if top_p is not None:
+        out = _apply_top_p(out, top_p)
     if min_p is not None:
         probs = out.softmax(dim=-1)
         threshold = min_p.unsqueeze(-1) * probs.amax(dim=-1, keepdim=True)
         out = out.masked_fill(probs < threshold, float("-inf"))
     return out
+
+
+# Top-p looks for its nucleus among each row's most likely tokens first: a
+# partial topk of these costs a fraction of sorting a 50k-token vocabulary.
+TOP_P_CANDIDATES = 1024
+
+
+def _apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The top-p stage of ``apply_top_k_top_p_min_p`` (``-inf`` logits are
+    tokens an earlier stage dropped).
+
+    Exact: a token outside a row's candidates has at least the candidates'
+    whole mass ranked above it, so once that mass reaches ``p`` every such
+    token is dropped. Rows whose candidates hold less than ``p`` (flat
+    distributions) are sorted in full instead.
+    """
+    active = top_p < 1.0
+    if not bool(active.any()):
+        return logits
+    _, indices = logits.topk(min(TOP_P_CANDIDATES, logits.shape[-1]), dim=-1)  # descending
+    probs = logits.softmax(dim=-1).gather(-1, indices)  # as the full sort computes them
+    cumulative = probs.cumsum(dim=-1)
+    drop_candidate = (cumulative - probs) >= top_p.unsqueeze(-1)
+    keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, indices, ~drop_candidate)
+    out = logits.masked_fill(~keep & active.unsqueeze(-1), float("-inf"))
+    uncovered = (active & (cumulative[:, -1] < top_p)).nonzero().flatten()
+    if uncovered.numel():
+        out[uncovered] = _top_p_by_sort(logits[uncovered], top_p[uncovered])
+    return out
+
+
+def _top_p_by_sort(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_above = probs.cumsum(dim=-1) - probs
+    drop_sorted = (mass_above >= top_p.unsqueeze(-1)) & (top_p < 1.0).unsqueeze(-1)
+    drop = torch.empty_like(drop_sorted).scatter_(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
 
 
 def apply_penalties(

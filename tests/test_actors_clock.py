@@ -9,6 +9,7 @@ real.
 from __future__ import annotations
 
 import functools
+import gc
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -148,6 +149,33 @@ async def test_deadline_while_running_ends_with_deadline_and_is_counted(autojump
         stats = engine.statistics()
         assert stats.scheduler.num_deadline_exceeded == 1
         assert stats.allocator.num_free_blocks == stats.allocator.num_blocks
+
+
+async def test_a_stream_dropped_unclosed_is_aborted_at_the_next_step(autojump_clock):
+    # A web response whose body never started (the client left first)
+    # drops its stream this way; no further engine call may ever come.
+    async with fake_engine() as engine:
+        stream = engine.generate_nowait("orphan", params(1000), request_id="orphan")
+        first = await stream.__anext__()
+        assert first.new_token_ids
+        del stream
+        gc.collect()
+        await trio.sleep(3 * STEP)
+        stats = engine.statistics()
+        assert stats.scheduler.num_aborted == 1
+        assert stats.allocator.num_free_blocks == stats.allocator.num_blocks
+
+
+async def test_finished_requests_do_not_pile_up_in_the_deadline_heap(autojump_clock):
+    async with fake_engine() as engine:
+        for i in range(40):  # one at a time: each finishes long before its deadline
+            outputs = await collect(engine, f"quick {i}", params(2), timeout=1000.0)
+            assert outputs[-1].finish_reason is FinishReason.LENGTH
+        heap = engine._scheduler._deadlines
+        assert len(heap) <= 2  # rebuilt whenever half of it is stale
+        # A deadline still in force works after the rebuilds.
+        outputs = await collect(engine, "slow", params(1000), timeout=5.5 * STEP)
+        assert outputs[-1].finish_reason is FinishReason.DEADLINE
 
 
 async def test_deadline_passing_while_waiting_drops_the_request_unscheduled(autojump_clock):

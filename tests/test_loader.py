@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from trioserve.engine import gguf_cache, loader
+from trioserve.engine.config import EngineConfig, ModelConfig
 from trioserve.engine.errors import InvalidRequestError, ModelLoadError
 from trioserve.engine.loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from trioserve.engine.model import LlamaForCausalLM
@@ -461,3 +462,26 @@ def test_a_folder_holding_one_gguf_file_loads_it(default_cache, tmp_path, monkey
     monkeypatch.setattr(gguf_cache, "convert_gguf", None)  # the resolved file is cached already
     loaded = load_model(str(folder), cache_dir=cache)
     assert loaded.path == first.path and loaded.name == "downloaded"
+
+
+def test_sliding_window_caps_the_context_only_where_the_model_applies_it():
+    base = {
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "vocab_size": 100,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "max_position_embeddings": 32768,
+    }
+    mistral = ModelConfig.from_hf_config({**base, "architectures": ["MistralForCausalLM"], "sliding_window": 4096})
+    # Full attention equals windowed attention up to the window: no further.
+    assert mistral.max_context_len == 4096
+    assert EngineConfig().resolved_max_model_len(mistral) == 4096
+    assert EngineConfig(max_model_len=1024).resolved_max_model_len(mistral) == 1024
+    unwindowed = ModelConfig.from_hf_config({**base, "architectures": ["MistralForCausalLM"], "sliding_window": None})
+    assert unwindowed.max_context_len == 32768
+    qwen2 = {**base, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 4096}
+    assert ModelConfig.from_hf_config(qwen2).max_context_len == 32768  # use_sliding_window defaults to off
+    assert ModelConfig.from_hf_config({**qwen2, "use_sliding_window": True}).max_context_len == 4096
+    llama = {**base, "architectures": ["LlamaForCausalLM"], "sliding_window": 4096}
+    assert ModelConfig.from_hf_config(llama).max_context_len == 32768

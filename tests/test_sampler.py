@@ -7,6 +7,7 @@ import pytest
 import torch
 from hypothesis import assume, given, settings
 
+from trioserve.engine import sampler as sampler_module
 from trioserve.engine.sampler import (
     Sampler,
     SamplingState,
@@ -350,3 +351,21 @@ def test_rejects_logits_of_the_wrong_shape():
         Sampler(10).sample(torch.zeros(2, 10), [make_state()])
     with pytest.raises(ValueError, match="vocab_size"):
         Sampler(10).sample(torch.zeros(1, 9), [make_state()])
+
+
+def test_top_p_over_a_large_vocabulary_equals_a_full_sort():
+    # Peaked rows find their nucleus among the top candidates; flat rows do
+    # not and are sorted in full. Both must keep what a full sort keeps.
+    generator = torch.Generator().manual_seed(0)
+    vocab = 3 * sampler_module.TOP_P_CANDIDATES
+    peaked = torch.randn(4, vocab, generator=generator) * 4.0
+    flat = torch.randn(4, vocab, generator=generator) * 0.01
+    logits = torch.cat([peaked, flat])
+    top_p = torch.tensor([0.5, 0.9, 0.99, 1.0] * 2)
+    out = apply_top_k_top_p_min_p(logits, top_p=top_p)
+    expected = sampler_module._top_p_by_sort(logits, top_p)
+    assert torch.equal(out.isinf(), expected.isinf())
+    kept_counts = (~out.isinf()).sum(dim=-1)
+    assert (kept_counts[:3] < sampler_module.TOP_P_CANDIDATES).all()  # peaked: candidates sufficed
+    assert (kept_counts[4:7] > sampler_module.TOP_P_CANDIDATES).all()  # flat: the fallback ran
+    assert (kept_counts[[3, 7]] == vocab).all()  # p = 1 keeps everything

@@ -16,6 +16,7 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from trioserve.actors.errors import EngineClosed
 from trioserve.engine.errors import InvalidRequestError, RequestTooLongError
 from trioserve.engine.outputs import RequestOutput, RequestTimes
 from trioserve.engine.sampler import TokenLogprobs
@@ -357,10 +358,6 @@ class EngineOverloaded(Exception):
     retry_after = 2.2
 
 
-class EngineDraining(Exception):
-    pass
-
-
 def test_error_statuses_and_json():
     cases = [
         (errors.InvalidRequest("bad", param="n"), 400, "invalid_request_error", "n", None),
@@ -393,7 +390,7 @@ def test_from_exception():
     assert "2048" in error.message
     error = errors.from_exception(EngineOverloaded())
     assert (error.status, error.headers["Retry-After"]) == (429, "3")
-    assert errors.from_exception(EngineDraining()).status == 503
+    assert errors.from_exception(EngineClosed("the engine is not taking requests")).status == 503
     error = errors.from_exception(RuntimeError("secret internals"))
     assert error.status == 500 and "secret" not in error.message and "RuntimeError" in error.message
     same = errors.InvalidRequest("x")

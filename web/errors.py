@@ -165,6 +165,6 @@ def from_exception(exc: BaseException) -> ApiError:
         return InvalidRequest(str(exc), param=getattr(exc, "field", None))
     if "EngineOverloaded" in names:
         return Overloaded(float(getattr(exc, "retry_after", 1.0) or 1.0))
-    if "EngineDraining" in names or "EngineClosed" in names:
+    if "EngineClosed" in names:
         return ServiceUnavailable.draining()
     return InternalError(f"internal server error ({type(exc).__name__})")

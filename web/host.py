@@ -71,7 +71,7 @@ class ModelHost:
         unknown = set(self.preloaded) - set(self.config.model_names)
         if unknown:
             raise ValueError(f"preloaded models {sorted(unknown)} are not among the served {list(self.config.model_names)}")
-        limits = [m.model_config.max_position_embeddings for m in self.preloaded.values()]
+        limits = [m.model_config.max_context_len for m in self.preloaded.values()]
         if self.config.engine.max_model_len is not None:
             limits = [min([self.config.engine.max_model_len, *limits])]
         self.metrics = Metrics(max_model_len=max(limits, default=DEFAULT_METRICS_MAX_MODEL_LEN))

@@ -44,7 +44,7 @@ def token_buckets(max_model_len: int) -> tuple[int, ...]:
         scale *= 10
 
 
-class EngineStatistics(Protocol):
+class MetricsSource(Protocol):
     """The fields of ``engine.statistics()`` that ``update_from_statistics`` reads.
 
     Counts of requests and blocks now; engine-lifetime totals in tokens.
@@ -196,7 +196,7 @@ class Metrics:
     def num_tracked(self) -> int:
         return len(self._tracked)
 
-    def update_from_statistics(self, model: str, stats: EngineStatistics) -> None:
+    def update_from_statistics(self, model: str, stats: MetricsSource) -> None:
         """Set the gauges, and advance each counter by the growth of its engine total."""
         self.num_requests_running.labels(model).set(stats.num_running)
         self.num_requests_waiting.labels(model).set(stats.num_waiting)
