@@ -7,13 +7,14 @@ ModelRunner.execute (scheduling, detokenizing; for the actors also the
 channels, the callers' tasks and the hand-off to the worker thread), which
 is what the actors add; it is steadier than tokens/s on a loaded machine.
 """
-import argparse, statistics, threading, time
-import torch, trio
+import argparse, statistics, time
+import trio
 from trioserve.actors import ModelExecutor, open_engine
 from trioserve.engine.config import EngineConfig
 from trioserve.engine.engine_core import EngineCore
 from trioserve.engine.loader import load_model
 from trioserve.engine.sampling_params import SamplingParams
+from trioserve.engine.step_thread import StepThread
 
 WORDS = "the quick brown fox jumps over lazy dogs while seven wizards quietly hex bright amber jugs".split()
 
@@ -36,17 +37,6 @@ class Timed:
             self.steps += 1
 
 
-def run_direct_in_thread(loaded, config, items):
-    """run_direct in a worker thread, as the actors run the model: on some
-    machines torch runs much slower in a process's main thread (see
-    docs/benchmarks.md), which would flatter the actors."""
-    result = []
-    thread = threading.Thread(target=lambda: result.append(run_direct(loaded, config, items)))
-    thread.start()
-    thread.join()
-    return result[0]
-
-
 def run_direct(loaded, config, items):
     core = EngineCore(loaded, config)
     core.runner = timed = Timed(core.runner)
@@ -59,13 +49,13 @@ def run_direct(loaded, config, items):
     return tokens, time.perf_counter() - start, timed.seconds, timed.steps
 
 
-async def run_actors(loaded, config, items):
+async def run_actors(loaded, config, items, step_thread):
     tokens = 0
     timed = []
 
     def executor(core):
         timed.append(Timed(core.runner))
-        return ModelExecutor(timed[0])
+        return ModelExecutor(timed[0], step_thread)
 
     async with open_engine(config, loaded=loaded, executor=executor) as engine:
         async def one(rid, prompt, p):
@@ -90,25 +80,27 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tiny", action="store_true", help="the tests' tiny random model (steps of a few ms)")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    # Both modes run the model on this one thread, where it was loaded: one
+    # OpenMP pool (see trioserve.engine.step_thread).
+    step_thread = StepThread(args.threads)
     if args.tiny:
         import sys
         sys.path.insert(0, "tests")
         from actor_fixtures import tiny_loaded
-        loaded = tiny_loaded()
+        loaded = step_thread.call(tiny_loaded)
     else:
-        loaded = load_model(None, dtype="float32", device="cpu")
+        loaded = step_thread.call(lambda: load_model(None, dtype="float32", device="cpu"))
     config = EngineConfig(max_num_seqs=args.max_num_seqs, max_queued_requests=args.requests, kv_cache_memory=512 << 20)
     items = workload(args.requests, args.max_tokens)
-    run_direct_in_thread(loaded, config, items[:4])  # warm up
+    step_thread.call(run_direct, loaded, config, items[:4])  # warm up
     rates = {"direct": [], "actors": []}
     outside = {"direct": [], "actors": []}
     for _ in range(args.repeats):
         for mode in ("direct", "actors"):
             if mode == "direct":
-                tokens, seconds, busy, steps = run_direct_in_thread(loaded, config, items)
+                tokens, seconds, busy, steps = step_thread.call(run_direct, loaded, config, items)
             else:
-                tokens, seconds, busy, steps = trio.run(run_actors, loaded, config, items)
+                tokens, seconds, busy, steps = trio.run(run_actors, loaded, config, items, step_thread)
             rates[mode].append(tokens / seconds)
             outside[mode].append((seconds - busy) / steps * 1000)
             print(f"{mode:6s} {tokens} tokens in {seconds:6.2f} s = {tokens / seconds:6.1f} tok/s; "

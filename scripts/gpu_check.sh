@@ -191,36 +191,27 @@ def prompts(num, length, seed=0):
 def run_engine(loaded, ps, out_len, **fields):
     from trioserve.engine.config import EngineConfig
     from trioserve.engine.engine_core import EngineCore
-    from trioserve.engine.sampling_params import SamplingParams
+    from trioserve.web.bench.offline import run_engine as bench_engine
 
     fields.setdefault("max_model_len", max(len(p) for p in ps) + out_len + 16)
-    core = EngineCore(loaded, EngineConfig(**fields))
-    params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
-    for i, p in enumerate(ps):
-        core.add_request(f"r{i}", p, params)
-    decode, tokens, steps = [], 0, 0
+    cores = []
+
+    def make_core():
+        cores.append(EngineCore(loaded, EngineConfig(**fields)))
+        return cores[-1]
+
     sync()
-    start = time.perf_counter()
-    while core.has_unfinished():
-        t = time.perf_counter()
-        plan = core.schedule()
-        outs = core.process_output(plan, core.execute(plan))
-        dt = time.perf_counter() - t
-        steps += 1
-        if plan.chunks and all(c.num_tokens == 1 for c in plan.chunks):
-            decode.append((len(plan.chunks), dt))
-        tokens += sum(len(o.new_token_ids) for o in outs)
-    seconds = time.perf_counter() - start
+    run, decode = bench_engine(make_core, ps, out_len)  # reads sampled tokens each step: synchronised
     full = [dt for n, dt in decode if n == min(len(ps), fields.get("max_num_seqs", 64))]
     result = {
-        "requests": len(ps), "input_len": len(ps[0]), "output_len": out_len, "output_tokens": tokens,
-        "expected_tokens": len(ps) * out_len, "seconds": round(seconds, 3), "steps": steps,
-        "output_tok_per_s": round(tokens / seconds, 1),
-        "ms_per_token_single_stream": round(seconds / tokens * 1000, 2) if len(ps) == 1 else None,
+        "requests": len(ps), "input_len": len(ps[0]), "output_len": out_len, "output_tokens": run.output_tokens,
+        "expected_tokens": len(ps) * out_len, "seconds": round(run.seconds, 3),
+        "output_tok_per_s": round(run.output_tokens_per_s, 1),
+        "ms_per_token_single_stream": round(run.per_token_latency_ms, 2) if run.per_token_latency_ms else None,
         "decode_step_ms_median": round(statistics.median(full) * 1000, 2) if full else None,
-        "kv_blocks": core.kv_cache.num_blocks, "kv_device": str(core.kv_cache.key.device),
+        "kv_blocks": cores[0].kv_cache.num_blocks, "kv_device": str(cores[0].kv_cache.key.device),
     }
-    del core
+    del cores
     free()
     return result
 
