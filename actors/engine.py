@@ -359,7 +359,8 @@ async def open_engine(
     shutdown_timeout: float = 30.0,
 ) -> AsyncIterator[Engine]:
     """Start an engine on ``loaded`` (else load ``config.model`` on the
-    engine's step thread) and yield it; see the module docstring for start and shutdown.
+    engine's step thread) and yield it; see the module docstring for start
+    and shutdown.
 
     ``executor(core)`` makes the executor actor (default: ``ModelExecutor``
     on the core's runner; tests pass a ``FakeExecutor``).

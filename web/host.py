@@ -142,8 +142,9 @@ class ModelHost:
                 for spec in self.config.models:
                     if self._drain_requested.is_set():
                         break
-                    log.info("loading %s from %s", spec.name, spec.path or "the default model")
-                    # Unless preloaded, open_engine loads on the engine's step thread.
+                    if spec.name not in self.preloaded:
+                        # open_engine loads it, on the engine's step thread.
+                        log.info("loading %s from %s", spec.name, spec.path or "the default model")
                     engine = await stack.enter_async_context(
                         open_engine(
                             self.config.engine_config(spec),
