@@ -42,7 +42,6 @@ class StepThread:
     """
 
     def __init__(self, num_threads: int | None = None, *, name: str = "trioserve-step") -> None:
-        self.num_threads = num_threads
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=name, initializer=_init_worker, initargs=(num_threads,)
         )

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import trio
 from conftest import make_core
 from test_model_equivalence import _save_tiny
 
@@ -269,7 +270,6 @@ def test_default_device_dtype_and_kv_budget_on_cuda(checkpoint):
 def test_actors_drive_a_cuda_model_from_their_worker_thread(cpu_loaded, cuda_loaded):
     """open_engine on the CUDA model: the step runs in the executor's thread;
     the outputs equal EngineCore's on CPU."""
-    trio = pytest.importorskip("trio")
     from trioserve.actors import open_engine
 
     rng = random.Random(8)
