@@ -32,3 +32,13 @@ class InvalidRequestError(TrioserveError, ValueError):
 
 class RequestTooLongError(InvalidRequestError):
     """A prompt does not fit the context (``max_model_len``) or the KV pool."""
+
+
+class CpuCapabilityError(ModelLoadError):
+    """This CPU (or this torch build) cannot run what was asked of it: a
+    dtype whose matmul fails here, ``pack_weights=True`` where the packed
+    path does not work, or an unknown ``TRIOSERVE_CPU_ASSUME``.
+
+    The message names the dtype, path or setting and what the machine does
+    support (see ``capability.CpuPaths``).
+    """

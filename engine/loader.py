@@ -22,10 +22,11 @@ import attrs
 import torch
 
 from . import gguf_cache
+from .capability import CpuPaths
 from .config import ModelConfig
 from .errors import ModelLoadError
 from .gguf_cache import Progress
-from .model import LlamaForCausalLM
+from .model import LlamaForCausalLM, ProjectionChoice
 from .tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,16 @@ class LoadedModel:
     path: Path
     dtype: torch.dtype
     device: torch.device
+
+    @property
+    def cpu_paths(self) -> CpuPaths | None:
+        """What the CPU can run, as found when the model was built (None off CPU)."""
+        return self.model.cpu_paths
+
+    @property
+    def projection_choice(self) -> ProjectionChoice:
+        """Which projection path the model runs, and why."""
+        return self.model.projection_choice
 
 
 def default_model_path() -> Path:
@@ -133,15 +144,28 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     device: str | None = None,
     cache_dir: Path | None = None,
+    cpu_paths: CpuPaths | None = None,
 ) -> LoadedModel:
     """Load ``model``: ``None`` or ``"SmolLM2-135M-Instruct"`` for the default,
     a checkpoint folder, or a ``.gguf`` file (converted once into
     ``cache_dir``, default ``$TRIOSERVE_CACHE`` or ``~/.cache/trioserve``).
 
-    Raises ``ModelLoadError`` naming the file or field at fault.
+    On CPU, ``cpu_paths`` (default: ``CpuPaths.from_environment()``) says
+    what this machine runs; the model picks its path from it, and the
+    choice is logged once.
+
+    Raises ``ModelLoadError`` naming the file or field at fault, and its
+    ``CpuCapabilityError`` for a dtype this CPU cannot run, before anything
+    is read.
     """
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
+    if torch_device.type == "cpu":
+        if cpu_paths is None:
+            cpu_paths = CpuPaths.from_environment()
+        for line in cpu_paths.describe():
+            logger.debug("%s", line)
+        cpu_paths.require_dtype(torch_dtype)
     if model is None or model.lower() == DEFAULT_MODEL_NAME.lower():
         source, name = default_model_path(), DEFAULT_MODEL_NAME
     else:
@@ -168,7 +192,7 @@ def load_model(
     # weight copies, which release the GIL, run.
     with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
         tokenizer_future = pool.submit(load_tokenizer, folder)
-        loaded = load_checkpoint(folder, model_config, dtype=torch_dtype, device=torch_device)
+        loaded = load_checkpoint(folder, model_config, dtype=torch_dtype, device=torch_device, cpu_paths=cpu_paths)
         tokenizer_error = tokenizer_future.exception()
     if tokenizer_error is not None:
         # Drop the model before raising: the traceback keeps this frame alive.
@@ -176,6 +200,7 @@ def load_model(
         raise tokenizer_error
     tokenizer = tokenizer_future.result()
     eos = eos_token_ids(tokenizer, model_config.eos_token_ids, folder)
+    logger.info("%s: %s", name, loaded.projection_choice)
     return LoadedModel(
         model=loaded,
         model_config=attrs.evolve(model_config, eos_token_ids=eos),
@@ -230,9 +255,15 @@ def find_shards(folder: Path) -> list[Path]:
 
 
 def load_checkpoint(
-    folder: Path, model_config: ModelConfig, *, dtype: torch.dtype, device: torch.device
+    folder: Path,
+    model_config: ModelConfig,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    cpu_paths: CpuPaths | None = None,
 ) -> LlamaForCausalLM:
-    """Build the model and fill it from ``folder``'s safetensors shards.
+    """Build the model (on ``cpu_paths``, see ``LlamaForCausalLM``) and fill
+    it from ``folder``'s safetensors shards.
 
     On failure nothing is kept: the model is dropped before ``ModelLoadError``
     is raised.
@@ -240,7 +271,7 @@ def load_checkpoint(
     folder = Path(folder)
     shards = find_shards(folder)
     try:
-        model = LlamaForCausalLM(model_config, dtype=dtype, device=device)
+        model = LlamaForCausalLM(model_config, dtype=dtype, device=device, cpu_paths=cpu_paths)
     except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
         raise ModelLoadError(f"{folder}: cannot allocate the model in {dtype} on {device}: {exc}") from None
     failure = _fill(model, shards, folder / "config.json")

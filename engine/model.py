@@ -8,9 +8,10 @@ and only the rows that want logits go through the final norm and LM head.
 
 On CPU the projections run on oneDNN over weights reordered once into its
 blocked layout (``PackedProjections``), with SiLU, the gate product and the
-residual adds fused into the matmuls; elsewhere ``F.linear`` over the
-parameters (``PlainProjections``). Both compute the same float32 result up
-to summation order.
+residual adds fused into the matmuls, where that path works on this CPU in
+the model's dtype (``choose_projections``, by ``capability.CpuPaths``);
+elsewhere ``F.linear`` over the parameters (``PlainProjections``). Both
+compute the same float32 result up to summation order.
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import onednn
 from .attention import AttentionMetadata, paged_attention, write_kv
+from .capability import CpuPaths, dtype_name, packed_path
 from .config import ModelConfig
-from .errors import ModelLoadError
+from .errors import CpuCapabilityError, ModelLoadError
 from .forward_batch import ForwardBatch
 from .kv_cache import KVCache
 from .rotary import RotaryEmbedding, apply_rotary
@@ -41,31 +44,66 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Pa
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
 
 
-def can_pack_weights(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether ``pack_weights`` works for ``device`` and ``dtype``: CPU
-    float32 or bfloat16 with torch's oneDNN."""
-    return (
-        torch.device(device).type == "cpu"
-        and dtype in (torch.float32, torch.bfloat16)
-        and torch.backends.mkldnn.is_available()
-    )
+@attrs.frozen
+class ProjectionChoice:
+    """How a model runs its projections, and why: shown at startup, in the
+    load log and in ``/version``."""
+
+    device: str
+    dtype: str
+    packed: bool
+    reason: str
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "device": self.device,
+            "dtype": self.dtype,
+            "projections": "packed" if self.packed else "plain",
+            "reason": self.reason,
+        }
+
+    @property
+    def summary(self) -> str:
+        """The choice without the reason, e.g. ``bfloat16 on cpu, plain projections``."""
+        return f"{self.dtype} on {self.device}, {'packed' if self.packed else 'plain'} projections"
+
+    def __str__(self) -> str:
+        return f"{self.summary} ({self.reason})"
 
 
-def _pack(weight: torch.Tensor) -> torch.Tensor:
-    # oneDNN's blocked layout for this weight, for any number of rows.
-    return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+def choose_projections(
+    device: torch.device | str, dtype: torch.dtype, cpu_paths: CpuPaths | None, pack_weights: bool | None
+) -> ProjectionChoice:
+    """Packed (oneDNN) or plain (``F.linear``) projections for a model on
+    ``device`` in ``dtype``, by what ``cpu_paths`` found works.
 
-
-def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, post_op: str) -> torch.Tensor:
-    # ``post_op`` is applied to the product in the matmul's epilogue.
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, post_op, [], "")
-
-
-def _onednn_linear_binary(
-    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, op: str, other: torch.Tensor
-) -> torch.Tensor:
-    # ``(x @ packed.T + bias) <op> other`` in one call: op is "add" or "mul".
-    return torch.ops.mkldnn._linear_pointwise.binary(x, other, packed, bias, op)
+    ``pack_weights`` None picks packed where that path works and plain
+    otherwise; False is plain; True insists on packed: a ``ValueError``
+    where the model never packs (float16, not CPU), a ``CpuCapabilityError``
+    where this CPU cannot.
+    """
+    device = torch.device(device)
+    where = {"device": str(device), "dtype": dtype_name(dtype)}
+    name = packed_path(dtype)
+    if pack_weights and (device.type != "cpu" or name is None):
+        raise ValueError(f"pack_weights needs a CPU float32 or bfloat16 model with oneDNN, not {dtype} on {device}")
+    if device.type != "cpu":
+        return ProjectionChoice(**where, packed=False, reason=f"F.linear on {device.type}")
+    if pack_weights is False:
+        return ProjectionChoice(**where, packed=False, reason="pack_weights=False: F.linear")
+    if name is None:
+        return ProjectionChoice(**where, packed=False, reason=f"no packed path for {dtype_name(dtype)}: F.linear")
+    if cpu_paths is None:
+        raise ValueError("a CPU model needs cpu_paths to choose its projections")
+    status = cpu_paths.status(name)
+    if status.available:
+        return ProjectionChoice(**where, packed=True, reason=status.reason)
+    if pack_weights:
+        raise CpuCapabilityError(
+            f"pack_weights=True, but {status.reason}; on this CPU run {dtype_name(dtype)} unpacked "
+            f"(pack_weights=None picks what works)"
+        )
+    return ProjectionChoice(**where, packed=False, reason=f"{status.reason}; F.linear on the plain weights instead")
 
 
 @attrs.frozen
@@ -95,7 +133,7 @@ class PlainProjections:
 @attrs.frozen
 class PackedProjections:
     """The same projections on oneDNN over weights reordered once
-    (``_pack``), with the elementwise work fused into the matmuls: SiLU
+    (``onednn.pack``), with the elementwise work fused into the matmuls: SiLU
     into the gate projection, the gate product into the up projection, the
     residual adds into the o and down projections."""
 
@@ -108,15 +146,15 @@ class PackedProjections:
     down_weight: torch.Tensor
 
     def qkv(self, x: torch.Tensor) -> torch.Tensor:
-        return _onednn_linear(x, self.qkv_weight, self.qkv_bias, "none")
+        return onednn.linear(x, self.qkv_weight, self.qkv_bias, "none")
 
     def o_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return _onednn_linear_binary(x, self.o_weight, self.o_bias, "add", residual)
+        return onednn.linear_binary(x, self.o_weight, self.o_bias, "add", residual)
 
     def mlp_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        gate = _onednn_linear(x, self.gate_weight, None, "swish")  # SiLU
-        hidden = _onednn_linear_binary(x, self.up_weight, None, "mul", gate)
-        return _onednn_linear_binary(hidden, self.down_weight, None, "add", residual)
+        gate = onednn.linear(x, self.gate_weight, None, "swish")  # SiLU
+        hidden = onednn.linear_binary(x, self.up_weight, None, "mul", gate)
+        return onednn.linear_binary(hidden, self.down_weight, None, "add", residual)
 
 
 Projections = PlainProjections | PackedProjections
@@ -180,13 +218,13 @@ class DecoderLayer(nn.Module):
             )
         gate, up = self.gate_up_proj.chunk(2)
         return PackedProjections(
-            _pack(self.qkv_proj),
+            onednn.pack(self.qkv_proj),
             self.qkv_bias,
-            _pack(self.o_proj),
+            onednn.pack(self.o_proj),
             self.o_bias,
-            _pack(gate),
-            _pack(up),
-            _pack(self.down_proj),
+            onednn.pack(gate),
+            onednn.pack(up),
+            onednn.pack(self.down_proj),
         )
 
 
@@ -204,12 +242,18 @@ class LlamaForCausalLM(nn.Module):
     """A Llama, Mistral or Qwen2 causal LM; parameters start uninitialised
     and are filled by ``load_weights``.
 
-    ``pack_weights`` (default: where ``can_pack_weights`` allows, that is on
-    CPU) runs the projections and the LM head on oneDNN over packed copies
-    of their weights: on CPU the matmuls of a batch-64 decode step take
-    about half the time of ``F.linear`` (MKL) on the plain weights. The
-    copies are made at the first forward after ``load_weights`` and cost as
-    much memory again as those weights.
+    ``pack_weights`` (see ``choose_projections``; default: wherever that
+    path works, that is on CPU in float32, and in bfloat16 on CPUs with
+    AVX-512 or AVX-NE-CONVERT) runs the projections and the LM head on
+    oneDNN over packed copies of their weights: on CPU the matmuls of a
+    batch-64 decode step take about half the time of ``F.linear`` (MKL) on
+    the plain weights. The copies are made at the first forward after
+    ``load_weights`` and cost as much memory again as those weights.
+
+    ``cpu_paths`` is what this CPU can run (default on CPU:
+    ``CpuPaths.from_environment()``, a few milliseconds of trials); a dtype
+    it cannot run raises ``CpuCapabilityError``. ``projection_choice`` says
+    which path the model took and why.
     """
 
     def __init__(
@@ -219,15 +263,18 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         pack_weights: bool | None = None,
+        cpu_paths: CpuPaths | None = None,
     ):
         super().__init__()
         self.config = config
         self.dtype = dtype
-        if pack_weights is None:
-            pack_weights = can_pack_weights(device, dtype)
-        elif pack_weights and not can_pack_weights(device, dtype):
-            raise ValueError(f"pack_weights needs a CPU float32 or bfloat16 model with oneDNN, not {dtype} on {device}")
-        self.pack_weights = pack_weights
+        if cpu_paths is None and torch.device(device).type == "cpu":
+            cpu_paths = CpuPaths.from_environment()
+        if cpu_paths is not None and torch.device(device).type == "cpu":
+            cpu_paths.require_dtype(dtype)
+        self.cpu_paths = cpu_paths
+        self.projection_choice = choose_projections(device, dtype, cpu_paths, pack_weights)
+        self.pack_weights = self.projection_choice.packed
         self._made: _Made | None = None
         self._pack_lock = threading.Lock()
         self.embed_tokens = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
@@ -259,7 +306,7 @@ class LlamaForCausalLM(nn.Module):
         hidden = hidden.index_select(0, batch.logits_indices)
         hidden = F.rms_norm(hidden, (hidden.shape[-1],), self.norm, self.config.rms_norm_eps)
         if made.packed:
-            return _onednn_linear(hidden, made.lm_head, None, "none").float()
+            return onednn.linear(hidden, made.lm_head, None, "none").float()
         return F.linear(hidden, made.lm_head).float()
 
     def _projections(self) -> _Made:
@@ -272,10 +319,15 @@ class LlamaForCausalLM(nn.Module):
             return made
         with self._pack_lock, torch.inference_mode():
             if self._made is None or self._made.where != where:
-                pack = self.pack_weights and can_pack_weights(*where)
-                lm_head = _pack(self.lm_head) if pack else self.lm_head
+                pack = self.pack_weights and self._can_pack(*where)
+                lm_head = onednn.pack(self.lm_head) if pack else self.lm_head
                 self._made = _Made([layer.projections(pack) for layer in self.layers], lm_head, pack, where)
             return self._made
+
+    def _can_pack(self, device: torch.device, dtype: torch.dtype) -> bool:
+        # After a move (``.to``): pack only where that path works too.
+        name = packed_path(dtype)
+        return device.type == "cpu" and name is not None and self.cpu_paths is not None and self.cpu_paths.available(name)
 
     def required_weight_names(self) -> set[str]:
         """Checkpoint names ``load_weights`` must see for a complete model

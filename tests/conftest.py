@@ -3,6 +3,14 @@
 The default model (SmolLM2-135M-Instruct) is loaded once per session; its
 GGUF is converted into the user's trioserve cache the first time, so later
 runs start warm.
+
+The CPU paths this machine runs (``CpuPaths``, trials of oneDNN packing and
+of each dtype's matmul) are detected once at start and printed in the
+session header; tests of a capability-dependent path take them from the
+``cpu_paths`` fixture, check the fallback where a path is missing, and are
+marked ``cpu_paths``. ``.ci/run`` runs those a second time with the
+fallbacks forced (``TRIOSERVE_CPU_ASSUME=avx2``, oneDNN and ATen capped at
+AVX2), as on an AVX2-only CPU.
 """
 
 from __future__ import annotations
@@ -12,8 +20,10 @@ import os
 import pytest
 import torch
 
+from trioserve.engine.capability import CpuPaths
 from trioserve.engine.config import EngineConfig
 from trioserve.engine.engine_core import EngineCore
+from trioserve.engine.errors import CpuCapabilityError
 from trioserve.engine.loader import LoadedModel, load_model
 
 # Where the model/KV-path tests put the model, its KV cache and its batches:
@@ -28,9 +38,32 @@ torch.backends.cuda.matmul.allow_tf32 = False
 torch.backends.cudnn.allow_tf32 = False
 
 
+_CPU_PATHS = pytest.StashKey[CpuPaths]()
+
+
 def pytest_configure(config):
     if ON_CUDA and not torch.cuda.is_available():
         raise pytest.UsageError(f"TRIOSERVE_TEST_DEVICE={TEST_DEVICE}, but CUDA is not available")
+    try:
+        config.stash[_CPU_PATHS] = CpuPaths.from_environment()
+    except CpuCapabilityError as exc:
+        raise pytest.UsageError(str(exc)) from None
+
+
+def pytest_report_header(config):
+    paths = config.stash[_CPU_PATHS]
+    forced = ", ".join(p.name for p in paths.forced) or "none"
+    missing = ", ".join(p.name for p in paths.paths if not p.available) or "none"
+    return [
+        *paths.describe(),
+        f"CPU fallbacks exercised: {missing} (forced: {forced})",
+    ]
+
+
+@pytest.fixture(scope="session")
+def cpu_paths(pytestconfig) -> CpuPaths:
+    """The CPU paths detected at the session's start (see the header)."""
+    return pytestconfig.stash[_CPU_PATHS]
 
 
 @pytest.fixture(scope="session")

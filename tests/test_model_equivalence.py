@@ -10,6 +10,10 @@ transformers' full recompute of the same tokens within 1e-4.
 
 Our model runs on TEST_DEVICE (TRIOSERVE_TEST_DEVICE, default CPU); the
 transformers reference always runs on CPU in float32.
+
+Which projection path runs on CPU depends on the CPU (oneDNN's packed
+bfloat16 weights need AVX-512 or AVX-NE-CONVERT): every test here is marked
+``cpu_paths``, and a test of a path the CPU lacks checks the fallback.
 """
 
 from __future__ import annotations
@@ -26,11 +30,14 @@ import torch
 import transformers
 from conftest import ON_CUDA, TEST_DEVICE
 
+from trioserve.engine.capability import CpuPaths
 from trioserve.engine.config import ModelConfig
-from trioserve.engine.errors import ModelLoadError
+from trioserve.engine.errors import CpuCapabilityError, ModelLoadError
 from trioserve.engine.forward_batch import ForwardBatch, SeqChunk
 from trioserve.engine.kv_cache import KVCache
 from trioserve.engine.model import LlamaForCausalLM
+
+pytestmark = pytest.mark.cpu_paths
 
 NUM_DECODE_STEPS = 16
 PROMPT_LENS = (11, 19, 26, 33, 4)
@@ -330,29 +337,69 @@ def test_pack_weights_needs_a_cpu_model():
     assert not LlamaForCausalLM(config, device="meta").pack_weights
 
 
-def test_bfloat16_packed_and_plain_agree_and_track_float32(tmp_path):
+def _bfloat16_logits(model: LlamaForCausalLM, tokens: list[int]) -> torch.Tensor:
+    """Logits of ``tokens`` (a 9-token prefill, then one decode step per token)."""
+    kv = KVCache.allocate(model.config, num_blocks=4, block_size=5, dtype=torch.bfloat16, device=TEST_DEVICE)
+    with torch.inference_mode():
+        first = model(_batch([SeqChunk(tokens[:9], 0, [2, 0, 3], 9)], 5), kv)
+        rest = [model(_batch([SeqChunk([t], 9 + i, [2, 0, 3], 1)], 5), kv) for i, t in enumerate(tokens[9:])]
+    return torch.cat([first, *rest]).cpu()
+
+
+BF16_TOKENS = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43]
+
+
+def test_bfloat16_packed_and_plain_agree_and_track_float32(tmp_path, cpu_paths):
     hf = _save_tiny("llama", tmp_path)
     config = ModelConfig.from_hf_config(json.loads((tmp_path / "config.json").read_text()))
     weights = list(safetensors.torch.load_file(tmp_path / "model.safetensors").items())
-    tokens = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43]
-    logits = {}
-    # On CUDA there is no packed path: the plain one is checked against float32.
-    for pack in (False,) if ON_CUDA else (True, False):
-        model = LlamaForCausalLM(config, dtype=torch.bfloat16, device=TEST_DEVICE, pack_weights=pack)
-        model.load_weights(weights)
-        kv = KVCache.allocate(config, num_blocks=4, block_size=5, dtype=torch.bfloat16, device=TEST_DEVICE)
-        with torch.inference_mode():
-            first = model(_batch([SeqChunk(tokens[:9], 0, [2, 0, 3], 9)], 5), kv)
-            rest = [model(_batch([SeqChunk([t], 9 + i, [2, 0, 3], 1)], 5), kv) for i, t in enumerate(tokens[9:])]
-        logits[pack] = torch.cat([first, *rest]).cpu()
     with torch.no_grad():
-        ref = hf(input_ids=torch.tensor([tokens])).logits[0]
+        ref = hf(input_ids=torch.tensor([BF16_TOKENS])).logits[0]
     scale = ref.abs().max()
-    if ON_CUDA:
-        assert logits[False].dtype == torch.float32
-        assert (logits[False] - ref).abs().max() < 0.02 * scale
-        return
-    assert logits[True].dtype == torch.float32
+    # The model as the engine builds it: packed where this CPU can, else plain.
+    model = LlamaForCausalLM(config, dtype=torch.bfloat16, device=TEST_DEVICE)
+    model.load_weights(weights)
+    chosen = _bfloat16_logits(model, BF16_TOKENS)
+    assert chosen.dtype == torch.float32
     # bfloat16 keeps 8 bits of mantissa: about 1% of the logit range here.
-    assert (logits[True] - logits[False]).abs().max() < 0.02 * scale
-    assert (logits[True] - ref).abs().max() < 0.02 * scale
+    assert (chosen - ref).abs().max() < 0.02 * scale
+    packs = not ON_CUDA and cpu_paths.available("onednn_packed_bfloat16")
+    assert model.pack_weights is packs
+    if packs:
+        plain = LlamaForCausalLM(config, dtype=torch.bfloat16, device=TEST_DEVICE, pack_weights=False)
+        plain.load_weights(weights)
+        assert (chosen - _bfloat16_logits(plain, BF16_TOKENS)).abs().max() < 0.02 * scale
+    elif not ON_CUDA:
+        # This CPU (or the forced switch) lacks the packed path: the model
+        # fell back to plain and says why; insisting on packing is one clear error.
+        assert model.projection_choice.reason.startswith(cpu_paths.status("onednn_packed_bfloat16").reason)
+        assert "F.linear on the plain weights instead" in model.projection_choice.reason
+        with pytest.raises(CpuCapabilityError, match="pack_weights=True, but oneDNN packed bfloat16 weights"):
+            LlamaForCausalLM(config, dtype=torch.bfloat16, pack_weights=True)
+
+
+@CPU_ONLY
+def test_bfloat16_falls_back_to_plain_where_packing_is_off(tmp_path):
+    # The same fallback on any CPU, through the switch: packed bfloat16 off
+    # as on an AVX2-only CPU; float32 keeps its packed path.
+    hf = _save_tiny("llama", tmp_path)
+    config = ModelConfig.from_hf_config(json.loads((tmp_path / "config.json").read_text()))
+    weights = list(safetensors.torch.load_file(tmp_path / "model.safetensors").items())
+    avx2 = CpuPaths.detect(assume="avx2")
+    model = LlamaForCausalLM(config, dtype=torch.bfloat16, cpu_paths=avx2)
+    assert not model.pack_weights
+    reason = model.projection_choice.reason
+    assert reason.startswith("oneDNN packed bfloat16 weights: ") and "off by TRIOSERVE_CPU_ASSUME=avx2" in reason
+    model.load_weights(weights)
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor([BF16_TOKENS])).logits[0]
+    assert (_bfloat16_logits(model, BF16_TOKENS) - ref).abs().max() < 0.02 * ref.abs().max()
+    with pytest.raises(CpuCapabilityError, match=r"pack_weights=True, but .*TRIOSERVE_CPU_ASSUME=avx2"):
+        LlamaForCausalLM(config, dtype=torch.bfloat16, pack_weights=True, cpu_paths=avx2)
+    # Moved to bfloat16 later, a packed float32 model unpacks rather than fail.
+    moved = LlamaForCausalLM(config, cpu_paths=avx2)
+    assert moved.pack_weights == avx2.available("onednn_packed_float32")
+    moved.load_weights(weights)
+    moved.to(torch.bfloat16)
+    assert (_bfloat16_logits(moved, BF16_TOKENS) - ref).abs().max() < 0.02 * ref.abs().max()
+    assert not moved._made.packed

@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 import trio
+from conftest import ON_CUDA
 
 from trioserve.web.app import create_app
 from trioserve.web.settings import ModelSpec, ServerConfig
@@ -327,7 +328,14 @@ async def test_models_health_version_tokenize_metrics(server):
         assert models["data"][0]["max_model_len"] == 512 and models["object"] == "list"
         health = await http.get("/health")
         assert (health.status_code, health.json()) == (200, {"status": "ready"})
-        assert (await http.get("/version")).json() == {"version": "0.1.0"}
+        version = (await http.get("/version")).json()
+        assert version["version"] == "0.1.0"
+        # The CPU paths a CPU model took (tests/test_cpu_paths.py checks their content).
+        if ON_CUDA:
+            assert version["cpu"] is None
+        else:
+            chosen = version["cpu"]["models"][MODEL]
+            assert (chosen["device"], chosen["dtype"]) == ("cpu", "float32")
 
         tokens = await http.post("/tokenize", json={"prompt": "Hello world"})
         assert tokens.json()["count"] == len(tokens.json()["tokens"]) and tokens.json()["max_model_len"] == 512

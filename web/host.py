@@ -153,7 +153,12 @@ class ModelHost:
                         )
                     )
                     self.models[spec.name] = ServedModel(spec.name, engine, self.metrics)
-                    log.info("serving %s (max_model_len %d)", spec.name, engine.max_model_len)
+                    log.info(
+                        "serving %s (max_model_len %d; %s)",
+                        spec.name,
+                        engine.max_model_len,
+                        engine.core.loaded.projection_choice.summary,
+                    )
                 if not self._drain_requested.is_set():
                     self.state = HostState.READY
                     self._ready.set()

@@ -19,7 +19,7 @@ from trioserve.engine.tokenizer import apply_chat_template
 from . import completions
 from .body import read_body, request_json
 from .errors import ApiError, AuthenticationError, InternalError, InvalidRequest, NotFoundError, RequestTooLarge
-from .host import HostState, current_host
+from .host import HostState, ModelHost, current_host
 from .protocol import DetokenizeRequest, TokenizeRequest
 from .responses import error_response, json_response
 
@@ -133,7 +133,20 @@ async def detokenize() -> Response:
 
 
 async def version() -> Response:
-    return json_response({"version": metadata.version("trioserve")})
+    return json_response({"version": metadata.version("trioserve"), "cpu": cpu_report(current_host())})
+
+
+def cpu_report(host: ModelHost) -> dict[str, object] | None:
+    """What this CPU runs (``CpuPaths.as_json()``) and, under ``models``, the
+    path each model served on CPU took and why; None until one has loaded."""
+    paths = None
+    chosen = {}
+    for name, served in list(host.models.items()):
+        loaded = served.engine.core.loaded
+        if loaded.cpu_paths is not None:
+            paths = paths or loaded.cpu_paths
+            chosen[name] = loaded.projection_choice.as_json()
+    return None if paths is None else {**paths.as_json(), "models": chosen}
 
 
 # -- errors --------------------------------------------------------------------
