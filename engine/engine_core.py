@@ -29,7 +29,7 @@ from .sampler import Sampler, SamplingState
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import FinishReason, Request, RequestStatus
-from .tokenizer import apply_chat_template
+from .tokenizer import apply_chat_template, check_text
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +137,7 @@ class EngineCore:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt must not be empty", field="prompt")
+            check_text(prompt, "prompt")
             return list(self.tokenizer.encode(prompt, add_special_tokens=True))
         items = list(prompt)
         if not items:

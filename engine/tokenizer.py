@@ -53,6 +53,18 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+def check_text(text: str, field: str) -> None:
+    """Raise ``InvalidRequestError`` naming ``field`` unless ``text`` is
+    Unicode text a tokenizer takes: a Python string may hold a lone UTF-16
+    surrogate (JSON's ``"\\ud800"`` decodes to one), which has no UTF-8 form."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(
+            f"{field} is not valid Unicode text: it holds a lone UTF-16 surrogate at index {exc.start}", field=field
+        ) from None
+
+
 def apply_chat_template(
     tokenizer: PreTrainedTokenizerBase,
     messages: Sequence[Mapping[str, Any]],
@@ -62,10 +74,15 @@ def apply_chat_template(
 
     Raises ``InvalidRequestError`` (field ``messages``) when the tokenizer has
     no template or the template rejects the messages (many raise on an
-    unexpected role order).
+    unexpected role order), and naming the message when its text is not
+    Unicode text (``check_text``).
     """
     if not tokenizer.chat_template:
         raise InvalidRequestError("this model has no chat template; use a plain completion", field="messages")
+    for i, message in enumerate(messages):
+        for key in ("role", "content"):
+            if isinstance(message.get(key), str):
+                check_text(message[key], f"messages[{i}].{key}")
     from jinja2 import TemplateError
 
     try:

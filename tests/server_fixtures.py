@@ -55,7 +55,7 @@ async def serving(app: QuartTrio, *, wait_ready: bool = True, **hypercorn_option
     """Serve ``app`` in this trio run until the block ends, then shut it
     down gracefully. ``hypercorn_options`` override hypercorn's settings."""
     stop = trio.Event()
-    config = hypercorn_config("127.0.0.1", 0, app_host(app).config.shutdown_timeout)
+    config = hypercorn_config("127.0.0.1", 0, app_host(app).config)
     for name, value in hypercorn_options.items():
         setattr(config, name, value)
     async with trio.open_nursery() as nursery:

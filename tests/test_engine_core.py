@@ -182,6 +182,14 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(default_loaded):
     with pytest.raises(InvalidRequestError) as empty:
         core.add_request("empty", "", SamplingParams())
     assert empty.value.field == "prompt"
+    # Text with a lone surrogate has no UTF-8 form: no tokenizer takes it.
+    with pytest.raises(InvalidRequestError, match="lone UTF-16 surrogate at index 3") as surrogate:
+        core.add_request("surrogate", "Hi \ud800", SamplingParams())
+    assert surrogate.value.field == "prompt"
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "\udfff"}]
+    with pytest.raises(InvalidRequestError) as surrogate_chat:
+        core.add_request("surrogate-chat", chat, SamplingParams())
+    assert surrogate_chat.value.field == "messages[1].content"
     results = run_all(core)
     assert list(results) == [("good", 0)]
     assert len(results[("good", 0)]["tokens"]) == 6

@@ -3,6 +3,7 @@ request disturbs the engine or the requests around it."""
 
 from __future__ import annotations
 
+import json
 import threading
 
 import httpx
@@ -94,6 +95,31 @@ async def test_bad_requests_name_the_field(server):
         too_long = await post("/v1/completions", json={"prompt": [42] * 600})
         error = assert_error(too_long, 400, type="invalid_request_error", code="context_length_exceeded", param="prompt")
         assert "600" in error["message"] and "512" in error["message"]
+
+
+async def test_text_that_is_not_unicode_and_deep_nesting_are_400(server):
+    # The bodies of issue 10, each a 500 before.
+    async with httpx.AsyncClient(base_url=server.url, headers=AUTH) as http:
+        surrogate = [
+            ("/v1/completions", {"prompt": "\ud800", "max_tokens": 2}, "prompt"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages[0].content"),
+            ("/tokenize", {"prompt": "\ud800"}, "prompt"),
+            ("/tokenize", {"messages": [{"role": "user", "content": "Hi \udfff"}]}, "messages[0].content"),
+        ]
+        for path, body, param in surrogate:
+            # json.dumps escapes the surrogate as "\\ud800" (httpx's json= cannot encode it).
+            response = await http.post(path, content=json.dumps(body), headers={"Content-Type": "application/json"})
+            error = assert_error(response, 400, type="invalid_request_error", param=param)
+            assert "lone UTF-16 surrogate" in error["message"]
+        raw = {"Content-Type": "application/json"}
+        response = await http.post("/v1/completions", content=b'{"prompt": "\xed\xa0\x80"}', headers=raw)
+        error = assert_error(response, 400, type="invalid_request_error")
+        assert "not valid UTF-8" in error["message"]
+        deep = b"[" * 1000 + b"]" * 1000
+        error = assert_error(await http.post("/v1/completions", content=deep, headers=raw), 400, type="invalid_request_error")
+        assert "levels deep" in error["message"]
+        ok = await http.post("/v1/completions", json={"prompt": "Hi \U0001f600", "max_tokens": 2})
+        assert ok.status_code == 200
 
 
 async def test_not_found_and_too_large(server):

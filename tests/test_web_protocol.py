@@ -304,6 +304,8 @@ def test_chat_messages_and_limits():
     assert request.messages == (ChatMessage("system", "be brief"), ChatMessage("user", "a\nb"), ChatMessage("assistant", ""))
     assert request.engine_prompt[1] == {"role": "user", "content": "a\nb"}
     assert request.params.max_tokens == 20  # max_completion_tokens wins
+    # ... but max_tokens is still checked (found by tests/reliability/test_fuzz.py).
+    assert_bad(ChatCompletionRequest.from_json, chat_body(max_tokens=float("nan"), max_completion_tokens=1), "max_tokens")
     assert ChatCompletionRequest.from_json(chat_body(max_tokens=50)).params.max_tokens == 50
     assert ChatCompletionRequest.from_json(chat_body()).params.max_tokens is None  # up to the context limit
     assert ChatCompletionRequest.from_json(chat_body(response_format={"type": "text"}, tools=[])).params.n == 1
@@ -347,6 +349,77 @@ def test_json_body_and_timeouts():
         assert info.value.param == "timeout" and "X-Request-Timeout" in info.value.message
     assert effective_timeout(None, None) is None
     assert effective_timeout(10.0, None, 3.0) == 3.0
+
+
+def _parse_error(raw: bytes) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        parse_json_body(raw)
+    assert info.value.status == 400
+    return info.value
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"prompt": "\ud800"}, "prompt"),
+        ({"prompt": "ok \udfff ok"}, "prompt"),
+        ({"messages": [{"role": "user", "content": "Hi \ud83d"}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]}, "messages[0].content[0].text"),
+        ({"prompt": "Hi", "stop": ["a", "\ud800"]}, "stop[1]"),
+        ({"prompt": "Hi", "logit_bias": {"\ud800": 1}}, "logit_bias.\\ud800"),
+        ({"prompt": "Hi", "whatever": {"deep": ["\ud800"]}}, "whatever.deep[0]"),
+    ],
+)
+def test_lone_surrogates_are_refused_naming_the_field(body, param):
+    error = _parse_error(json.dumps(body).encode())  # ensure_ascii: "\\ud800" escapes
+    assert error.param == param
+    assert "lone UTF-16 surrogate" in error.message
+    json.dumps(error.to_json()).encode("utf-8")  # the error itself is valid text
+
+
+def test_surrogate_pairs_and_other_text_are_fine():
+    text = "emoji \U0001f600, accents é, CJK 漢字, NUL \x00"
+    assert parse_json_body(json.dumps({"prompt": text}).encode()) == {"prompt": text}
+    assert parse_json_body(json.dumps({"prompt": text}, ensure_ascii=False).encode()) == {"prompt": text}
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"prompt": "\xed\xa0\x80"}',
+        b'{"prompt": "\xff"}',
+        b'{"prompt": "\xc0\x80"}',
+        b'{"prompt": "\xe2\x82"}',
+        b"\xef\xbb\xbf{}",
+    ],
+    ids=["utf8-surrogate", "ff", "overlong", "truncated", "bom"],
+)
+def test_bodies_that_are_not_utf8_json_are_refused(raw):
+    error = _parse_error(raw)
+    assert "UTF-8" in error.message or "not valid JSON" in error.message
+
+
+def test_nesting_is_bounded():
+    nested = lambda depth: b"[" * depth + b"]" * depth  # noqa: E731
+    # The body: a thousand levels (past the parser's own recursion limit too).
+    assert "32 levels" in _parse_error(nested(1000)).message
+    assert "32 levels" in _parse_error(nested(100_000)).message
+    # Thirty-two levels is fine (the object is the first); thirty-three is not.
+    assert parse_json_body(b'{"a": ' + nested(31) + b"}") == {"a": json.loads(nested(31))}
+    error = _parse_error(b'{"a": ' + nested(32) + b"}")
+    assert error.param == "a" + "[0]" * 31  # the 33rd level
+    error = _parse_error(b'{"a": {"b": ' + b'{"c": ' * 40 + b"1" + b"}" * 42)
+    assert error.param.startswith("a.b.c.c")
+
+
+def test_numbers_too_long_to_read_are_refused():
+    error = _parse_error(b'{"max_tokens": ' + b"9" * 5000 + b"}")
+    assert "too long" in error.message and "sys." not in error.message
+
+
+@pytest.mark.parametrize("field, value", [("echo", 0), ("echo", 0.0), ("suffix", 0), ("best_of", True), ("best_of", 1.0)])
+def test_unsupported_fields_are_compared_by_type(field, value):
+    assert_bad(CompletionRequest.from_json, {"prompt": "Hi", field: value}, field)
 
 
 # -- errors ------------------------------------------------------------------

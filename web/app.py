@@ -18,6 +18,7 @@ from quart_trio import QuartTrio
 from trioserve.engine.loader import LoadedModel
 
 from . import routes
+from .asgi import TrioserveApp
 from .host import EXTENSION, ModelHost
 from .settings import ServerConfig
 
@@ -39,7 +40,7 @@ def create_app(
     if isinstance(loaded, LoadedModel):
         loaded = {config.model_names[0]: loaded}
     host = ModelHost(config, dict(loaded or {}))
-    app = QuartTrio(__name__)
+    app = TrioserveApp(__name__)
     app.config.update(
         # A stream lasts as long as its generation; quart would cut any
         # response body after 60 s (streams also set response.timeout).

@@ -74,6 +74,16 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
 def _bytes(text: str) -> int:
     try:
         value = parse_memory(text)
@@ -96,13 +106,23 @@ def _model_spec(text: str):
 def build_serve_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """The options of ``trioserve serve``, added to ``parser`` (default: a
     new one). ``ServerConfig.from_env`` reads the same options."""
-    from .settings import DEFAULT_MAX_BODY_SIZE, DEFAULT_SHUTDOWN_TIMEOUT
+    from .settings import (
+        DEFAULT_BODY_TIMEOUT,
+        DEFAULT_KEEP_ALIVE_TIMEOUT,
+        DEFAULT_MAX_BODY_SIZE,
+        DEFAULT_SEND_TIMEOUT,
+        DEFAULT_SHUTDOWN_TIMEOUT,
+    )
 
     if parser is None:
         parser = argparse.ArgumentParser(prog="trioserve serve")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default: 8000)")
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize")
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every route but /health, /metrics and /version",
+    )
     parser.add_argument(
         "--max-request-time", type=_seconds, default=None, help="cap on every request's deadline, in seconds (default: none)"
     )
@@ -114,6 +134,35 @@ def build_serve_parser(parser: argparse.ArgumentParser | None = None) -> argpars
     )
     parser.add_argument(
         "--max-body-size", type=_bytes, default=DEFAULT_MAX_BODY_SIZE, help="largest request body, e.g. 1M (default: 1M)"
+    )
+    parser.add_argument(
+        "--keep-alive-timeout",
+        type=_seconds,
+        default=DEFAULT_KEEP_ALIVE_TIMEOUT,
+        help="seconds before closing a connection with no request under way: idle between requests, "
+        f"or its request headers incomplete (default: {DEFAULT_KEEP_ALIVE_TIMEOUT:g})",
+    )
+    parser.add_argument(
+        "--body-timeout",
+        type=_seconds,
+        default=DEFAULT_BODY_TIMEOUT,
+        help=f"seconds a request body may take to arrive; then 408 and the connection closes (default: {DEFAULT_BODY_TIMEOUT:g})",
+    )
+    parser.add_argument(
+        "--send-timeout",
+        type=_seconds,
+        default=DEFAULT_SEND_TIMEOUT,
+        help="seconds a response may wait on a client that reads none of it before the connection is dropped "
+        f"(default: {DEFAULT_SEND_TIMEOUT:g})",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=_count,
+        default=None,
+        help="open connections beyond which new ones get 503 (default: 2048, less under a low file descriptor limit)",
+    )
+    parser.add_argument(
+        "--log-requests", action="store_true", help="log each request's body (prompts included); off by default"
     )
     parser.add_argument(
         "--max-queued-requests", type=int, default=256, help="admission queue bound; beyond it requests get 429 (default: 256)"
@@ -138,6 +187,11 @@ def server_config_from_args(args: argparse.Namespace):
         max_request_time=args.max_request_time,
         shutdown_timeout=args.shutdown_timeout,
         max_body_size=args.max_body_size,
+        keep_alive_timeout=args.keep_alive_timeout,
+        body_timeout=args.body_timeout,
+        send_timeout=args.send_timeout,
+        max_connections=args.max_connections,
+        log_requests=args.log_requests,
     )
 
 

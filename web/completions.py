@@ -22,6 +22,7 @@ import trio
 from quart import Response, g, request
 
 from trioserve.actors.engine import RequestStream
+from trioserve.engine.errors import TrioserveError
 
 from .body import request_json
 from .errors import ApiError, RequestTimeout, from_exception
@@ -36,11 +37,17 @@ log = logging.getLogger(__name__)
 TIMEOUT_HEADER = "X-Request-Timeout"
 
 
-def translate(exc: Exception) -> ApiError:
-    """The API error for an exception of the engine or the actors."""
+def translate(exc: Exception, *, log_requests: bool) -> ApiError:
+    """The API error for an exception of the engine or the actors; a 5xx is
+    logged. trioserve's own errors say nothing of the request; any other's
+    message may quote it (a prompt), so it is logged only with
+    ``log_requests``."""
     error = from_exception(exc)
     if error.status >= 500:
-        log.error("request failed: %s: %s", type(exc).__name__, exc)
+        if log_requests or isinstance(exc, TrioserveError):
+            log.error("request failed: %s: %s", type(exc).__name__, exc)
+        else:
+            log.error("request failed: %s (its message is logged with --log-requests)", type(exc).__name__)
     return error
 
 
@@ -58,6 +65,7 @@ async def _generate(kind: type[CompletionRequest] | type[ChatCompletionRequest],
     parsed = kind.from_json(request_json())
     served = host.get(parsed.model)
     g.model_name = served.name  # rejections from here on count against this model
+    log_requests = host.config.log_requests
     timeout = effective_timeout(
         parsed.timeout, parse_timeout_header(request.headers.get(TIMEOUT_HEADER)), host.config.max_request_time
     )
@@ -69,13 +77,16 @@ async def _generate(kind: type[CompletionRequest] | type[ChatCompletionRequest],
             deadline=None if timeout is None else arrival + timeout,
         )
     except Exception as exc:
-        raise translate(exc) from None
+        error = translate(exc, log_requests=log_requests)
+        if chat and error.param == "prompt":  # the engine's prompt is the templated messages
+            error.param = "messages"
+        raise error from None
     texts = served.texts if parsed.params.logprobs is not None else None
     if parsed.stream:
         builder_kind = ChatCompletionStream if chat else CompletionStream
         builder = builder_kind(served.name, texts=texts, include_usage=parsed.include_usage)
         response = Response(
-            _sse_body(stream, builder, served, parsed.params.n),
+            _sse_body(stream, builder, served, parsed.params.n, log_requests=log_requests),
             content_type="text/event-stream; charset=utf-8",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -88,7 +99,7 @@ async def _generate(kind: type[CompletionRequest] | type[ChatCompletionRequest],
             served.observe(output, parsed.params.n)
             accumulator.add(output)
     except Exception as exc:
-        raise translate(exc) from None
+        raise translate(exc, log_requests=log_requests) from None
     finally:
         stream.close()
         served.metrics.forget(stream.request_id)
@@ -99,7 +110,12 @@ async def _generate(kind: type[CompletionRequest] | type[ChatCompletionRequest],
 
 
 async def _sse_body(
-    stream: RequestStream, builder: CompletionStream | ChatCompletionStream, served: ServedModel, n: int
+    stream: RequestStream,
+    builder: CompletionStream | ChatCompletionStream,
+    served: ServedModel,
+    n: int,
+    *,
+    log_requests: bool,
 ) -> AsyncIterator[bytes]:
     """The response body of a streamed request. Holds no cancel scope or
     nursery across a ``yield``: the deadline lives in the engine."""
@@ -111,7 +127,7 @@ async def _sse_body(
                     yield sse_events(chunks)
         except Exception as exc:
             # The status (200) is sent already: say it in the stream.
-            yield sse_error(translate(exc))
+            yield sse_error(translate(exc, log_requests=log_requests))
         else:
             if chunks := builder.final_chunks():
                 yield sse_events(chunks)

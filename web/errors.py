@@ -8,7 +8,9 @@ format an error themselves.
 
 from __future__ import annotations
 
+import logging
 import math
+import traceback
 from typing import Any
 
 
@@ -86,6 +88,19 @@ class RequestTooLarge(ApiError):
         )
 
 
+class BodyTimeout(ApiError):
+    """408: the request body did not finish arriving in time; the
+    connection is closed after this answer."""
+
+    def __init__(self, timeout: float, received: int) -> None:
+        super().__init__(
+            408,
+            f"the request body did not arrive within {timeout:g} s ({received} bytes came)",
+            type="timeout_error",
+            code="body_timeout",
+        )
+
+
 class Overloaded(ApiError):
     """429: admission is full; ``Retry-After`` says when to try again."""
 
@@ -117,6 +132,14 @@ class ServiceUnavailable(ApiError):
     @classmethod
     def loading(cls, retry_after: float | None = None) -> ServiceUnavailable:
         return cls("the model is still loading", code="loading", retry_after=retry_after)
+
+    @classmethod
+    def too_many_connections(cls, limit: int) -> ServiceUnavailable:
+        return cls(
+            f"the server has its maximum of {limit} connections open; retry shortly",
+            code="too_many_connections",
+            retry_after=1.0,
+        )
 
 
 class RequestTimeout(ApiError):
@@ -168,3 +191,22 @@ def from_exception(exc: BaseException) -> ApiError:
     if "EngineClosed" in names:
         return ServiceUnavailable.draining()
     return InternalError(f"internal server error ({type(exc).__name__})")
+
+
+def log_unexpected(logger: logging.Logger, what: str, exc: BaseException, *, with_message: bool) -> None:
+    """Log an unexpected exception and its traceback under ``what``.
+
+    An exception's message may quote the request (a bad prompt, say), and
+    prompts are logged only with ``--log-requests``: unless
+    ``with_message``, the message is left out and the class named instead.
+    """
+    if with_message:
+        logger.error("%s", what, exc_info=exc)
+        return
+    frames = "".join(traceback.format_tb(exc.__traceback__)).rstrip()
+    logger.error(
+        "%s: %s (its message is logged with --log-requests)\nTraceback (most recent call last):\n%s",
+        what,
+        type(exc).__name__,
+        frames,
+    )

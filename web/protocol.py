@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 import attrs
@@ -24,10 +25,15 @@ from trioserve.engine.sampling_params import SamplingParams
 from .errors import InvalidRequest
 
 MAX_LOGPROBS = 20
+# OpenAI's request bodies nest a few levels (a chat message's content parts
+# are four deep); a deeper body is refused before anything walks it.
+MAX_JSON_DEPTH = 32
 MAX_N = 128
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 _MISSING = object()
+# A JSON escape of a UTF-16 surrogate (a pair is fine; a lone one is not).
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 # -- field readers ---------------------------------------------------------
@@ -142,7 +148,8 @@ def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
 
 def _refuse_unsupported(body: dict[str, Any], name: str, allowed: tuple[Any, ...], why: str) -> None:
     value = body.get(name)
-    if value is not None and value not in allowed:
+    # By type too: 0 == False, but echo=0 is not the boolean this allows.
+    if value is not None and not any(type(value) is type(ok) and value == ok for ok in allowed):
         raise InvalidRequest(f"{name} is not supported: {why}", param=name)
 
 
@@ -186,7 +193,7 @@ def _sampling_params(body: dict[str, Any], *, max_tokens: int | None, logprobs: 
         skip_special_tokens=_bool(body, "skip_special_tokens", True),
     )
     best_of = body.get("best_of")
-    if best_of is not None and best_of != n:
+    if best_of is not None and (type(best_of) is not int or best_of != n):
         raise InvalidRequest("best_of is not supported: omit it or set it equal to n", param="best_of")
     try:
         return SamplingParams(**fields)
@@ -213,12 +220,73 @@ def _require_object(body: Any) -> dict[str, Any]:
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
-    """Decode a request body that must be a JSON object."""
+    """Decode a request body that must be a JSON object in UTF-8, nested at
+    most ``MAX_JSON_DEPTH`` levels, whose strings are all Unicode text."""
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        # Strictly: json.loads(bytes) would let UTF-8-encoded surrogates
+        # (b"\xed\xa0\x80") through, and accept UTF-16 and UTF-32 too.
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidRequest(f"the request body is not valid UTF-8: {exc.reason} at byte {exc.start}") from None
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as exc:
         raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
-    return _require_object(body)
+    except RecursionError:
+        # json's parser guards its own recursion; past the interpreter's
+        # limit it gives up cleanly, long before the stack is at risk.
+        raise _too_deep(None) from None
+    except ValueError:  # an integer of more digits than int() converts
+        raise InvalidRequest("the request body holds a number too long to read") from None
+    body = _require_object(body)
+    # Most bodies cannot break either rule; only the others are walked.
+    if text.count("[") + text.count("{") > MAX_JSON_DEPTH or _SURROGATE_ESCAPE.search(text):
+        _check_nesting_and_text(body)
+    return body
+
+
+def _too_deep(param: str | None) -> InvalidRequest:
+    return InvalidRequest(f"the request body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep", param=param)
+
+
+def _check_nesting_and_text(body: dict[str, Any]) -> None:
+    """Refuse nesting past ``MAX_JSON_DEPTH`` and strings holding a lone
+    UTF-16 surrogate (JSON's ``\\ud800`` escape): they are not text, and no
+    tokenizer takes them. Iterative, so no depth can exhaust the stack."""
+    pending: list[tuple[Any, str, int]] = [(body, "", 1)]
+    while pending:
+        value, path, depth = pending.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise _too_deep(path or None)
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            if isinstance(key, str):
+                if not _is_text(key):
+                    where = _printable(f"{path}.{key}" if path else key)
+                    raise InvalidRequest(
+                        f"the field name {where} is not valid Unicode text: it holds a lone UTF-16 surrogate", param=where
+                    )
+                where = f"{path}.{key}" if path else key
+            else:
+                where = f"{path}[{key}]"
+            if isinstance(item, dict | list):
+                pending.append((item, where, depth + 1))
+            elif isinstance(item, str) and not _is_text(item):
+                where = _printable(where)
+                raise InvalidRequest(f"{where} is not valid Unicode text: it holds a lone UTF-16 surrogate", param=where)
+
+
+def _is_text(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _printable(text: str) -> str:
+    """``text`` with any lone surrogate written as its escape."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def parse_timeout_header(value: str | None) -> float | None:
@@ -394,10 +462,11 @@ class ChatCompletionRequest:
         if top is not None and not want_logprobs:
             raise InvalidRequest("top_logprobs needs logprobs set to true", param="top_logprobs")
         # max_completion_tokens replaced max_tokens in OpenAI's chat API; the
-        # newer name wins when both are given.
-        max_tokens = _int(body, "max_completion_tokens", None, low=1)
-        if max_tokens is None:
-            max_tokens = _int(body, "max_tokens", None, low=1)
+        # newer name wins when both are given (both are checked).
+        max_tokens = _int(body, "max_tokens", None, low=1)
+        max_completion_tokens = _int(body, "max_completion_tokens", None, low=1)
+        if max_completion_tokens is not None:
+            max_tokens = max_completion_tokens
         return cls(
             model=_model(body),
             messages=_messages(body),

@@ -12,7 +12,9 @@ from .errors import ApiError
 
 
 def json_response(body: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> Response:
-    data = json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+    # A lone surrogate (only ever from a client's own text, echoed in an
+    # error) cannot be UTF-8; it leaves as its JSON escape, still valid JSON.
+    data = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "backslashreplace")
     return Response(data, status=status, headers=dict(headers or {}), content_type="application/json")
 
 

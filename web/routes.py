@@ -17,17 +17,24 @@ from trioserve.engine.errors import InvalidRequestError
 from trioserve.engine.tokenizer import apply_chat_template
 
 from . import completions
-from .body import read_body, request_json
-from .errors import ApiError, AuthenticationError, InternalError, InvalidRequest, NotFoundError, RequestTooLarge
+from .body import body_left_unread, read_body, request_json
+from .errors import ApiError, AuthenticationError, InternalError, InvalidRequest, NotFoundError, log_unexpected
 from .host import HostState, ModelHost, current_host
 from .protocol import DetokenizeRequest, TokenizeRequest
 from .responses import error_response, json_response
 
 log = logging.getLogger(__name__)
 
-# Paths that need the API key when one is set; /health, /metrics and
-# /version stay open for load balancers and scrapers.
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+# With an API key set, every path needs it but these: load balancers and
+# scrapers poll them without one (as vLLM leaves them open). A path missing
+# from this list, unknown ones included, answers 401 before 404, so an
+# unauthenticated client learns nothing of what exists. (A chat page's
+# static files, when there are some, belong here.)
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+# Paths whose refusals are counted in the metrics, by model.
+API_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+# Characters of a request body that --log-requests logs, at most.
+MAX_LOGGED_BODY = 4096
 
 # The rejection reason counted for each refusal status (see web/metrics.py).
 _REJECT_REASONS = {400: "invalid", 401: "unauthorized", 404: "not_found", 413: "too_large", 429: "overloaded"}
@@ -35,7 +42,7 @@ _REJECT_REASONS = {400: "invalid", 401: "unauthorized", 404: "not_found", 413: "
 
 def register(app: Quart) -> None:
     """Add every route and handler to ``app``."""
-    app.before_request(read_body_and_check_api_key)
+    app.before_request(check_api_key_and_read_body)
     app.add_url_rule("/v1/completions", view_func=completions.create_completion, methods=["POST"])
     app.add_url_rule("/v1/chat/completions", view_func=completions.create_chat_completion, methods=["POST"])
     app.add_url_rule("/v1/models", view_func=list_models, methods=["GET"])
@@ -49,16 +56,22 @@ def register(app: Quart) -> None:
     app.register_error_handler(Exception, handle_unexpected)
 
 
-async def read_body_and_check_api_key() -> None:
-    host = current_host()
-    await read_body(host.config.max_body_size)
-    key = host.config.api_key
-    if key is None or not request.path.startswith(PROTECTED_PREFIXES):
-        return
-    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    # compare_digest: the time taken says nothing about how much matched.
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-        raise AuthenticationError()
+async def check_api_key_and_read_body() -> None:
+    """Refuse a request without the API key before reading its body (an
+    unauthenticated client uploads nothing), then read the body."""
+    config = current_host().config
+    if config.api_key is not None and request.path not in OPEN_PATHS:
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        # compare_digest: the time taken says nothing about how much matched.
+        # Compared as UTF-8 bytes: any header text is comparable then.
+        given = token.strip().encode("utf-8", "surrogateescape")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given, config.api_key.encode()):
+            raise AuthenticationError()
+    await read_body(config.max_body_size, config.body_timeout)
+    if config.log_requests and g.body:
+        text = g.body[:MAX_LOGGED_BODY].decode("utf-8", "backslashreplace")
+        more = len(g.body) - MAX_LOGGED_BODY
+        log.info("%s %s: %s%s", request.method, request.path, text, f" ... ({more} more bytes)" if more > 0 else "")
 
 
 # -- endpoints -----------------------------------------------------------------
@@ -156,14 +169,16 @@ async def handle_api_error(error: ApiError) -> Response:
     reason = _REJECT_REASONS.get(error.status)
     if error.status == 503 and error.code == "draining":
         reason = "draining"
-    if reason is not None and request.path.startswith(PROTECTED_PREFIXES):
+    if reason is not None and request.path.startswith(API_PREFIXES):
         host = current_host()
         # Label by a served model only: a client's unknown name would make
         # a new series per typo.
         host.metrics.reject(g.get("model_name", host.default_name), reason)
     response = error_response(error)
-    if isinstance(error, RequestTooLarge):
-        response.headers["Connection"] = "close"  # the body was left unread (see body.py)
+    if body_left_unread():
+        # Tell the client what hypercorn does next: with the rest of the
+        # body unread, the connection cannot carry another request.
+        response.headers["Connection"] = "close"
     return response
 
 
@@ -180,5 +195,8 @@ async def handle_http_exception(exc: HTTPException) -> Response:
 
 
 async def handle_unexpected(exc: Exception) -> Response:
-    log.error("unexpected error in %s %s", request.method, request.path, exc_info=exc)
+    """A bug: logged with its traceback, answered with a 500 naming only
+    the exception's class (no traceback, message or path in the body)."""
+    what = f"unexpected error in {request.method} {request.path}"
+    log_unexpected(log, what, exc, with_message=current_host().config.log_requests)
     return error_response(InternalError(f"internal server error ({type(exc).__name__})"))

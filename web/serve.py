@@ -1,5 +1,10 @@
-"""Run an app made by ``create_app`` under hypercorn's trio worker, in this
+"""Run an app made by ``create_app`` with hypercorn, in this
 process, until SIGTERM or SIGINT.
+
+Connections (web/connections.py, docs/api.md): at most ``max_connections``
+are open (beyond, 503); a connection with no request under way closes after
+``keep_alive_timeout``; a request body gets ``body_timeout`` to arrive
+(web/body.py); a client that reads nothing for ``send_timeout`` is dropped.
 
 Shutdown is graceful: at the first signal the listeners close (no new
 connections), idle keep-alive connections close, the engines stop taking
@@ -18,10 +23,11 @@ from collections.abc import Awaitable, Callable
 
 import trio
 from hypercorn.config import Config
-from hypercorn.trio import serve as hypercorn_serve
 from quart_trio import QuartTrio
 
 from .app import SHUTDOWN_MARGIN, app_host
+from .connections import ConnectionLimits, default_max_connections, serve_connections
+from .settings import ServerConfig
 
 log = logging.getLogger(__name__)
 
@@ -30,19 +36,32 @@ log = logging.getLogger(__name__)
 CLOSE_GRACE = 1.0
 
 
-def hypercorn_config(host: str, port: int, shutdown_timeout: float) -> Config:
-    """Hypercorn settings for serving streams: no read timeout, and a
-    graceful period long enough for the engines' drain."""
+def hypercorn_config(host: str, port: int, server: ServerConfig) -> Config:
+    """Hypercorn settings for ``server``: its keep-alive timeout, no read
+    timeout, and a graceful period long enough for the engines' drain."""
     config = Config()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     # Hypercorn cancels whatever connections are left this long after the
     # shutdown began; the drain ends every request before that.
-    config.graceful_timeout = shutdown_timeout + SHUTDOWN_MARGIN
-    # No limit on a response's duration; a stream's client sends nothing
-    # while it reads, so no read timeout either.
+    config.graceful_timeout = server.shutdown_timeout + SHUTDOWN_MARGIN
+    # The idle timer runs whenever no request is under way: between
+    # requests, and until a request's headers are complete.
+    config.keep_alive_timeout = server.keep_alive_timeout
+    # Hypercorn's read timeout bounds every read of a connection, also while
+    # a response is under way, and a client sends nothing while it waits
+    # for a completion or reads a stream: it would cut those. Bodies have
+    # their own bound (body_timeout, web/body.py), headers the idle timer.
     config.read_timeout = None
     config.errorlog = logging.getLogger("hypercorn.error")
     return config
+
+
+def connection_limits(server: ServerConfig) -> ConnectionLimits:
+    """The limits ``serve`` applies: ``server``'s, the connection cap
+    worked out from this process's descriptor limit when not given."""
+    return ConnectionLimits(
+        max_connections=server.max_connections or default_max_connections(), send_timeout=server.send_timeout
+    )
 
 
 async def serve(
@@ -66,22 +85,22 @@ async def serve(
         # drain's clock starts when accepting stops.
         host.begin_drain()
 
-    async def run_hypercorn(task_status: trio.TaskStatus[list[str]]) -> None:
-        await hypercorn_serve(app, config, shutdown_trigger=trigger, task_status=task_status)
+    async def run_server(task_status: trio.TaskStatus[list[str]]) -> None:
+        limits = connection_limits(host.config)
+        await serve_connections(app, config, limits, shutdown_trigger=trigger, task_status=task_status)
         nursery.cancel_scope.cancel()  # done: stop close_lingering
 
     async def close_lingering() -> None:
         # Once the engines have stopped, every request has had its last
-        # output. Hypercorn (0.18, with quart-trio) loses the idle timer of
-        # a keep-alive connection, so it would hold an idle client's
-        # connection open until graceful_timeout; cut those short.
+        # output. A connection still open then is a client slow to send a
+        # body or to read; it need not hold the exit for graceful_timeout.
         await host.wait_stopped()
         await trio.sleep(CLOSE_GRACE)
         nursery.cancel_scope.cancel()
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(close_lingering)
-        task_status.started(await nursery.start(run_hypercorn))
+        task_status.started(await nursery.start(run_server))
 
 
 async def _cancel_after(wait: Callable[[], Awaitable[None]], scope: trio.CancelScope) -> None:
@@ -111,7 +130,12 @@ async def serve_until_signal(
             nursery.start_soon(watch_signals)
             async with trio.open_nursery() as server:
                 binds = await server.start(functools.partial(serve, app, config, shutdown_trigger=first_signal.wait))
-                log.info("listening on %s for %s", " ".join(binds), ", ".join(host.config.model_names))
+                log.info(
+                    "listening on %s for %s (at most %d connections)",
+                    " ".join(binds),
+                    ", ".join(host.config.model_names),
+                    connection_limits(host.config).max_connections,
+                )
                 task_status.started(binds)
             nursery.cancel_scope.cancel()
 
@@ -119,6 +143,6 @@ async def serve_until_signal(
 def run(app: QuartTrio, *, host: str = "127.0.0.1", port: int = 8000) -> int:
     """Serve ``app`` in this process until a signal; the exit status is 0
     after a clean shutdown and 1 if the engines failed."""
-    config = hypercorn_config(host, port, app_host(app).config.shutdown_timeout)
+    config = hypercorn_config(host, port, app_host(app).config)
     trio.run(serve_until_signal, app, config)
     return 0 if app_host(app).error is None else 1

@@ -2,7 +2,8 @@
 
 ``ServerConfig`` holds one ``EngineConfig`` (shared by every served model,
 each taking its own ``model`` path) plus the HTTP side: API key, request
-deadline cap, body size limit and shutdown timeout. ``trioserve serve``
+deadline cap, body size limit, shutdown timeout, and the connections'
+timeouts and cap. ``trioserve serve``
 builds it from its options; ``ServerConfig.from_env`` builds the same from
 ``TRIOSERVE_*`` environment variables, for
 ``hypercorn --worker-class trio 'trioserve.web.app:create_app()'``.
@@ -22,6 +23,12 @@ from trioserve.engine.loader import DEFAULT_MODEL_NAME
 
 DEFAULT_MAX_BODY_SIZE = 1 << 20
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
+# Connection timeouts, in seconds (docs/api.md, "Connections"): an idle
+# keep-alive connection, or one whose request headers are not in yet; a
+# request body still arriving; a response the client has stopped reading.
+DEFAULT_KEEP_ALIVE_TIMEOUT = 5.0
+DEFAULT_BODY_TIMEOUT = 30.0
+DEFAULT_SEND_TIMEOUT = 120.0
 ENV_PREFIX = "TRIOSERVE_"
 
 
@@ -76,6 +83,15 @@ class ServerConfig:
     ``max_request_time`` caps every request's deadline (seconds; None: no
     cap). ``shutdown_timeout`` is how long in-flight requests may run on
     after SIGTERM before they are aborted.
+
+    Connections: ``keep_alive_timeout`` closes a connection that has no
+    request under way (idle, or its request headers still incomplete);
+    ``body_timeout`` bounds the time a request body takes to arrive;
+    ``send_timeout`` drops a connection whose client has read nothing of
+    its response for that long; ``max_connections`` caps open connections
+    (beyond it new ones get a 503; None: worked out from the process's file
+    descriptor limit when serving starts). ``log_requests`` logs each
+    request's body; without it no body or prompt is ever logged.
     """
 
     engine: EngineConfig = attrs.field(factory=EngineConfig)
@@ -86,6 +102,11 @@ class ServerConfig:
     max_request_time: float | None = attrs.field(default=None, validator=_positive)
     shutdown_timeout: float = attrs.field(default=DEFAULT_SHUTDOWN_TIMEOUT, validator=_positive)
     max_body_size: int = attrs.field(default=DEFAULT_MAX_BODY_SIZE, validator=_positive)
+    keep_alive_timeout: float = attrs.field(default=DEFAULT_KEEP_ALIVE_TIMEOUT, validator=_positive)
+    body_timeout: float = attrs.field(default=DEFAULT_BODY_TIMEOUT, validator=_positive)
+    send_timeout: float = attrs.field(default=DEFAULT_SEND_TIMEOUT, validator=_positive)
+    max_connections: int | None = attrs.field(default=None, validator=_positive)
+    log_requests: bool = False
 
     @property
     def model_names(self) -> tuple[str, ...]:

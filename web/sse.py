@@ -55,7 +55,7 @@ def finish_reason(reason: FinishReason | None) -> str | None:
 
 def sse_event(data: dict[str, Any]) -> bytes:
     """One server-sent event, ``data: {json}\\n\\n``; the JSON holds no newline."""
-    return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "backslashreplace") + b"\n\n"
 
 
 def sse_events(chunks: Iterable[dict[str, Any]]) -> bytes:
