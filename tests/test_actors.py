@@ -12,8 +12,9 @@ import pytest
 import trio
 import trio.testing
 
-from actor_fixtures import assert_clean, engine_config, prompts, tiny_loaded
+from actor_fixtures import assert_clean, prompts, tiny_loaded
 from trioserve.actors import EngineOverloaded, ModelExecutor, RequestFailed, open_engine
+from trioserve.testing import engine_config
 from trioserve.engine.engine_core import EngineCore
 from trioserve.engine.outputs import RequestOutput
 from trioserve.engine.sampling_params import SamplingParams

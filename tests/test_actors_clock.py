@@ -17,7 +17,7 @@ import pytest
 import trio
 import trio.testing
 
-from actor_fixtures import assert_clean, engine_config, tiny_loaded
+from actor_fixtures import assert_clean, tiny_loaded
 from trioserve.actors import (
     DuplicateRequestError,
     EngineClosed,
@@ -29,6 +29,7 @@ from trioserve.actors import (
 from trioserve.engine.outputs import RequestOutput
 from trioserve.engine.sampling_params import SamplingParams
 from trioserve.engine.sequence import FinishReason
+from trioserve.testing import engine_config
 
 STEP = 0.01  # virtual seconds per step
 
