@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 import attrs
 
 from .kv_batch import KVAllocation, KVBatch, KVBudget, KVCommit, KVResult
+from .validators import positive
 
 # The parent hash of a request's first block. Python's hash of a tuple of
 # ints is 64 bits and does not depend on PYTHONHASHSEED; two different
@@ -53,8 +54,8 @@ class _Holding:
 class BlockManager:
     """A fixed pool of ``num_blocks`` KV blocks of ``block_size`` tokens each."""
 
-    num_blocks: int
-    block_size: int
+    num_blocks: int = attrs.field(validator=positive)
+    block_size: int = attrs.field(validator=positive)
     enable_prefix_caching: bool = attrs.field(default=True, kw_only=True)
     _blocks: list[_Block] = attrs.field(init=False)
     # Insertion order is eviction order: the front is reused first.
@@ -66,10 +67,6 @@ class BlockManager:
     _evictions: int = attrs.field(init=False, default=0)
 
     def __attrs_post_init__(self) -> None:
-        if self.num_blocks <= 0:
-            raise ValueError(f"num_blocks must be > 0, got {self.num_blocks!r}")
-        if self.block_size <= 0:
-            raise ValueError(f"block_size must be > 0, got {self.block_size!r}")
         self._blocks = [_Block(i) for i in range(self.num_blocks)]
         self._free = collections.OrderedDict.fromkeys(range(self.num_blocks))
 

@@ -20,15 +20,7 @@ from __future__ import annotations
 
 import attrs
 
-
-def _non_negative(instance: object, attribute: attrs.Attribute, value: int) -> None:
-    if value < 0:
-        raise ValueError(f"{attribute.name} must be >= 0, got {value!r}")
-
-
-def _positive(instance: object, attribute: attrs.Attribute, value: int) -> None:
-    if value <= 0:
-        raise ValueError(f"{attribute.name} must be > 0, got {value!r}")
+from .validators import non_negative, positive
 
 
 @attrs.frozen
@@ -57,8 +49,8 @@ class KVAllocation:
     """
 
     request_id: str
-    num_computed_tokens: int = attrs.field(validator=_non_negative)
-    num_new_tokens: int = attrs.field(validator=_positive)
+    num_computed_tokens: int = attrs.field(validator=non_negative)
+    num_new_tokens: int = attrs.field(validator=positive)
     token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
 
 

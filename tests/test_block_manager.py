@@ -202,10 +202,6 @@ def test_protocol_errors_are_precise():
         commit(bm, "a", list(range(8)))
     with pytest.raises(ValueError, match="holds no blocks"):
         bm.apply(KVBatch(allocations=[KVAllocation("new", 3, 1, [1, 2, 3, 4])]))
-    with pytest.raises(ValueError, match="num_new_tokens must be > 0"):
-        KVAllocation("a", 0, 0)
-    with pytest.raises(ValueError, match="num_blocks must be > 0"):
-        BlockManager(0, BS)
 
 
 def test_check_invariants_names_the_fault():
