@@ -96,10 +96,12 @@ class BlockManager:
                 admissions_closed = True
             tables.append(table)
             cached.append(num_cached)
-        return KVResult(block_tables=tuple(tables), num_cached_tokens=tuple(cached), budget=self.budget())
+        return KVResult(block_tables=tuple(tables), num_cached_tokens=tuple(cached), budget=self.statistics())
 
-    def budget(self) -> KVBudget:
-        """The pool's state now; the scheduler plans the next step from it."""
+    def statistics(self) -> KVBudget:
+        """The pool's state now: block counts and the prefix-cache counters.
+        Each ``KVResult`` carries it as ``budget``, and the scheduler plans
+        the next step from it."""
         return KVBudget(
             num_blocks=self.num_blocks,
             num_free_blocks=len(self._free),
@@ -108,11 +110,6 @@ class BlockManager:
             prefix_cache_hits=self._hits,
             num_evictions=self._evictions,
         )
-
-    def statistics(self) -> KVBudget:
-        """Same snapshot as ``budget()``: block counts, usage and the
-        prefix-cache counters (queries and hits in tokens, evictions)."""
-        return self.budget()
 
     def block_table(self, request_id: str) -> tuple[int, ...]:
         """The blocks a request holds, in position order (empty if none)."""

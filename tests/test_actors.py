@@ -197,7 +197,7 @@ async def test_200_concurrent_requests_with_cancels_deadlines_and_priorities_all
     assert s.num_finished + s.num_aborted + s.num_deadline_exceeded + s.num_failed + unqueued == 200
     assert s.num_failed == 0 and s.num_preemptions > 0
     assert ended["length"] > 0 and ended["cancelled"] + ended["abort"] > 0 and ended["deadline"] > 0
-    assert stats.allocator.num_free_blocks == stats.allocator.num_blocks
+    assert stats.allocator.kv.num_free_blocks == stats.allocator.kv.num_blocks
 
 
 async def test_a_cancel_landing_while_the_step_runs_is_applied_after_it():
@@ -233,7 +233,7 @@ async def test_a_cancel_landing_while_the_step_runs_is_applied_after_it():
         await trio.testing.wait_all_tasks_blocked()
         stats = engine.statistics()
         assert stats.scheduler.num_aborted == 1 and stats.scheduler.num_finished == 1
-        assert stats.allocator.num_free_blocks == stats.allocator.num_blocks
+        assert stats.allocator.kv.num_free_blocks == stats.allocator.kv.num_blocks
     assert_clean(engine.core)
 
 
@@ -259,7 +259,7 @@ async def test_a_failing_model_step_fails_only_its_requests_and_the_engine_serve
         await trio.testing.wait_all_tasks_blocked()
         stats = engine.statistics()
         assert stats.executor.num_failed_steps == 1 and stats.scheduler.num_failed == 2
-        assert stats.allocator.num_free_blocks == stats.allocator.num_blocks
+        assert stats.allocator.kv.num_free_blocks == stats.allocator.kv.num_blocks
     assert_clean(engine.core)
 
 

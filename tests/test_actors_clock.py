@@ -149,7 +149,7 @@ async def test_deadline_while_running_ends_with_deadline_and_is_counted(autojump
         await trio.sleep(2 * STEP)  # the abort is applied at the next step boundary
         stats = engine.statistics()
         assert stats.scheduler.num_deadline_exceeded == 1
-        assert stats.allocator.num_free_blocks == stats.allocator.num_blocks
+        assert stats.allocator.kv.num_free_blocks == stats.allocator.kv.num_blocks
 
 
 async def test_a_stream_dropped_unclosed_is_aborted_at_the_next_step(autojump_clock):
@@ -164,7 +164,7 @@ async def test_a_stream_dropped_unclosed_is_aborted_at_the_next_step(autojump_cl
         await trio.sleep(3 * STEP)
         stats = engine.statistics()
         assert stats.scheduler.num_aborted == 1
-        assert stats.allocator.num_free_blocks == stats.allocator.num_blocks
+        assert stats.allocator.kv.num_free_blocks == stats.allocator.kv.num_blocks
 
 
 async def test_finished_requests_do_not_pile_up_in_the_deadline_heap(autojump_clock):
