@@ -35,6 +35,7 @@ class SchedulerActorStatistics:
     num_running: int
     num_paused: int  # preempted because their reader fell behind
     num_live: int  # requests the scheduler actor holds (incl. finished, not yet delivered)
+    num_deadlines: int  # entries in its deadline heap, incl. stale ones not yet swept
     num_steps: int
     num_preemptions: int
     num_finished: int  # by a finish reason of the model: stop or length
@@ -58,6 +59,7 @@ class EngineStatistics:
     max_queued_requests: int
     max_queued_tokens: int | None
     num_refused: int  # generate_nowait calls refused with EngineOverloaded
+    num_reserved_ids: int  # request ids in use: a request's actor is open or the scheduler holds it
     # Requests that ended while waiting for room in the queue (never queued):
     num_deadline_unqueued: int  # their deadline passed
     num_cancelled_unqueued: int  # cancelled or aborted

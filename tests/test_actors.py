@@ -190,7 +190,7 @@ async def test_200_concurrent_requests_with_cancels_deadlines_and_priorities_all
             await trio.testing.wait_all_tasks_blocked()
             stats = engine.statistics()
     assert_clean(engine.core)
-    assert not engine._live
+    assert engine.statistics().num_reserved_ids == 0
     s = stats.scheduler
     assert s.num_live == 0 and s.num_waiting == 0 and s.num_running == 0 and s.num_paused == 0
     unqueued = stats.num_deadline_unqueued + stats.num_cancelled_unqueued
