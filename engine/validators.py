@@ -13,7 +13,7 @@ import attrs
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float)
+    return isinstance(value, (int, float))
 
 
 def positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
