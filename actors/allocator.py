@@ -26,7 +26,7 @@ class AllocatorActor:
     def __init__(self, block_manager: BlockManager) -> None:
         self.block_manager = block_manager
         self._num_batches = 0
-        self._budget: KVBudget = block_manager.statistics()
+        self._kv: KVBudget = block_manager.statistics()
 
     async def run(
         self,
@@ -42,19 +42,10 @@ class AllocatorActor:
             async for message in inbox:
                 result = self.block_manager.apply(message.batch)
                 self._num_batches += 1
-                self._budget = result.budget
+                self._kv = result.budget
                 await replies.send(result)
 
     def statistics(self) -> AllocatorStatistics:
         """The pool as of the last batch; published by the actor, read
         without a round trip."""
-        budget = self._budget
-        return AllocatorStatistics(
-            num_blocks=budget.num_blocks,
-            num_free_blocks=budget.num_free_blocks,
-            num_cached_blocks=budget.num_cached_blocks,
-            prefix_cache_queries=budget.prefix_cache_queries,
-            prefix_cache_hits=budget.prefix_cache_hits,
-            num_evictions=budget.num_evictions,
-            num_batches=self._num_batches,
-        )
+        return AllocatorStatistics(kv=self._kv, num_batches=self._num_batches)

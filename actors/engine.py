@@ -301,6 +301,7 @@ class Engine:
             max_queued_requests=self._admission.max_requests,
             max_queued_tokens=self._admission.max_tokens,
             num_refused=self._num_refused,
+            num_reserved_ids=len(self._live),
             num_deadline_unqueued=self._num_deadline_unqueued,
             num_cancelled_unqueued=self._num_cancelled_unqueued,
             scheduler=self._scheduler.statistics(),

@@ -568,6 +568,7 @@ class SchedulerActor:
             num_running=core.num_running,
             num_paused=self._num_paused,
             num_live=len(self._routes),
+            num_deadlines=len(self._deadlines),
             num_steps=self._num_steps,
             num_preemptions=core.num_preemptions,
             num_finished=self._counts["finished"],

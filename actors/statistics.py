@@ -7,30 +7,15 @@ import collections
 
 import attrs
 
+from trioserve.engine.kv_batch import KVBudget
+
 
 @attrs.frozen
 class AllocatorStatistics:
-    """The KV pool as of the allocator's last batch."""
+    """The allocator actor's view: the pool as of its last batch."""
 
-    num_blocks: int
-    num_free_blocks: int
-    num_cached_blocks: int
-    prefix_cache_queries: int  # tokens looked up, cumulative
-    prefix_cache_hits: int  # of those, tokens found
-    num_evictions: int
+    kv: KVBudget
     num_batches: int  # round trips served
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.num_blocks - self.num_free_blocks
-
-    @property
-    def kv_usage(self) -> float:
-        return self.num_used_blocks / self.num_blocks
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 @attrs.frozen
@@ -50,6 +35,7 @@ class SchedulerActorStatistics:
     num_running: int
     num_paused: int  # preempted because their reader fell behind
     num_live: int  # requests the scheduler actor holds (incl. finished, not yet delivered)
+    num_deadlines: int  # entries in its deadline heap, incl. stale ones not yet swept
     num_steps: int
     num_preemptions: int
     num_finished: int  # by a finish reason of the model: stop or length
@@ -73,6 +59,7 @@ class EngineStatistics:
     max_queued_requests: int
     max_queued_tokens: int | None
     num_refused: int  # generate_nowait calls refused with EngineOverloaded
+    num_reserved_ids: int  # request ids in use: a request's actor is open or the scheduler holds it
     # Requests that ended while waiting for room in the queue (never queued):
     num_deadline_unqueued: int  # their deadline passed
     num_cancelled_unqueued: int  # cancelled or aborted
@@ -91,7 +78,7 @@ class EngineStatistics:
 
     @property
     def kv_usage(self) -> float:
-        return self.allocator.kv_usage
+        return self.allocator.kv.usage
 
     @property
     def num_deadline_exceeded(self) -> int:
@@ -100,7 +87,7 @@ class EngineStatistics:
 
     @property
     def prefix_cache_hit_rate(self) -> float:
-        return self.allocator.prefix_cache_hit_rate
+        return self.allocator.kv.prefix_cache_hit_rate
 
     @property
     def generation_tokens_per_s(self) -> float:

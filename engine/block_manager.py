@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 import attrs
 
 from .kv_batch import KVAllocation, KVBatch, KVBudget, KVCommit, KVResult
+from .validators import positive
 
 # The parent hash of a request's first block. Python's hash of a tuple of
 # ints is 64 bits and does not depend on PYTHONHASHSEED; two different
@@ -53,8 +54,8 @@ class _Holding:
 class BlockManager:
     """A fixed pool of ``num_blocks`` KV blocks of ``block_size`` tokens each."""
 
-    num_blocks: int
-    block_size: int
+    num_blocks: int = attrs.field(validator=positive)
+    block_size: int = attrs.field(validator=positive)
     enable_prefix_caching: bool = attrs.field(default=True, kw_only=True)
     _blocks: list[_Block] = attrs.field(init=False)
     # Insertion order is eviction order: the front is reused first.
@@ -66,10 +67,6 @@ class BlockManager:
     _evictions: int = attrs.field(init=False, default=0)
 
     def __attrs_post_init__(self) -> None:
-        if self.num_blocks <= 0:
-            raise ValueError(f"num_blocks must be > 0, got {self.num_blocks!r}")
-        if self.block_size <= 0:
-            raise ValueError(f"block_size must be > 0, got {self.block_size!r}")
         self._blocks = [_Block(i) for i in range(self.num_blocks)]
         self._free = collections.OrderedDict.fromkeys(range(self.num_blocks))
 
@@ -99,10 +96,12 @@ class BlockManager:
                 admissions_closed = True
             tables.append(table)
             cached.append(num_cached)
-        return KVResult(block_tables=tuple(tables), num_cached_tokens=tuple(cached), budget=self.budget())
+        return KVResult(block_tables=tuple(tables), num_cached_tokens=tuple(cached), budget=self.statistics())
 
-    def budget(self) -> KVBudget:
-        """The pool's state now; the scheduler plans the next step from it."""
+    def statistics(self) -> KVBudget:
+        """The pool's state now: block counts and the prefix-cache counters.
+        Each ``KVResult`` carries it as ``budget``, and the scheduler plans
+        the next step from it."""
         return KVBudget(
             num_blocks=self.num_blocks,
             num_free_blocks=len(self._free),
@@ -111,11 +110,6 @@ class BlockManager:
             prefix_cache_hits=self._hits,
             num_evictions=self._evictions,
         )
-
-    def statistics(self) -> KVBudget:
-        """Same snapshot as ``budget()``: block counts, usage and the
-        prefix-cache counters (queries and hits in tokens, evictions)."""
-        return self.budget()
 
     def block_table(self, request_id: str) -> tuple[int, ...]:
         """The blocks a request holds, in position order (empty if none)."""

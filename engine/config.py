@@ -12,6 +12,7 @@ from typing import Any
 import attrs
 
 from .errors import ModelLoadError
+from .validators import optional_positive, positive
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -142,11 +143,6 @@ class ModelConfig:
         )
 
 
-def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if value is not None and value <= 0:
-        raise ValueError(f"{attribute.name} must be > 0, got {value!r}")
-
-
 def _kv_cache_memory(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if value is None:
         return
@@ -171,20 +167,20 @@ class EngineConfig:
     model: str | None = None  # a name, a checkpoint folder or a .gguf file; None is the default model
     dtype: str | None = None  # "float32", "bfloat16" or "float16"; None: float32 on CPU, bfloat16 on CUDA
     device: str | None = None  # "cpu", "cuda", "cuda:1"; None: CUDA when present
-    block_size: int = attrs.field(default=16, validator=_positive)
+    block_size: int = attrs.field(default=16, validator=positive)
     kv_cache_memory: int | float | None = attrs.field(default=None, validator=_kv_cache_memory)
-    max_model_len: int | None = attrs.field(default=None, validator=_positive)
-    max_num_seqs: int = attrs.field(default=64, validator=_positive)
-    max_num_batched_tokens: int = attrs.field(default=2048, validator=_positive)
+    max_model_len: int | None = attrs.field(default=None, validator=optional_positive)
+    max_num_seqs: int = attrs.field(default=64, validator=positive)
+    max_num_batched_tokens: int = attrs.field(default=2048, validator=positive)
     enable_prefix_caching: bool = True
     # Admission bounds (the actors' backpressure): requests waiting to be scheduled.
-    max_queued_requests: int = attrs.field(default=256, validator=_positive)
-    max_queued_tokens: int | None = attrs.field(default=None, validator=_positive)
+    max_queued_requests: int = attrs.field(default=256, validator=positive)
+    max_queued_tokens: int | None = attrs.field(default=None, validator=optional_positive)
     # A waiting request gains one priority level per this many steps, so low
     # priority is delayed, never starved (None: strict priorities).
-    priority_aging_steps: int | None = attrs.field(default=256, validator=_positive)
+    priority_aging_steps: int | None = attrs.field(default=256, validator=optional_positive)
     # Torch threads for the model step; None leaves torch's default.
-    num_threads: int | None = attrs.field(default=None, validator=_positive)
+    num_threads: int | None = attrs.field(default=None, validator=optional_positive)
 
     def resolved_max_model_len(self, model_config: ModelConfig) -> int:
         """The context limit in force: the user's, capped by the model's."""

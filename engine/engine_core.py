@@ -1,9 +1,10 @@
 """EngineCore: the synchronous engine, one step at a time.
 
 It ties the scheduler, the KV pool, the model runner, the sampler and the
-detokenizers together. The trio actors drive the same pieces
-(``schedule`` / ``execute`` / ``process_output``) from separate tasks; this
-facade runs them in a row for offline use and tests.
+detokenizers together. The trio actors drive the same pieces from separate
+tasks (the scheduler's ``propose`` / ``finalize`` around one KV-pool round
+trip, the runner's ``execute``, then ``process_output``); this facade runs
+them in a row for offline use and tests.
 """
 
 from __future__ import annotations

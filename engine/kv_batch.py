@@ -1,8 +1,8 @@
 """The messages between the scheduler and the KV pool: one round trip a step.
 
-The pool (``BlockManager``) will be owned by a cache-allocator actor, so the
-scheduler never calls it method by method. Each step it sends one ``KVBatch``
-and gets one ``KVResult`` back. The pool applies a batch in this order:
+The pool (``BlockManager``) is driven by the cache-allocator actor
+(``trioserve.actors.allocator``), so the scheduler never calls it method by
+method. Each step it sends one ``KVBatch`` and gets one ``KVResult`` back. The pool applies a batch in this order:
 
 1. ``commits``: newly computed full blocks are hashed into the prefix cache.
    They go first so that a request freed in the same batch (finished,
@@ -20,15 +20,7 @@ from __future__ import annotations
 
 import attrs
 
-
-def _non_negative(instance: object, attribute: attrs.Attribute, value: int) -> None:
-    if value < 0:
-        raise ValueError(f"{attribute.name} must be >= 0, got {value!r}")
-
-
-def _positive(instance: object, attribute: attrs.Attribute, value: int) -> None:
-    if value <= 0:
-        raise ValueError(f"{attribute.name} must be > 0, got {value!r}")
+from .validators import non_negative, positive
 
 
 @attrs.frozen
@@ -57,8 +49,8 @@ class KVAllocation:
     """
 
     request_id: str
-    num_computed_tokens: int = attrs.field(validator=_non_negative)
-    num_new_tokens: int = attrs.field(validator=_positive)
+    num_computed_tokens: int = attrs.field(validator=non_negative)
+    num_new_tokens: int = attrs.field(validator=positive)
     token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
 
 
@@ -73,7 +65,8 @@ class KVBatch:
 
 @attrs.frozen
 class KVBudget:
-    """A snapshot of the pool after a batch.
+    """A snapshot of the pool: what ``BlockManager.statistics()`` returns and
+    every ``KVResult`` carries, and what the scheduler plans a step from.
 
     ``num_free_blocks`` counts every block no request holds, including those
     that still hold cached content and would be evicted to be reused. The

@@ -15,6 +15,7 @@ from trioserve.engine.engine_core import EngineCore
 from trioserve.engine.loader import load_model
 from trioserve.engine.sampling_params import SamplingParams
 from trioserve.engine.step_thread import StepThread
+from trioserve.testing import tiny_loaded
 
 WORDS = "the quick brown fox jumps over lazy dogs while seven wizards quietly hex bright amber jugs".split()
 
@@ -78,15 +79,12 @@ def main():
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--tiny", action="store_true", help="the tests' tiny random model (steps of a few ms)")
+    ap.add_argument("--tiny", action="store_true", help="trioserve.testing's tiny random model (steps of a few ms)")
     args = ap.parse_args()
     # Both modes run the model on this one thread, where it was loaded: one
     # OpenMP pool (see trioserve.engine.step_thread).
     step_thread = StepThread(args.threads)
     if args.tiny:
-        import sys
-        sys.path.insert(0, "tests")
-        from actor_fixtures import tiny_loaded
         loaded = step_thread.call(tiny_loaded)
     else:
         loaded = step_thread.call(lambda: load_model(None, dtype="float32", device="cpu"))

@@ -191,7 +191,7 @@ def prompts(num, length, seed=0):
 def run_engine(loaded, ps, out_len, **fields):
     from trioserve.engine.config import EngineConfig
     from trioserve.engine.engine_core import EngineCore
-    from trioserve.web.bench.offline import run_engine as bench_engine
+    from trioserve.bench.offline import run_engine as bench_engine
 
     fields.setdefault("max_model_len", max(len(p) for p in ps) + out_len + 16)
     cores = []

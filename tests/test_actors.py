@@ -12,8 +12,9 @@ import pytest
 import trio
 import trio.testing
 
-from actor_fixtures import assert_clean, engine_config, prompts, tiny_loaded
+from actor_fixtures import assert_clean, prompts, tiny_loaded
 from trioserve.actors import EngineOverloaded, ModelExecutor, RequestFailed, open_engine
+from trioserve.testing import engine_config
 from trioserve.engine.engine_core import EngineCore
 from trioserve.engine.outputs import RequestOutput
 from trioserve.engine.sampling_params import SamplingParams
@@ -189,14 +190,14 @@ async def test_200_concurrent_requests_with_cancels_deadlines_and_priorities_all
             await trio.testing.wait_all_tasks_blocked()
             stats = engine.statistics()
     assert_clean(engine.core)
-    assert not engine._live
+    assert engine.statistics().num_reserved_ids == 0
     s = stats.scheduler
     assert s.num_live == 0 and s.num_waiting == 0 and s.num_running == 0 and s.num_paused == 0
     unqueued = stats.num_deadline_unqueued + stats.num_cancelled_unqueued
     assert s.num_finished + s.num_aborted + s.num_deadline_exceeded + s.num_failed + unqueued == 200
     assert s.num_failed == 0 and s.num_preemptions > 0
     assert ended["length"] > 0 and ended["cancelled"] + ended["abort"] > 0 and ended["deadline"] > 0
-    assert stats.allocator.num_free_blocks == stats.allocator.num_blocks
+    assert stats.allocator.kv.num_free_blocks == stats.allocator.kv.num_blocks
 
 
 async def test_a_cancel_landing_while_the_step_runs_is_applied_after_it():
@@ -232,7 +233,7 @@ async def test_a_cancel_landing_while_the_step_runs_is_applied_after_it():
         await trio.testing.wait_all_tasks_blocked()
         stats = engine.statistics()
         assert stats.scheduler.num_aborted == 1 and stats.scheduler.num_finished == 1
-        assert stats.allocator.num_free_blocks == stats.allocator.num_blocks
+        assert stats.allocator.kv.num_free_blocks == stats.allocator.kv.num_blocks
     assert_clean(engine.core)
 
 
@@ -258,7 +259,7 @@ async def test_a_failing_model_step_fails_only_its_requests_and_the_engine_serve
         await trio.testing.wait_all_tasks_blocked()
         stats = engine.statistics()
         assert stats.executor.num_failed_steps == 1 and stats.scheduler.num_failed == 2
-        assert stats.allocator.num_free_blocks == stats.allocator.num_blocks
+        assert stats.allocator.kv.num_free_blocks == stats.allocator.kv.num_blocks
     assert_clean(engine.core)
 
 

@@ -40,11 +40,11 @@ def test_pause_preempts_a_running_request_and_resume_loses_nothing():
     assert scheduler.pause("p") and not scheduler.pause("p")
     assert paused.status is RequestStatus.PREEMPTED and scheduler.statistics().num_paused == 1
     check(scheduler, bm)
-    free_before = bm.budget().num_free_blocks
+    free_before = bm.statistics().num_free_blocks
     for _ in range(5):
         assert "p" not in ids(step(scheduler, bm, runner))
         check(scheduler, bm)
-    assert bm.block_table("p") == () and bm.budget().num_free_blocks >= free_before  # freed by the next batch
+    assert bm.block_table("p") == () and bm.statistics().num_free_blocks >= free_before  # freed by the next batch
     assert paused.num_output_tokens == 4  # output kept
 
     assert scheduler.resume("p") and not scheduler.resume("p")
@@ -53,7 +53,7 @@ def test_pause_preempts_a_running_request_and_resume_loses_nothing():
     assert chunk.start >= 8  # its committed full blocks came back from the prefix cache
     run_to_completion(scheduler, bm, runner)
     assert paused.output_token_ids == greedy_reference(paused.prompt_token_ids, 12)
-    assert bm.budget().num_free_blocks == 32
+    assert bm.statistics().num_free_blocks == 32
 
 
 def test_a_paused_waiting_request_is_skipped_until_resumed():
@@ -81,7 +81,7 @@ def test_a_paused_request_can_be_aborted_and_frees_everything():
     assert [r.request_id for r in output.finished] == ["x"]
     assert output.finished[0].finish_reason is FinishReason.DEADLINE
     check(scheduler, bm)
-    assert bm.budget().num_free_blocks == 32 and scheduler.statistics().num_paused == 0
+    assert bm.statistics().num_free_blocks == 32 and scheduler.statistics().num_paused == 0
 
 
 def test_pause_refuses_unknown_requests_and_a_batch_in_flight():

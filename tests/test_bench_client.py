@@ -21,12 +21,12 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
 
-from trioserve.web.bench import (
+from trioserve.bench import (
     SLO,
     DatasetError,
     PlotUnavailableError,
     ProgressBar,
-    RequestOutput,
+    RequestMeasurement,
     SampleRequest,
     Target,
     arrival_offsets,
@@ -41,14 +41,14 @@ from trioserve.web.bench import (
     run_benchmark,
     write_plots,
 )
-from trioserve.web.bench.client import SSEParser, build_payload
-from trioserve.web.bench.metrics import (
+from trioserve.bench.client import SSEParser, build_payload
+from trioserve.bench.metrics import (
     PrefixCacheCounters,
     parse_prefix_cache_counters,
     percentile,
     prefix_cache_hit_rate,
 )
-from trioserve.web.bench.plot import LATENCY_CDF_PNG, THROUGHPUT_PNG, require_matplotlib
+from trioserve.bench.plot import LATENCY_CDF_PNG, THROUGHPUT_PNG, require_matplotlib
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -287,7 +287,7 @@ def test_random_dataset_exact_with_default_tokenizer():
 
 def out(ttft, itl, *, tokens=None, prompt_len=10, success=True, error=""):
     itl = tuple(itl)
-    return RequestOutput(
+    return RequestMeasurement(
         success=success,
         prompt_len=prompt_len,
         output_tokens=len(itl) + 1 if tokens is None else tokens,
@@ -638,7 +638,7 @@ async def test_all_failed_run_exits_1(fake, tmp_path, tiny_tokenizer_path, capsy
 
 def test_plots_need_matplotlib(monkeypatch, tmp_path):
     run_outputs = (out(0.1, [0.1]), out(0.2, [0.1]))
-    from trioserve.web.bench import RunResult
+    from trioserve.bench import RunResult
 
     runs = [RunResult(run_outputs, 1.0, None, math.inf, 1.0, None)]
     assert write_plots(tmp_path, runs) == [tmp_path / LATENCY_CDF_PNG]  # unbounded: no throughput axis

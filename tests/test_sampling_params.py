@@ -66,22 +66,26 @@ def test_invalid_request_error_is_a_value_error():
 
 
 @pytest.mark.parametrize(
-    "kwargs",
+    ("kwargs", "expected"),
     [
-        {},
-        {"temperature": 0.0},
-        {"top_p": 1.0, "top_k": -1, "min_p": 1.0},
-        {"presence_penalty": -2.0, "frequency_penalty": 2.0, "repetition_penalty": 1.3},
-        {"max_tokens": None, "min_tokens": 100},
-        {"max_tokens": 1, "min_tokens": 1},
-        {"logprobs": 0},
-        {"logprobs": 20},
-        {"logit_bias": {"7": -100, 3: 100}},
-        {"seed": -(2**63)},
+        ({}, {"n": 1, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_tokens": 16, "min_tokens": 0, "logprobs": None}),
+        ({"temperature": 0.0}, {"temperature": 0.0, "greedy": True}),
+        ({"top_p": 1.0, "top_k": -1, "min_p": 1.0}, {"top_p": 1.0, "top_k": -1, "min_p": 1.0}),
+        (
+            {"presence_penalty": -2.0, "frequency_penalty": 2.0, "repetition_penalty": 1.3},
+            {"presence_penalty": -2.0, "frequency_penalty": 2.0, "repetition_penalty": 1.3},
+        ),
+        ({"max_tokens": None, "min_tokens": 100}, {"max_tokens": None, "min_tokens": 100}),
+        ({"max_tokens": 1, "min_tokens": 1}, {"max_tokens": 1, "min_tokens": 1}),
+        ({"logprobs": 0}, {"logprobs": 0}),
+        ({"logprobs": 20}, {"logprobs": 20}),
+        ({"logit_bias": {"7": -100, 3: 100}}, {"logit_bias": ((3, 100.0), (7, -100.0))}),
+        ({"seed": -(2**63)}, {"seed": -(2**63)}),
     ],
 )
-def test_good_values_are_accepted(kwargs):
-    SamplingParams(**kwargs)
+def test_good_values_are_kept(kwargs, expected):
+    params = SamplingParams(**kwargs)
+    assert {name: getattr(params, name) for name in expected} == expected
 
 
 def test_conversions():
@@ -110,5 +114,10 @@ def test_validate_for_vocab_rejects_unknown_token_ids(kwargs, field):
     assert "100" in str(info.value)
 
 
-def test_validate_for_vocab_accepts_known_token_ids():
-    SamplingParams(logit_bias={0: 1.0, 99: -1.0}, stop_token_ids=[0, 99]).validate_for_vocab(100)
+def test_validate_for_vocab_bounds_are_exact():
+    # Ids 0 and 99 fit a vocabulary of 100; 99 is one past a vocabulary of 99.
+    params = SamplingParams(logit_bias={0: 1.0, 99: -1.0}, stop_token_ids=[0, 99])
+    assert params.validate_for_vocab(100) is None
+    with pytest.raises(InvalidRequestError, match="token id 99 outside the vocabulary") as info:
+        params.validate_for_vocab(99)
+    assert info.value.field == "logit_bias"

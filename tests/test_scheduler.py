@@ -51,7 +51,7 @@ def test_budgets_are_respected_every_step():
         assert 0 < len(output.chunks) <= 3
         assert len(chunk_sizes(output)) == len(output.chunks)  # one chunk per request
     assert max(o.num_batched_tokens for o in outputs) == 10
-    assert bm.budget().num_free_blocks == 40
+    assert bm.statistics().num_free_blocks == 40
 
 
 def test_chunked_prefill_mixes_with_decode_in_one_step():
@@ -100,7 +100,7 @@ def _fill_pool(priorities: list[int]) -> tuple[Scheduler, object, FakeRunner]:
         scheduler.add_request(make_request(f"r{i}", prompt_len=7, max_tokens=8, priority=priority))
     step(scheduler, bm, runner)
     step(scheduler, bm, runner)
-    assert bm.budget().num_free_blocks == 0 and scheduler.num_running == 3
+    assert bm.statistics().num_free_blocks == 0 and scheduler.num_running == 3
     return scheduler, bm, runner
 
 
@@ -144,7 +144,7 @@ def test_preempted_requests_resume_and_their_greedy_output_is_unchanged():
     tight, tight_scheduler, tight_bm = run(num_blocks=12)
     assert roomy_scheduler.statistics().num_preemptions == 0
     assert tight_scheduler.statistics().num_preemptions > 0
-    assert tight_bm.budget().prefix_cache_hits > 0  # resumed through the cache
+    assert tight_bm.statistics().prefix_cache_hits > 0  # resumed through the cache
     assert tight == roomy
     assert all(len(out) == 14 for out in tight.values())
 
@@ -160,7 +160,7 @@ def test_one_request_needing_the_whole_pool_completes_beside_others():
     assert whole.finish_reason is FinishReason.LENGTH and whole.num_tokens == 32
     assert whole.output_token_ids == reference_output(whole, max_context_len=32, vocab_size=1000)
     bm.check_invariants({})
-    assert bm.budget().num_free_blocks == 8
+    assert bm.statistics().num_free_blocks == 8
 
 
 def test_admission_refuses_prompts_that_cannot_fit():
@@ -200,14 +200,14 @@ def test_abort_frees_everything_at_once():
     scheduler.add_request(make_request("c", prompt_len=6, max_tokens=10))
     step(scheduler, bm, runner)
     held_by_a = len(scheduler.get_request("a").block_ids)
-    free_before = bm.budget().num_free_blocks
+    free_before = bm.statistics().num_free_blocks
 
     assert scheduler.abort("a") is True
     assert scheduler.abort("a") is False
     assert scheduler.abort("nobody") is False
     finished = scheduler.free_finished(bm)
     assert [r.request_id for r in finished] == ["a"] and finished[0].finish_reason is FinishReason.ABORT
-    assert bm.budget().num_free_blocks == free_before + held_by_a
+    assert bm.statistics().num_free_blocks == free_before + held_by_a
     bm.check_invariants(scheduler.block_holders())
     scheduler.check_invariants()
 
@@ -235,7 +235,7 @@ def test_abort_while_a_batch_is_in_flight():
     bm.check_invariants(scheduler.block_holders())
     run_to_completion(scheduler, bm, runner)
     bm.check_invariants({})
-    assert bm.budget().num_free_blocks == 16
+    assert bm.statistics().num_free_blocks == 16
 
 
 def test_finish_request_from_outside():
@@ -248,7 +248,7 @@ def test_finish_request_from_outside():
     assert scheduler.finish_request("a", FinishReason.ERROR) is None
     assert not scheduler.has_unfinished() and scheduler.get_request("a") is None
     scheduler.free_finished(bm)
-    assert bm.budget().num_free_blocks == bm.num_blocks
+    assert bm.statistics().num_free_blocks == bm.num_blocks
 
 
 @pytest.mark.parametrize(
@@ -418,7 +418,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         event(f"prefix hits: {stats.kv.prefix_cache_hits > 0}")
         event(f"evictions: {stats.kv.num_evictions > 0}")
         self.bm.check_invariants({})
-        assert self.bm.budget().num_free_blocks == self.bm.num_blocks
+        assert self.bm.statistics().num_free_blocks == self.bm.num_blocks
         for request in self.requests:
             assert request.is_finished and request.finish_reason is not None
             if request.request_id not in self.stopped_from_outside:

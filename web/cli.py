@@ -239,8 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     build_serve_parser(serve)
     serve.set_defaults(func=cmd_serve)
 
-    from trioserve.web.bench.cli import add_bench_serve_parser
-    from trioserve.web.bench.offline import add_bench_offline_parser
+    from trioserve.bench.cli import add_bench_serve_parser
+    from trioserve.bench.offline import add_bench_offline_parser
 
     bench = commands.add_parser("bench", help="benchmarks: a running server, or the engine offline")
     bench_commands = bench.add_subparsers(dest="bench_command", required=True)

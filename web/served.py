@@ -35,8 +35,8 @@ class MetricsStatistics:
             # Admitted but not scheduled yet, plus still in the admission queue.
             num_waiting=stats.num_waiting + stats.num_queued,
             kv_cache_usage=stats.kv_usage,
-            prefix_cache_queries=stats.allocator.prefix_cache_queries,
-            prefix_cache_hits=stats.allocator.prefix_cache_hits,
+            prefix_cache_queries=stats.allocator.kv.prefix_cache_queries,
+            prefix_cache_hits=stats.allocator.kv.prefix_cache_hits,
             num_preemptions=stats.scheduler.num_preemptions,
             prompt_tokens=stats.scheduler.total_prompt_tokens,
             generation_tokens=stats.scheduler.total_generation_tokens,

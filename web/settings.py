@@ -20,6 +20,7 @@ import attrs
 
 from trioserve.engine.config import EngineConfig
 from trioserve.engine.loader import DEFAULT_MODEL_NAME
+from trioserve.engine.validators import optional_positive, positive
 
 DEFAULT_MAX_BODY_SIZE = 1 << 20
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
@@ -60,11 +61,6 @@ class ModelSpec:
         return cls(source.stem if source.is_file() else source.resolve().name, path)
 
 
-def _positive(instance: object, attribute: attrs.Attribute, value: float | None) -> None:
-    if value is not None and not value > 0:
-        raise ValueError(f"{attribute.name} must be > 0, got {value!r}")
-
-
 def _unique_names(instance: object, attribute: attrs.Attribute, value: tuple[ModelSpec, ...]) -> None:
     if not value:
         raise ValueError("models must name at least one model")
@@ -99,13 +95,13 @@ class ServerConfig:
         default=(ModelSpec(DEFAULT_MODEL_NAME, None),), converter=tuple, validator=_unique_names
     )
     api_key: str | None = None
-    max_request_time: float | None = attrs.field(default=None, validator=_positive)
-    shutdown_timeout: float = attrs.field(default=DEFAULT_SHUTDOWN_TIMEOUT, validator=_positive)
-    max_body_size: int = attrs.field(default=DEFAULT_MAX_BODY_SIZE, validator=_positive)
-    keep_alive_timeout: float = attrs.field(default=DEFAULT_KEEP_ALIVE_TIMEOUT, validator=_positive)
-    body_timeout: float = attrs.field(default=DEFAULT_BODY_TIMEOUT, validator=_positive)
-    send_timeout: float = attrs.field(default=DEFAULT_SEND_TIMEOUT, validator=_positive)
-    max_connections: int | None = attrs.field(default=None, validator=_positive)
+    max_request_time: float | None = attrs.field(default=None, validator=optional_positive)
+    shutdown_timeout: float = attrs.field(default=DEFAULT_SHUTDOWN_TIMEOUT, validator=positive)
+    max_body_size: int = attrs.field(default=DEFAULT_MAX_BODY_SIZE, validator=positive)
+    keep_alive_timeout: float = attrs.field(default=DEFAULT_KEEP_ALIVE_TIMEOUT, validator=positive)
+    body_timeout: float = attrs.field(default=DEFAULT_BODY_TIMEOUT, validator=positive)
+    send_timeout: float = attrs.field(default=DEFAULT_SEND_TIMEOUT, validator=positive)
+    max_connections: int | None = attrs.field(default=None, validator=optional_positive)
     log_requests: bool = False
 
     @property

@@ -6,7 +6,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import TextIO
 
-from .client import RequestOutput, RunResult
+from .client import RequestMeasurement, RunResult
 from .metrics import BenchmarkMetrics, Distribution
 
 _LATENCIES = (
@@ -56,7 +56,7 @@ def result_json(
             result[f"{stat}_{key}_ms"] = None if dist is None else getattr(dist, attr)
     result["errors"] = dict(metrics.errors)
     if detailed:
-        outs: Sequence[RequestOutput] = run.outputs
+        outs: Sequence[RequestMeasurement] = run.outputs
         result.update(
             input_lens=[o.prompt_len for o in outs],
             output_lens=[o.output_tokens for o in outs],
@@ -141,7 +141,7 @@ class ProgressBar:
         self._label = label
         self._width = width
 
-    def __call__(self, output: RequestOutput) -> None:
+    def __call__(self, output: RequestMeasurement) -> None:
         """Count one finished request and redraw."""
         self.done += 1
         self.failed += not output.success

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 if TYPE_CHECKING:
-    from .client import RequestOutput
+    from .client import RequestMeasurement
 
 PERCENTILES = (50, 90, 99)
 
@@ -128,7 +128,7 @@ class BenchmarkMetrics:
     errors: dict[str, int] = attrs.field(factory=dict)
 
 
-def tpot_of(output: RequestOutput) -> float | None:
+def tpot_of(output: RequestMeasurement) -> float | None:
     """Mean time per output token after the first; ``None`` for one token."""
     if output.output_tokens <= 1:
         return None
@@ -143,7 +143,7 @@ def _per_second(count: float, duration_s: float) -> float:
 
 
 def calculate_metrics(
-    outputs: Sequence[RequestOutput],
+    outputs: Sequence[RequestMeasurement],
     duration_s: float,
     slo: SLO | None = None,
     prefix_cache_hit_rate: float | None = None,

@@ -57,9 +57,10 @@ class Target:
 
 
 @attrs.frozen
-class RequestOutput:
-    """What one request did. Times are in seconds; ``start_time`` is on
-    trio's clock."""
+class RequestMeasurement:
+    """What the client measured of one request: whether it succeeded, its
+    lengths and timings. Times are in seconds; ``start_time`` is on trio's
+    clock."""
 
     success: bool
     prompt_len: int
@@ -165,11 +166,11 @@ class _Recorder:
             self.last = now
             self.texts.append(text)
 
-    def output(self, sample: SampleRequest) -> RequestOutput:
+    def output(self, sample: SampleRequest) -> RequestMeasurement:
         if not self.texts:
             error = "no token in the response stream"
-            return RequestOutput(False, sample.prompt_len, start_time=self.start, error=error)
-        return RequestOutput(
+            return RequestMeasurement(False, sample.prompt_len, start_time=self.start, error=error)
+        return RequestMeasurement(
             success=True,
             prompt_len=self.usage.get("prompt_tokens") or sample.prompt_len,
             output_tokens=self.usage.get("completion_tokens") or len(self.texts),
@@ -181,14 +182,14 @@ class _Recorder:
         )
 
 
-async def _stream(client: httpx.AsyncClient, target: Target, sample: SampleRequest) -> RequestOutput:
+async def _stream(client: httpx.AsyncClient, target: Target, sample: SampleRequest) -> RequestMeasurement:
     recorder = _Recorder(trio.current_time(), target.chat)
     parser = SSEParser()
     async with client.stream("POST", target.url, json=build_payload(target, sample), headers=target.headers()) as r:
         if r.status_code != 200:
             body = (await r.aread()).decode("utf-8", errors="replace").strip()
             error = f"HTTP {r.status_code}: {body[:300]}"
-            return RequestOutput(False, sample.prompt_len, start_time=recorder.start, error=error)
+            return RequestMeasurement(False, sample.prompt_len, start_time=recorder.start, error=error)
         async for chunk in r.aiter_bytes():
             now = trio.current_time()
             for payload in parser.feed(chunk):
@@ -198,7 +199,7 @@ async def _stream(client: httpx.AsyncClient, target: Target, sample: SampleReque
     return recorder.output(sample)
 
 
-async def send_request(client: httpx.AsyncClient, target: Target, sample: SampleRequest) -> RequestOutput:
+async def send_request(client: httpx.AsyncClient, target: Target, sample: SampleRequest) -> RequestMeasurement:
     """Send one streamed request and time it; never raises for a failed
     request, which comes back with ``success=False`` and the error text."""
     start = trio.current_time()
@@ -209,7 +210,7 @@ async def send_request(client: httpx.AsyncClient, target: Target, sample: Sample
         error = f"timed out after {target.request_timeout:g} s"
     except (httpx.HTTPError, _StreamError) as exc:
         error = f"{type(exc).__name__}: {exc}"
-    return RequestOutput(False, sample.prompt_len, start_time=start, error=error)
+    return RequestMeasurement(False, sample.prompt_len, start_time=start, error=error)
 
 
 def open_client(target: Target, max_concurrency: int | None) -> httpx.AsyncClient:
@@ -248,7 +249,7 @@ async def fetch_metrics_text(client: httpx.AsyncClient, base_url: str) -> str | 
 class RunResult:
     """The outputs of one timed run, in dataset order, and how it was loaded."""
 
-    outputs: tuple[RequestOutput, ...]
+    outputs: tuple[RequestMeasurement, ...]
     duration_s: float
     max_concurrency: int | None
     request_rate: float
@@ -291,9 +292,9 @@ async def _send_all(
     samples: Sequence[SampleRequest],
     offsets: Sequence[float],
     limiter: trio.CapacityLimiter | None,
-    on_done: Callable[[RequestOutput], None] | None,
-) -> list[RequestOutput]:
-    outputs: list[RequestOutput | None] = [None] * len(samples)
+    on_done: Callable[[RequestMeasurement], None] | None,
+) -> list[RequestMeasurement]:
+    outputs: list[RequestMeasurement | None] = [None] * len(samples)
 
     async def one(i: int) -> None:
         # Timing starts once the limiter admits the request, as in vLLM: time
@@ -328,7 +329,7 @@ async def run_benchmark(
     burstiness: float = 1.0,
     seed: int = 0,
     warmups: Sequence[SampleRequest] = (),
-    on_done: Callable[[RequestOutput], None] | None = None,
+    on_done: Callable[[RequestMeasurement], None] | None = None,
 ) -> RunResult:
     """Send ``samples`` at the given rate with at most ``max_concurrency`` in
     flight, after ``warmups`` (sent unpaced, and left out of the result).

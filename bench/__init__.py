@@ -1,13 +1,17 @@
-"""``trioserve bench serve``: a benchmark client for OpenAI-compatible servers.
+"""``trioserve bench``: benchmarks of a running server and of the engine.
 
-It streams ``/v1/completions`` (or ``/v1/chat/completions``) requests from a
-random, prefix-sharing or file dataset, under a concurrency limit and a
-Poisson arrival rate, and reports throughput, TTFT, TPOT, ITL, E2E latency,
-goodput and prefix-cache reuse with vLLM's ``benchmark_serving`` definitions.
+``bench serve`` (the names exported here) streams ``/v1/completions`` (or
+``/v1/chat/completions``) requests from a random, prefix-sharing or file
+dataset, under a concurrency limit and a Poisson arrival rate, and reports
+throughput, TTFT, TPOT, ITL, E2E latency, goodput and prefix-cache reuse
+with vLLM's ``benchmark_serving`` definitions. It imports nothing from
+``trioserve.web``: any OpenAI-compatible server will do. ``bench offline``
+(``trioserve.bench.offline``) runs the engine core against transformers
+``generate`` in one process.
 """
 
 from .cli import add_bench_serve_parser, bench_serve, run_bench_serve
-from .client import RequestOutput, RunResult, ServerError, Target, arrival_offsets, run_benchmark, send_request
+from .client import RequestMeasurement, RunResult, ServerError, Target, arrival_offsets, run_benchmark, send_request
 from .datasets import DatasetError, SampleRequest, file_dataset, load_tokenizer, prefix_dataset, random_dataset
 from .metrics import SLO, BenchmarkMetrics, Distribution, calculate_metrics
 from .plot import PlotUnavailableError, write_plots
@@ -20,7 +24,7 @@ __all__ = [
     "Distribution",
     "PlotUnavailableError",
     "ProgressBar",
-    "RequestOutput",
+    "RequestMeasurement",
     "RunResult",
     "SampleRequest",
     "ServerError",

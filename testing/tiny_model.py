@@ -1,0 +1,101 @@
+"""A tiny random-weight Llama with the default model's real tokenizer, and
+engine configs sized for it: steps of a few milliseconds, real token ids.
+
+The tokenizer is read from the default model's GGUF file once per process
+(a few seconds) and the model is built once per device; both are cached
+with ``functools.cache``, so every caller in a process shares them.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from trioserve.engine.config import EngineConfig, ModelConfig, RopeScaling
+from trioserve.engine.kv_cache import kv_bytes_per_block
+from trioserve.engine.loader import LoadedModel, default_model_path
+from trioserve.engine.model import LlamaForCausalLM
+
+VOCAB_SIZE = 49152  # the default model's, so its tokenizer fits
+BLOCK_SIZE = 16
+
+
+@functools.cache
+def tokenizer() -> Any:
+    """The default model's tokenizer (SmolLM2-135M), read from its GGUF file."""
+    from transformers import AutoTokenizer
+
+    path = default_model_path()
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+def tiny_model_config() -> ModelConfig:
+    """2 layers, 64 wide, 4 query and 2 KV heads, the default model's vocabulary."""
+    tok = tokenizer()
+    return ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        rope_scaling=RopeScaling(),
+        tie_word_embeddings=True,
+        attention_bias=False,
+        bos_token_id=tok.bos_token_id,
+        eos_token_ids=(tok.eos_token_id,),
+    )
+
+
+def tiny_loaded(device: str | torch.device = "cpu") -> LoadedModel:
+    """The tiny model, float32 on ``device``, with seeded random weights
+    whose logits are peaked enough that greedy choices do not hinge on float
+    rounding. The weights are drawn on CPU, so they are the same on every
+    device. Built once per device and shared."""
+    return _tiny_loaded(torch.device(device))
+
+
+@functools.cache
+def _tiny_loaded(device: torch.device) -> LoadedModel:
+    config = tiny_model_config()
+    model = LlamaForCausalLM(config, dtype=torch.float32, device=device)
+    generator = torch.Generator().manual_seed(1234)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.fill_(1.0)  # RMSNorm weights
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+    model.eval()
+    return LoadedModel(
+        model=model,
+        model_config=config,
+        tokenizer=tokenizer(),
+        name="tiny-random-llama",
+        path=default_model_path().parent,
+        dtype=torch.float32,
+        device=device,
+    )
+
+
+def engine_config(*, num_blocks: int | None = None, **overrides: Any) -> EngineConfig:
+    """A small engine config for the tiny model; ``num_blocks`` sizes the KV
+    pool exactly, ``overrides`` set any other field."""
+    fields: dict[str, Any] = dict(
+        block_size=BLOCK_SIZE,
+        max_model_len=256,
+        max_num_seqs=16,
+        max_num_batched_tokens=256,
+        max_queued_requests=64,
+    )
+    if num_blocks is not None:
+        fields["kv_cache_memory"] = num_blocks * kv_bytes_per_block(tiny_model_config(), BLOCK_SIZE, torch.float32)
+    fields.update(overrides)
+    return EngineConfig(**fields)
