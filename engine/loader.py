@@ -200,7 +200,9 @@ def load_model(
         raise tokenizer_error
     tokenizer = tokenizer_future.result()
     eos = eos_token_ids(tokenizer, model_config.eos_token_ids, folder)
-    logger.info("%s: %s", name, loaded.projection_choice)
+    choice = loaded.projection_choice
+    # A fallback is a warning: the user asked for a dtype this CPU runs slowly.
+    logger.log(logging.WARNING if choice.fallback else logging.INFO, "%s: %s", name, choice)
     return LoadedModel(
         model=loaded,
         model_config=attrs.evolve(model_config, eos_token_ids=eos),

@@ -47,18 +47,21 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Pa
 @attrs.frozen
 class ProjectionChoice:
     """How a model runs its projections, and why: shown at startup, in the
-    load log and in ``/version``."""
+    load log and in ``/version``. ``fallback``: the packed path would have
+    been taken, but this CPU (or ``TRIOSERVE_CPU_ASSUME``) lacks it."""
 
     device: str
     dtype: str
     packed: bool
     reason: str
+    fallback: bool = False
 
     def as_json(self) -> dict[str, object]:
         return {
             "device": self.device,
             "dtype": self.dtype,
             "projections": "packed" if self.packed else "plain",
+            "fallback": self.fallback,
             "reason": self.reason,
         }
 
@@ -103,7 +106,12 @@ def choose_projections(
             f"pack_weights=True, but {status.reason}; on this CPU run {dtype_name(dtype)} unpacked "
             f"(pack_weights=None picks what works)"
         )
-    return ProjectionChoice(**where, packed=False, reason=f"{status.reason}; F.linear on the plain weights instead")
+    reason = f"{status.reason}; F.linear on the plain weights instead"
+    if dtype == torch.bfloat16:
+        # Measured (docs/architecture.md, "CPU paths"): without oneDNN's
+        # bfloat16 kernels torch's bfloat16 matmul is 6-13x slower than float32's.
+        reason += " (in bfloat16 several times slower than float32 on such a CPU)"
+    return ProjectionChoice(**where, packed=False, reason=reason, fallback=True)
 
 
 @attrs.frozen

@@ -373,6 +373,7 @@ def test_bfloat16_packed_and_plain_agree_and_track_float32(tmp_path, cpu_paths):
         # This CPU (or the forced switch) lacks the packed path: the model
         # fell back to plain and says why; insisting on packing is one clear error.
         assert model.projection_choice.reason.startswith(cpu_paths.status("onednn_packed_bfloat16").reason)
+        assert model.projection_choice.fallback
         assert "F.linear on the plain weights instead" in model.projection_choice.reason
         with pytest.raises(CpuCapabilityError, match="pack_weights=True, but oneDNN packed bfloat16 weights"):
             LlamaForCausalLM(config, dtype=torch.bfloat16, pack_weights=True)
