@@ -11,17 +11,27 @@ reason ``DEADLINE`` and frees its KV blocks.
 A client that goes away cancels the handler (quart-trio cancels it when the
 ASGI server reports the disconnect); closing the request's stream then sends
 the engine its ``Abort``.
+
+Overload control may drop a queued request before any compute (a queue
+timeout: 503; shed for a higher priority: 429). With ``max_queue_time`` set,
+a streamed response's status waits for the request's first output, so such a
+request gets its status like a non-streamed one; a stream already started
+ends each completion with finish reason ``queue_timeout`` or ``shed``.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import trio
 from quart import Response, g, request
 
 from trioserve.actors.engine import RequestStream
+from trioserve.actors.errors import RequestDropped
+from trioserve.actors.request import final_output
+from trioserve.engine.outputs import RequestOutput
 
 from .body import request_json
 from .errors import ApiError, RequestTimeout, from_exception
@@ -39,7 +49,7 @@ TIMEOUT_HEADER = "X-Request-Timeout"
 def translate(exc: Exception) -> ApiError:
     """The API error for an exception of the engine or the actors."""
     error = from_exception(exc)
-    if error.status >= 500:
+    if error.status >= 500 and error.status != 503:  # 503s are overload or shutdown, not faults
         log.error("request failed: %s: %s", type(exc).__name__, exc)
     return error
 
@@ -69,13 +79,16 @@ async def _generate(kind: type[CompletionRequest] | type[ChatCompletionRequest],
             deadline=None if timeout is None else arrival + timeout,
         )
     except Exception as exc:
-        raise translate(exc) from None
+        raise _refusal(translate(exc), chat) from None
     texts = served.texts if parsed.params.logprobs is not None else None
     if parsed.stream:
+        first = None
+        if served.engine.config.max_queue_time is not None:
+            first = await _first_output(stream, served, parsed.params.n)
         builder_kind = ChatCompletionStream if chat else CompletionStream
         builder = builder_kind(served.name, texts=texts, include_usage=parsed.include_usage)
         response = Response(
-            _sse_body(stream, builder, served, parsed.params.n),
+            _sse_body(stream, builder, served, parsed.params.n, first),
             content_type="text/event-stream; charset=utf-8",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -98,17 +111,63 @@ async def _generate(kind: type[CompletionRequest] | type[ChatCompletionRequest],
     return json_response(body)
 
 
+def _refusal(error: ApiError, chat: bool) -> ApiError:
+    if chat and error.param == "logprobs":
+        error.param = "top_logprobs"  # the chat API's name for the engine's logprobs count
+    return error
+
+
+async def _first_output(stream: RequestStream, served: ServedModel, n: int) -> RequestOutput | None:
+    """Wait for a streamed request's first output before its status goes
+    out, so that a drop in the queues answers 503/429 (bounded by
+    ``max_queue_time`` plus one prefill)."""
+    try:
+        output = await stream.__anext__()
+    except StopAsyncIteration:
+        return None
+    except Exception as exc:
+        served.metrics.forget(stream.request_id)
+        raise translate(exc) from None
+    except BaseException:
+        served.metrics.forget(stream.request_id)  # the stream closed itself
+        raise
+    served.observe(output, n)
+    return output
+
+
 async def _sse_body(
-    stream: RequestStream, builder: CompletionStream | ChatCompletionStream, served: ServedModel, n: int
+    stream: RequestStream,
+    builder: CompletionStream | ChatCompletionStream,
+    served: ServedModel,
+    n: int,
+    first: RequestOutput | None = None,
 ) -> AsyncIterator[bytes]:
-    """The response body of a streamed request. Holds no cancel scope or
-    nursery across a ``yield``: the deadline lives in the engine."""
+    """The response body of a streamed request (``first``: its first output,
+    already taken and observed). Holds no cancel scope or nursery across a
+    ``yield``: the deadline lives in the engine."""
     try:
         try:
+            if first is not None and (chunks := builder.chunks(first)):
+                yield sse_events(chunks)
             async for output in stream:
                 served.observe(output, n)
                 if chunks := builder.chunks(output):
                     yield sse_events(chunks)
+        except RequestDropped as exc:
+            # Dropped before any compute, after the status (200) went out:
+            # each completion ends with the drop's own finish reason.
+            for index in range(n):
+                output = final_output(
+                    stream.request_id,
+                    index,
+                    exc.finish_reason,
+                    num_prompt_tokens=exc.num_prompt_tokens,
+                    arrival_time=time.monotonic(),
+                )
+                if chunks := builder.chunks(output):
+                    yield sse_events(chunks)
+            if chunks := builder.final_chunks():
+                yield sse_events(chunks)
         except Exception as exc:
             # The status (200) is sent already: say it in the stream.
             yield sse_error(translate(exc))
