@@ -10,9 +10,25 @@ backpressure, deadlines, cancellation, priorities and faults.
 """
 
 from .engine import Engine, RequestStream, open_engine
-from .errors import DuplicateRequestError, EngineClosed, EngineError, EngineOverloaded, RequestFailed
+from .errors import (
+    DuplicateRequestError,
+    EngineClosed,
+    EngineError,
+    EngineOverloaded,
+    ExpensiveRequestRefused,
+    QueueTimeout,
+    RequestDropped,
+    RequestFailed,
+    RequestShed,
+)
 from .executor import Executor, FakeExecutor, ModelExecutor
-from .statistics import AllocatorStatistics, EngineStatistics, ExecutorStatistics, SchedulerActorStatistics
+from .statistics import (
+    AllocatorStatistics,
+    EngineStatistics,
+    ExecutorStatistics,
+    OverloadStatistics,
+    SchedulerActorStatistics,
+)
 
 __all__ = [
     "AllocatorStatistics",
@@ -24,9 +40,14 @@ __all__ = [
     "EngineStatistics",
     "Executor",
     "ExecutorStatistics",
+    "ExpensiveRequestRefused",
     "FakeExecutor",
     "ModelExecutor",
+    "OverloadStatistics",
+    "QueueTimeout",
+    "RequestDropped",
     "RequestFailed",
+    "RequestShed",
     "RequestStream",
     "SchedulerActorStatistics",
     "open_engine",

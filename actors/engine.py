@@ -32,14 +32,17 @@ from trioserve.engine.sampling_params import SamplingParams
 from trioserve.engine.sequence import FinishReason
 from trioserve.engine.step_thread import StepThread
 
+from .admission import AdmissionQueue
 from .allocator import AllocatorActor
-from .errors import DuplicateRequestError, EngineClosed
+from .concurrency import AdaptiveConcurrency
+from .degradation import Degradation
+from .errors import DuplicateRequestError, EngineClosed, EngineOverloaded
 from .executor import Executor, ModelExecutor
-from .messages import AbortAll, StepDone, StepFailed
+from .messages import AbortAll, AddRequest, StepDone, StepFailed
 from .request import RequestActor
-from .scheduler import AdmissionQueue, SchedulerActor
+from .scheduler import SchedulerActor
 from .step_calls import run_in_step_thread
-from .statistics import EngineStatistics
+from .statistics import EngineStatistics, OverloadStatistics
 
 DEFAULT_MAX_BUFFERED_OUTPUTS = 64
 
@@ -128,6 +131,8 @@ class Engine:
         self._num_refused = 0
         self._num_deadline_unqueued = 0
         self._num_cancelled_unqueued = 0
+        self._num_queue_timeouts_unqueued = 0
+        self._degradation = Degradation(core.config.degradation)
 
     # -- facts the web layer needs ------------------------------------------------
 
@@ -176,7 +181,12 @@ class Engine:
         Leaving the loop early, or a cancel, aborts the request. Raises
         ``InvalidRequestError`` (also ``DuplicateRequestError``,
         ``RequestTooLongError``), ``RequestFailed`` if its model step
-        failed, ``EngineClosed`` once the engine stops taking requests.
+        failed, ``EngineClosed`` once the engine stops taking requests,
+        ``QueueTimeout`` if it waited longer than ``max_queue_time`` before
+        any compute and ``RequestShed`` if a request of higher priority took
+        its place in the queue (both before any output). Under pressure a
+        low-priority request may get a smaller ``max_tokens``
+        (``DegradationPolicy``).
         """
         request = self._new_request(prompt, params, request_id, priority, deadline, timeout, final_only)
         try:
@@ -198,12 +208,19 @@ class Engine:
         final_only: bool = False,
     ) -> RequestStream:
         """Like ``generate``, but queue the request now or raise
-        ``EngineOverloaded`` (with ``retry_after``) at once."""
+        ``EngineOverloaded`` (with ``retry_after``) at once. When the queue
+        is full, a request displaces a queued one of strictly lower priority
+        instead of being refused; under pressure ``n > 1`` and many top
+        logprobs are refused first (``ExpensiveRequestRefused``); see
+        ``DegradationPolicy``."""
         request = self._new_request(prompt, params, request_id, priority, deadline, timeout, final_only)
         try:
+            self._degradation.check_expensive(request.params, self._admission.pressure, self._retry_after())
             request.submit_nowait()
-        except BaseException:
+        except BaseException as exc:
             request.close()
+            if isinstance(exc, EngineOverloaded):
+                self._num_refused += 1
             raise
         return RequestStream(request, self._orphans)
 
@@ -230,6 +247,7 @@ class Engine:
         params = params or SamplingParams()
         params.validate_for_vocab(self.core.model_config.vocab_size)
         prompt_ids = tuple(self.core.tokenize(prompt))
+        params = self._degradation.cap(params, priority, self._admission.pressure)
         limit = self.core.scheduler.max_context_len
         if len(prompt_ids) + 1 > limit:
             raise RequestTooLongError(
@@ -243,7 +261,10 @@ class Engine:
         request_id = uuid.uuid4().hex if request_id is None else request_id
         if request_id in self._live:
             raise DuplicateRequestError(request_id)
+        max_queue_time = self.core.config.max_queue_time
         actor = RequestActor(
+            queue_deadline=None if max_queue_time is None else trio.current_time() + max_queue_time,
+            on_full=self._shed,
             request_id=request_id,
             prompt_token_ids=prompt_ids,
             params=params,
@@ -267,6 +288,8 @@ class Engine:
         # Ended while waiting for room: the scheduler never saw it.
         if actor.unqueued_reason is FinishReason.DEADLINE:
             self._num_deadline_unqueued += 1
+        elif actor.unqueued_reason is FinishReason.QUEUE_TIMEOUT:
+            self._num_queue_timeouts_unqueued += 1
         elif actor.unqueued_reason is not None:
             self._num_cancelled_unqueued += 1
 
@@ -278,10 +301,15 @@ class Engine:
         while self._orphans:
             self._orphans.popleft().close()
 
+    def _shed(self, message: AddRequest) -> None:
+        """The queue is full: queue ``message`` in place of a request of
+        lower priority, or raise ``trio.WouldBlock``."""
+        victim = self._degradation.shed(self._admission, message, self._retry_after())
+        self._on_forget(victim.request_id)  # its id is free if its reader had closed
+
     def _retry_after(self) -> float:
         """Seconds until the queue has room, estimated from its length and
         the recent completion rate (1 s before there is a rate)."""
-        self._num_refused += 1
         assert self._scheduler is not None
         rate = self._scheduler.completion_rate()
         if rate <= 0:
@@ -307,6 +335,23 @@ class Engine:
             scheduler=self._scheduler.statistics(),
             allocator=self._allocator.statistics(),
             executor=self._executor.statistics(),
+            overload=self._overload_statistics(),
+        )
+
+    def _overload_statistics(self) -> OverloadStatistics:
+        assert self._scheduler is not None
+        concurrency = self._scheduler.concurrency
+        degradation = self._degradation
+        return OverloadStatistics(
+            pressure=self._admission.pressure,
+            concurrency_limit=self.core.scheduler.running_limit,
+            tpot_p90=None if concurrency is None else concurrency.last_p90,
+            num_queue_timeouts=self._scheduler.statistics().num_queue_timeouts + self._num_queue_timeouts_unqueued,
+            num_shed=degradation.num_shed,
+            num_capped=degradation.num_capped,
+            num_refused_expensive=degradation.num_refused,
+            num_limit_decreases=0 if concurrency is None else concurrency.num_decreases,
+            num_limit_increases=0 if concurrency is None else concurrency.num_increases,
         )
 
     async def drain(self, timeout: float) -> int:
@@ -382,12 +427,17 @@ async def open_engine(
         allocator = AllocatorActor(core.block_manager)
         executor_actor = ModelExecutor(core.runner, step_thread) if executor is None else executor(core)
         engine = Engine(core, admission, allocator, executor_actor, max_buffered_outputs=max_buffered_outputs)
+        concurrency = None
+        if config.adaptive_concurrency:
+            concurrency = AdaptiveConcurrency(max_limit=config.max_num_seqs, target=config.target_tpot_ms / 1000)
         scheduler = SchedulerActor(
             core,
             admission,
             max_buffered_outputs=max_buffered_outputs,
             on_forget=engine._on_forget,
             before_step=engine._reap,  # streams dropped unclosed are aborted within a step
+            concurrency=concurrency,
+            retry_after=engine._retry_after,
         )
         engine._scheduler = scheduler
         kv_send, kv_receive = trio.open_memory_channel[KVResult](1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from trioserve.engine.errors import InvalidRequestError, TrioserveError
+from trioserve.engine.sequence import FinishReason
 
 
 class EngineError(TrioserveError):
@@ -42,3 +43,44 @@ class RequestFailed(EngineError):
     def __init__(self, message: str, *, request_id: str) -> None:
         super().__init__(message)
         self.request_id = request_id
+
+
+class ExpensiveRequestRefused(EngineOverloaded):
+    """Refused under pressure for asking for more than plain work: ``n > 1``
+    or many top logprobs (see ``DegradationPolicy``); nothing was queued.
+    ``field`` names the parameter at fault. The web layer answers 429."""
+
+    def __init__(self, message: str, *, field: str, retry_after: float) -> None:
+        super().__init__(message, retry_after=retry_after)
+        self.field = field
+
+
+class RequestDropped(EngineError):
+    """The engine dropped this request under overload before computing
+    anything for it: nothing was generated, so no output precedes this error.
+
+    ``retry_after`` estimates, in seconds, when there will be room.
+    ``finish_reason`` is what a response already started reports instead.
+    """
+
+    finish_reason: FinishReason
+
+    def __init__(self, message: str, *, request_id: str, retry_after: float, num_prompt_tokens: int = 0) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+        self.retry_after = retry_after
+        self.num_prompt_tokens = num_prompt_tokens
+
+
+class QueueTimeout(RequestDropped):
+    """The request waited longer than ``max_queue_time`` (queued, or waiting
+    to be scheduled) before any compute; the web layer answers 503."""
+
+    finish_reason = FinishReason.QUEUE_TIMEOUT
+
+
+class RequestShed(RequestDropped):
+    """A request of higher priority took this one's place in the full
+    admission queue; the web layer answers 429."""
+
+    finish_reason = FinishReason.SHED

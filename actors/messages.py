@@ -35,6 +35,9 @@ class AddRequest:
     ``arrival_time`` is ``time.monotonic()``, the clock of ``RequestTimes``.
     ``outputs`` is the send end of the request's output channel, which the
     scheduler owns from the moment it receives this message.
+    ``queue_deadline`` (trio time; None: none) is when the request is
+    dropped with ``QueueTimeout`` if nothing has been computed for it yet
+    (arrival plus ``max_queue_time``).
     """
 
     request_id: str
@@ -44,6 +47,7 @@ class AddRequest:
     deadline: float | None
     arrival_time: float
     outputs: trio.MemorySendChannel[Any] = attrs.field(eq=False, repr=False)
+    queue_deadline: float | None = None
 
     @property
     def num_tokens(self) -> int:

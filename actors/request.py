@@ -36,7 +36,7 @@ from trioserve.engine.sampler import TokenLogprobs
 from trioserve.engine.sampling_params import SamplingParams
 from trioserve.engine.sequence import FinishReason
 
-from .errors import EngineClosed, EngineOverloaded
+from .errors import EngineClosed, EngineOverloaded, QueueTimeout
 from .messages import Abort, AddRequest, Failed, Paused, Resume
 
 log = logging.getLogger(__name__)
@@ -125,7 +125,12 @@ class RequestActor:
     """One request, from admission to its last output.
 
     ``submit()`` waits for room in the admission queue (bounded by the
-    deadline); ``submit_nowait()`` raises ``EngineOverloaded`` instead.
+    deadline and the queue deadline); ``submit_nowait()`` raises
+    ``EngineOverloaded`` instead, unless ``on_full(message)`` finds it a
+    place (by shedding a request of lower priority; it raises
+    ``trio.WouldBlock`` if it cannot). ``queue_deadline`` (trio time) is when
+    the request is dropped with ``QueueTimeout`` if nothing has been computed
+    for it by then.
     ``receive()`` returns the next coalesced output, or None once every
     completion has finished. ``close()`` must follow, always.
     """
@@ -144,14 +149,18 @@ class RequestActor:
         control: trio.MemorySendChannel[Any],
         retry_after: Callable[[], float],
         on_close: Callable[[RequestActor], None],
+        queue_deadline: float | None = None,
+        on_full: Callable[[AddRequest], None] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.priority = priority
         self.deadline = deadline
+        self.queue_deadline = queue_deadline
         self.final_only = final_only
         self.arrival_time = time.monotonic()
+        self._on_full = on_full
         self._admission = admission
         self._control = control
         self._retry_after = retry_after
@@ -185,13 +194,15 @@ class RequestActor:
             deadline=self.deadline,
             arrival_time=self.arrival_time,
             outputs=self._outputs_send,
+            queue_deadline=self.queue_deadline,
         )
 
     async def submit(self) -> None:
         """Queue the request, waiting for room; a passed deadline or
-        ``abort()`` while waiting ends it without the engine."""
+        ``abort()`` while waiting ends it without the engine, and a passed
+        queue deadline raises ``QueueTimeout``."""
         if not self._abort_requested:
-            deadline = math.inf if self.deadline is None else self.deadline
+            deadline = min(d for d in (self.deadline, self.queue_deadline, math.inf) if d is not None)
             with trio.CancelScope(deadline=deadline) as scope:
                 self._submit_scope = scope
                 try:
@@ -205,13 +216,37 @@ class RequestActor:
                     self._submit_scope = None
                 self._submitted = True
         if not self._submitted:
-            self.unqueued_reason = FinishReason.ABORT if self._abort_requested else FinishReason.DEADLINE
+            if self._abort_requested:
+                self.unqueued_reason = FinishReason.ABORT
+            elif self.deadline is None or (self.queue_deadline is not None and self.queue_deadline < self.deadline):
+                self.unqueued_reason = FinishReason.QUEUE_TIMEOUT
+                self._ended = self._engine_done = True
+                raise self._queue_timeout()
+            else:
+                self.unqueued_reason = FinishReason.DEADLINE
             self._end_here(self.unqueued_reason)
+
+    def _queue_timeout(self) -> QueueTimeout:
+        """The error of this request dropped while waiting for room."""
+        retry_after = self._retry_after()
+        return QueueTimeout(
+            f"request {self.request_id!r} waited for room in the admission queue longer than max_queue_time "
+            f"and was dropped before any compute; retry in about {retry_after:.1f} s",
+            request_id=self.request_id,
+            retry_after=retry_after,
+            num_prompt_tokens=len(self.prompt_token_ids),
+        )
 
     def submit_nowait(self) -> None:
         """Queue the request now or raise ``EngineOverloaded``."""
+        message = self._message()
         try:
-            self._admission.send_nowait(self._message())
+            try:
+                self._admission.send_nowait(message)
+            except trio.WouldBlock:
+                if self._on_full is None:
+                    raise
+                self._on_full(message)
         except trio.WouldBlock:
             retry_after = self._retry_after()
             raise EngineOverloaded(

@@ -8,10 +8,11 @@ runner) and runs three loops in one nursery:
   set has room, so the queue's bound really bounds the backlog;
 - the *control loop* takes ``Abort`` / ``Resume`` / ``AbortAll`` and queues
   them; they are applied at the next step boundary;
-- the *step loop*: apply control and expired deadlines, plan the step with
-  one allocator round trip (``propose`` -> ``Allocate`` -> ``finalize``),
-  hand it to the executor, and while it computes deliver the previous
-  step's outputs; then post-process the result.
+- the *step loop*: apply control, expired deadlines and queue deadlines,
+  plan the step with one allocator round trip (``propose`` -> ``Allocate``
+  -> ``finalize``), hand it to the executor, and while it computes deliver
+  the previous step's outputs; then post-process the result (and, with
+  adaptive concurrency, feed the step's timing to the running limit).
 
 While a step runs in the executor's thread the other two loops keep going:
 requests are admitted into the core (validated, given detokenizers and
@@ -40,122 +41,16 @@ from trioserve.engine.outputs import RequestOutput
 from trioserve.engine.scheduler import SchedulerOutput
 from trioserve.engine.sequence import FinishReason
 
-from .errors import RequestFailed
+from .admission import AdmissionQueue
+from .concurrency import AdaptiveConcurrency
+from .errors import QueueTimeout, RequestFailed
 from .messages import Abort, AbortAll, AddRequest, Allocate, Failed, Paused, Resume, RunStep, StepDone, StepFailed
 from .request import final_output
 from .statistics import RateMeter, SchedulerActorStatistics
 
+__all__ = ["AdmissionQueue", "SchedulerActor"]
+
 _NO_OUTPUT = RunnerOutput(sampled={}, logprobs={})
-
-
-class AdmissionQueue:
-    """The admission queue: a memory channel of ``max_requests`` plus a bound
-    of ``max_tokens`` queued prompt tokens (None: none).
-
-    ``send`` waits for room under both bounds, first come first served;
-    ``send_nowait`` raises ``trio.WouldBlock`` when either is full or others
-    are already waiting. A prompt longer than ``max_tokens`` is let in when
-    the queue holds no tokens, so it waits but is never refused for good.
-    """
-
-    def __init__(self, max_requests: int, max_tokens: int | None = None) -> None:
-        if max_requests < 1:
-            raise ValueError("max_requests must be >= 1")
-        if max_tokens is not None and max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
-        self.max_requests = max_requests
-        self.max_tokens = max_tokens
-        self._send, self._receive = trio.open_memory_channel[AddRequest](max_requests)
-        self._fifo = trio.Lock()
-        self._room = trio.lowlevel.ParkingLot()
-        self._tokens = 0
-        self._closed = False
-
-    def _fits(self, num_tokens: int) -> bool:
-        return self.max_tokens is None or self._tokens == 0 or self._tokens + num_tokens <= self.max_tokens
-
-    async def send(self, message: AddRequest) -> None:
-        await trio.lowlevel.checkpoint_if_cancelled()
-        try:
-            self.send_nowait(message)  # room, and nobody waiting before us
-        except trio.WouldBlock:
-            pass
-        else:
-            await trio.lowlevel.cancel_shielded_checkpoint()
-            return
-        async with self._fifo:
-            while not self._closed and not self._fits(message.num_tokens):
-                await self._room.park()
-            if self._closed:
-                raise trio.ClosedResourceError("the admission queue is closed")
-            self._tokens += message.num_tokens
-            try:
-                await self._send.send(message)
-            except BaseException:
-                self._tokens -= message.num_tokens
-                self._room.unpark_all()
-                raise
-
-    def send_nowait(self, message: AddRequest) -> None:
-        if self._closed:
-            raise trio.ClosedResourceError("the admission queue is closed")
-        if self._fifo.locked() or not self._fits(message.num_tokens):
-            raise trio.WouldBlock
-        self._send.send_nowait(message)
-        self._tokens += message.num_tokens
-
-    async def receive(self) -> AddRequest:
-        return self._taken(await self._receive.receive())
-
-    def receive_nowait(self) -> AddRequest:
-        return self._taken(self._receive.receive_nowait())
-
-    def _taken(self, message: AddRequest) -> AddRequest:
-        self._tokens -= message.num_tokens
-        self._room.unpark_all()
-        return message
-
-    def close(self) -> None:
-        """Stop admission: waiting and later senders get ``ClosedResourceError``;
-        the receiver takes what is queued, then ``EndOfChannel``."""
-        self._closed = True
-        self._send.close()
-        self._room.unpark_all()
-
-    def close_receiver(self) -> None:
-        """The scheduler is gone: close the output channel of every request
-        still queued (its reader gets ``EngineClosed`` rather than waiting
-        forever), then the receive end."""
-        while True:
-            try:
-                message = self._receive.receive_nowait()
-            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
-                break
-            message.outputs.close()
-        self._receive.close()
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    @property
-    def num_queued(self) -> int:
-        return self._receive.statistics().current_buffer_used
-
-    @property
-    def num_queued_tokens(self) -> int:
-        return self._tokens
-
-    @property
-    def num_waiting_to_send(self) -> int:
-        return self._send.statistics().tasks_waiting_send + self._fifo.statistics().tasks_waiting + (
-            1 if self._fifo.locked() and not self._send.statistics().tasks_waiting_send else 0
-        )
-
-    @property
-    def receiver_parked(self) -> bool:
-        """The receiver waits in ``receive`` (so no message is in transit)."""
-        return self._receive.statistics().tasks_waiting_receive > 0
 
 
 @attrs.define(eq=False)
@@ -165,6 +60,7 @@ class _Route:
     request_id: str
     outputs: trio.MemorySendChannel[Any]
     num_completions: int
+    num_prompt_tokens: int = 0
     reasons: dict[int, FinishReason] = attrs.field(factory=dict)  # finished completions
     pause_pending: bool = False  # Paused sent, preemption not applied yet
     paused: bool = False
@@ -179,7 +75,8 @@ class SchedulerActor:
     before its sequence is paused. ``max_ready``: waiting requests the core
     holds before admission stops pulling (default ``max_num_seqs``).
     ``max_live``: requests it holds at all, paused ones included (default
-    ``2 * max_num_seqs``).
+    ``2 * max_num_seqs``). ``concurrency``: the adaptive running limit, if
+    on. ``retry_after()``: the estimate a dropped request is given.
     """
 
     def __init__(
@@ -193,8 +90,13 @@ class SchedulerActor:
         rate_window: float = 10.0,
         on_forget: Callable[[str], None] = lambda request_id: None,
         before_step: Callable[[], None] = lambda: None,
+        concurrency: AdaptiveConcurrency | None = None,
+        retry_after: Callable[[], float] = lambda: 1.0,
     ) -> None:
         self.core = core
+        self.concurrency = concurrency
+        self._retry_after = retry_after
+        self._max_queue_time = core.config.max_queue_time
         self._on_forget = on_forget
         self._before_step = before_step
         self.admission = admission
@@ -208,6 +110,9 @@ class SchedulerActor:
         self.control_capacity = 4 * (admission.max_requests + self.max_live) + 16
         self._routes: dict[str, _Route] = {}
         self._deadlines: list[tuple[float, int, _Route]] = []  # heap
+        # Queue deadlines of admitted requests (heap); an entry is dropped
+        # when its time comes if its request has run meanwhile.
+        self._queue_deadlines: list[tuple[float, int, _Route]] = []
         self._stale_deadlines = 0  # heap entries whose route is closed
         self._order = itertools.count()
         self._pending_aborts: dict[str, FinishReason] = {}  # for requests still in the admission queue
@@ -220,7 +125,7 @@ class SchedulerActor:
         self._room = trio.Event()
         self._num_steps = 0
         self._num_paused = 0
-        self._counts = {"finished": 0, "aborted": 0, "deadline": 0, "failed": 0}
+        self._counts = {"finished": 0, "aborted": 0, "deadline": 0, "failed": 0, "queue_timeout": 0}
         now = trio.current_time()
         self._prompt_rate = RateMeter(rate_window, now)
         self._generation_rate = RateMeter(rate_window, now)
@@ -307,6 +212,8 @@ class SchedulerActor:
                 pending = []
                 if self._input_closed and not self._routes and not self.core.has_unfinished():
                     return
+                if self.concurrency is not None:
+                    self.concurrency.idle()
                 await self._wait_for_news()
                 continue
             plan = await self._plan(allocator, kv_results)
@@ -343,8 +250,14 @@ class SchedulerActor:
 
     async def _wait_for_news(self) -> None:
         """Sleep until a message arrives, a request is admitted or the
-        earliest deadline passes."""
+        earliest deadline or queue deadline passes."""
         deadline = self._deadlines[0][0] if self._deadlines else math.inf
+        if self._queue_deadlines:
+            deadline = min(deadline, self._queue_deadlines[0][0])
+        if self._max_queue_time is not None:
+            # A request queued while we sleep expires no sooner than this.
+            queued = self.admission.next_queue_deadline()
+            deadline = min(deadline, trio.current_time() + self._max_queue_time, math.inf if queued is None else queued)
         with trio.move_on_at(deadline):
             await self._wakeup.wait()
         self._wakeup = trio.Event()
@@ -391,18 +304,32 @@ class SchedulerActor:
         self._generation_rate.add(now, len(reply.output.sampled))
         self._total_prompt += plan.num_batched_tokens - decodes
         self._total_generation += len(reply.output.sampled)
-        return self.core.process_output(plan, reply.output)
+        outputs = self.core.process_output(plan, reply.output)
+        if self.concurrency is not None:
+            scheduler = self.core.scheduler
+            self.concurrency.observe(
+                now,
+                decoding=decodes > 0,
+                num_running=len(plan.chunks),
+                num_waiting=scheduler.num_waiting + self.admission.num_queued,
+            )
+            scheduler.limit_running(self.concurrency.limit)
+        return outputs
 
     # -- admission ----------------------------------------------------------------
 
     def _admit(self, message: AddRequest) -> None:
         reason = self._pending_aborts.pop(message.request_id, None) or self._abort_all
-        if reason is None and message.deadline is not None and message.deadline <= trio.current_time():
+        now = trio.current_time()
+        if reason is None and message.deadline is not None and message.deadline <= now:
             reason = FinishReason.DEADLINE
         if not self.admission.num_queued:
             self._pending_aborts.clear()  # nothing else queued: the rest are stale
-        route = _Route(message.request_id, message.outputs, message.params.n)
+        route = _Route(message.request_id, message.outputs, message.params.n, message.num_tokens)
         self._routes[message.request_id] = route
+        if reason is None and message.queue_deadline is not None and message.queue_deadline <= now:
+            self._queue_timeout(route)
+            return
         if reason is not None:
             # Dropped before any compute was spent on it.
             for index in range(message.params.n):
@@ -424,6 +351,8 @@ class SchedulerActor:
         if message.deadline is not None:
             heapq.heappush(self._deadlines, (message.deadline, next(self._order), route))
             route.has_deadline = True
+        if message.queue_deadline is not None:
+            heapq.heappush(self._queue_deadlines, (message.queue_deadline, next(self._order), route))
         self._wakeup.set()
 
     @staticmethod
@@ -464,6 +393,8 @@ class SchedulerActor:
                     self._abort(route.request_id, FinishReason.DEADLINE)
                 else:
                     self._stale_deadlines -= 1
+        if self._max_queue_time is not None:
+            self._expire_queue_deadlines()
         for route in self._routes.values():
             if route.pause_pending:
                 route.pause_pending = False
@@ -471,6 +402,36 @@ class SchedulerActor:
                     route.paused = True
                     self._num_paused += 1
                     self._release_needed = True
+
+    def _expire_queue_deadlines(self) -> None:
+        """Drop the requests past their queue deadline that nothing has been
+        computed for: those still in the admission queue, and those admitted
+        but never scheduled. Requests that have run are left alone."""
+        now = trio.current_time()
+        for message in self.admission.remove_expired(now):
+            self._pending_aborts.pop(message.request_id, None)
+            route = _Route(message.request_id, message.outputs, message.params.n, message.num_tokens)
+            self._routes[message.request_id] = route
+            self._queue_timeout(route)
+        while self._queue_deadlines and self._queue_deadlines[0][0] <= now:
+            _, _, route = heapq.heappop(self._queue_deadlines)
+            if self._routes.get(route.request_id) is route and self.core.is_unscheduled(route.request_id):
+                self._queue_timeout(route)
+                self.core.abort(route.request_id, FinishReason.QUEUE_TIMEOUT)
+                self._release_needed = True
+
+    def _queue_timeout(self, route: _Route) -> None:
+        assert self._max_queue_time is not None
+        retry_after = self._retry_after()
+        error = QueueTimeout(
+            f"request {route.request_id!r} waited longer than max_queue_time ({self._max_queue_time:g} s) "
+            f"before any compute and was dropped; retry in about {retry_after:.1f} s",
+            request_id=route.request_id,
+            retry_after=retry_after,
+            num_prompt_tokens=route.num_prompt_tokens,
+        )
+        self._send(route, Failed(route.request_id, error))
+        self._close_route(route, outcome="queue_timeout")
 
     def _abort(self, request_id: str, reason: FinishReason) -> None:
         route = self._routes.get(request_id)
@@ -550,7 +511,10 @@ class SchedulerActor:
         if route.paused:
             self._num_paused -= 1
         self._counts[outcome] += 1
-        self._request_rate.add(trio.current_time(), 1)
+        if outcome != "queue_timeout":
+            # The rate behind Retry-After: requests served (or ended), not
+            # those turned away for lack of room.
+            self._request_rate.add(trio.current_time(), 1)
         self._room.set()
         self._on_forget(route.request_id)
 
@@ -580,6 +544,7 @@ class SchedulerActor:
             requests_per_s=self._request_rate.rate(now),
             total_prompt_tokens=self._total_prompt,
             total_generation_tokens=self._total_generation,
+            num_queue_timeouts=self._counts["queue_timeout"],
         )
 
     def completion_rate(self) -> float:

@@ -44,9 +44,37 @@ class SchedulerActorStatistics:
     num_failed: int  # by a failed step or an invalid request
     prompt_tokens_per_s: float  # over the last ``window`` seconds
     generation_tokens_per_s: float
-    requests_per_s: float  # completions of any kind
+    requests_per_s: float  # completions of any kind, queue timeouts aside
     total_prompt_tokens: int
     total_generation_tokens: int
+    num_queue_timeouts: int = 0  # dropped past max_queue_time, from the queue or waiting unscheduled
+
+
+@attrs.frozen
+class OverloadStatistics:
+    """Overload control: the pressure the degradation policy acts on, the
+    running-sequence limit, and what each control did (cumulative counts)."""
+
+    pressure: float  # admission queue fill, 0..1 (see DegradationPolicy)
+    concurrency_limit: int  # sequences that may run at once now (max_num_seqs unless adaptive)
+    tpot_p90: float | None  # seconds, adaptive concurrency's last window (None: off or no window yet)
+    num_queue_timeouts: int  # dropped past max_queue_time, wherever they waited
+    num_shed: int  # displaced from the full queue by a higher priority
+    num_capped: int  # low priority with max_tokens capped under pressure
+    num_refused_expensive: int  # n > 1 or many top logprobs refused under pressure
+    num_limit_decreases: int
+    num_limit_increases: int
+
+    def action_counts(self) -> dict[str, int]:
+        """The counts by action name, as /metrics labels them."""
+        return {
+            "queue_timeout": self.num_queue_timeouts,
+            "shed": self.num_shed,
+            "cap_max_tokens": self.num_capped,
+            "refuse_expensive": self.num_refused_expensive,
+            "limit_decrease": self.num_limit_decreases,
+            "limit_increase": self.num_limit_increases,
+        }
 
 
 @attrs.frozen
@@ -66,6 +94,7 @@ class EngineStatistics:
     scheduler: SchedulerActorStatistics
     allocator: AllocatorStatistics
     executor: ExecutorStatistics
+    overload: OverloadStatistics
 
     # The headline figures, flattened.
     @property

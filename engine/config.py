@@ -12,7 +12,7 @@ from typing import Any
 import attrs
 
 from .errors import ModelLoadError
-from .validators import optional_positive, positive
+from .validators import integer_at_least, optional_fraction, optional_positive, optional_positive_finite, positive
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -153,6 +153,40 @@ def _kv_cache_memory(instance: Any, attribute: attrs.Attribute, value: Any) -> N
 
 
 @attrs.frozen(kw_only=True)
+class DegradationPolicy:
+    """What the engine gives up, step by step, as its admission queue fills.
+
+    *Pressure* is the admission queue's fill: the larger of queued requests
+    over ``max_queued_requests`` and queued prompt tokens over
+    ``max_queued_tokens`` (when set), in [0, 1]; 1 while callers wait for
+    room. It is 0 until the engine's own working set (``max_num_seqs``
+    running and as many waiting) is full, so it measures backlog only.
+
+    - pressure >= ``cap_at``: a new request of low priority (``priority >=
+      low_priority``; lower values run first, the default is 0) gets
+      ``max_tokens`` capped at ``low_priority_max_tokens``;
+    - pressure >= ``refuse_expensive_at``: ``generate_nowait`` refuses
+      requests with ``n > 1`` or more than ``expensive_logprobs`` top
+      logprobs (``ExpensiveRequestRefused``, HTTP 429) while plain ones are
+      still let in;
+    - queue full: with ``shed_lower_priority`` a new request displaces the
+      queued request of the lowest priority (the latest among equals) if that
+      is strictly lower than its own (``RequestShed``, HTTP 429); otherwise
+      it is refused (``EngineOverloaded``, HTTP 429).
+
+    None turns a threshold off. With every request at one priority and
+    ``n == 1`` only the last step ever applies.
+    """
+
+    low_priority: int = 1
+    cap_at: float | None = attrs.field(default=0.5, validator=optional_fraction)
+    low_priority_max_tokens: int = attrs.field(default=256, validator=integer_at_least(1))
+    refuse_expensive_at: float | None = attrs.field(default=0.75, validator=optional_fraction)
+    expensive_logprobs: int = attrs.field(default=5, validator=integer_at_least(0))
+    shed_lower_priority: bool = True
+
+
+@attrs.frozen(kw_only=True)
 class EngineConfig:
     """Everything a user sets when starting an engine.
 
@@ -181,6 +215,15 @@ class EngineConfig:
     priority_aging_steps: int | None = attrs.field(default=256, validator=optional_positive)
     # Torch threads for the model step; None leaves torch's default.
     num_threads: int | None = attrs.field(default=None, validator=optional_positive)
+    # Overload control (docs/reliability.md, "Overload control").
+    # Seconds a request may wait from its arrival before anything is computed
+    # for it; past that it is dropped (QueueTimeout; HTTP 503). None: no bound.
+    max_queue_time: float | None = attrs.field(default=None, validator=optional_positive_finite)
+    # Lower the running-sequence limit while the p90 time per output token is
+    # above target_tpot_ms, raise it while below (AIMD, within [1, max_num_seqs]).
+    adaptive_concurrency: bool = False
+    target_tpot_ms: float = attrs.field(default=100.0, validator=optional_positive_finite)
+    degradation: DegradationPolicy = attrs.field(factory=DegradationPolicy)
 
     def resolved_max_model_len(self, model_config: ModelConfig) -> int:
         """The context limit in force: the user's, capped by the model's."""

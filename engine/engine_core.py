@@ -250,6 +250,13 @@ class EngineCore:
         children = self._children.get(request_id, ())
         return any([self.scheduler.resume(child_id) for child_id in children])
 
+    def is_unscheduled(self, request_id: str) -> bool:
+        """Whether nothing has been computed for this request yet: its first
+        completion (the one its siblings wait for) has never been scheduled."""
+        children = self._children.get(request_id)
+        first = self._completions.get(children[0]) if children else None
+        return first is not None and first.request.status is RequestStatus.WAITING
+
     def parent_of(self, child_id: str) -> str | None:
         """The request id a completion's sequence id belongs to."""
         completion = self._completions.get(child_id)

@@ -164,6 +164,7 @@ class Scheduler:
     # _pause_frees stay in _tables until then, as the pool still holds them).
     _pause_commits: list[KVCommit] = attrs.field(init=False, factory=list)
     _pause_frees: list[str] = attrs.field(init=False, factory=list)
+    _running_limit: int | None = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_blocks", "block_size"):
@@ -335,9 +336,10 @@ class Scheduler:
 
         admissions: list[KVAllocation] = []
         num_seqs = len(self._running)
+        max_seqs = self.running_limit
         if not preempted:
             for request in list(self._waiting):  # a snapshot: preemption below inserts
-                if num_seqs >= self.max_num_seqs or token_budget == 0:
+                if num_seqs >= max_seqs or token_budget == 0:
                     break
                 num_tokens = min(request.num_tokens, token_budget)
                 needed = self._blocks_for(num_tokens)
@@ -540,6 +542,25 @@ class Scheduler:
     @property
     def num_paused(self) -> int:
         return len(self._paused)
+
+    # -- the running limit --------------------------------------------------------
+
+    @property
+    def running_limit(self) -> int:
+        """How many sequences may run at once now: ``max_num_seqs``, or less
+        while ``limit_running`` holds it lower."""
+        if self._running_limit is None:
+            return self.max_num_seqs
+        return min(self._running_limit, self.max_num_seqs)
+
+    def limit_running(self, limit: int | None) -> None:
+        """Admit waiting requests only while fewer than ``limit`` sequences
+        run (None: ``max_num_seqs``). Lowering it preempts nothing: the
+        sequences running beyond it finish, and none starts until the number
+        running is below it (adaptive concurrency, actors/concurrency.py)."""
+        if limit is not None and limit < 1:
+            raise ValueError(f"limit must be >= 1 or None, got {limit!r}")
+        self._running_limit = limit
 
     def _preempt(self, request: Request) -> int:
         """Preempt by recompute; return the blocks that become free."""

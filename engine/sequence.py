@@ -25,6 +25,11 @@ class FinishReason(enum.Enum):
     ABORT = "abort"  # the caller went away or asked for it
     DEADLINE = "deadline"  # its deadline passed
     ERROR = "error"  # the model step failed
+    # Dropped under overload before anything was computed for it (the
+    # actors raise QueueTimeout / RequestShed; a started HTTP stream ends
+    # with these):
+    QUEUE_TIMEOUT = "queue_timeout"  # waited longer than max_queue_time
+    SHED = "shed"  # displaced from the full admission queue by a higher priority
 
 
 @attrs.define(eq=False)

@@ -94,6 +94,99 @@ def _bytes(text: str) -> int:
     return value
 
 
+def _fraction_or_off(text: str) -> float | None:
+    if text.strip().lower() in ("off", "none"):
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1] or 'off', got {text!r}")
+    return value
+
+
+def add_overload_options(parser: argparse.ArgumentParser) -> None:
+    """Overload control (docs/reliability.md, "Overload control")."""
+    from trioserve.engine.config import DegradationPolicy, EngineConfig
+
+    engine, policy = EngineConfig(), DegradationPolicy()
+    group = parser.add_argument_group("overload control")
+    group.add_argument(
+        "--max-queue-time",
+        type=_seconds,
+        default=None,
+        help="drop a request that waited this long (seconds) before any compute, with 503 (default: no bound)",
+    )
+    group.add_argument(
+        "--adaptive-concurrency",
+        action="store_true",
+        help="lower the running-sequence limit while TPOT p90 is above --target-tpot-ms, raise it while below",
+    )
+    group.add_argument(
+        "--target-tpot-ms",
+        type=_seconds,  # any finite number > 0
+        default=engine.target_tpot_ms,
+        help=f"the TPOT p90 adaptive concurrency steers to, in ms (default: {engine.target_tpot_ms:g})",
+    )
+    group.add_argument(
+        "--no-priority-shedding",
+        action="store_true",
+        help="a full queue refuses a new request instead of dropping a queued one of lower priority",
+    )
+    group.add_argument(
+        "--low-priority",
+        type=int,
+        default=policy.low_priority,
+        help=f"priority values from this one up count as low priority (default: {policy.low_priority})",
+    )
+    group.add_argument(
+        "--cap-low-priority-at",
+        type=_fraction_or_off,
+        default=policy.cap_at,
+        metavar="FRACTION|off",
+        help=f"queue fill from which new low-priority requests get max_tokens capped (default: {policy.cap_at:g})",
+    )
+    group.add_argument(
+        "--low-priority-max-tokens",
+        type=int,
+        default=policy.low_priority_max_tokens,
+        help=f"that cap (default: {policy.low_priority_max_tokens})",
+    )
+    group.add_argument(
+        "--refuse-expensive-at",
+        type=_fraction_or_off,
+        default=policy.refuse_expensive_at,
+        metavar="FRACTION|off",
+        help=f"queue fill from which n > 1 and many top logprobs get 429 (default: {policy.refuse_expensive_at:g})",
+    )
+    group.add_argument(
+        "--expensive-logprobs",
+        type=int,
+        default=policy.expensive_logprobs,
+        help=f"more top logprobs than this count as expensive (default: {policy.expensive_logprobs})",
+    )
+
+
+def overload_config_from_args(args: argparse.Namespace) -> dict:
+    """The ``EngineConfig`` fields that ``add_overload_options`` set."""
+    from trioserve.engine.config import DegradationPolicy
+
+    return dict(
+        max_queue_time=args.max_queue_time,
+        adaptive_concurrency=args.adaptive_concurrency,
+        target_tpot_ms=args.target_tpot_ms,
+        degradation=DegradationPolicy(
+            low_priority=args.low_priority,
+            cap_at=args.cap_low_priority_at,
+            low_priority_max_tokens=args.low_priority_max_tokens,
+            refuse_expensive_at=args.refuse_expensive_at,
+            expensive_logprobs=args.expensive_logprobs,
+            shed_lower_priority=not args.no_priority_shedding,
+        ),
+    )
+
+
 def _model_spec(text: str):
     from .settings import ModelSpec
 
@@ -168,6 +261,7 @@ def build_serve_parser(parser: argparse.ArgumentParser | None = None) -> argpars
         "--max-queued-requests", type=int, default=256, help="admission queue bound; beyond it requests get 429 (default: 256)"
     )
     parser.add_argument("--max-queued-tokens", type=int, default=None, help="bound on queued prompt tokens (default: none)")
+    add_overload_options(parser)
     add_engine_options(parser, several_models=True)
     return parser
 
@@ -178,7 +272,11 @@ def server_config_from_args(args: argparse.Namespace):
 
     specs = [_model_spec(text) for text in args.model or []] or [ModelSpec.from_path(None)]
     engine = engine_config_from_args(
-        args, model=None, max_queued_requests=args.max_queued_requests, max_queued_tokens=args.max_queued_tokens
+        args,
+        model=None,
+        max_queued_requests=args.max_queued_requests,
+        max_queued_tokens=args.max_queued_tokens,
+        **overload_config_from_args(args),
     )
     return ServerConfig(
         engine=engine,

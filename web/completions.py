@@ -11,11 +11,18 @@ reason ``DEADLINE`` and frees its KV blocks.
 A client that goes away cancels the handler (quart-trio cancels it when the
 ASGI server reports the disconnect); closing the request's stream then sends
 the engine its ``Abort``.
+
+Overload control may drop a queued request before any compute (a queue
+timeout: 503; shed for a higher priority: 429). With ``max_queue_time`` set,
+a streamed response's status waits for the request's first output, so such a
+request gets its status like a non-streamed one; a stream already started
+ends each completion with finish reason ``queue_timeout`` or ``shed``.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import trio
@@ -23,6 +30,9 @@ from quart import Response, g, request
 
 from trioserve.actors.engine import RequestStream
 from trioserve.engine.errors import TrioserveError
+from trioserve.actors.errors import RequestDropped
+from trioserve.actors.request import final_output
+from trioserve.engine.outputs import RequestOutput
 
 from .body import request_json
 from .errors import ApiError, RequestTimeout, from_exception
@@ -43,7 +53,7 @@ def translate(exc: Exception, *, log_requests: bool) -> ApiError:
     message may quote it (a prompt), so it is logged only with
     ``log_requests``."""
     error = from_exception(exc)
-    if error.status >= 500:
+    if error.status >= 500 and error.status != 503:  # 503s are overload or shutdown, not faults
         if log_requests or isinstance(exc, TrioserveError):
             log.error("request failed: %s: %s", type(exc).__name__, exc)
         else:
@@ -77,16 +87,16 @@ async def _generate(kind: type[CompletionRequest] | type[ChatCompletionRequest],
             deadline=None if timeout is None else arrival + timeout,
         )
     except Exception as exc:
-        error = translate(exc, log_requests=log_requests)
-        if chat and error.param == "prompt":  # the engine's prompt is the templated messages
-            error.param = "messages"
-        raise error from None
+        raise _refusal(translate(exc, log_requests=log_requests), chat) from None
     texts = served.texts if parsed.params.logprobs is not None else None
     if parsed.stream:
+        first = None
+        if served.engine.config.max_queue_time is not None:
+            first = await _first_output(stream, served, parsed.params.n, log_requests=log_requests)
         builder_kind = ChatCompletionStream if chat else CompletionStream
         builder = builder_kind(served.name, texts=texts, include_usage=parsed.include_usage)
         response = Response(
-            _sse_body(stream, builder, served, parsed.params.n, log_requests=log_requests),
+            _sse_body(stream, builder, served, parsed.params.n, first, log_requests=log_requests),
             content_type="text/event-stream; charset=utf-8",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -109,22 +119,69 @@ async def _generate(kind: type[CompletionRequest] | type[ChatCompletionRequest],
     return json_response(body)
 
 
+def _refusal(error: ApiError, chat: bool) -> ApiError:
+    if chat and error.param == "logprobs":
+        error.param = "top_logprobs"  # the chat API's name for the engine's logprobs count
+    if chat and error.param == "prompt":  # the engine's prompt is the templated messages
+        error.param = "messages"
+    return error
+
+
+async def _first_output(
+    stream: RequestStream, served: ServedModel, n: int, *, log_requests: bool
+) -> RequestOutput | None:
+    """Wait for a streamed request's first output before its status goes
+    out, so that a drop in the queues answers 503/429 (bounded by
+    ``max_queue_time`` plus one prefill)."""
+    try:
+        output = await stream.__anext__()
+    except StopAsyncIteration:
+        return None
+    except Exception as exc:
+        served.metrics.forget(stream.request_id)
+        raise translate(exc, log_requests=log_requests) from None
+    except BaseException:
+        served.metrics.forget(stream.request_id)  # the stream closed itself
+        raise
+    served.observe(output, n)
+    return output
+
+
 async def _sse_body(
     stream: RequestStream,
     builder: CompletionStream | ChatCompletionStream,
     served: ServedModel,
     n: int,
+    first: RequestOutput | None = None,
     *,
     log_requests: bool,
 ) -> AsyncIterator[bytes]:
-    """The response body of a streamed request. Holds no cancel scope or
-    nursery across a ``yield``: the deadline lives in the engine."""
+    """The response body of a streamed request (``first``: its first output,
+    already taken and observed). Holds no cancel scope or nursery across a
+    ``yield``: the deadline lives in the engine."""
     try:
         try:
+            if first is not None and (chunks := builder.chunks(first)):
+                yield sse_events(chunks)
             async for output in stream:
                 served.observe(output, n)
                 if chunks := builder.chunks(output):
                     yield sse_events(chunks)
+        except RequestDropped as exc:
+            # Dropped before any compute, after the status (200) went out:
+            # each completion ends with the drop's own finish reason.
+            for index in range(n):
+                output = final_output(
+                    stream.request_id,
+                    index,
+                    exc.finish_reason,
+                    num_prompt_tokens=exc.num_prompt_tokens,
+                    arrival_time=time.monotonic(),
+                )
+                if chunks := builder.chunks(output):
+                    yield sse_events(chunks)
+            if chunks := builder.final_chunks():
+                yield sse_events(chunks)
         except Exception as exc:
             # The status (200) is sent already: say it in the stream.
             yield sse_error(translate(exc, log_requests=log_requests))

@@ -102,9 +102,13 @@ class BodyTimeout(ApiError):
 
 
 class Overloaded(ApiError):
-    """429: admission is full; ``Retry-After`` says when to try again."""
+    """429: admission is full (``code`` ``engine_overloaded``), or the
+    degradation policy refused or shed the request (``expensive_request_refused``,
+    ``request_shed``); ``Retry-After`` says when to try again."""
 
-    def __init__(self, retry_after: float, message: str | None = None) -> None:
+    def __init__(
+        self, retry_after: float, message: str | None = None, *, code: str = "engine_overloaded", param: str | None = None
+    ) -> None:
         # Retry-After takes whole seconds; round up so a client that obeys it
         # never comes back early, and never say 0 (a busy loop).
         seconds = max(1, math.ceil(retry_after))
@@ -112,14 +116,16 @@ class Overloaded(ApiError):
             429,
             message or f"the engine is at capacity; retry after {seconds} s",
             type="rate_limit_error",
-            code="engine_overloaded",
+            param=param,
+            code=code,
             headers={"Retry-After": str(seconds)},
         )
         self.retry_after = seconds
 
 
 class ServiceUnavailable(ApiError):
-    """503: the server is loading its model or draining for shutdown."""
+    """503: the server is loading its model or draining for shutdown, or a
+    request waited past ``--max-queue-time`` (``queue_timeout``)."""
 
     def __init__(self, message: str, *, code: str, retry_after: float | None = None) -> None:
         headers = {"Retry-After": str(max(1, math.ceil(retry_after)))} if retry_after is not None else None
@@ -186,8 +192,15 @@ def from_exception(exc: BaseException) -> ApiError:
         return InvalidRequest(str(exc), param=getattr(exc, "field", None) or "prompt", code="context_length_exceeded")
     if "InvalidRequestError" in names:
         return InvalidRequest(str(exc), param=getattr(exc, "field", None))
+    retry_after = float(getattr(exc, "retry_after", 1.0) or 1.0)
+    if "QueueTimeout" in names:
+        return ServiceUnavailable(str(exc), code="queue_timeout", retry_after=retry_after)
+    if "RequestShed" in names:
+        return Overloaded(retry_after, str(exc), code="request_shed")
+    if "ExpensiveRequestRefused" in names:
+        return Overloaded(retry_after, str(exc), code="expensive_request_refused", param=getattr(exc, "field", None))
     if "EngineOverloaded" in names:
-        return Overloaded(float(getattr(exc, "retry_after", 1.0) or 1.0))
+        return Overloaded(retry_after)
     if "EngineClosed" in names:
         return ServiceUnavailable.draining()
     return InternalError(f"internal server error ({type(exc).__name__})")

@@ -8,11 +8,14 @@ several apps and tests can live in one process. The app feeds it three ways:
 - ``update_from_statistics`` with ``engine.statistics()`` before each scrape,
   for the gauges and the engine-wide token and cache counters;
 - ``reject`` for every request refused before it reached the engine or
-  ended by its deadline before admission.
+  ended by its deadline before admission;
+- ``update_overload`` with ``engine.statistics().overload`` before each
+  scrape, for the overload controls (docs/reliability.md).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Protocol
 
 import attrs
@@ -24,7 +27,18 @@ if TYPE_CHECKING:
     from trioserve.engine.outputs import RequestOutput
 
 PREFIX = "trioserve:"
-REJECT_REASONS = ("overloaded", "deadline", "invalid", "unauthorized", "not_found", "too_large", "draining")
+REJECT_REASONS = (
+    "overloaded",
+    "deadline",
+    "invalid",
+    "unauthorized",
+    "not_found",
+    "too_large",
+    "draining",
+    "queue_timeout",
+)
+# What overload control did (the label of trioserve:overload_actions_total).
+OVERLOAD_ACTIONS = ("queue_timeout", "shed", "cap_max_tokens", "refuse_expensive", "limit_decrease", "limit_increase")
 
 # Seconds. Fine steps under a second (a token on a GPU), coarse ones up to
 # the longest CPU requests.
@@ -58,6 +72,15 @@ class MetricsSource(Protocol):
     num_preemptions: int
     prompt_tokens: int
     generation_tokens: int
+
+
+class OverloadSource(Protocol):
+    """What ``update_overload`` reads (``OverloadStatistics``)."""
+
+    pressure: float  # admission queue fill, 0..1
+    concurrency_limit: int  # running sequences admitted now
+
+    def action_counts(self) -> Mapping[str, int]: ...  # cumulative, by OVERLOAD_ACTIONS name
 
 
 # Engine totals mirrored into counters of the same name.
@@ -112,6 +135,11 @@ class Metrics:
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.request_success = counter("request_success", "Requests finished, by finish reason.", "finished_reason")
         self.request_rejected = counter("request_rejected", "Requests refused, by reason.", "reason")
+        self.concurrency_limit = gauge(
+            "concurrency_limit", "Sequences allowed to run at once (adaptive concurrency; else max_num_seqs)."
+        )
+        self.overload_pressure = gauge("overload_pressure", "Admission queue fill, 0..1, that degradation acts on.")
+        self.overload_actions = counter("overload_actions", "Overload-control actions taken, by action.", "action")
         tokens = token_buckets(self.max_model_len)
         self.time_to_first_token = histogram(
             "time_to_first_token_seconds", "Arrival to first token.", LATENCY_BUCKETS
@@ -132,7 +160,7 @@ class Metrics:
     @property
     def _model_only(self) -> list[Gauge | Counter | Histogram]:
         """The metrics labelled by ``model_name`` alone."""
-        skip = (self.request_success, self.request_rejected)
+        skip = (self.request_success, self.request_rejected, self.overload_actions)
         return [m for m in vars(self).values() if isinstance(m, Gauge | Counter | Histogram) and m not in skip]
 
     def add_model(self, model: str) -> None:
@@ -143,6 +171,8 @@ class Metrics:
             self.request_success.labels(model, reason.value)
         for reason in REJECT_REASONS:
             self.request_rejected.labels(model, reason)
+        for action in OVERLOAD_ACTIONS:
+            self.overload_actions.labels(model, action)
 
     def reject(self, model: str, reason: str) -> None:
         """Count a refused request. ``model`` must be a served model's name,
@@ -209,6 +239,19 @@ class Metrics:
             if growth:
                 getattr(self, field).labels(model).inc(growth)
             self._last_totals[(model, field)] = total
+
+    def update_overload(self, model: str, stats: OverloadSource) -> None:
+        """Set the overload gauges, and advance each action's counter by the
+        growth of its engine total."""
+        self.concurrency_limit.labels(model).set(stats.concurrency_limit)
+        self.overload_pressure.labels(model).set(stats.pressure)
+        for action, total in stats.action_counts().items():
+            key = (model, f"overload:{action}")
+            last = self._last_totals.get(key, 0)
+            growth = total - last if total >= last else total  # a new engine counts from zero
+            if growth:
+                self.overload_actions.labels(model, action).inc(growth)
+            self._last_totals[key] = total
 
     def render(self) -> tuple[bytes, str]:
         """The exposition body and its content type."""

@@ -167,8 +167,8 @@ def cpu_report(host: ModelHost) -> dict[str, object] | None:
 
 async def handle_api_error(error: ApiError) -> Response:
     reason = _REJECT_REASONS.get(error.status)
-    if error.status == 503 and error.code == "draining":
-        reason = "draining"
+    if error.status == 503 and error.code in ("draining", "queue_timeout"):
+        reason = error.code
     if reason is not None and request.path.startswith(API_PREFIXES):
         host = current_host()
         # Label by a served model only: a client's unknown name would make

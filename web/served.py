@@ -68,4 +68,6 @@ class ServedModel:
             self.metrics.reject(self.name, "deadline")
 
     def update_metrics(self) -> None:
-        self.metrics.update_from_statistics(self.name, MetricsStatistics.from_engine(self.engine.statistics()))
+        stats = self.engine.statistics()
+        self.metrics.update_from_statistics(self.name, MetricsStatistics.from_engine(stats))
+        self.metrics.update_overload(self.name, stats.overload)

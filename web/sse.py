@@ -34,13 +34,17 @@ if TYPE_CHECKING:
 # OpenAI's finish reasons are stop/length; the others are ours, named so a
 # client can tell them apart: "timeout" is a deadline that expired (the
 # request's ``timeout`` or X-Request-Timeout, or --max-request-time),
-# "abort" a request cancelled on the server, "error" a failed model step.
+# "abort" a request cancelled on the server, "error" a failed model step;
+# "queue_timeout" and "shed" end a stream already started whose request
+# overload control dropped before any compute (docs/reliability.md).
 FINISH_REASONS = {
     FinishReason.STOP: "stop",
     FinishReason.LENGTH: "length",
     FinishReason.ABORT: "abort",
     FinishReason.DEADLINE: "timeout",
     FinishReason.ERROR: "error",
+    FinishReason.QUEUE_TIMEOUT: "queue_timeout",
+    FinishReason.SHED: "shed",
 }
 
 SSE_DONE = b"data: [DONE]\n\n"

@@ -1,0 +1,195 @@
+"""The admission queue: requests waiting for the scheduler to take them.
+
+Bounded by ``max_requests`` queued requests and, optionally, ``max_tokens``
+queued prompt tokens. ``send`` waits for room under both bounds, first come
+first served; ``send_nowait`` raises ``trio.WouldBlock`` when either is full
+or others are already waiting. A prompt longer than ``max_tokens`` is let in
+when the queue holds no tokens, so it waits but is never refused for good.
+
+It is a deque rather than a memory channel because overload control takes
+requests out of the middle: one displaced by a request of higher priority
+(``displace_nowait``) and those whose queue time ran out (``remove_expired``)
+leave before the scheduler takes them. ``receive`` hands a message over
+without a checkpoint between taking it out and returning it, so a message is
+always either in the queue or with the scheduler, never in between.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import trio
+
+from .messages import AddRequest
+
+
+class AdmissionQueue:
+    """Requests queued for the scheduler (one receiver: its admission loop)."""
+
+    def __init__(self, max_requests: int, max_tokens: int | None = None) -> None:
+        if max_requests < 1:
+            raise ValueError("max_requests must be >= 1")
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        self.max_requests = max_requests
+        self.max_tokens = max_tokens
+        self._queue: collections.deque[AddRequest] = collections.deque()
+        self._fifo = trio.Lock()  # senders waiting for room, in order; the holder waits on _room
+        self._room = trio.lowlevel.ParkingLot()
+        self._items = trio.lowlevel.ParkingLot()  # the receiver, waiting for a message
+        self._tokens = 0
+        self._closed = False  # no more sends
+        self._receiver_closed = False
+
+    def _fits(self, num_tokens: int) -> bool:
+        if len(self._queue) >= self.max_requests:
+            return False
+        return self.max_tokens is None or self._tokens == 0 or self._tokens + num_tokens <= self.max_tokens
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise trio.ClosedResourceError("the admission queue is closed")
+        if self._receiver_closed:
+            raise trio.BrokenResourceError("the scheduler has stopped taking requests")
+
+    # -- senders ----------------------------------------------------------------
+
+    async def send(self, message: AddRequest) -> None:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        try:
+            self.send_nowait(message)  # room, and nobody waiting before us
+        except trio.WouldBlock:
+            pass
+        else:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return
+        async with self._fifo:
+            while not self._closed and not self._receiver_closed and not self._fits(message.num_tokens):
+                await self._room.park()
+            self._put(message)
+
+    def send_nowait(self, message: AddRequest) -> None:
+        self._check_open()
+        if self._fifo.locked() or not self._fits(message.num_tokens):
+            raise trio.WouldBlock
+        self._put(message)
+
+    def displace_nowait(self, message: AddRequest) -> AddRequest:
+        """Queue ``message`` in place of the queued request of the lowest
+        priority (the highest ``priority`` value; the latest among equals),
+        if that priority is strictly lower than ``message``'s and taking it
+        out makes room. Return the displaced request: its output channel is
+        the caller's to end. Raise ``trio.WouldBlock`` otherwise."""
+        self._check_open()
+        if not self._queue:
+            raise trio.WouldBlock
+        victim = max(reversed(self._queue), key=lambda queued: queued.priority)  # the latest of the lowest
+        if victim.priority <= message.priority:
+            raise trio.WouldBlock
+        tokens = self._tokens - victim.num_tokens
+        if self.max_tokens is not None and tokens and tokens + message.num_tokens > self.max_tokens:
+            raise trio.WouldBlock
+        self._queue.remove(victim)
+        self._tokens -= victim.num_tokens
+        self._put(message)
+        return victim
+
+    def _put(self, message: AddRequest) -> None:
+        self._check_open()
+        self._queue.append(message)
+        self._tokens += message.num_tokens
+        self._items.unpark_all()
+
+    # -- the receiver -------------------------------------------------------------
+
+    async def receive(self) -> AddRequest:
+        await trio.lowlevel.checkpoint()
+        while not self._queue:
+            if self._receiver_closed:
+                raise trio.ClosedResourceError("the admission queue's receiver is closed")
+            if self._closed:
+                raise trio.EndOfChannel
+            await self._items.park()
+        return self._take(self._queue.popleft())
+
+    def receive_nowait(self) -> AddRequest:
+        if self._queue:
+            return self._take(self._queue.popleft())
+        if self._receiver_closed:
+            raise trio.ClosedResourceError("the admission queue's receiver is closed")
+        if self._closed:
+            raise trio.EndOfChannel
+        raise trio.WouldBlock
+
+    def remove_expired(self, now: float) -> list[AddRequest]:
+        """Take out every queued request whose ``queue_deadline`` has passed;
+        their output channels are the caller's to end."""
+        expired = [m for m in self._queue if m.queue_deadline is not None and m.queue_deadline <= now]
+        for message in expired:
+            self._queue.remove(message)
+            self._take(message)
+        return expired
+
+    def next_queue_deadline(self) -> float | None:
+        """The earliest ``queue_deadline`` of a queued request."""
+        return min((m.queue_deadline for m in self._queue if m.queue_deadline is not None), default=None)
+
+    def _take(self, message: AddRequest) -> AddRequest:
+        self._tokens -= message.num_tokens
+        self._room.unpark_all()
+        return message
+
+    # -- closing ----------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop admission: waiting and later senders get ``ClosedResourceError``;
+        the receiver takes what is queued, then ``EndOfChannel``."""
+        self._closed = True
+        self._room.unpark_all()
+        self._items.unpark_all()
+
+    def close_receiver(self) -> None:
+        """The scheduler is gone: close the output channel of every request
+        still queued (its reader gets ``EngineClosed`` rather than waiting
+        forever); senders get ``BrokenResourceError`` from now on."""
+        self._receiver_closed = True
+        while self._queue:
+            self._take(self._queue.popleft()).outputs.close()
+        self._room.unpark_all()
+        self._items.unpark_all()
+
+    # -- figures ----------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def num_queued_tokens(self) -> int:
+        return self._tokens
+
+    @property
+    def num_waiting_to_send(self) -> int:
+        # The lock's holder waits for room; the others wait for the lock.
+        return self._fifo.statistics().tasks_waiting + (1 if self._fifo.locked() else 0)
+
+    @property
+    def receiver_parked(self) -> bool:
+        """The receiver waits in ``receive`` for a message."""
+        return self._items.statistics().tasks_waiting > 0
+
+    @property
+    def pressure(self) -> float:
+        """How full the queue is, in [0, 1]: the larger of its request and
+        token fills, and 1 while callers wait for room (the degradation
+        policy's measure, see ``DegradationPolicy``)."""
+        if self._fifo.locked():
+            return 1.0
+        fill = len(self._queue) / self.max_requests
+        if self.max_tokens is not None:
+            fill = max(fill, self._tokens / self.max_tokens)
+        return min(1.0, fill)
