@@ -19,7 +19,7 @@ import pytest
 import trio
 import trio.testing
 
-from actor_fixtures import assert_clean, engine_config, tiny_loaded
+from actor_fixtures import assert_clean, tiny_loaded
 from trioserve.actors import (
     EngineOverloaded,
     ExpensiveRequestRefused,
@@ -32,6 +32,7 @@ from trioserve.engine.config import DegradationPolicy
 from trioserve.engine.outputs import RequestOutput
 from trioserve.engine.sampling_params import SamplingParams
 from trioserve.engine.sequence import FinishReason
+from trioserve.testing import engine_config
 
 STEP = 1 / 64  # virtual seconds per step
 
