@@ -19,6 +19,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
 )
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+DEFAULT_WATCHDOG_TIMEOUT = 300.0
 
 
 def _required(hf: dict[str, Any], key: str, source: str) -> Any:
@@ -147,6 +148,11 @@ def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         raise ValueError(f"{attribute.name} must be > 0, got {value!r}")
 
 
+def _positive_seconds(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and not value > 0:  # NaN too
+        raise ValueError(f"{attribute.name} must be > 0 seconds or None, got {value!r}")
+
+
 def _kv_cache_memory(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if value is None:
         return
@@ -185,6 +191,11 @@ class EngineConfig:
     priority_aging_steps: int | None = attrs.field(default=256, validator=_positive)
     # Torch threads for the model step; None leaves torch's default.
     num_threads: int | None = attrs.field(default=None, validator=_positive)
+    # Seconds a model step may run before the executor declares it hung:
+    # its requests fail, their KV blocks are quarantined until it returns,
+    # and the next steps run on a fresh thread (docs/reliability.md). As
+    # SGLang's --watchdog-timeout (default 300 s there too); None: no watchdog.
+    watchdog_timeout: float | None = attrs.field(default=DEFAULT_WATCHDOG_TIMEOUT, validator=_positive_seconds)
 
     def resolved_max_model_len(self, model_config: ModelConfig) -> int:
         """The context limit in force: the user's, capped by the model's."""

@@ -32,3 +32,12 @@ class InvalidRequestError(TrioserveError, ValueError):
 
 class RequestTooLongError(InvalidRequestError):
     """A prompt does not fit the context (``max_model_len``) or the KV pool."""
+
+
+class TokenizerError(InvalidRequestError):
+    """The tokenizer failed on a request's prompt or messages (an exception
+    from inside the tokenizer, not a rule the request broke knowingly).
+
+    Only that request is refused; the message names the exception's class,
+    never its text, which may quote the prompt.
+    """

@@ -74,6 +74,17 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _watchdog_seconds(text: str) -> float:
+    """Seconds > 0, or 0 for no watchdog."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0 (0: no watchdog), got {text!r}")
+    return value
+
+
 def _bytes(text: str) -> int:
     try:
         value = parse_memory(text)
@@ -96,6 +107,8 @@ def _model_spec(text: str):
 def build_serve_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """The options of ``trioserve serve``, added to ``parser`` (default: a
     new one). ``ServerConfig.from_env`` reads the same options."""
+    from trioserve.engine.config import DEFAULT_WATCHDOG_TIMEOUT
+
     from .settings import DEFAULT_MAX_BODY_SIZE, DEFAULT_SHUTDOWN_TIMEOUT
 
     if parser is None:
@@ -119,6 +132,13 @@ def build_serve_parser(parser: argparse.ArgumentParser | None = None) -> argpars
         "--max-queued-requests", type=int, default=256, help="admission queue bound; beyond it requests get 429 (default: 256)"
     )
     parser.add_argument("--max-queued-tokens", type=int, default=None, help="bound on queued prompt tokens (default: none)")
+    parser.add_argument(
+        "--watchdog-timeout",
+        type=_watchdog_seconds,
+        default=DEFAULT_WATCHDOG_TIMEOUT,
+        help="seconds a model step may run before it is declared hung: its requests fail, the engine goes on "
+        f"on a fresh step thread and /health reports it; 0 turns the watchdog off (default: {DEFAULT_WATCHDOG_TIMEOUT:g})",
+    )
     add_engine_options(parser, several_models=True)
     return parser
 
@@ -129,7 +149,11 @@ def server_config_from_args(args: argparse.Namespace):
 
     specs = [_model_spec(text) for text in args.model or []] or [ModelSpec.from_path(None)]
     engine = engine_config_from_args(
-        args, model=None, max_queued_requests=args.max_queued_requests, max_queued_tokens=args.max_queued_tokens
+        args,
+        model=None,
+        max_queued_requests=args.max_queued_requests,
+        max_queued_tokens=args.max_queued_tokens,
+        watchdog_timeout=args.watchdog_timeout or None,  # 0: off
     )
     return ServerConfig(
         engine=engine,

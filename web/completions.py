@@ -22,6 +22,7 @@ import trio
 from quart import Response, g, request
 
 from trioserve.actors.engine import RequestStream
+from trioserve.actors.errors import RequestFailed
 
 from .body import request_json
 from .errors import ApiError, RequestTimeout, from_exception
@@ -37,7 +38,12 @@ TIMEOUT_HEADER = "X-Request-Timeout"
 
 
 def translate(exc: Exception) -> ApiError:
-    """The API error for an exception of the engine or the actors."""
+    """The API error for an exception of the engine or the actors. A
+    request failed by an engine fault (docs/reliability.md) gets a 500 whose
+    code names the fault and whose message holds no inner error text."""
+    if isinstance(exc, RequestFailed):
+        log.error("request %s failed: %s", exc.request_id, exc)
+        return ApiError(500, exc.public_message, type="server_error", code=exc.code)
     error = from_exception(exc)
     if error.status >= 500:
         log.error("request failed: %s: %s", type(exc).__name__, exc)
