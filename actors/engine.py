@@ -425,7 +425,10 @@ async def open_engine(
         core.release_in_process = False  # the allocator actor owns the pool
         admission = AdmissionQueue(config.max_queued_requests, config.max_queued_tokens)
         allocator = AllocatorActor(core.block_manager)
-        executor_actor = ModelExecutor(core.runner, step_thread) if executor is None else executor(core)
+        if executor is None:
+            executor_actor: Executor = ModelExecutor(core.runner, step_thread, watchdog_timeout=config.watchdog_timeout)
+        else:
+            executor_actor = executor(core)
         engine = Engine(core, admission, allocator, executor_actor, max_buffered_outputs=max_buffered_outputs)
         concurrency = None
         if config.adaptive_concurrency:

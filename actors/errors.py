@@ -37,12 +37,29 @@ class DuplicateRequestError(InvalidRequestError):
 
 
 class RequestFailed(EngineError):
-    """The model step that ran this request raised; the request is over and
-    its KV blocks are freed. Other requests are unaffected."""
+    """The request ended on a fault of the engine, not of the request: its
+    model step raised or hung past the watchdog, the step thread died, or
+    the detokenizer failed on its output. The request is over and its KV
+    blocks are freed (after a hung step, once that step returns). Other
+    requests are unaffected.
 
-    def __init__(self, message: str, *, request_id: str) -> None:
+    ``code`` names the fault (``step_failed``, ``step_hung``,
+    ``step_thread_died``, ``detokenizer_failed``); ``public_message`` says
+    what happened without the inner error's text (which may hold file
+    paths), for answers to clients. ``str()`` includes that text.
+    """
+
+    def __init__(
+        self, message: str, *, request_id: str, code: str = "step_failed", public_message: str | None = None
+    ) -> None:
         super().__init__(message)
         self.request_id = request_id
+        self.code = code
+        self.public_message = public_message or message
+
+
+class StepHung(EngineError):
+    """A model step did not return within the executor's watchdog timeout."""
 
 
 class ExpensiveRequestRefused(EngineOverloaded):

@@ -1,34 +1,55 @@
-"""The executor actor: runs the model step, one at a time.
+"""The executor actor: runs the model step, one at a time, under a watchdog.
 
 ``ModelExecutor`` runs ``ModelRunner.execute`` on the engine's
 ``StepThread`` (one long-lived thread for all its torch work; see
 ``trioserve.engine.step_thread``), so the event loop goes on admitting,
-aborting and delivering while the step computes. A
-step is not cancellable once started: its thread finishes, and aborts are
-applied after it. An exception in the step becomes ``StepFailed`` (only that
-step's requests fail); the actor keeps serving.
+aborting and delivering while the step computes. A step is not cancellable
+once started: its thread finishes, and aborts are applied after it.
+
+Faults (docs/reliability.md):
+
+- a step that raises becomes ``StepFailed``: only that step's requests
+  fail; the actor keeps serving;
+- a step that does not return within ``watchdog_timeout`` seconds is
+  *hung*: the actor answers ``StepFailed`` with a ``StepHung`` error and a
+  ``released`` event, and stops waiting for it. A thread cannot be killed,
+  and the hung step may still write its requests' KV blocks when it wakes,
+  so the scheduler keeps those blocks quarantined until ``released`` is set
+  (the step returned). ``ModelExecutor`` abandons the hung thread and runs
+  the next steps on a fresh one (the weights are only read, so two threads
+  may run the model at once);
+- a step thread that died (``StepThreadDied``) fails the step it was
+  running and is replaced; one found closed or dead before a step is
+  replaced and the step runs on the new thread, so no request is affected.
 
 ``FakeExecutor`` awaits ``trio.sleep`` instead of computing and answers
-deterministic tokens, so tests can drive the engine on trio's
-``autojump_clock`` (a worker thread would make virtual time jump while it
-runs).
+deterministic tokens, so tests can drive the engine, its faults included,
+on trio's ``autojump_clock`` (a worker thread would make virtual time jump
+while it runs).
 """
 
 from __future__ import annotations
 
 import abc
+import logging
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
+import outcome
 import trio
 
+from trioserve.engine.faults import Fault
 from trioserve.engine.model_runner import RunnerOutput
 from trioserve.engine.scheduler import ScheduledChunk, SchedulerOutput
-from trioserve.engine.step_thread import StepThread
+from trioserve.engine.step_thread import StepThread, StepThreadClosed, StepThreadDied
 
+from .errors import StepHung
 from .messages import RunStep, StepDone, StepFailed
 from .statistics import ExecutorStatistics
 from .step_calls import run_in_step_thread
+
+log = logging.getLogger(__name__)
 
 # One step in flight: the scheduler plans the next step from this one's tokens.
 INBOX_CAPACITY = 1
@@ -39,14 +60,27 @@ class Runner(Protocol):
 
 
 class Executor(abc.ABC):
-    """The actor loop shared by the real and the fake executor."""
+    """The actor loop shared by the real and the fake executor.
 
-    def __init__(self) -> None:
+    ``watchdog_timeout``: seconds a step may run before it is declared hung
+    (None: never).
+    """
+
+    def __init__(self, *, watchdog_timeout: float | None = None) -> None:
+        if watchdog_timeout is not None and not watchdog_timeout > 0:
+            raise ValueError(f"watchdog_timeout must be > 0, got {watchdog_timeout!r}")
+        self.watchdog_timeout = watchdog_timeout
         self._num_steps = 0
         self._num_failed = 0
+        self._num_hung = 0
+        self._num_restarts = 0
         self._busy = 0.0
         self._last = 0.0
         self._in_flight = False
+        self._last_fault: Fault | None = None
+        self._steps: trio.Nursery | None = None
+        # The cancel scopes of hung steps that have not returned yet.
+        self._hung: set[trio.CancelScope] = set()
 
     async def run(
         self,
@@ -55,24 +89,73 @@ class Executor(abc.ABC):
         task_status: trio.TaskStatus[trio.MemorySendChannel[RunStep]] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Answer each ``RunStep`` on ``replies``; return when the scheduler
-        closes the inbox."""
+        closes the inbox (without waiting for hung steps)."""
         inbox_send, inbox = trio.open_memory_channel[RunStep](INBOX_CAPACITY)
+        # The channels close last, once the error (if any) is ready to
+        # leave: the scheduler then finds the engine cancelled, not a
+        # vanished executor.
         with inbox, replies:
-            task_status.started(inbox_send)
-            async for message in inbox:
-                await replies.send(await self._step(message))
+            try:
+                async with trio.open_nursery() as steps:
+                    self._steps = steps
+                    try:
+                        task_status.started(inbox_send)
+                        async for message in inbox:
+                            await replies.send(await self._step(message))
+                    finally:
+                        # Every step is answered or hung by now: stop waiting for the hung.
+                        for scope in self._hung:
+                            scope.shield = False
+                            scope.cancel()
+            except BaseExceptionGroup as group:
+                # The steps' nursery is this actor's own business: an error
+                # leaves it as it would leave a plain loop.
+                if len(group.exceptions) == 1:
+                    raise group.exceptions[0] from None
+                raise
 
     async def _step(self, message: RunStep) -> StepDone | StepFailed:
+        assert self._steps is not None
         self._in_flight = True
         start = trio.current_time()
-        try:
-            output = await self.execute(message.plan, message.states)
-        except Exception as exc:
+        returned = trio.Event()
+        result: list[outcome.Outcome[RunnerOutput]] = []
+        # Shielded: a step is not abandoned when the engine is cancelled,
+        # only by the watchdog (which cancels this scope).
+        scope = trio.CancelScope(shield=True)
+
+        async def run_step() -> None:
+            with scope:
+                try:
+                    result.append(outcome.Value(await self.execute(message.plan, message.states)))
+                except Exception as exc:
+                    result.append(outcome.Error(exc))
+            if scope in self._hung:
+                self._hung.discard(scope)
+                log.warning("the hung step %d returned after %.1f s", message.step_id, trio.current_time() - start)
+            returned.set()
+
+        self._steps.start_soon(run_step)
+        with trio.CancelScope(shield=True):
+            with trio.move_on_after(math.inf if self.watchdog_timeout is None else self.watchdog_timeout):
+                await returned.wait()
+        self._in_flight = False
+        seconds = self._account(start)
+        if not result:
+            self._hung.add(scope)
+            self._num_hung += 1
+            error = StepHung(f"the model step did not return within the watchdog timeout ({self.watchdog_timeout:g} s)")
+            self._fault("step_hung", str(error))
+            self.step_hung()
+            return StepFailed(message.step_id, error, seconds, released=returned)
+        if isinstance(result[0], outcome.Error):
+            error = result[0].error
             self._num_failed += 1
-            return StepFailed(message.step_id, exc, self._account(start))
-        finally:
-            self._in_flight = False
-        return StepDone(message.step_id, output, self._account(start))
+            died = isinstance(error, (StepThreadDied, StepThreadClosed))
+            self._fault("step_thread_died" if died else "step_failed", f"the model step failed: {type(error).__name__}")
+            self.step_failed(error)
+            return StepFailed(message.step_id, error, seconds)
+        return StepDone(message.step_id, result[0].unwrap(), seconds)
 
     def _account(self, start: float) -> float:
         seconds = trio.current_time() - start
@@ -81,9 +164,21 @@ class Executor(abc.ABC):
         self._last = seconds
         return seconds
 
+    def _fault(self, kind: str, message: str) -> None:
+        self._last_fault = Fault(kind, message)
+        log.error("%s", message)
+
     @abc.abstractmethod
     async def execute(self, plan: SchedulerOutput, states: Mapping[str, Any]) -> RunnerOutput:
-        """Run one step and return its sampled tokens."""
+        """Run one step and return its sampled tokens. A cancel (only ever
+        the watchdog's, at shutdown, for a hung step) must return promptly."""
+
+    def step_hung(self) -> None:
+        """The step in flight hung past the watchdog and is left behind:
+        make ready for the next one."""
+
+    def step_failed(self, error: Exception) -> None:
+        """The step raised ``error``: recover if it says the worker is gone."""
 
     def statistics(self) -> ExecutorStatistics:
         return ExecutorStatistics(
@@ -92,6 +187,10 @@ class Executor(abc.ABC):
             busy_seconds=self._busy,
             last_step_seconds=self._last,
             step_in_flight=self._in_flight,
+            num_hung_steps=self._num_hung,
+            num_hung_steps_running=len(self._hung),
+            num_thread_restarts=self._num_restarts,
+            last_fault=self._last_fault,
         )
 
 
@@ -99,14 +198,18 @@ class ModelExecutor(Executor):
     """Runs ``runner.execute`` on ``step_thread``, one step at a time.
 
     ``runner.execute`` enters ``torch.inference_mode`` itself (grad mode is
-    per thread). A step is never abandoned: it has side effects on the KV
-    cache, so a cancel waits for it to finish.
+    per thread). A step is never abandoned except by the watchdog: it has
+    side effects on the KV cache, so a cancel waits for it to finish.
     """
 
-    def __init__(self, runner: Runner, step_thread: StepThread | None = None) -> None:
+    def __init__(
+        self, runner: Runner, step_thread: StepThread | None = None, *, watchdog_timeout: float | None = None
+    ) -> None:
         """``step_thread``: the thread that loaded the model (None: a thread
-        of the executor's own, closed when ``run`` returns)."""
-        super().__init__()
+        of the executor's own). Threads the executor starts are its own and
+        closed when ``run`` returns; a replaced thread is left to whoever
+        made it (closing an abandoned one does not wait)."""
+        super().__init__(watchdog_timeout=watchdog_timeout)
         self.runner = runner
         self._owns_thread = step_thread is None
         self.step_thread = StepThread() if step_thread is None else step_thread
@@ -119,7 +222,28 @@ class ModelExecutor(Executor):
                 self.step_thread.close()  # no step is in flight: they are not cancellable
 
     async def execute(self, plan: SchedulerOutput, states: Mapping[str, Any]) -> RunnerOutput:
-        return await run_in_step_thread(self.step_thread, self.runner.execute, plan, states)
+        if not self.step_thread.usable:
+            # Closed or dead between steps: this step has not run, so it
+            # runs on a fresh thread and no request notices.
+            self._replace_thread(f"the step thread was found {'dead' if not self.step_thread.alive else 'closed'}")
+        return await run_in_step_thread(self.step_thread, self.runner.execute, plan, states, abandon_on_cancel=True)
+
+    def step_hung(self) -> None:
+        self.step_thread.abandon()
+        self._replace_thread("the step thread is hung in a step")
+
+    def step_failed(self, error: Exception) -> None:
+        if isinstance(error, (StepThreadDied, StepThreadClosed)):
+            self._replace_thread(f"the step thread ended during a step ({type(error).__name__})")
+
+    def _replace_thread(self, why: str) -> None:
+        old = self.step_thread
+        if self._owns_thread and not old.abandoned:
+            old.close()  # closed or dead: nothing runs there
+        self.step_thread = old.fresh()
+        self._owns_thread = True
+        self._num_restarts += 1
+        log.warning("%s; the next steps run on a new step thread", why)
 
 
 def fake_token(chunk: ScheduledChunk, vocab_size: int) -> int:
@@ -134,8 +258,10 @@ class FakeExecutor(Executor):
     """Sleeps ``step_time + token_time * num_batched_tokens`` (trio time)
     and samples ``token(chunk)`` for each sampling chunk.
 
-    ``fail(step_index, plan)`` may return an exception to raise from that
-    step (injected failures); ``step_index`` counts from 0.
+    Injected faults, by ``step_index`` (counting from 0): ``fail(step_index,
+    plan)`` may return an exception to raise from that step; ``delay(
+    step_index, plan)`` may return extra seconds that step takes (past the
+    watchdog: a hung step).
     """
 
     def __init__(
@@ -146,19 +272,23 @@ class FakeExecutor(Executor):
         token_time: float = 0.0,
         token: Callable[[ScheduledChunk], int] | None = None,
         fail: Callable[[int, SchedulerOutput], Exception | None] | None = None,
+        delay: Callable[[int, SchedulerOutput], float] | None = None,
+        watchdog_timeout: float | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(watchdog_timeout=watchdog_timeout)
         self.step_time = step_time
         self.token_time = token_time
         self._token = token or (lambda chunk: fake_token(chunk, vocab_size))
         self._fail = fail
+        self._delay = delay
         self._index = 0
         self.plans: list[SchedulerOutput] = []  # every plan run, for tests
 
     async def execute(self, plan: SchedulerOutput, states: Mapping[str, Any]) -> RunnerOutput:
         index, self._index = self._index, self._index + 1
         self.plans.append(plan)
-        await trio.sleep(self.step_time + self.token_time * plan.num_batched_tokens)
+        extra = 0.0 if self._delay is None else self._delay(index, plan)
+        await trio.sleep(self.step_time + self.token_time * plan.num_batched_tokens + extra)
         if self._fail is not None and (error := self._fail(index, plan)) is not None:
             raise error
         sampled = {c.request.request_id: self._token(c) for c in plan.chunks if c.samples}

@@ -9,7 +9,7 @@ Who sends what to whom (see docs/architecture.md for capacities):
   ``RequestOutput`` (the engine core's value), ``Paused``, ``Failed``.
 - scheduler -> allocator: ``Allocate``; allocator -> scheduler: ``KVResult``.
 - scheduler -> executor: ``RunStep``; executor -> scheduler: ``StepDone`` or
-  ``StepFailed``.
+  ``StepFailed`` (a step that raised, or hung past the watchdog).
 """
 
 from __future__ import annotations
@@ -125,8 +125,16 @@ class StepDone:
 
 @attrs.frozen
 class StepFailed:
-    """The step raised; ``error`` is the exception (its requests fail)."""
+    """The step raised, or hung past the watchdog; ``error`` is the
+    exception (its requests fail).
+
+    ``released`` is set for a hung step only: the step is still running in
+    an abandoned thread and may still write its requests' KV blocks, so
+    their blocks stay quarantined (held, never reused) until this event is
+    set, when the step has returned.
+    """
 
     step_id: int
     error: Exception = attrs.field(eq=False)
     seconds: float
+    released: trio.Event | None = attrs.field(default=None, eq=False)

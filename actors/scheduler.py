@@ -35,7 +35,8 @@ import trio
 
 from trioserve.engine.engine_core import EngineCore
 from trioserve.engine.errors import InvalidRequestError
-from trioserve.engine.kv_batch import KVResult
+from trioserve.engine.kv_batch import KVBatch, KVResult
+from trioserve.engine.step_thread import StepThreadClosed, StepThreadDied
 from trioserve.engine.model_runner import RunnerOutput
 from trioserve.engine.outputs import RequestOutput
 from trioserve.engine.scheduler import SchedulerOutput
@@ -43,7 +44,7 @@ from trioserve.engine.sequence import FinishReason
 
 from .admission import AdmissionQueue
 from .concurrency import AdaptiveConcurrency
-from .errors import QueueTimeout, RequestFailed
+from .errors import QueueTimeout, RequestFailed, StepHung
 from .messages import Abort, AbortAll, AddRequest, Allocate, Failed, Paused, Resume, RunStep, StepDone, StepFailed
 from .request import final_output
 from .statistics import RateMeter, SchedulerActorStatistics
@@ -51,6 +52,17 @@ from .statistics import RateMeter, SchedulerActorStatistics
 __all__ = ["AdmissionQueue", "SchedulerActor"]
 
 _NO_OUTPUT = RunnerOutput(sampled={}, logprobs={})
+
+
+@attrs.define(eq=False)
+class _Quarantine:
+    """The requests of a hung step: their blocks are held (their frees
+    withheld from the pool) until ``released`` is set, when the step has
+    returned and can write nothing more."""
+
+    released: trio.Event
+    children: frozenset[str]  # sequence ids, as the pool knows them
+    num_blocks: int
 
 
 @attrs.define(eq=False)
@@ -132,6 +144,9 @@ class SchedulerActor:
         self._request_rate = RateMeter(rate_window, now)
         self._total_prompt = 0
         self._total_generation = 0
+        self._nursery: trio.Nursery | None = None
+        self._quarantine: list[_Quarantine] = []
+        self._withheld: set[str] = set()  # quarantined ids whose free the pool has not had
 
     # -- the actor --------------------------------------------------------------
 
@@ -152,6 +167,7 @@ class SchedulerActor:
         try:
             with control, allocator, kv_results, executor, step_results:
                 async with trio.open_nursery() as nursery:
+                    self._nursery = nursery
                     nursery.start_soon(self._control_loop, control)
                     nursery.start_soon(self._admission_loop)
                     task_status.started(control_send)
@@ -226,11 +242,13 @@ class SchedulerActor:
                 except (trio.EndOfChannel, trio.BrokenResourceError):
                     await self._lost("executor")
                 pending = self._process(plan, reply)
+                self._fail_detokenized()
                 if any(output.finish_reason is not None for output in pending):
                     self._release_needed = True  # their blocks go back with the next batch
             else:
                 self._deliver_all(pending)
                 pending = self.core.process_output(plan, _NO_OUTPUT)
+                self._fail_detokenized()
                 if not plan.finished and not plan.preempted:
                     # Nothing could run and nothing changed: wait for news
                     # rather than plan the same empty step again.
@@ -272,9 +290,10 @@ class SchedulerActor:
         scheduler = self.core.scheduler
         batch = scheduler.propose()
         self._release_needed = False
-        if batch.commits or batch.frees or batch.allocations:
+        sent = self._quarantined(batch) if self._quarantine or self._withheld else batch
+        if sent.commits or sent.frees or sent.allocations:
             try:
-                await allocator.send(Allocate(batch))
+                await allocator.send(Allocate(sent))
                 result = await kv_results.receive()
             except (trio.EndOfChannel, trio.BrokenResourceError):
                 await self._lost("allocator")
@@ -287,12 +306,18 @@ class SchedulerActor:
 
     def _process(self, plan: SchedulerOutput, reply: StepDone | StepFailed) -> list[RequestOutput]:
         if isinstance(reply, StepFailed):
-            error = reply.error
-            message = f"the model step failed: {type(error).__name__}: {error}"
+            code, public = self._describe(reply.error)
+            message = public if code == "step_hung" else f"{public}: {reply.error}"
+            if reply.released is not None:
+                self._quarantine_step(plan, reply.released)
             for request_id in {self.core.parent_of(c.request.request_id) for c in plan.chunks}:
+                if request_id is None:
+                    continue
                 route = self._routes.get(request_id)
                 if route is not None:
-                    self._send(route, Failed(request_id, RequestFailed(message, request_id=request_id)))
+                    error = RequestFailed(message, request_id=request_id, code=code, public_message=public)
+                    error.__cause__ = reply.error
+                    self._send(route, Failed(request_id, error))
                     self._close_route(route, outcome="failed")
                 self.core.abort(request_id, FinishReason.ERROR)
                 self._release_needed = True
@@ -316,6 +341,80 @@ class SchedulerActor:
             scheduler.limit_running(self.concurrency.limit)
         return outputs
 
+    # -- faults: failed and hung steps, the detokenizer ----------------------------
+
+    @staticmethod
+    def _describe(error: Exception) -> tuple[str, str]:
+        """A failed step's fault code, and what to tell its requests'
+        clients: the error's class, never its text (it may hold paths)."""
+        if isinstance(error, StepHung):
+            return "step_hung", str(error)
+        if isinstance(error, (StepThreadDied, StepThreadClosed)):
+            return "step_thread_died", "the model step's thread died during the step"
+        return "step_failed", f"the model step failed ({type(error).__name__})"
+
+    def _quarantine_step(self, plan: SchedulerOutput, released: trio.Event) -> None:
+        """Hold the blocks of a hung step's sequences until it returns: it
+        may still write them, so they must not be reused before."""
+        children = frozenset(c.request.request_id for c in plan.chunks)
+        blocks = {block for c in plan.chunks for block in c.block_ids}
+        entry = _Quarantine(released, children, len(blocks))
+        self._quarantine.append(entry)
+        assert self._nursery is not None
+        self._nursery.start_soon(self._wait_released, entry)
+
+    async def _wait_released(self, entry: _Quarantine) -> None:
+        await entry.released.wait()
+        self._release_needed = True  # the withheld frees go with the next batch
+        self._wakeup.set()
+
+    def _quarantined(self, batch: KVBatch) -> KVBatch:
+        """``batch`` with the frees of quarantined sequences withheld, and
+        the withheld frees of released ones added."""
+        released = [q for q in self._quarantine if q.released.is_set()]
+        held: set[str] = set()
+        for entry in self._quarantine:
+            if entry.released.is_set():
+                continue
+            held |= entry.children
+        self._quarantine = [q for q in self._quarantine if not q.released.is_set()]
+        frees = []
+        for request_id in batch.frees:
+            if request_id in held:
+                self._withheld.add(request_id)
+            else:
+                frees.append(request_id)
+        for entry in released:
+            frees.extend(sorted(entry.children & self._withheld))
+            self._withheld -= entry.children
+        return attrs.evolve(batch, frees=frees)
+
+    def _in_quarantine(self, message: AddRequest) -> bool:
+        """Whether a sequence id of this request is still quarantined (the
+        pool would take it for the hung sequence's holding)."""
+        ids = [message.request_id]
+        if message.params.n > 1:
+            ids = [f"{message.request_id}/{i}" for i in range(message.params.n)]
+        return any(i in self._withheld or any(i in q.children for q in self._quarantine) for i in ids)
+
+    def _fail_detokenized(self) -> None:
+        """Tell the requests whose detokenizer failed (the core has ended them)."""
+        for request_id, error in self.core.take_failures().items():
+            route = self._routes.get(request_id)
+            if route is None:
+                continue
+            public = f"the detokenizer failed on this request's output ({type(error).__name__})"
+            failure = RequestFailed(f"{public}: {error}", request_id=request_id, code="detokenizer_failed", public_message=public)
+            failure.__cause__ = error
+            self._send(route, Failed(request_id, failure))
+            self._close_route(route, outcome="failed")
+            self._release_needed = True
+
+    @property
+    def num_quarantined_blocks(self) -> int:
+        """Blocks held for hung steps (until their frees reach the pool)."""
+        return sum(q.num_blocks for q in self._quarantine)
+
     # -- admission ----------------------------------------------------------------
 
     def _admit(self, message: AddRequest) -> None:
@@ -336,6 +435,15 @@ class SchedulerActor:
                 self._send(route, self._dropped(message, index, reason))
             self._close_route(route, outcome=self._outcome({reason}))
             return
+        if self._quarantine or self._withheld:
+            if self._in_quarantine(message):
+                error = InvalidRequestError(
+                    f"request id {message.request_id!r} is still in use (its earlier request's step hung)",
+                    field="request_id",
+                )
+                self._send(route, Failed(message.request_id, error))
+                self._close_route(route, outcome="failed")
+                return
         try:
             self.core.add_request(
                 message.request_id,
@@ -545,6 +653,10 @@ class SchedulerActor:
             total_prompt_tokens=self._total_prompt,
             total_generation_tokens=self._total_generation,
             num_queue_timeouts=self._counts["queue_timeout"],
+            num_quarantined_blocks=self.num_quarantined_blocks,
+            num_tokenizer_errors=self.core.num_tokenizer_errors,
+            num_detokenizer_errors=self.core.num_detokenizer_errors,
+            last_fault=self.core.last_fault,
         )
 
     def completion_rate(self) -> float:

@@ -8,6 +8,7 @@ import collections
 import attrs
 
 from trioserve.engine.kv_batch import KVBudget
+from trioserve.engine.faults import Fault
 
 
 @attrs.frozen
@@ -21,10 +22,14 @@ class AllocatorStatistics:
 @attrs.frozen
 class ExecutorStatistics:
     num_steps: int
-    num_failed_steps: int
+    num_failed_steps: int  # raised (the step thread dying included)
     busy_seconds: float  # summed wall time of the steps
     last_step_seconds: float
     step_in_flight: bool
+    num_hung_steps: int = 0  # declared hung by the watchdog, ever
+    num_hung_steps_running: int = 0  # of those, not returned yet (their threads still busy)
+    num_thread_restarts: int = 0  # step threads replaced (hung, died or found closed)
+    last_fault: Fault | None = None
 
 
 @attrs.frozen
@@ -48,6 +53,14 @@ class SchedulerActorStatistics:
     total_prompt_tokens: int
     total_generation_tokens: int
     num_queue_timeouts: int = 0  # dropped past max_queue_time, from the queue or waiting unscheduled
+
+    # Faults (docs/reliability.md): KV blocks held for hung steps, requests
+    # refused because the tokenizer raised, requests failed because the
+    # detokenizer raised, and the latest such fault.
+    num_quarantined_blocks: int = 0
+    num_tokenizer_errors: int = 0
+    num_detokenizer_errors: int = 0
+    last_fault: Fault | None = None
 
 
 @attrs.frozen

@@ -20,6 +20,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
 )
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+DEFAULT_WATCHDOG_TIMEOUT = 300.0
 
 
 def _required(hf: dict[str, Any], key: str, source: str) -> Any:
@@ -224,6 +225,11 @@ class EngineConfig:
     adaptive_concurrency: bool = False
     target_tpot_ms: float = attrs.field(default=100.0, validator=optional_positive_finite)
     degradation: DegradationPolicy = attrs.field(factory=DegradationPolicy)
+    # Seconds a model step may run before the executor declares it hung:
+    # its requests fail, their KV blocks are quarantined until it returns,
+    # and the next steps run on a fresh thread (docs/reliability.md). As
+    # SGLang's --watchdog-timeout (default 300 s there too); None: no watchdog.
+    watchdog_timeout: float | None = attrs.field(default=DEFAULT_WATCHDOG_TIMEOUT, validator=optional_positive_finite)
 
     def resolved_max_model_len(self, model_config: ModelConfig) -> int:
         """The context limit in force: the user's, capped by the model's."""

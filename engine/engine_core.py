@@ -21,7 +21,8 @@ import torch
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
-from .errors import InvalidRequestError
+from .errors import InvalidRequestError, TokenizerError
+from .faults import Fault
 from .kv_cache import KVCache, kv_bytes_per_block
 from .loader import LoadedModel, load_model
 from .model_runner import ModelRunner, RunnerOutput
@@ -124,6 +125,13 @@ class EngineCore:
         self._children: dict[str, tuple[str, ...]] = {}  # request id -> its completions' ids
         self._ended: list[Request] = []  # ended between steps, final output not yet reported
         self._held_siblings: dict[str, list[Request]] = {}  # n > 1: completions waiting for the first's prefill
+        # Faults of the tokenizer (at admission) and detokenizer (mid-stream):
+        # counted, the latest kept, and the detokenizer's failed requests
+        # queued for the caller (``take_failures``).
+        self.num_tokenizer_errors = 0
+        self.num_detokenizer_errors = 0
+        self.last_fault: Fault | None = None
+        self._failures: dict[str, Exception] = {}  # request id -> the detokenizer's error
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> EngineCore:
@@ -134,7 +142,30 @@ class EngineCore:
     # -- requests ---------------------------------------------------------
 
     def tokenize(self, prompt: Prompt) -> list[int]:
-        """Token ids of a prompt: text, token ids, or chat messages (templated)."""
+        """Token ids of a prompt: text, token ids, or chat messages (templated).
+
+        Raises ``InvalidRequestError`` naming the field; an exception from
+        inside the tokenizer becomes ``TokenizerError`` (the request is
+        refused, nothing else is affected).
+        """
+        try:
+            return self._tokenize(prompt)
+        except InvalidRequestError:
+            raise
+        except Exception as exc:
+            field = "prompt" if isinstance(prompt, str) or not prompt or not isinstance(prompt[0], dict) else "messages"
+            raise self._tokenizer_error(f"the tokenizer failed on this request's {field}", field, exc) from exc
+
+    def _tokenizer_error(self, message: str, field: str, exc: Exception) -> TokenizerError:
+        # The class name only: the exception's text may quote the prompt,
+        # which is never logged or echoed.
+        message = f"{message} ({type(exc).__name__})"
+        self.num_tokenizer_errors += 1
+        self.last_fault = Fault("tokenizer_failed", message)
+        log.warning("%s", message)
+        return TokenizerError(message, field=field)
+
+    def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt must not be empty", field="prompt")
@@ -192,6 +223,31 @@ class EngineCore:
                 arrival_time=arrival,
             )
             children.append(request)
+        completions = []
+        for index, request in enumerate(children):
+            params_i = request.sampling_params
+            try:
+                # Decodes the prompt's tail: the tokenizer may fail here too.
+                detokenizer = IncrementalDetokenizer(
+                    self.tokenizer,
+                    prompt_ids,
+                    skip_special_tokens=params_i.skip_special_tokens,
+                    stop=params_i.stop,
+                    include_stop_str_in_output=params_i.include_stop_str_in_output,
+                )
+            except Exception as exc:
+                raise self._tokenizer_error("the tokenizer failed to decode this request's prompt", "prompt", exc) from exc
+            completions.append(
+                _Completion(
+                    request=request,
+                    parent_id=request_id,
+                    index=index,
+                    detokenizer=detokenizer,
+                    sampling=SamplingState(
+                        params_i, request.prompt_token_ids, request.output_token_ids, request.eos_token_ids
+                    ),
+                )
+            )
         # Only the first completion is scheduled now (it is refused, too long
         # or never fitting, before anything is kept). Its siblings wait until
         # it has computed the prompt, so they find every full prompt block in
@@ -199,23 +255,8 @@ class EngineCore:
         self.scheduler.add_request(children[0])
         if len(children) > 1:
             self._held_siblings[request_id] = children[1:]
-        for index, request in enumerate(children):
-            params_i = request.sampling_params
-            self._completions[request.request_id] = _Completion(
-                request=request,
-                parent_id=request_id,
-                index=index,
-                detokenizer=IncrementalDetokenizer(
-                    self.tokenizer,
-                    prompt_ids,
-                    skip_special_tokens=params_i.skip_special_tokens,
-                    stop=params_i.stop,
-                    include_stop_str_in_output=params_i.include_stop_str_in_output,
-                ),
-                sampling=SamplingState(
-                    params_i, request.prompt_token_ids, request.output_token_ids, request.eos_token_ids
-                ),
-            )
+        for completion in completions:
+            self._completions[completion.request.request_id] = completion
         self._children[request_id] = tuple(r.request_id for r in children)
         return list(prompt_ids)
 
@@ -310,7 +351,11 @@ class EngineCore:
                 continue
             if completion.first_token is None:
                 completion.first_token = now
-            delta = completion.detokenizer.add_tokens([token_id])
+            try:
+                delta = completion.detokenizer.add_tokens([token_id])
+            except Exception as exc:
+                self._detokenizer_failed(completion, exc)
+                continue
             logprobs = (output.logprobs[request_id],) if request_id in output.logprobs else ()
             if delta.stop_str is not None:
                 if request_id in finished:
@@ -327,7 +372,48 @@ class EngineCore:
         if finished and self.release_in_process:
             # Return finished requests' blocks now, so an idle engine holds none.
             self._ended.extend(r for r in self.scheduler.free_finished(self.block_manager) if r.request_id in self._completions)
+        if self._failures:
+            self._end_failed()
         return outputs
+
+    # -- detokenizer faults -----------------------------------------------------
+
+    def _detokenizer_failed(self, completion: _Completion, exc: Exception) -> None:
+        if completion.parent_id in self._failures:
+            return
+        message = f"the detokenizer failed on this request's output ({type(exc).__name__})"
+        self.num_detokenizer_errors += 1
+        self.last_fault = Fault("detokenizer_failed", message)
+        log.warning("request %s: %s", completion.parent_id, message)
+        self._failures[completion.parent_id] = exc
+
+    def _end_failed(self) -> None:
+        """End every completion of the requests whose detokenizer failed:
+        unfinished ones with ``ERROR`` (their final outputs come with the
+        next step), finished ones at once (no output)."""
+        for parent_id in self._failures:
+            if self._children.get(parent_id) is None:
+                continue
+            self.abort(parent_id, FinishReason.ERROR)
+            for child_id in self._children[parent_id]:
+                completion = self._completions.get(child_id)
+                if completion is None or completion.request.finish_reason in (None, FinishReason.ERROR):
+                    continue  # reported already, or its ERROR output comes next step
+                self._forget(completion)
+
+    def take_failures(self) -> dict[str, Exception]:
+        """The requests whose detokenizer failed since the last call, with
+        the detokenizer's exception. Each is ended with ``ERROR`` already
+        (its output stops there); its caller should be told."""
+        failures, self._failures = self._failures, {}
+        return failures
+
+    def _forget(self, completion: _Completion) -> None:
+        request_id = completion.request.request_id
+        del self._completions[request_id]
+        siblings = self._children[completion.parent_id]
+        if all(child not in self._completions for child in siblings):
+            del self._children[completion.parent_id]
 
     def _admit_siblings(self, progressed: set[str]) -> None:
         """Schedule the held completions of requests whose first completion
@@ -343,17 +429,17 @@ class EngineCore:
         request = completion.request
         reason = request.finish_reason
         assert reason is not None, f"{request.request_id} reported finished without a reason"
-        if stop_str is None:
-            text += completion.detokenizer.finish()
+        if stop_str is None and reason is not FinishReason.ERROR:
+            try:
+                text += completion.detokenizer.finish()
+            except Exception as exc:
+                self._detokenizer_failed(completion, exc)
         stop_reason: str | int | None = stop_str
         if stop_reason is None and reason is FinishReason.STOP and request.output_token_ids:
             last = request.output_token_ids[-1]
             if last in request.sampling_params.stop_token_ids:
                 stop_reason = last
-        del self._completions[request.request_id]
-        siblings = self._children[completion.parent_id]
-        if all(child not in self._completions for child in siblings):
-            del self._children[completion.parent_id]
+        self._forget(completion)
         return self._output(completion, token_ids, text, logprobs, reason, stop_reason, now)
 
     def _output(self, completion, token_ids, text, logprobs, reason, stop_reason, now) -> RequestOutput:

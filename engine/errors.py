@@ -42,3 +42,12 @@ class CpuCapabilityError(ModelLoadError):
     The message names the dtype, path or setting and what the machine does
     support (see ``capability.CpuPaths``).
     """
+
+
+class TokenizerError(InvalidRequestError):
+    """The tokenizer failed on a request's prompt or messages (an exception
+    from inside the tokenizer, not a rule the request broke knowingly).
+
+    Only that request is refused; the message names the exception's class,
+    never its text, which may quote the prompt.
+    """

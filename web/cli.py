@@ -84,6 +84,17 @@ def _count(text: str) -> int:
     return value
 
 
+def _watchdog_seconds(text: str) -> float:
+    """Seconds > 0, or 0 for no watchdog."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds >= 0 (0: no watchdog), got {text!r}")
+    return value
+
+
 def _bytes(text: str) -> int:
     try:
         value = parse_memory(text)
@@ -199,6 +210,8 @@ def _model_spec(text: str):
 def build_serve_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """The options of ``trioserve serve``, added to ``parser`` (default: a
     new one). ``ServerConfig.from_env`` reads the same options."""
+    from trioserve.engine.config import DEFAULT_WATCHDOG_TIMEOUT
+
     from .settings import (
         DEFAULT_BODY_TIMEOUT,
         DEFAULT_KEEP_ALIVE_TIMEOUT,
@@ -262,6 +275,13 @@ def build_serve_parser(parser: argparse.ArgumentParser | None = None) -> argpars
     )
     parser.add_argument("--max-queued-tokens", type=int, default=None, help="bound on queued prompt tokens (default: none)")
     add_overload_options(parser)
+    parser.add_argument(
+        "--watchdog-timeout",
+        type=_watchdog_seconds,
+        default=DEFAULT_WATCHDOG_TIMEOUT,
+        help="seconds a model step may run before it is declared hung: its requests fail, the engine goes on "
+        f"on a fresh step thread and /health reports it; 0 turns the watchdog off (default: {DEFAULT_WATCHDOG_TIMEOUT:g})",
+    )
     add_engine_options(parser, several_models=True)
     return parser
 
@@ -277,6 +297,7 @@ def server_config_from_args(args: argparse.Namespace):
         max_queued_requests=args.max_queued_requests,
         max_queued_tokens=args.max_queued_tokens,
         **overload_config_from_args(args),
+        watchdog_timeout=args.watchdog_timeout or None,  # 0: off
     )
     return ServerConfig(
         engine=engine,

@@ -29,9 +29,9 @@ import trio
 from quart import Response, g, request
 
 from trioserve.actors.engine import RequestStream
-from trioserve.engine.errors import TrioserveError
-from trioserve.actors.errors import RequestDropped
+from trioserve.actors.errors import RequestDropped, RequestFailed
 from trioserve.actors.request import final_output
+from trioserve.engine.errors import TrioserveError
 from trioserve.engine.outputs import RequestOutput
 
 from .body import request_json
@@ -51,7 +51,12 @@ def translate(exc: Exception, *, log_requests: bool) -> ApiError:
     """The API error for an exception of the engine or the actors; a 5xx is
     logged. trioserve's own errors say nothing of the request; any other's
     message may quote it (a prompt), so it is logged only with
-    ``log_requests``."""
+    ``log_requests``. A request failed by an engine fault
+    (docs/reliability.md) gets a 500 whose code names the fault and whose
+    message holds no inner error text."""
+    if isinstance(exc, RequestFailed):
+        log.error("request %s failed: %s", exc.request_id, exc)
+        return ApiError(500, exc.public_message, type="server_error", code=exc.code)
     error = from_exception(exc)
     if error.status >= 500 and error.status != 503:  # 503s are overload or shutdown, not faults
         if log_requests or isinstance(exc, TrioserveError):

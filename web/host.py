@@ -24,6 +24,7 @@ from trioserve.engine.errors import TrioserveError
 from trioserve.engine.loader import LoadedModel
 
 from .errors import NotFoundError, ServiceUnavailable
+from .health import TaskCountCollector
 from .metrics import Metrics
 from .served import ServedModel
 from .settings import ServerConfig
@@ -75,6 +76,7 @@ class ModelHost:
         if self.config.engine.max_model_len is not None:
             limits = [min([self.config.engine.max_model_len, *limits])]
         self.metrics = Metrics(max_model_len=max(limits, default=DEFAULT_METRICS_MAX_MODEL_LEN))
+        self.metrics.registry.register(TaskCountCollector())
         for name in self.config.model_names:
             self.metrics.add_model(name)
 

@@ -19,6 +19,7 @@ from trioserve.engine.tokenizer import apply_chat_template
 from . import completions
 from .body import body_left_unread, read_body, request_json
 from .errors import ApiError, AuthenticationError, InternalError, InvalidRequest, NotFoundError, log_unexpected
+from .health import health_report
 from .host import HostState, ModelHost, current_host
 from .protocol import DetokenizeRequest, TokenizeRequest
 from .responses import error_response, json_response
@@ -100,7 +101,7 @@ async def health() -> Response:
         current_host().raise_unless_ready()
     except ApiError as error:
         return error_response(error)
-    return json_response({"status": "ready"})
+    return json_response(health_report(current_host()))
 
 
 async def metrics() -> Response:
