@@ -14,7 +14,8 @@ from typing import Any
 
 import trio
 
-from actor_fixtures import assert_clean, engine_config, tiny_loaded
+from actor_fixtures import assert_clean, tiny_loaded
+from trioserve.testing import engine_config
 from trioserve.actors import FakeExecutor, open_engine
 from trioserve.engine.outputs import RequestOutput
 from trioserve.engine.sampling_params import SamplingParams

@@ -19,7 +19,8 @@ import pytest
 import trio
 import trio.testing
 
-from actor_fixtures import assert_clean, engine_config, tiny_loaded
+from actor_fixtures import assert_clean, tiny_loaded
+from trioserve.testing import engine_config
 from fault_fixtures import (
     STEP,
     FaultyRunner,
@@ -85,7 +86,7 @@ async def test_a_hung_step_fails_its_requests_quarantines_their_blocks_and_the_e
         stats = engine.statistics()
         assert stats.executor.num_hung_steps == 1 and stats.executor.num_hung_steps_running == 1
         assert stats.scheduler.num_quarantined_blocks == len(quarantined) > 0
-        assert stats.allocator.num_free_blocks == stats.allocator.num_blocks - len(quarantined)
+        assert stats.allocator.kv.num_free_blocks == stats.allocator.kv.num_blocks - len(quarantined)
         assert model_health(stats)["degraded"] and model_health(stats)["last_error"]["kind"] == "step_hung"
         # The ids stay taken until the step returns: the pool knows them.
         _, refused = await expect_failure(engine, "again", request_id="hung")
@@ -104,7 +105,7 @@ async def test_a_hung_step_fails_its_requests_quarantines_their_blocks_and_the_e
         await trio.testing.wait_all_tasks_blocked()
         stats = engine.statistics()
         assert stats.executor.num_hung_steps_running == 0 and stats.scheduler.num_quarantined_blocks == 0
-        assert stats.allocator.num_free_blocks == stats.allocator.num_blocks
+        assert stats.allocator.kv.num_free_blocks == stats.allocator.kv.num_blocks
         assert not model_health(stats)["degraded"]
         assert (await collect(engine, "again", request_id="hung"))[-1].finish_reason is FinishReason.LENGTH
 
@@ -166,7 +167,7 @@ async def test_a_hung_real_step_is_abandoned_and_its_late_writes_corrupt_no_one(
             await wait_until(lambda: engine.statistics().scheduler.num_quarantined_blocks == 0)
         stats = engine.statistics()
         assert stats.executor.num_thread_restarts == 1 and stats.executor.num_hung_steps == 1
-        assert stats.allocator.num_free_blocks == stats.allocator.num_blocks
+        assert stats.allocator.kv.num_free_blocks == stats.allocator.kv.num_blocks
     assert_clean(engine.core)
 
 
@@ -289,7 +290,7 @@ async def test_a_detokenizer_fault_mid_stream_fails_only_that_request(autojump_c
         await trio.testing.wait_all_tasks_blocked()
         stats = engine.statistics()
         assert stats.scheduler.num_detokenizer_errors == 1 and stats.scheduler.num_failed == 1
-        assert stats.allocator.num_free_blocks == stats.allocator.num_blocks
+        assert stats.allocator.kv.num_free_blocks == stats.allocator.kv.num_blocks
     assert_clean(engine.core)
 
 
