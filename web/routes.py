@@ -64,9 +64,11 @@ async def check_api_key_and_read_body() -> None:
     if config.api_key is not None and request.path not in OPEN_PATHS:
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         # compare_digest: the time taken says nothing about how much matched.
-        # Compared as UTF-8 bytes: any header text is comparable then.
-        given = token.strip().encode("utf-8", "surrogateescape")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given, config.api_key.encode()):
+        # As bytes: the header's as the client sent them (quart decoded
+        # them as Latin-1), the key's in UTF-8 (as argv gave them).
+        given = token.strip().encode("latin-1")
+        expected = config.api_key.encode("utf-8", "surrogateescape")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given, expected):
             raise AuthenticationError()
     await read_body(config.max_body_size, config.body_timeout)
     if config.log_requests and g.body:

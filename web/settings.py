@@ -61,6 +61,12 @@ class ModelSpec:
         return cls(source.stem if source.is_file() else source.resolve().name, path)
 
 
+def _nonempty(instance: object, attribute: attrs.Attribute, value: str | None) -> None:
+    # An empty key would let "Authorization: Bearer " through.
+    if value is not None and not value:
+        raise ValueError(f"{attribute.name} must not be empty (omit it for no key)")
+
+
 def _unique_names(instance: object, attribute: attrs.Attribute, value: tuple[ModelSpec, ...]) -> None:
     if not value:
         raise ValueError("models must name at least one model")
@@ -94,7 +100,7 @@ class ServerConfig:
     models: tuple[ModelSpec, ...] = attrs.field(
         default=(ModelSpec(DEFAULT_MODEL_NAME, None),), converter=tuple, validator=_unique_names
     )
-    api_key: str | None = None
+    api_key: str | None = attrs.field(default=None, validator=_nonempty)
     max_request_time: float | None = attrs.field(default=None, validator=optional_positive)
     shutdown_timeout: float = attrs.field(default=DEFAULT_SHUTDOWN_TIMEOUT, validator=positive)
     max_body_size: int = attrs.field(default=DEFAULT_MAX_BODY_SIZE, validator=positive)

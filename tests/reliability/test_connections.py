@@ -24,7 +24,8 @@ import trio.testing
 
 from actor_fixtures import tiny_loaded
 from raw_http import FAIL_SAFE, RawConnection, request
-from server_fixtures import Server, parse_sse, server_config, serving
+from server_fixtures import STARTUP_TIMEOUT, Server, parse_sse, server_config, serving
+from trioserve.web import serve as serve_module
 from trioserve.web.app import create_app
 from trioserve.web.connections import ClientStream, ConnectionGate, ConnectionLimits, ConnectionStatistics
 
@@ -83,7 +84,9 @@ async def test_keep_alive_serves_requests_then_closes_when_idle():
             response = await connection.response()
             assert response.status == 200 and "connection" not in response.headers
         idle = await connection.wait_closed()
-        assert idle >= SHORT * 0.9  # not before its time (the clocks may differ by a hair)
+        # Not at once (the client's clock starts after the server's timer,
+        # by however long a loaded machine takes to read the response).
+        assert idle >= SHORT / 2
 
 
 async def test_a_connection_without_a_whole_request_is_closed_after_the_idle_timeout():
@@ -110,7 +113,7 @@ async def test_a_body_that_stops_arriving_gets_408_and_the_connection_closes(chu
             await connection.send(f"{head}Content-Length: {len(COMPLETION)}\r\n\r\n".encode() + COMPLETION[:10])
         started = trio.current_time()
         response = await connection.response()
-        assert trio.current_time() - started >= SHORT * 0.9
+        assert trio.current_time() - started >= SHORT / 2  # not at once (see above)
         assert response.status == 408 and response.headers["connection"] == "close"
         error = response.json()["error"]
         assert (error["type"], error["code"]) == ("timeout_error", "body_timeout")
@@ -236,12 +239,16 @@ async def test_send_timeout_leaves_a_slow_but_reading_client_alone(autojump_cloc
 # -- shutdown --------------------------------------------------------------------
 
 
-async def test_shutdown_closes_idle_connections_at_once():
-    with trio.fail_after(FAIL_SAFE):
+async def test_shutdown_closes_idle_connections_at_once(monkeypatch):
+    # Nothing else may close the connection within the fail-safe: not the
+    # idle timer, nor the sweep of lingering connections once the engines
+    # have stopped (CLOSE_GRACE), nor the graceful timeout (15 s here).
+    monkeypatch.setattr(serve_module, "CLOSE_GRACE", LONG)
+    with trio.fail_after(STARTUP_TIMEOUT) as bound:
         async with tiny_server(keep_alive_timeout=LONG) as server:
             connection = await RawConnection.open(server.url)
             await connection.send(request("GET", "/health"))
             assert (await connection.response()).status == 200
-        # The server has stopped (the block above ended well before the
-        # idle timeout), and the idle connection went with it.
+            bound.deadline = trio.current_time() + FAIL_SAFE  # from here: the shutdown
+        # The server has stopped, and the idle connection went with it.
         await connection.wait_closed()

@@ -13,7 +13,7 @@ serve normally afterwards, with nothing left running.
 The server runs a tiny random-weight model with the default model's real
 tokenizer and chat template, so requests that happen to be valid cost
 little. ``TRIOSERVE_FUZZ_EXAMPLES`` sets the examples per family (default
-300, about a minute for the three families); the number of requests tried is
+500, about 40 s for the three families); the number of requests tried is
 printed at the end.
 """
 

@@ -107,8 +107,29 @@ async def test_api_key_is_compared_in_constant_time(monkeypatch):
         # A key that is not ASCII is compared like any other (as bytes), and refused.
         odd = await http.get("/v1/models", headers={"Authorization": b"Bearer \xff\xfe"})
         assert_error(odd, 401, "invalid_api_key")
-    assert [given for given, _ in compared] == [KEY.encode(), b"nope", "ÿþ".encode()]
+    # The bytes the client sent, as sent.
+    assert [given for given, _ in compared] == [KEY.encode(), b"nope", b"\xff\xfe"]
     assert {expected for _, expected in compared} == {KEY.encode()}
+
+
+async def test_a_key_that_is_not_ascii_is_accepted_as_its_utf8_bytes():
+    key = "clé-ключ"
+    async with tiny_server(api_key=key) as server, httpx.AsyncClient(base_url=server.url) as http:
+        right = await http.get("/v1/models", headers={"Authorization": b"Bearer " + key.encode()})
+        assert right.status_code == 200, right.text
+        # Its UTF-8 bytes read as Latin-1 and encoded again are not the key.
+        twice = key.encode().decode("latin-1").encode()
+        wrong = await http.get("/v1/models", headers={"Authorization": b"Bearer " + twice})
+        assert_error(wrong, 401, "invalid_api_key")
+
+
+def test_an_empty_api_key_is_refused_at_startup():
+    # An empty key would let "Authorization: Bearer " with no key through.
+    with pytest.raises(ValueError, match="api_key must not be empty"):
+        ServerConfig(api_key="")
+    with pytest.raises(ValueError, match="api_key must not be empty"):
+        ServerConfig.from_env({"TRIOSERVE_API_KEY": ""})
+    assert ServerConfig(api_key="k").api_key == "k" and ServerConfig().api_key is None
 
 
 async def test_a_request_without_the_key_is_refused_before_its_body_is_read():
