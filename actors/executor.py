@@ -152,7 +152,7 @@ class Executor(abc.ABC):
             error = result[0].error
             self._num_failed += 1
             died = isinstance(error, (StepThreadDied, StepThreadClosed))
-            self._fault("step_thread_died" if died else "step_failed", f"the model step failed: {type(error).__name__}")
+            self._fault("step_thread_died" if died else "step_failed", f"the model step failed: {type(error).__name__}", error)
             self.step_failed(error)
             return StepFailed(message.step_id, error, seconds)
         return StepDone(message.step_id, result[0].unwrap(), seconds)
@@ -164,9 +164,9 @@ class Executor(abc.ABC):
         self._last = seconds
         return seconds
 
-    def _fault(self, kind: str, message: str) -> None:
+    def _fault(self, kind: str, message: str, error: Exception | None = None) -> None:
         self._last_fault = Fault(kind, message)
-        log.error("%s", message)
+        log.error("%s", message, exc_info=error)
 
     @abc.abstractmethod
     async def execute(self, plan: SchedulerOutput, states: Mapping[str, Any]) -> RunnerOutput:

@@ -171,6 +171,21 @@ async def test_a_hung_real_step_is_abandoned_and_its_late_writes_corrupt_no_one(
     assert_clean(engine.core)
 
 
+async def test_an_engine_with_a_step_hung_for_good_still_shuts_down():
+    runners: list[FaultyRunner] = []
+    make = faulty_executor(runners, lambda plan: "hang" if prompt_has(plan, MARK) else None, watchdog_timeout=WATCHDOG)
+    try:
+        with trio.fail_after(60):
+            async with open_engine(engine_config(), loaded=tiny_loaded(), executor=make) as engine:
+                _, failure = await expect_failure(engine, [1, *MARK], greedy(4))
+                assert failure.code == "step_hung"
+                assert (await collect(engine, [3, 4, 5], greedy(4)))[-1].finish_reason is FinishReason.LENGTH
+            # Left without waiting for the hung step (nor its blocks).
+        assert runners[0].hung_thread.is_alive() and runners[0].hung_thread.daemon
+    finally:
+        runners[0].release.set()
+
+
 async def test_a_step_thread_that_dies_fails_its_step_and_is_replaced():
     runners: list[FaultyRunner] = []
     died = []
@@ -413,3 +428,20 @@ async def test_tokenizer_and_detokenizer_faults_over_http(default_loaded, monkey
         assert (model["tokenizer_errors"], model["detokenizer_errors"]) == (1, 1)
         assert model["last_error"]["kind"] == "detokenizer_failed"
         assert (await wait_idle(http))["trioserve:kv_cache_usage_perc"] == 0
+
+
+def test_the_watchdog_flag_and_its_environment_variable():
+    from trioserve.engine.config import DEFAULT_WATCHDOG_TIMEOUT, EngineConfig
+    from trioserve.web.cli import build_serve_parser, server_config_from_args
+    from trioserve.web.settings import ServerConfig
+
+    parse = build_serve_parser().parse_args
+    assert server_config_from_args(parse([])).engine.watchdog_timeout == DEFAULT_WATCHDOG_TIMEOUT == 300
+    assert server_config_from_args(parse(["--watchdog-timeout", "12.5"])).engine.watchdog_timeout == 12.5
+    assert server_config_from_args(parse(["--watchdog-timeout", "0"])).engine.watchdog_timeout is None
+    assert ServerConfig.from_env({"TRIOSERVE_WATCHDOG_TIMEOUT": "7"}).engine.watchdog_timeout == 7
+    for bad in ("-1", "nan", "soon"):
+        with pytest.raises(SystemExit):
+            parse(["--watchdog-timeout", bad])
+    with pytest.raises(ValueError, match="watchdog_timeout"):
+        EngineConfig(watchdog_timeout=float("nan"))
