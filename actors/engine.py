@@ -42,7 +42,7 @@ from .messages import AbortAll, AddRequest, StepDone, StepFailed
 from .request import RequestActor
 from .scheduler import SchedulerActor
 from .step_calls import run_in_step_thread
-from .statistics import EngineStatistics, OverloadStatistics
+from .statistics import EngineStatistics, OverloadStatistics, SchedulerActorStatistics
 
 DEFAULT_MAX_BUFFERED_OUTPUTS = 64
 
@@ -319,9 +319,11 @@ class Engine:
     # -- the engine -------------------------------------------------------------------
 
     def statistics(self) -> EngineStatistics:
-        """Queue lengths, running, KV usage, prefix hit rate, throughput."""
+        """Queue lengths, running, KV usage, prefix hit rate, throughput,
+        and what overload control did."""
         self._reap()
         assert self._scheduler is not None
+        scheduler = self._scheduler.statistics()
         return EngineStatistics(
             num_queued=self._admission.num_queued,
             num_queued_tokens=self._admission.num_queued_tokens,
@@ -332,13 +334,13 @@ class Engine:
             num_reserved_ids=len(self._live),
             num_deadline_unqueued=self._num_deadline_unqueued,
             num_cancelled_unqueued=self._num_cancelled_unqueued,
-            scheduler=self._scheduler.statistics(),
+            scheduler=scheduler,
             allocator=self._allocator.statistics(),
             executor=self._executor.statistics(),
-            overload=self._overload_statistics(),
+            overload=self._overload_statistics(scheduler),
         )
 
-    def _overload_statistics(self) -> OverloadStatistics:
+    def _overload_statistics(self, scheduler: SchedulerActorStatistics) -> OverloadStatistics:
         assert self._scheduler is not None
         concurrency = self._scheduler.concurrency
         degradation = self._degradation
@@ -346,7 +348,7 @@ class Engine:
             pressure=self._admission.pressure,
             concurrency_limit=self.core.scheduler.running_limit,
             tpot_p90=None if concurrency is None else concurrency.last_p90,
-            num_queue_timeouts=self._scheduler.statistics().num_queue_timeouts + self._num_queue_timeouts_unqueued,
+            num_queue_timeouts=scheduler.num_queue_timeouts + self._num_queue_timeouts_unqueued,
             num_shed=degradation.num_shed,
             num_capped=degradation.num_capped,
             num_refused_expensive=degradation.num_refused,
