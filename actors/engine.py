@@ -132,6 +132,7 @@ class Engine:
         self._num_deadline_unqueued = 0
         self._num_cancelled_unqueued = 0
         self._num_queue_timeouts_unqueued = 0
+        self._num_accepted = 0
         self._degradation = Degradation(core.config.degradation)
 
     # -- facts the web layer needs ------------------------------------------------
@@ -191,6 +192,8 @@ class Engine:
         request = self._new_request(prompt, params, request_id, priority, deadline, timeout, final_only)
         try:
             await request.submit()
+            if request.submitted:
+                self._num_accepted += 1
             while (output := await request.receive()) is not None:
                 yield output
         finally:
@@ -222,6 +225,7 @@ class Engine:
             if isinstance(exc, EngineOverloaded):
                 self._num_refused += 1
             raise
+        self._num_accepted += 1
         return RequestStream(request, self._orphans)
 
     def abort(self, request_id: str) -> bool:
@@ -334,6 +338,7 @@ class Engine:
             num_reserved_ids=len(self._live),
             num_deadline_unqueued=self._num_deadline_unqueued,
             num_cancelled_unqueued=self._num_cancelled_unqueued,
+            num_accepted=self._num_accepted,
             scheduler=scheduler,
             allocator=self._allocator.statistics(),
             executor=self._executor.statistics(),

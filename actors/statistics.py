@@ -104,6 +104,10 @@ class EngineStatistics:
     # Requests that ended while waiting for room in the queue (never queued):
     num_deadline_unqueued: int  # their deadline passed
     num_cancelled_unqueued: int  # cancelled or aborted
+    # Requests queued by generate or generate_nowait. Each ends exactly once:
+    # in the scheduler's figures (finished, aborted, deadline exceeded,
+    # failed, queue timeouts) or shed from the queue (overload.num_shed).
+    num_accepted: int
     scheduler: SchedulerActorStatistics
     allocator: AllocatorStatistics
     executor: ExecutorStatistics

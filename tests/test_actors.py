@@ -129,7 +129,7 @@ async def test_200_concurrent_requests_with_cancels_deadlines_and_priorities_all
     async def one(engine, i: int) -> None:
         try:
             await one_request(engine, i)
-        except RequestShed:
+        except* RequestShed:
             # A nowait request of higher priority took its place in the full
             # queue (DegradationPolicy.shed_lower_priority): nothing computed.
             ended["shed"] += 1
@@ -205,6 +205,7 @@ async def test_200_concurrent_requests_with_cancels_deadlines_and_priorities_all
     # A shed request's reader may have ended first on its own side (its deadline, a cancel).
     assert ended["shed"] <= stats.overload.num_shed
     assert s.num_finished + s.num_aborted + s.num_deadline_exceeded + s.num_failed + unqueued == 200
+    assert stats.num_accepted + stats.num_deadline_unqueued + stats.num_cancelled_unqueued == 200
     assert s.num_failed == 0 and s.num_preemptions > 0
     assert ended["length"] > 0 and ended["cancelled"] + ended["abort"] > 0 and ended["deadline"] > 0
     assert stats.allocator.kv.num_free_blocks == stats.allocator.kv.num_blocks

@@ -349,3 +349,39 @@ async def test_degradation_policy_is_validated():
         with pytest.raises(ValueError, match=field):
             DegradationPolicy(**{field: bad})
     assert DegradationPolicy(cap_at=None, refuse_expensive_at=1.0).cap_at is None
+
+
+async def test_every_accepted_request_ends_exactly_once_in_the_figures(autojump_clock):
+    # The chaos test's invariant, on exact cases: a shed victim whose reader
+    # had already closed (its Abort waits in the scheduler), a shed victim
+    # never read, a stream closed before any read (a client gone before its
+    # status went out), a refusal and a generate() cancelled while waiting
+    # for room (neither ever queued).
+    async with fake_engine(max_num_seqs=1, max_queued_requests=2, step_time=0.125) as engine:
+        running = [nowait(engine, "a", params(3)), nowait(engine, "b", params(3))]
+        await trio.testing.wait_all_tasks_blocked()
+        unread = nowait(engine, "d", priority=5)
+        nowait(engine, "c", priority=5).close()  # gone at once: its Abort reaches the scheduler
+        await trio.testing.wait_all_tasks_blocked()
+        urgent = [nowait(engine, "e", priority=1)]  # sheds c, the latest of the lowest
+        urgent.append(nowait(engine, "f", priority=1))  # sheds d
+        with pytest.raises(EngineOverloaded):
+            nowait(engine, "g", priority=1)
+        with trio.move_on_after(0.0625):
+            await collect(engine, "patient", params(2))  # waits for room, cancelled: never queued
+        with pytest.raises(RequestShed):
+            await drain(unread)
+        for stream in running:
+            assert (await drain(stream))[-1].finish_reason is FinishReason.LENGTH
+        h = nowait(engine, "h", priority=1)
+        await trio.testing.wait_all_tasks_blocked()
+        h.close()  # queued or admitted, never read: aborted by the scheduler
+        for stream in urgent:
+            assert (await drain(stream))[-1].finish_reason is FinishReason.LENGTH
+        await trio.testing.wait_all_tasks_blocked()
+        stats = engine.statistics()
+    s = stats.scheduler
+    assert (s.num_finished, s.num_aborted, stats.overload.num_shed, stats.num_refused) == (4, 1, 2, 1)
+    assert (stats.num_accepted, stats.num_cancelled_unqueued, stats.num_deadline_unqueued) == (7, 1, 0)
+    ended = s.num_finished + s.num_aborted + s.num_deadline_exceeded + s.num_failed + s.num_queue_timeouts
+    assert ended + stats.overload.num_shed == stats.num_accepted
