@@ -31,7 +31,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -41,18 +40,13 @@ from pathlib import Path
 import httpx
 import trio
 
-from trioserve.web.bench.client import RunResult, Target, run_benchmark
-from trioserve.web.bench.datasets import SampleRequest, load_tokenizer, random_dataset
-from trioserve.web.bench.metrics import SLO, calculate_metrics, percentile, tpot_of
+from trioserve.bench.client import RunResult, Target, run_benchmark
+from trioserve.bench.datasets import SampleRequest, load_tokenizer, random_dataset
+from trioserve.bench.metrics import SLO, calculate_metrics, percentile, tpot_of
+from trioserve.bench.process import free_port
 
 BIN = Path(sys.executable).parent / "trioserve"
 MODEL = "SmolLM2-135M-Instruct"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -41,7 +41,6 @@ import argparse
 import contextlib
 import json
 import math
-import os
 import random
 import re
 import signal
@@ -57,6 +56,8 @@ import attrs
 import httpx
 import trio
 
+from trioserve.bench.process import free_port, open_fds, rss_bytes
+
 BIN = Path(sys.executable).parent / "trioserve"
 MIB = 1 << 20
 WORDS = (
@@ -66,23 +67,6 @@ WORDS = (
 
 
 # -- the server ------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for {pid}")
-
-
-def open_fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
 
 
 @attrs.define
