@@ -18,7 +18,7 @@ from trioserve.actors.messages import AddRequest
 from trioserve.actors.statistics import OverloadStatistics
 from trioserve.engine.config import DegradationPolicy
 from trioserve.engine.sampling_params import SamplingParams
-from trioserve.web.cli import build_serve_parser, server_config_from_args
+from trioserve.web.options import build_serve_parser, server_config_from_args, server_config_from_env
 from trioserve.web.metrics import OVERLOAD_ACTIONS, Metrics
 from trioserve.web.settings import ServerConfig
 
@@ -277,7 +277,7 @@ def test_bad_overload_flags_are_refused(capsys):
 
 
 def test_the_overload_flags_read_from_the_environment():
-    config = ServerConfig.from_env(
+    config = server_config_from_env(
         {"TRIOSERVE_MAX_QUEUE_TIME": "3", "TRIOSERVE_ADAPTIVE_CONCURRENCY": "1", "TRIOSERVE_CAP_LOW_PRIORITY_AT": "off"}
     )
     assert config.engine.max_queue_time == 3.0 and config.engine.adaptive_concurrency

@@ -13,7 +13,8 @@ import trio
 from conftest import ON_CUDA
 
 from trioserve.web.app import create_app
-from trioserve.web.settings import ModelSpec, ServerConfig
+from trioserve.web.options import server_config_from_env
+from trioserve.web.settings import ModelSpec
 
 from server_fixtures import MODEL, metric_values, parse_sse, scrape, server_config, server_in_thread, serving, wait_idle
 
@@ -394,10 +395,10 @@ def test_config_from_environment():
         "TRIOSERVE_MAX_REQUEST_TIME": "30",
         "TRIOSERVE_ARGS": "--max-queued-requests 8 --shutdown-timeout 2.5",
     }
-    config = ServerConfig.from_env(env)
+    config = server_config_from_env(env)
     assert config.models == (ModelSpec("a", "/models/a.gguf"), ModelSpec(MODEL, None))
     assert (config.api_key, config.max_request_time, config.shutdown_timeout) == ("k", 30.0, 2.5)
     engine = config.engine
     assert (engine.max_model_len, engine.kv_cache_memory, engine.enable_prefix_caching) == (1024, 64 << 20, False)
     assert engine.max_queued_requests == 8
-    assert ServerConfig.from_env({}).models == (ModelSpec(MODEL, None),)
+    assert server_config_from_env({}).models == (ModelSpec(MODEL, None),)

@@ -16,7 +16,14 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from trioserve.actors.errors import EngineClosed
+from trioserve.actors.errors import (
+    DuplicateRequestError,
+    EngineClosed,
+    EngineOverloaded,
+    ExpensiveRequestRefused,
+    QueueTimeout,
+    RequestShed,
+)
 from trioserve.engine.errors import InvalidRequestError, RequestTooLongError
 from trioserve.engine.outputs import RequestOutput, RequestTimes
 from trioserve.engine.sampler import TokenLogprobs
@@ -425,12 +432,6 @@ def test_unsupported_fields_are_compared_by_type(field, value):
 # -- errors ------------------------------------------------------------------
 
 
-class EngineOverloaded(Exception):
-    """Stands in for the actors' exception, matched by name."""
-
-    retry_after = 2.2
-
-
 def test_error_statuses_and_json():
     cases = [
         (errors.InvalidRequest("bad", param="n"), 400, "invalid_request_error", "n", None),
@@ -461,9 +462,17 @@ def test_from_exception():
     error = errors.from_exception(RequestTooLongError("prompt has 5000 tokens; max_model_len is 2048", field="prompt"))
     assert (error.status, error.param, error.code) == (400, "prompt", "context_length_exceeded")
     assert "2048" in error.message
-    error = errors.from_exception(EngineOverloaded())
+    error = errors.from_exception(EngineOverloaded("full", retry_after=2.2))
     assert (error.status, error.headers["Retry-After"]) == (429, "3")
     assert errors.from_exception(EngineClosed("the engine is not taking requests")).status == 503
+    error = errors.from_exception(DuplicateRequestError("r1"))  # a subclass maps like its base
+    assert (error.status, error.param, error.code) == (400, "request_id", None)
+    error = errors.from_exception(QueueTimeout("waited too long", request_id="r1", retry_after=0.0))
+    assert (error.status, error.code, error.headers["Retry-After"]) == (503, "queue_timeout", "1")
+    error = errors.from_exception(RequestShed("shed", request_id="r1", retry_after=4.5))
+    assert (error.status, error.code, error.headers["Retry-After"]) == (429, "request_shed", "5")
+    error = errors.from_exception(ExpensiveRequestRefused("too big", field="max_tokens", retry_after=1.0))
+    assert (error.status, error.code, error.param) == (429, "expensive_request_refused", "max_tokens")
     error = errors.from_exception(RuntimeError("secret internals"))
     assert error.status == 500 and "secret" not in error.message and "RuntimeError" in error.message
     same = errors.InvalidRequest("x")

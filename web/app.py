@@ -20,6 +20,7 @@ from trioserve.engine.loader import LoadedModel
 from . import routes
 from .asgi import TrioserveApp
 from .host import EXTENSION, ModelHost
+from .options import server_config_from_env
 from .settings import ServerConfig
 
 # Seconds past ``shutdown_timeout`` that the engines get to abort what is
@@ -30,13 +31,13 @@ SHUTDOWN_MARGIN = 10.0
 def create_app(
     config: ServerConfig | None = None, *, loaded: LoadedModel | Mapping[str, LoadedModel] | None = None
 ) -> QuartTrio:
-    """The app serving ``config`` (default: ``ServerConfig.from_env()``).
+    """The app serving ``config`` (default: from the ``TRIOSERVE_*`` variables).
 
     ``loaded`` hands over models already in memory: one ``LoadedModel`` for
     the first served model, or a mapping from served names.
     """
     if config is None:
-        config = ServerConfig.from_env()
+        config = server_config_from_env()
     if isinstance(loaded, LoadedModel):
         loaded = {config.model_names[0]: loaded}
     host = ModelHost(config, dict(loaded or {}))

@@ -13,6 +13,16 @@ import math
 import traceback
 from typing import Any
 
+from trioserve.actors.errors import (
+    EngineClosed,
+    EngineOverloaded,
+    ExpensiveRequestRefused,
+    QueueTimeout,
+    RequestDropped,
+    RequestShed,
+)
+from trioserve.engine.errors import InvalidRequestError, RequestTooLongError
+
 
 class ApiError(Exception):
     """An HTTP error answered as ``{"error": {"message", "type", "param", "code"}}``.
@@ -173,37 +183,36 @@ class InternalError(ApiError):
         super().__init__(500, message, type="server_error", code="internal_error")
 
 
-def _class_names(exc: BaseException) -> list[str]:
-    return [cls.__name__ for cls in type(exc).__mro__]
-
-
 def from_exception(exc: BaseException) -> ApiError:
     """The ``ApiError`` to answer for an exception raised by the engine or actors.
 
-    Matched by class name along the MRO rather than by import: the actors
-    package is optional at import time here, and subclasses map like their
-    bases. Anything unknown becomes a 500 naming only the exception class.
+    Matched with ``isinstance``, most specific class first, so subclasses map
+    like their bases. Anything unknown becomes a 500 naming only the
+    exception class.
     """
     if isinstance(exc, ApiError):
         return exc
-    names = _class_names(exc)
-    if "RequestTooLongError" in names:
+    if isinstance(exc, RequestTooLongError):
         # The engine's message states the limit (max_model_len or KV pool).
-        return InvalidRequest(str(exc), param=getattr(exc, "field", None) or "prompt", code="context_length_exceeded")
-    if "InvalidRequestError" in names:
-        return InvalidRequest(str(exc), param=getattr(exc, "field", None))
-    retry_after = float(getattr(exc, "retry_after", 1.0) or 1.0)
-    if "QueueTimeout" in names:
-        return ServiceUnavailable(str(exc), code="queue_timeout", retry_after=retry_after)
-    if "RequestShed" in names:
-        return Overloaded(retry_after, str(exc), code="request_shed")
-    if "ExpensiveRequestRefused" in names:
-        return Overloaded(retry_after, str(exc), code="expensive_request_refused", param=getattr(exc, "field", None))
-    if "EngineOverloaded" in names:
-        return Overloaded(retry_after)
-    if "EngineClosed" in names:
+        return InvalidRequest(str(exc), param=exc.field or "prompt", code="context_length_exceeded")
+    if isinstance(exc, InvalidRequestError):
+        return InvalidRequest(str(exc), param=exc.field)
+    if isinstance(exc, QueueTimeout):
+        return ServiceUnavailable(str(exc), code="queue_timeout", retry_after=_retry_after(exc))
+    if isinstance(exc, RequestShed):
+        return Overloaded(_retry_after(exc), str(exc), code="request_shed")
+    if isinstance(exc, ExpensiveRequestRefused):
+        return Overloaded(_retry_after(exc), str(exc), code="expensive_request_refused", param=exc.field)
+    if isinstance(exc, EngineOverloaded):
+        return Overloaded(_retry_after(exc))
+    if isinstance(exc, EngineClosed):
         return ServiceUnavailable.draining()
     return InternalError(f"internal server error ({type(exc).__name__})")
+
+
+def _retry_after(exc: EngineOverloaded | RequestDropped) -> float:
+    # An estimate of 0 would tell the client to come straight back.
+    return float(exc.retry_after or 1.0)
 
 
 def log_unexpected(logger: logging.Logger, what: str, exc: BaseException, *, with_message: bool) -> None:

@@ -26,6 +26,7 @@ from trioserve.engine.loader import LoadedModel
 from .errors import NotFoundError, ServiceUnavailable
 from .health import TaskCountCollector
 from .metrics import Metrics
+from .scopes import cancel_after
 from .served import ServedModel
 from .settings import ServerConfig
 
@@ -109,15 +110,10 @@ class ModelHost:
         """Return once the engines serve; raise if loading failed or the host stopped first."""
         with trio.CancelScope() as scope:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._cancel_when, self._ready, scope)
-                nursery.start_soon(self._cancel_when, self._stopped, scope)
+                nursery.start_soon(cancel_after, self._ready.wait, scope)
+                nursery.start_soon(cancel_after, self._stopped.wait, scope)
         if self.state is not HostState.READY:
             self.raise_unless_ready()
-
-    @staticmethod
-    async def _cancel_when(event: trio.Event, scope: trio.CancelScope) -> None:
-        await event.wait()
-        scope.cancel()
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
@@ -186,7 +182,7 @@ class ModelHost:
 
         async with trio.open_nursery() as watcher:
             with trio.CancelScope() as graceful:
-                watcher.start_soon(self._cancel_when, self._abort_now, graceful)
+                watcher.start_soon(cancel_after, self._abort_now.wait, graceful)
                 async with trio.open_nursery() as drains:
                     for model in self.models.values():
                         drains.start_soon(drain, model, self.config.shutdown_timeout)

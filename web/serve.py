@@ -27,6 +27,7 @@ from quart_trio import QuartTrio
 
 from .app import SHUTDOWN_MARGIN, app_host
 from .connections import ConnectionLimits, default_max_connections, serve_connections
+from .scopes import cancel_after
 from .settings import ServerConfig
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ async def serve(
         async with trio.open_nursery() as nursery:
             for wait in (shutdown_trigger, host.wait_stopped):
                 if wait is not None:
-                    nursery.start_soon(_cancel_after, wait, nursery.cancel_scope)
+                    nursery.start_soon(cancel_after, wait, nursery.cancel_scope)
         # Stop the engines' admission together with the listeners, so the
         # drain's clock starts when accepting stops.
         host.begin_drain()
@@ -101,11 +102,6 @@ async def serve(
     async with trio.open_nursery() as nursery:
         nursery.start_soon(close_lingering)
         task_status.started(await nursery.start(run_server))
-
-
-async def _cancel_after(wait: Callable[[], Awaitable[None]], scope: trio.CancelScope) -> None:
-    await wait()
-    scope.cancel()
 
 
 async def serve_until_signal(

@@ -4,16 +4,13 @@
 each taking its own ``model`` path) plus the HTTP side: API key, request
 deadline cap, body size limit, shutdown timeout, and the connections'
 timeouts and cap. ``trioserve serve``
-builds it from its options; ``ServerConfig.from_env`` builds the same from
-``TRIOSERVE_*`` environment variables, for
-``hypercorn --worker-class trio 'trioserve.web.app:create_app()'``.
+builds it from its options, and ``hypercorn --worker-class trio
+'trioserve.web.app:create_app()'`` from ``TRIOSERVE_*`` environment
+variables (both in ``web/options.py``).
 """
 
 from __future__ import annotations
 
-import os
-import shlex
-from collections.abc import Mapping
 from pathlib import Path
 
 import attrs
@@ -117,36 +114,3 @@ class ServerConfig:
     def engine_config(self, spec: ModelSpec) -> EngineConfig:
         """The engine config of one served model."""
         return attrs.evolve(self.engine, model=spec.path)
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> ServerConfig:
-        """Read ``trioserve serve``'s options from the environment.
-
-        Each option ``--some-option`` is ``TRIOSERVE_SOME_OPTION``; flags
-        take ``1``/``true``/``yes``; ``TRIOSERVE_MODEL`` may list several
-        models separated by commas. ``TRIOSERVE_ARGS`` may hold further
-        options in command-line form. ``--host`` and ``--port`` are
-        hypercorn's business there and are ignored.
-        """
-        from .cli import build_serve_parser, server_config_from_args
-
-        environ = os.environ if environ is None else environ
-        parser = build_serve_parser()
-        argv = shlex.split(environ.get(ENV_PREFIX + "ARGS", ""))
-        for action in parser._actions:
-            option = next((s for s in action.option_strings if s.startswith("--")), None)
-            if option is None or option == "--help":
-                continue
-            value = environ.get(ENV_PREFIX + option[2:].upper().replace("-", "_"))
-            if value is None:
-                continue
-            if action.nargs == 0:  # a flag
-                if value.strip().lower() in ("1", "true", "yes", "on"):
-                    argv.append(option)
-            elif action.dest == "model":
-                for item in value.split(","):
-                    if item.strip():
-                        argv += [option, item.strip()]
-            else:
-                argv += [option, value]
-        return server_config_from_args(parser.parse_args(argv))

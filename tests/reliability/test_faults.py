@@ -432,14 +432,13 @@ async def test_tokenizer_and_detokenizer_faults_over_http(default_loaded, monkey
 
 def test_the_watchdog_flag_and_its_environment_variable():
     from trioserve.engine.config import DEFAULT_WATCHDOG_TIMEOUT, EngineConfig
-    from trioserve.web.cli import build_serve_parser, server_config_from_args
-    from trioserve.web.settings import ServerConfig
+    from trioserve.web.options import build_serve_parser, server_config_from_args, server_config_from_env
 
     parse = build_serve_parser().parse_args
     assert server_config_from_args(parse([])).engine.watchdog_timeout == DEFAULT_WATCHDOG_TIMEOUT == 300
     assert server_config_from_args(parse(["--watchdog-timeout", "12.5"])).engine.watchdog_timeout == 12.5
     assert server_config_from_args(parse(["--watchdog-timeout", "0"])).engine.watchdog_timeout is None
-    assert ServerConfig.from_env({"TRIOSERVE_WATCHDOG_TIMEOUT": "7"}).engine.watchdog_timeout == 7
+    assert server_config_from_env({"TRIOSERVE_WATCHDOG_TIMEOUT": "7"}).engine.watchdog_timeout == 7
     for bad in ("-1", "nan", "soon"):
         with pytest.raises(SystemExit):
             parse(["--watchdog-timeout", bad])

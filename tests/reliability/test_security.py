@@ -22,7 +22,7 @@ from actor_fixtures import tiny_loaded
 from server_fixtures import MODEL, Server, parse_sse, server_config, serving
 from trioserve.web import routes, serve
 from trioserve.web.app import create_app
-from trioserve.web.cli import build_serve_parser, server_config_from_args
+from trioserve.web.options import build_serve_parser, server_config_from_args, server_config_from_env
 from trioserve.web.settings import ServerConfig
 from trioserve.web.sse import CompletionStream, OutputAccumulator
 
@@ -128,7 +128,7 @@ def test_an_empty_api_key_is_refused_at_startup():
     with pytest.raises(ValueError, match="api_key must not be empty"):
         ServerConfig(api_key="")
     with pytest.raises(ValueError, match="api_key must not be empty"):
-        ServerConfig.from_env({"TRIOSERVE_API_KEY": ""})
+        server_config_from_env({"TRIOSERVE_API_KEY": ""})
     assert ServerConfig(api_key="k").api_key == "k" and ServerConfig().api_key is None
 
 
@@ -232,7 +232,7 @@ def test_connection_and_logging_options():
     config = server_config_from_args(build_serve_parser().parse_args(argv))
     assert (config.keep_alive_timeout, config.body_timeout, config.send_timeout, config.max_connections) == (2.0, 3.5, 9.0, 10)
     assert config.log_requests is True
-    env = ServerConfig.from_env(
+    env = server_config_from_env(
         {"TRIOSERVE_LOG_REQUESTS": "1", "TRIOSERVE_MAX_CONNECTIONS": "7", "TRIOSERVE_BODY_TIMEOUT": "4"}
     )
     assert (env.log_requests, env.max_connections, env.body_timeout) == (True, 7, 4.0)
