@@ -152,7 +152,8 @@ class Executor(abc.ABC):
             error = result[0].error
             self._num_failed += 1
             died = isinstance(error, (StepThreadDied, StepThreadClosed))
-            self._fault("step_thread_died" if died else "step_failed", f"the model step failed: {type(error).__name__}", error)
+            kind = "step_thread_died" if died else "step_failed"
+            self._fault(kind, f"the model step failed: {type(error).__name__}", error)
             self.step_failed(error)
             return StepFailed(message.step_id, error, seconds)
         return StepDone(message.step_id, result[0].unwrap(), seconds)

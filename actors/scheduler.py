@@ -404,7 +404,9 @@ class SchedulerActor:
             if route is None:
                 continue
             public = f"the detokenizer failed on this request's output ({type(error).__name__})"
-            failure = RequestFailed(f"{public}: {error}", request_id=request_id, code="detokenizer_failed", public_message=public)
+            failure = RequestFailed(
+                f"{public}: {error}", request_id=request_id, code="detokenizer_failed", public_message=public
+            )
             failure.__cause__ = error
             self._send(route, Failed(request_id, failure))
             self._close_route(route, outcome="failed")

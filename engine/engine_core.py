@@ -236,7 +236,8 @@ class EngineCore:
                     include_stop_str_in_output=params_i.include_stop_str_in_output,
                 )
             except Exception as exc:
-                raise self._tokenizer_error("the tokenizer failed to decode this request's prompt", "prompt", exc) from exc
+                message = "the tokenizer failed to decode this request's prompt"
+                raise self._tokenizer_error(message, "prompt", exc) from exc
             completions.append(
                 _Completion(
                     request=request,
