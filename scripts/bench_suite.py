@@ -13,51 +13,16 @@ the server's resident memory. Everything here talks only to 127.0.0.1.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
-
-from trioserve.bench.process import free_port, rss_bytes
+from trioserve.bench.process import rss_bytes, serving_process
 
 BIN = Path(sys.executable).parent / "trioserve"
-
-
-@contextlib.contextmanager
-def server(*extra: str, log: Path):
-    port = free_port()
-    with open(log, "w") as log_file:
-        proc = subprocess.Popen(
-            [str(BIN), "serve", "--port", str(port), "--shutdown-timeout", "5", *extra],
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-        )
-        url = f"http://127.0.0.1:{port}"
-        try:
-            for _ in range(600):  # up to 5 minutes: a cold start converts the GGUF
-                if proc.poll() is not None:
-                    raise RuntimeError(f"server exited with {proc.returncode}; see {log}")
-                try:
-                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.5)
-            else:
-                raise RuntimeError("server did not become ready")
-            yield url, proc
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
 
 
 def measure_start(cache: Path) -> dict:
@@ -116,7 +81,7 @@ def main() -> int:
     prefix = ["--dataset", "prefix", "--prefix-len", "512", "--input-len", "32", "--output-len", "16",
               "--num-prompts", "32", "--max-concurrency", "32", "--ignore-eos", "--seed", "2"]  # fmt: skip
     # Every part draws its own prompts (its own seed), so none finds another's in the prefix cache.
-    with server(*dtype, log=args.out / "server.log") as (url, proc):
+    with serving_process(dtype, args.out / "server.log") as (url, proc):
         if "c32" not in skip:
             summary["c32"] = bench(url, args.out / "c32.json", *common, "--output-len", str(out_len), "--seed", "1",
                                    "--max-concurrency", "32", "--num-prompts", str(n32), "--num-warmups", "2")  # fmt: skip
@@ -137,7 +102,7 @@ def main() -> int:
     # Without the prefix cache: the sweep reuses its prompts at every
     # concurrency, and the burst must prefill for real to compare with the
     # one-batch prefill.
-    with server("--no-prefix-caching", *dtype, log=args.out / "server_nocache.log") as (url, _):
+    with serving_process(["--no-prefix-caching", *dtype], args.out / "server_nocache.log") as (url, _):
         if "burst" not in skip:
             summary["burst32"] = bench(url, args.out / "burst32.json", *common, "--output-len", str(out_len), "--seed", "3",
                                        "--max-concurrency", "32", "--num-prompts", "32")  # fmt: skip

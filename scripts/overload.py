@@ -26,15 +26,10 @@ on failure. Speeds depend on the machine and on what else runs on it.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
-import signal
-import subprocess
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -43,42 +38,9 @@ import trio
 from trioserve.bench.client import RunResult, Target, run_benchmark
 from trioserve.bench.datasets import SampleRequest, load_tokenizer, random_dataset
 from trioserve.bench.metrics import SLO, calculate_metrics, percentile, tpot_of
-from trioserve.bench.process import free_port
+from trioserve.bench.process import serving_process
 
-BIN = Path(sys.executable).parent / "trioserve"
 MODEL = "SmolLM2-135M-Instruct"
-
-
-@contextlib.contextmanager
-def server(flags: list[str], log: Path) -> Iterator[str]:
-    """``trioserve serve`` with ``flags`` on a free port until the block ends."""
-    port = free_port()
-    with open(log, "w") as log_file:
-        proc = subprocess.Popen(
-            [str(BIN), "serve", "--port", str(port), "--shutdown-timeout", "5", *flags],
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-        )
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 300  # a cold start converts the GGUF
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"the server exited with {proc.returncode}; see {log}")
-                with contextlib.suppress(httpx.TransportError):
-                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the server did not become ready; see {log}")
-                time.sleep(0.5)
-            yield url
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
 
 def overload_counters(url: str) -> dict[str, float]:
@@ -174,7 +136,7 @@ def main() -> int:
             tokenizer, num_prompts=args.calibration_requests, input_len=args.input_len, output_len=args.output_len,
             seed=args.seed + 1,
         )  # fmt: skip
-        with server(common, args.out / "calibration.log") as url:
+        with serving_process(common, args.out / "calibration.log") as (url, _):
             target = Target(base_url=url, model=MODEL, ignore_eos=True, request_timeout=600.0)
             measured = trio.run(calibrate, target, calibration, args.max_num_seqs)
         summary["calibration"] = measured
@@ -199,7 +161,7 @@ def main() -> int:
         output_len=args.output_len, seed=args.seed,
     )  # fmt: skip
     for name, flags in setups.items():
-        with server(flags, args.out / f"{name.replace(' ', '_')}.log") as url:
+        with serving_process(flags, args.out / f"{name.replace(' ', '_')}.log") as (url, _):
             target = Target(base_url=url, model=MODEL, ignore_eos=True, request_timeout=args.client_timeout)
             print(f"{name}: {len(samples)} requests at {offered:.2f}/s", flush=True)
             run = trio.run(lambda: run_benchmark(target, samples, request_rate=offered, seed=args.seed))
