@@ -3,9 +3,15 @@ test device, prompts, and checks that an engine ended clean."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
 from conftest import TEST_DEVICE
 
 from trioserve import testing
+from trioserve.actors import Engine, open_engine
+from trioserve.actors.executor import FakeExecutor
 from trioserve.engine.engine_core import EngineCore
 from trioserve.engine.loader import LoadedModel
 
@@ -35,3 +41,34 @@ def prompts(count: int, *, seed: int = 0) -> list[str]:
         n = 3 + (i * 7 + seed) % 9
         out.append(" ".join(words[(i * 3 + j * 5 + seed) % len(words)] for j in range(n)))
     return out
+
+
+@asynccontextmanager
+async def fake_engine(
+    *,
+    step_time: float,
+    token_time: float = 0.0,
+    fail: Any = None,
+    executor_cls: type[FakeExecutor] = FakeExecutor,
+    engine_kw: dict[str, Any] | None = None,
+    **config: Any,
+) -> AsyncIterator[Engine]:
+    """An engine on the tiny model whose executor is ``executor_cls`` (a
+    ``FakeExecutor``: steps of ``step_time + token_time * tokens`` trio
+    seconds), for tests on the autojump clock. ``engine.fake`` is the
+    executor; on exit the engine must be clean and hold no request id."""
+    executors: list[FakeExecutor] = []
+
+    def make(core: EngineCore) -> FakeExecutor:
+        executor = executor_cls(
+            vocab_size=core.model_config.vocab_size, step_time=step_time, token_time=token_time, fail=fail
+        )
+        executors.append(executor)
+        return executor
+
+    config_value = testing.engine_config(**config)
+    async with open_engine(config_value, loaded=tiny_loaded(), executor=make, **(engine_kw or {})) as engine:
+        engine.fake = executors[0]
+        yield engine
+    assert_clean(engine.core)
+    assert engine.statistics().num_reserved_ids == 0

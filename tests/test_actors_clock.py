@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import functools
 import gc
-from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
 import trio
 import trio.testing
 
-from actor_fixtures import assert_clean, tiny_loaded
+import actor_fixtures
+from actor_fixtures import tiny_loaded
 from trioserve.actors import (
     DuplicateRequestError,
     EngineClosed,
@@ -38,20 +38,9 @@ def params(max_tokens: int = 8, **kw: Any) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
 
 
-@asynccontextmanager
-async def fake_engine(*, step_time: float = STEP, fail=None, executor_cls=FakeExecutor, engine_kw=None, **config):
-    executors: list[FakeExecutor] = []
-
-    def make(core):
-        executor = executor_cls(vocab_size=core.model_config.vocab_size, step_time=step_time, fail=fail)
-        executors.append(executor)
-        return executor
-
-    async with open_engine(engine_config(**config), loaded=tiny_loaded(), executor=make, **(engine_kw or {})) as engine:
-        engine.fake = executors[0]
-        yield engine
-    assert_clean(engine.core)
-    assert engine.statistics().num_reserved_ids == 0
+def fake_engine(*, step_time: float = STEP, **kw: Any):
+    """``actor_fixtures.fake_engine`` with this module's step time."""
+    return actor_fixtures.fake_engine(step_time=step_time, **kw)
 
 
 async def collect(engine, prompt: Any = "hello there", p: SamplingParams | None = None, **kw: Any) -> list[RequestOutput]:
