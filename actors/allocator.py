@@ -8,6 +8,8 @@ changes the pool, so the pool needs no lock.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import trio
 
 from trioserve.engine.block_manager import BlockManager
@@ -21,10 +23,11 @@ INBOX_CAPACITY = 1
 
 
 class AllocatorActor:
-    """Serves ``Allocate`` messages from the scheduler against ``block_manager``."""
+    """Serves ``Allocate`` messages from the scheduler against
+    ``block_manager``, which is its own: nothing else holds it."""
 
     def __init__(self, block_manager: BlockManager) -> None:
-        self.block_manager = block_manager
+        self._block_manager = block_manager
         self._num_batches = 0
         self._kv: KVBudget = block_manager.statistics()
 
@@ -40,10 +43,16 @@ class AllocatorActor:
         with inbox, replies:
             task_status.started(inbox_send)
             async for message in inbox:
-                result = self.block_manager.apply(message.batch)
+                result = self._block_manager.apply(message.batch)
                 self._num_batches += 1
                 self._kv = result.budget
                 await replies.send(result)
+
+    def check_invariants(self, holders: Mapping[str, tuple[int, ...]]) -> None:
+        """Raise ``AssertionError`` if the pool is inconsistent or its block
+        tables differ from ``holders`` (the scheduler's mirror). For tests,
+        between steps."""
+        self._block_manager.check_invariants(holders)
 
     def statistics(self) -> AllocatorStatistics:
         """The pool as of the last batch; published by the actor, read

@@ -24,7 +24,6 @@ import trio
 
 from trioserve.engine.config import EngineConfig
 from trioserve.engine.engine_core import EngineCore, Prompt
-from trioserve.engine.errors import RequestTooLongError
 from trioserve.engine.kv_batch import KVResult
 from trioserve.engine.loader import LoadedModel
 from trioserve.engine.outputs import RequestOutput
@@ -248,21 +247,14 @@ class Engine:
         self._reap()
         if self._control is None or self._admission.closed:
             raise EngineClosed("the engine is not taking requests")
-        params = params or SamplingParams()
-        params.validate_for_vocab(self.core.model_config.vocab_size)
-        prompt_ids = tuple(self.core.tokenize(prompt))
-        params = self._degradation.cap(params, priority, self._admission.pressure)
-        limit = self.core.scheduler.max_context_len
-        if len(prompt_ids) + 1 > limit:
-            raise RequestTooLongError(
-                f"prompt has {len(prompt_ids)} tokens; with one generated token that exceeds "
-                f"the context limit ({limit})",
-                field="prompt",
-            )
+        # The one validation of a request (the core and the scheduler trust it).
+        request_id = uuid.uuid4().hex if request_id is None else request_id
+        new = self.core.validate(request_id, prompt, params, priority=priority)
+        params = self._degradation.cap(new.params, priority, self._admission.pressure)
+        prompt_ids = new.prompt_token_ids
         if timeout is not None:
             after = trio.current_time() + timeout
             deadline = after if deadline is None else min(deadline, after)
-        request_id = uuid.uuid4().hex if request_id is None else request_id
         if request_id in self._live:
             raise DuplicateRequestError(request_id)
         max_queue_time = self.core.config.max_queue_time
@@ -361,6 +353,14 @@ class Engine:
             num_limit_increases=0 if concurrency is None else concurrency.num_increases,
         )
 
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` if the scheduler's queues or block tables
+        are inconsistent, or differ from the allocator's pool. A debugging
+        aid for tests: call it while no step is being planned (the engine
+        idle, or from a task between its own calls)."""
+        self.core.scheduler.check_invariants()
+        self._allocator.check_invariants(self.core.scheduler.block_holders())
+
     async def drain(self, timeout: float) -> int:
         """Stop admission; let queued and running requests finish for up to
         ``timeout`` seconds, then abort the rest. Returns how many were
@@ -425,13 +425,15 @@ async def open_engine(
     # Loading and every step run on this one thread: see step_thread.py.
     step_thread = StepThread(config.num_threads)
     try:
+        # The core gets no pool of its own: the allocator actor owns it, and
+        # the core reaches it only with KVBatch / KVResult messages.
         if loaded is None:
-            core = await run_in_step_thread(step_thread, EngineCore.from_config, config)
+            make_core = functools.partial(EngineCore.from_config, config, own_pool=False)
         else:
-            core = await run_in_step_thread(step_thread, EngineCore, loaded, config)
-        core.release_in_process = False  # the allocator actor owns the pool
+            make_core = functools.partial(EngineCore, loaded, config, own_pool=False)
+        core = await run_in_step_thread(step_thread, make_core)
         admission = AdmissionQueue(config.max_queued_requests, config.max_queued_tokens)
-        allocator = AllocatorActor(core.block_manager)
+        allocator = AllocatorActor(core.new_block_manager())
         if executor is None:
             executor_actor: Executor = ModelExecutor(core.runner, step_thread, watchdog_timeout=config.watchdog_timeout)
         else:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import abc
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import outcome
@@ -41,7 +41,7 @@ import trio
 
 from trioserve.engine.faults import Fault
 from trioserve.engine.model_runner import RunnerOutput
-from trioserve.engine.scheduler import ScheduledChunk, SchedulerOutput
+from trioserve.engine.step_plan import ScheduledChunk, StepPlan
 from trioserve.engine.step_thread import StepThread, StepThreadClosed, StepThreadDied
 
 from .errors import StepHung
@@ -56,7 +56,7 @@ INBOX_CAPACITY = 1
 
 
 class Runner(Protocol):
-    def execute(self, plan: SchedulerOutput, states: Mapping[str, Any]) -> RunnerOutput: ...
+    def execute(self, plan: StepPlan) -> RunnerOutput: ...
 
 
 class Executor(abc.ABC):
@@ -127,7 +127,7 @@ class Executor(abc.ABC):
         async def run_step() -> None:
             with scope:
                 try:
-                    result.append(outcome.Value(await self.execute(message.plan, message.states)))
+                    result.append(outcome.Value(await self.execute(message.plan)))
                 except Exception as exc:
                     result.append(outcome.Error(exc))
             if scope in self._hung:
@@ -170,7 +170,7 @@ class Executor(abc.ABC):
         log.error("%s", message, exc_info=error)
 
     @abc.abstractmethod
-    async def execute(self, plan: SchedulerOutput, states: Mapping[str, Any]) -> RunnerOutput:
+    async def execute(self, plan: StepPlan) -> RunnerOutput:
         """Run one step and return its sampled tokens. A cancel (only ever
         the watchdog's, at shutdown, for a hung step) must return promptly."""
 
@@ -222,12 +222,12 @@ class ModelExecutor(Executor):
             if self._owns_thread:
                 self.step_thread.close()  # no step is in flight: they are not cancellable
 
-    async def execute(self, plan: SchedulerOutput, states: Mapping[str, Any]) -> RunnerOutput:
+    async def execute(self, plan: StepPlan) -> RunnerOutput:
         if not self.step_thread.usable:
             # Closed or dead between steps: this step has not run, so it
             # runs on a fresh thread and no request notices.
             self._replace_thread(f"the step thread was found {'dead' if not self.step_thread.alive else 'closed'}")
-        return await run_in_step_thread(self.step_thread, self.runner.execute, plan, states, abandon_on_cancel=True)
+        return await run_in_step_thread(self.step_thread, self.runner.execute, plan, abandon_on_cancel=True)
 
     def step_hung(self) -> None:
         self.step_thread.abandon()
@@ -247,17 +247,22 @@ class ModelExecutor(Executor):
         log.warning("%s; the next steps run on a new step thread", why)
 
 
-def fake_token(chunk: ScheduledChunk, vocab_size: int) -> int:
-    """A deterministic 'next token' of a chunk: a function of its request's
-    tokens, in [100, min(vocab_size, 1100))."""
-    tokens = chunk.request.all_token_ids
+def fake_token(context: Sequence[int], vocab_size: int) -> int:
+    """A deterministic 'next token': a function of the whole context (the
+    sequence's tokens so far), in [100, min(vocab_size, 1100))."""
     span = max(1, min(vocab_size, 1100) - 100)
-    return 100 + (sum(tokens) * 31 + len(tokens) * 7) % span
+    return 100 + (sum(context) * 31 + len(context) * 7) % span
 
 
 class FakeExecutor(Executor):
     """Sleeps ``step_time + token_time * num_batched_tokens`` (trio time)
-    and samples ``token(chunk)`` for each sampling chunk.
+    and samples ``token(chunk, context)`` for each sampling chunk.
+
+    Like a real step it keeps a paged KV cache, of token ids: each chunk
+    writes its tokens into the slots of its block table, and a sampling
+    chunk reads its whole context back from them. So its tokens depend on
+    the context only (not on how the plan cut it into chunks), and a plan
+    that points a sequence at the wrong blocks gets different tokens.
 
     Injected faults, by ``step_index`` (counting from 0): ``fail(step_index,
     plan)`` may return an exception to raise from that step; ``delay(
@@ -269,28 +274,47 @@ class FakeExecutor(Executor):
         self,
         *,
         vocab_size: int,
+        block_size: int,
         step_time: float = 0.01,
         token_time: float = 0.0,
-        token: Callable[[ScheduledChunk], int] | None = None,
-        fail: Callable[[int, SchedulerOutput], Exception | None] | None = None,
-        delay: Callable[[int, SchedulerOutput], float] | None = None,
+        token: Callable[[ScheduledChunk, Sequence[int]], int] | None = None,
+        fail: Callable[[int, StepPlan], Exception | None] | None = None,
+        delay: Callable[[int, StepPlan], float] | None = None,
         watchdog_timeout: float | None = None,
     ) -> None:
         super().__init__(watchdog_timeout=watchdog_timeout)
+        self.block_size = block_size
         self.step_time = step_time
         self.token_time = token_time
-        self._token = token or (lambda chunk: fake_token(chunk, vocab_size))
+        self._token = token or (lambda chunk, context: fake_token(context, vocab_size))
         self._fail = fail
         self._delay = delay
         self._index = 0
-        self.plans: list[SchedulerOutput] = []  # every plan run, for tests
+        self._slots: dict[int, int] = {}  # slot -> token id written there
+        self.plans: list[StepPlan] = []  # every plan run, for tests
 
-    async def execute(self, plan: SchedulerOutput, states: Mapping[str, Any]) -> RunnerOutput:
+    @classmethod
+    def for_core(cls, core: Any, **kwargs: Any) -> FakeExecutor:
+        """A fake executor for ``core``'s vocabulary and block size."""
+        return cls(vocab_size=core.model_config.vocab_size, block_size=core.config.block_size, **kwargs)
+
+    def _slot(self, block_ids: Sequence[int], position: int) -> int:
+        return block_ids[position // self.block_size] * self.block_size + position % self.block_size
+
+    async def execute(self, plan: StepPlan) -> RunnerOutput:
         index, self._index = self._index, self._index + 1
         self.plans.append(plan)
         extra = 0.0 if self._delay is None else self._delay(index, plan)
         await trio.sleep(self.step_time + self.token_time * plan.num_batched_tokens + extra)
         if self._fail is not None and (error := self._fail(index, plan)) is not None:
             raise error
-        sampled = {c.request.request_id: self._token(c) for c in plan.chunks if c.samples}
+        for chunk in plan.chunks:
+            for offset, token_id in enumerate(chunk.token_ids):
+                self._slots[self._slot(chunk.block_ids, chunk.start + offset)] = token_id
+        sampled = {}
+        for chunk in plan.chunks:
+            if chunk.samples:
+                end = chunk.start + chunk.num_tokens
+                context = [self._slots[self._slot(chunk.block_ids, p)] for p in range(end)]
+                sampled[chunk.request_id] = self._token(chunk, context)
         return RunnerOutput(sampled=sampled, logprobs={})

@@ -14,7 +14,6 @@ Who sends what to whom (see docs/architecture.md for capacities):
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -23,7 +22,7 @@ import trio
 from trioserve.engine.kv_batch import KVBatch
 from trioserve.engine.model_runner import RunnerOutput
 from trioserve.engine.sampling_params import SamplingParams
-from trioserve.engine.scheduler import SchedulerOutput
+from trioserve.engine.step_plan import StepPlan
 from trioserve.engine.sequence import FinishReason
 
 
@@ -108,12 +107,11 @@ class Allocate:
 
 @attrs.frozen
 class RunStep:
-    """Run one planned step. ``states`` maps each sampling chunk's request id
-    to its ``SamplingState``."""
+    """Run one planned step: ``plan`` is a value (it pickles), so nothing
+    the scheduler changes while the step runs reaches the step."""
 
     step_id: int
-    plan: SchedulerOutput
-    states: Mapping[str, Any] = attrs.field(eq=False)
+    plan: StepPlan
 
 
 @attrs.frozen

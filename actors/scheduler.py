@@ -36,6 +36,7 @@ import trio
 from trioserve.engine.engine_core import EngineCore
 from trioserve.engine.errors import InvalidRequestError
 from trioserve.engine.kv_batch import KVBatch, KVResult
+from trioserve.engine.new_request import NewRequest
 from trioserve.engine.step_thread import StepThreadClosed, StepThreadDied
 from trioserve.engine.model_runner import RunnerOutput
 from trioserve.engine.outputs import RequestOutput
@@ -236,7 +237,7 @@ class SchedulerActor:
             if plan.chunks:
                 self._num_steps += 1
                 try:
-                    await executor.send(RunStep(self._num_steps, plan, self.core.sampling_states(plan)))
+                    await executor.send(RunStep(self._num_steps, plan.plan))
                     self._deliver_all(pending)
                     reply = await step_results.receive()
                 except (trio.EndOfChannel, trio.BrokenResourceError):
@@ -310,7 +311,7 @@ class SchedulerActor:
             message = public if code == "step_hung" else f"{public}: {reply.error}"
             if reply.released is not None:
                 self._quarantine_step(plan, reply.released)
-            for request_id in {self.core.parent_of(c.request.request_id) for c in plan.chunks}:
+            for request_id in {self.core.parent_of(c.request_id) for c in plan.chunks}:
                 if request_id is None:
                     continue
                 route = self._routes.get(request_id)
@@ -324,7 +325,7 @@ class SchedulerActor:
             return self.core.process_output(plan, _NO_OUTPUT)
         now = trio.current_time()
         # Decode chunks compute the token sampled last step; the rest is prefill.
-        decodes = sum(1 for c in plan.chunks if c.num_tokens == 1 and c.start >= c.request.num_prompt_tokens)
+        decodes = sum(1 for c in plan.chunks if c.is_decode)
         self._prompt_rate.add(now, plan.num_batched_tokens - decodes)
         self._generation_rate.add(now, len(reply.output.sampled))
         self._total_prompt += plan.num_batched_tokens - decodes
@@ -356,7 +357,7 @@ class SchedulerActor:
     def _quarantine_step(self, plan: SchedulerOutput, released: trio.Event) -> None:
         """Hold the blocks of a hung step's sequences until it returns: it
         may still write them, so they must not be reused before."""
-        children = frozenset(c.request.request_id for c in plan.chunks)
+        children = frozenset(c.request_id for c in plan.chunks)
         blocks = {block for c in plan.chunks for block in c.block_ids}
         entry = _Quarantine(released, children, len(blocks))
         self._quarantine.append(entry)
@@ -447,13 +448,9 @@ class SchedulerActor:
                 self._close_route(route, outcome="failed")
                 return
         try:
-            self.core.add_request(
-                message.request_id,
-                list(message.prompt_token_ids),
-                message.params,
-                priority=message.priority,
-                arrival_time=message.arrival_time,
-            )
+            # Validated at the edge (Engine._new_request): admitted as is.
+            new = NewRequest(message.request_id, message.prompt_token_ids, message.params, message.priority)
+            self.core.admit(new, arrival_time=message.arrival_time)
         except InvalidRequestError as exc:
             self._send(route, Failed(message.request_id, exc))
             self._close_route(route, outcome="failed")

@@ -27,7 +27,8 @@ from .kv_cache import KVCache, kv_bytes_per_block
 from .loader import LoadedModel, load_model
 from .model_runner import ModelRunner, RunnerOutput
 from .outputs import RequestOutput, RequestTimes
-from .sampler import Sampler, SamplingState
+from .new_request import NewRequest, check_priority, check_request_id
+from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import FinishReason, Request, RequestStatus
@@ -76,7 +77,6 @@ class _Completion:
     parent_id: str
     index: int
     detokenizer: IncrementalDetokenizer
-    sampling: SamplingState
     first_scheduled: float | None = None
     first_token: float | None = None
 
@@ -84,7 +84,7 @@ class _Completion:
 class EngineCore:
     """The engine as a plain object: add requests, call ``step()``, read outputs."""
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, *, own_pool: bool = True) -> None:
         self.config = config
         self.loaded = loaded
         self.model_config = loaded.model_config
@@ -100,13 +100,13 @@ class EngineCore:
             dtype=loaded.dtype,
             device=loaded.device,
         )
-        self.block_manager = BlockManager(
-            num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching
-        )
-        # True: abort() and process_output() return finished requests' blocks
-        # to block_manager at once. The actors set it False: the allocator
-        # actor owns the pool and every change reaches it in the next batch.
-        self.release_in_process = True
+        self.num_blocks = num_blocks
+        # The KV pool, when this core drives it in process (offline use:
+        # ``step()``; abort() and process_output() then return finished
+        # requests' blocks at once). Without one (``own_pool=False``) the
+        # pool lives with an allocator actor (``new_block_manager``) and
+        # every change reaches it as a ``KVBatch`` with the next step.
+        self.block_manager: BlockManager | None = self.new_block_manager() if own_pool else None
         self.scheduler = Scheduler(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -134,10 +134,14 @@ class EngineCore:
         self._failures: dict[str, Exception] = {}  # request id -> the detokenizer's error
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> EngineCore:
+    def from_config(cls, config: EngineConfig, *, own_pool: bool = True) -> EngineCore:
         """Load ``config.model`` (the default model when None) and build an engine on it."""
         loaded = load_model(config.model, dtype=config.dtype, device=config.device)
-        return cls(loaded, config)
+        return cls(loaded, config, own_pool=own_pool)
+
+    def new_block_manager(self) -> BlockManager:
+        """A KV pool of this core's size: its own, or the allocator actor's."""
+        return BlockManager(self.num_blocks, self.config.block_size, enable_prefix_caching=self.config.enable_prefix_caching)
 
     # -- requests ---------------------------------------------------------
 
@@ -184,6 +188,22 @@ class EngineCore:
             return items
         raise InvalidRequestError("prompt must be a string, a list of token ids or a list of messages", field="prompt")
 
+    def validate(
+        self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, *, priority: int = 0
+    ) -> NewRequest:
+        """Check a request once, at the edge: its id, its prompt (tokenized;
+        ids in the vocabulary; short enough to fit with one generated token)
+        and its parameters against the vocabulary. Raises
+        ``InvalidRequestError`` (or ``RequestTooLongError``,
+        ``TokenizerError``) naming the field at fault."""
+        check_request_id(request_id)
+        check_priority(priority)
+        params = params or SamplingParams()
+        params.validate_for_vocab(self.model_config.vocab_size)
+        prompt_ids = self.tokenize(prompt)
+        self.scheduler.check_fits(len(prompt_ids))
+        return NewRequest(request_id, tuple(prompt_ids), params, priority)
+
     def add_request(
         self,
         request_id: str,
@@ -193,36 +213,42 @@ class EngineCore:
         priority: int = 0,
         arrival_time: float | None = None,
     ) -> list[int]:
-        """Admit a request; return its prompt token ids.
+        """Validate and admit a request; return its prompt token ids.
 
         Raises ``InvalidRequestError`` (or ``RequestTooLongError``) naming the
         field at fault; nothing is admitted then.
         """
-        params = params or SamplingParams()
+        request = self.validate(request_id, prompt, params, priority=priority)
+        self.admit(request, arrival_time=arrival_time)
+        return list(request.prompt_token_ids)
+
+    def admit(self, new: NewRequest, *, arrival_time: float | None = None) -> None:
+        """Admit a validated request (``validate``). Raises
+        ``InvalidRequestError`` only if its id is in use, and
+        ``TokenizerError`` if the tokenizer fails on its prompt's tail."""
+        request_id, params, prompt_ids = new.request_id, new.params, new.prompt_token_ids
         if request_id in self._children:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", field="request_id")
-        params.validate_for_vocab(self.model_config.vocab_size)
-        prompt_ids = self.tokenize(prompt)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         eos = self.model_config.eos_token_ids
         children = []
-        for index in range(params.n):
+        for index, child_id in enumerate(new.sequence_ids()):
             child_params = params
             if params.n > 1:
                 # Each completion is its own sequence; derive distinct seeds so
                 # n seeded completions differ but stay reproducible.
                 seed = None if params.seed is None else params.seed + index
                 child_params = attrs.evolve(params, n=1, seed=seed)
-            child_id = request_id if params.n == 1 else f"{request_id}/{index}"
-            request = Request(
-                request_id=child_id,
-                prompt_token_ids=list(prompt_ids),
-                sampling_params=child_params,
-                eos_token_ids=eos,
-                priority=priority,
-                arrival_time=arrival,
+            children.append(
+                Request(
+                    request_id=child_id,
+                    prompt_token_ids=list(prompt_ids),
+                    sampling_params=child_params,
+                    eos_token_ids=eos,
+                    priority=new.priority,
+                    arrival_time=arrival,
+                )
             )
-            children.append(request)
         completions = []
         for index, request in enumerate(children):
             params_i = request.sampling_params
@@ -230,7 +256,7 @@ class EngineCore:
                 # Decodes the prompt's tail: the tokenizer may fail here too.
                 detokenizer = IncrementalDetokenizer(
                     self.tokenizer,
-                    prompt_ids,
+                    list(prompt_ids),
                     skip_special_tokens=params_i.skip_special_tokens,
                     stop=params_i.stop,
                     include_stop_str_in_output=params_i.include_stop_str_in_output,
@@ -238,28 +264,17 @@ class EngineCore:
             except Exception as exc:
                 message = "the tokenizer failed to decode this request's prompt"
                 raise self._tokenizer_error(message, "prompt", exc) from exc
-            completions.append(
-                _Completion(
-                    request=request,
-                    parent_id=request_id,
-                    index=index,
-                    detokenizer=detokenizer,
-                    sampling=SamplingState(
-                        params_i, request.prompt_token_ids, request.output_token_ids, request.eos_token_ids
-                    ),
-                )
-            )
-        # Only the first completion is scheduled now (it is refused, too long
-        # or never fitting, before anything is kept). Its siblings wait until
-        # it has computed the prompt, so they find every full prompt block in
-        # the prefix cache and share it instead of computing it again.
+            completions.append(_Completion(request=request, parent_id=request_id, index=index, detokenizer=detokenizer))
+        # Only the first completion is scheduled now (its id is checked free
+        # there, before anything is kept). Its siblings wait until it has
+        # computed the prompt, so they find every full prompt block in the
+        # prefix cache and share it instead of computing it again.
         self.scheduler.add_request(children[0])
         if len(children) > 1:
             self._held_siblings[request_id] = children[1:]
         for completion in completions:
             self._completions[completion.request.request_id] = completion
         self._children[request_id] = tuple(r.request_id for r in children)
-        return list(prompt_ids)
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
         """End a request (all its completions) now; its KV blocks are freed before the next step runs."""
@@ -274,7 +289,7 @@ class EngineCore:
             held.status, held.finish_reason = RequestStatus.FINISHED, reason
             self._ended.append(held)
             found = True
-        if found and self.release_in_process:
+        if found and self.block_manager is not None:
             # Give the blocks back now rather than with the next plan; the
             # final outputs still go out with the next step.
             self._ended.extend(self.scheduler.free_finished(self.block_manager))
@@ -319,15 +334,13 @@ class EngineCore:
         return self.process_output(plan, self.execute(plan))
 
     def schedule(self) -> SchedulerOutput:
+        """Plan a step against the core's own pool."""
+        if self.block_manager is None:
+            raise RuntimeError("this core's KV pool lives with an allocator actor: plan with propose/finalize")
         return self.scheduler.schedule(self.block_manager)
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
-        return self.runner.execute(plan, self.sampling_states(plan))
-
-    def sampling_states(self, plan: SchedulerOutput) -> dict[str, SamplingState]:
-        """The sampling state of each chunk that samples. Built on the event
-        loop by the actors, so the step's thread never reads engine dicts."""
-        return {c.request.request_id: self._completions[c.request.request_id].sampling for c in plan.chunks if c.samples}
+        return self.runner.execute(plan.plan)
 
     def process_output(self, plan: SchedulerOutput, output: RunnerOutput) -> list[RequestOutput]:
         """Apply a step's result: append tokens, detokenize, apply stops, report."""
@@ -340,7 +353,7 @@ class EngineCore:
             if completion is not None:
                 outputs.append(self._final_output(completion, (), "", (), now))
         for chunk in plan.chunks:
-            completion = self._completions.get(chunk.request.request_id)
+            completion = self._completions.get(chunk.request_id)
             if completion is not None and completion.first_scheduled is None:
                 completion.first_scheduled = now
         finished = {r.request_id for r in self.scheduler.update_from_output(plan, output.sampled)}
@@ -370,7 +383,7 @@ class EngineCore:
                 outputs.append(self._final_output(completion, (token_id,), delta.text, logprobs, now, delta.stop_str))
             else:
                 outputs.append(self._output(completion, (token_id,), delta.text, logprobs, None, None, now))
-        if finished and self.release_in_process:
+        if finished and self.block_manager is not None:
             # Return finished requests' blocks now, so an idle engine holds none.
             self._ended.extend(r for r in self.scheduler.free_finished(self.block_manager) if r.request_id in self._completions)
         if self._failures:

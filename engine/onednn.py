@@ -24,16 +24,48 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, None)
 
 
+# oneDNN builds and caches a kernel for every input shape it meets (in its
+# primitive cache and in ideep's, 1,024 entries each), a few hundred KiB
+# apiece, and a step's row count is its number of tokens, which varies from
+# step to step. Left alone, a server's memory grows for as long as new counts
+# keep coming (measured: docs/reliability.md, "Soak"). So a linear runs at a
+# bucketed row count: exact up to EXACT_ROWS (decode batches, where every
+# size is common and a matmul costs the weights' bandwidth, not its rows),
+# then rounded up by less than an eighth (prefill, where the padding is
+# compute but a cached kernel beats a new one). That is at most EXACT_ROWS +
+# 8 shapes per doubling of the row count, so the caches stop growing early.
+EXACT_ROWS = 64
+
+
+def row_bucket(num_rows: int) -> int:
+    """The row count a packed linear of ``num_rows`` rows runs at."""
+    if num_rows <= EXACT_ROWS:
+        return num_rows
+    step = 1 << (num_rows.bit_length() - 4)  # 1/16 to 1/8 of num_rows
+    return -(-num_rows // step) * step
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    # Zero rows: a matmul's rows are independent, so they change no real row.
+    return x if x.shape[0] == rows else F.pad(x, (0, 0, 0, rows - x.shape[0]))
+
+
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, post_op: str) -> torch.Tensor:
-    """``x @ W.T + bias`` with ``post_op`` ("none", "swish", ...) applied in the matmul's epilogue."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, post_op, [], "")
+    """``x @ W.T + bias`` (``x`` 2-D) with ``post_op`` ("none", "swish", ...)
+    applied in the matmul's epilogue."""
+    rows = x.shape[0]
+    out = torch.ops.mkldnn._linear_pointwise(_pad_rows(x, row_bucket(rows)), packed, bias, post_op, [], "")
+    return out[:rows]
 
 
 def linear_binary(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, op: str, other: torch.Tensor
 ) -> torch.Tensor:
-    """``(x @ W.T + bias) <op> other`` in one call: ``op`` is "add" or "mul"."""
-    return torch.ops.mkldnn._linear_pointwise.binary(x, other, packed, bias, op)
+    """``(x @ W.T + bias) <op> other`` in one call (``x`` 2-D): ``op`` is "add" or "mul"."""
+    rows = x.shape[0]
+    bucket = row_bucket(rows)
+    out = torch.ops.mkldnn._linear_pointwise.binary(_pad_rows(x, bucket), _pad_rows(other, bucket), packed, bias, op)
+    return out[:rows]
 
 
 def trial(dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

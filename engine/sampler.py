@@ -23,7 +23,7 @@ import attrs
 import torch
 
 from .sampling_params import SamplingParams
-from .sequence import FinishReason
+from .step_plan import SamplingRow
 
 # Temperatures below this are treated as greedy: dividing by them overflows.
 _GREEDY_EPS = 1e-5
@@ -47,62 +47,6 @@ class SamplerOutput:
 
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
-
-
-@attrs.define(eq=False)
-class SamplingState:
-    """What the sampler needs to know about one request.
-
-    ``output_token_ids`` is the request's live list: the caller appends each
-    sampled token to it, and the sampler reads it for penalties and
-    ``min_tokens``. A seeded request owns a ``torch.Generator``, made on the
-    sampler's device at its first draw and kept for the request's life, so
-    its tokens depend only on its seed and its own history.
-    """
-
-    params: SamplingParams
-    prompt_token_ids: Sequence[int]
-    output_token_ids: list[int]
-    eos_token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
-    generator: torch.Generator | None = attrs.field(default=None, init=False)
-    # The prompt as a tensor on the device, made once for repetition penalty.
-    _prompt_tensor: torch.Tensor | None = attrs.field(default=None, init=False, repr=False)
-
-    def generator_for(self, device: torch.device) -> torch.Generator:
-        """This request's generator, created on ``device`` at first use."""
-        if self.params.seed is None:
-            raise ValueError("generator_for needs a request with a seed")
-        if self.generator is None:
-            self.generator = torch.Generator(device=device)
-            self.generator.manual_seed(self.params.seed & _SEED_MASK)
-        elif self.generator.device != device:
-            raise ValueError(f"this request's generator lives on {self.generator.device}, not {device}")
-        return self.generator
-
-    def prompt_tensor(self, device: torch.device) -> torch.Tensor:
-        if self._prompt_tensor is None:
-            self._prompt_tensor = torch.tensor(list(self.prompt_token_ids), dtype=torch.long, device=device)
-        return self._prompt_tensor
-
-    def check_stop(self, *, max_model_len: int | None = None) -> FinishReason | None:
-        """Why the request must stop after its last sampled token, or None.
-
-        A stop token or EOS (unless ``ignore_eos``) ends it with ``STOP``
-        once ``min_tokens`` are out; ``max_tokens`` or ``max_model_len``
-        (prompt plus output) end it with ``LENGTH``. Stop strings are the
-        detokenizer's business.
-        """
-        params = self.params
-        n_out = len(self.output_token_ids)
-        if n_out and n_out >= params.min_tokens:
-            last = self.output_token_ids[-1]
-            if last in params.stop_token_ids or (not params.ignore_eos and last in self.eos_token_ids):
-                return FinishReason.STOP
-        if params.max_tokens is not None and n_out >= params.max_tokens:
-            return FinishReason.LENGTH
-        if max_model_len is not None and len(self.prompt_token_ids) + n_out >= max_model_len:
-            return FinishReason.LENGTH
-        return None
 
 
 def apply_top_k_top_p_min_p(
@@ -221,46 +165,82 @@ def _exponential_race(probs: torch.Tensor, generator: torch.Generator | None = N
 
 
 class Sampler:
-    """Chooses the next token of every request in a batch, on ``device``."""
+    """Chooses the next token of every request in a batch, on ``device``.
+
+    It keeps two things per sequence across steps, both owned by the thread
+    that runs the steps: a seeded sequence's ``torch.Generator`` (made at its
+    first draw, so its tokens depend only on its seed and its own history)
+    and the prompt as a tensor for ``repetition_penalty``. ``forget`` drops
+    them when the sequence ends.
+    """
 
     def __init__(self, vocab_size: int, device: torch.device | str = "cpu") -> None:
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
         self.vocab_size = vocab_size
         self.device = torch.device(device)
+        self._generators: dict[str, torch.Generator] = {}
+        self._prompts: dict[str, torch.Tensor] = {}
 
-    def sample(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
-        """One token for each row of ``logits`` [B, V]; row i is ``states[i]``.
+    def forget(self, request_ids: Sequence[str]) -> None:
+        """Drop the per-sequence state of ended sequences."""
+        for request_id in request_ids:
+            self._generators.pop(request_id, None)
+            self._prompts.pop(request_id, None)
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences with state kept here (seeded or penalised by repetition)."""
+        return len(self._generators.keys() | self._prompts.keys())
+
+    def _generator(self, row: SamplingRow) -> torch.Generator:
+        generator = self._generators.get(row.request_id)
+        if generator is None:
+            assert row.params.seed is not None
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(row.params.seed & _SEED_MASK)
+            self._generators[row.request_id] = generator
+        return generator
+
+    def _prompt_tensor(self, row: SamplingRow) -> torch.Tensor:
+        tensor = self._prompts.get(row.request_id)
+        if tensor is None:
+            tensor = torch.tensor(row.prompt_token_ids, dtype=torch.long, device=self.device)
+            self._prompts[row.request_id] = tensor
+        return tensor
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        """One token for each row of ``logits`` [B, V]; row i is ``rows[i]``.
 
         ``logits`` is not modified.
         """
-        if logits.dim() != 2 or logits.shape[0] != len(states):
-            raise ValueError(f"logits must be [{len(states)}, vocab], got {list(logits.shape)}")
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits must be [{len(rows)}, vocab], got {list(logits.shape)}")
         if logits.shape[1] < self.vocab_size:
             raise ValueError(f"logits have {logits.shape[1]} columns, fewer than vocab_size {self.vocab_size}")
         # Columns past the vocabulary (a padded LM head) are never sampled.
         logits = logits[:, : self.vocab_size].to(device=self.device, dtype=torch.float32)
-        params = [s.params for s in states]
+        params = [row.params for row in rows]
         want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits[want_logprobs], dim=-1) if want_logprobs else None
 
-        logits = self._bias_mask_penalise(logits, states, params)
+        logits = self._bias_mask_penalise(logits, rows, params)
         random_rows = [i for i, p in enumerate(params) if p.temperature >= _GREEDY_EPS]
         if not random_rows:
             tokens = logits.argmax(dim=-1)
-        elif len(random_rows) == len(states):
-            tokens = self._sample_random(logits, states, random_rows)
+        elif len(random_rows) == len(rows):
+            tokens = self._sample_random(logits, rows, random_rows)
         else:
             tokens = logits.argmax(dim=-1)
-            tokens[random_rows] = self._sample_random(logits, [states[i] for i in random_rows], random_rows)
+            tokens[random_rows] = self._sample_random(logits, [rows[i] for i in random_rows], random_rows)
         token_ids = tokens.tolist()
-        logprobs: list[TokenLogprobs | None] = [None] * len(states)
+        logprobs: list[TokenLogprobs | None] = [None] * len(rows)
         if raw_logprobs is not None:
             self._fill_logprobs(logprobs, raw_logprobs, want_logprobs, token_ids, params)
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
 
     def _bias_mask_penalise(
-        self, logits: torch.Tensor, states: Sequence[SamplingState], params: list[SamplingParams]
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], params: list[SamplingParams]
     ) -> torch.Tensor:
         # Stages 1-3; the tensor is copied only when one of them applies.
         bias_rows, bias_cols, bias_vals = [], [], []
@@ -270,11 +250,11 @@ class Sampler:
                 bias_cols.append(token_id)
                 bias_vals.append(value)
         mask_rows, mask_cols = [], []
-        for i, (s, p) in enumerate(zip(states, params)):
-            if len(s.output_token_ids) < p.min_tokens:
+        for i, (row, p) in enumerate(zip(rows, params)):
+            if row.num_output_tokens < p.min_tokens:
                 banned = set(p.stop_token_ids)
                 if not p.ignore_eos:
-                    banned.update(s.eos_token_ids)
+                    banned.update(row.eos_token_ids)
                 mask_rows.extend([i] * len(banned))
                 mask_cols.extend(banned)
         penalty_rows = [
@@ -292,23 +272,23 @@ class Sampler:
         if mask_rows:
             logits[_long(mask_rows, dev), _long(mask_cols, dev)] = float("-inf")
         if penalty_rows:
-            logits[penalty_rows] = self._penalised(logits[penalty_rows], [states[i] for i in penalty_rows])
+            logits[penalty_rows] = self._penalised(logits[penalty_rows], [rows[i] for i in penalty_rows])
         return logits
 
-    def _penalised(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    def _penalised(self, logits: torch.Tensor, seqs: list[SamplingRow]) -> torch.Tensor:
         rows, vocab = logits.shape
         dev = logits.device
         # Ragged id lists are padded with an extra column ``vocab`` that is
         # dropped after the scatter.
-        out_len = max((len(s.output_token_ids) for s in states), default=0)
+        out_len = max((len(row.output_token_ids) for row in seqs), default=0)
         out_ids = torch.full((rows, out_len), vocab, dtype=torch.long)
-        for r, s in enumerate(states):
-            out_ids[r, : len(s.output_token_ids)] = torch.tensor(s.output_token_ids, dtype=torch.long)
+        for r, row in enumerate(seqs):
+            out_ids[r, : len(row.output_token_ids)] = torch.tensor(row.output_token_ids, dtype=torch.long)
         out_ids = out_ids.to(dev)
         counts = torch.zeros(rows, vocab + 1, dtype=logits.dtype, device=dev)
         counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=logits.dtype))
         prompt_mask = torch.zeros(rows, vocab, dtype=torch.bool, device=dev)
-        prompts = [(r, s.prompt_tensor(dev)) for r, s in enumerate(states) if s.params.repetition_penalty != 1.0]
+        prompts = [(r, self._prompt_tensor(row)) for r, row in enumerate(seqs) if row.params.repetition_penalty != 1.0]
         if prompts:
             # One scatter for the whole batch; prompt tensors are cached.
             lengths = _long([len(t) for _, t in prompts], dev)
@@ -316,7 +296,7 @@ class Sampler:
             prompt_mask[prompt_rows, torch.cat([t for _, t in prompts])] = True
 
         def per_row(name: str) -> torch.Tensor:
-            return torch.tensor([getattr(s.params, name) for s in states], dtype=logits.dtype, device=dev)
+            return torch.tensor([getattr(row.params, name) for row in seqs], dtype=logits.dtype, device=dev)
 
         return apply_penalties(
             logits,
@@ -327,10 +307,10 @@ class Sampler:
             per_row("repetition_penalty"),
         )
 
-    def _sample_random(self, logits: torch.Tensor, states: list[SamplingState], rows: list[int]) -> torch.Tensor:
+    def _sample_random(self, logits: torch.Tensor, seqs: list[SamplingRow], rows: list[int]) -> torch.Tensor:
         if len(rows) != logits.shape[0]:
             logits = logits[rows]
-        params = [s.params for s in states]
+        params = [row.params for row in seqs]
         temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
         logits = logits / temperature.unsqueeze(-1)
         top_k = top_p = min_p = None
@@ -351,7 +331,7 @@ class Sampler:
         # Each seeded row draws its noise alone from its own generator, so
         # what it gets does not depend on the rest of the batch.
         for r in seeded:
-            tokens[r] = _exponential_race(probs[r], states[r].generator_for(probs.device))
+            tokens[r] = _exponential_race(probs[r], self._generator(seqs[r]))
         return tokens
 
     def _fill_logprobs(

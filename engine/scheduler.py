@@ -59,56 +59,41 @@ Finished and aborted requests release their blocks in the next batch;
 from __future__ import annotations
 
 import bisect
-import collections
 import math
 from collections.abc import Iterable, Mapping
 
 import attrs
 
 from .block_manager import BlockManager
-from .config import EngineConfig
+from .block_tables import BlockTables
 from .errors import InvalidRequestError, RequestTooLongError
 from .kv_batch import KVAllocation, KVBatch, KVBudget, KVCommit, KVResult
 from .sequence import FinishReason, Request, RequestStatus
-
-
-@attrs.frozen
-class ScheduledChunk:
-    """Compute ``num_tokens`` of a request's tokens from position ``start``.
-
-    ``block_ids`` is the request's block table covering them. ``samples`` is
-    True when the chunk reaches the request's last token, so the step samples
-    its next token.
-    """
-
-    request: Request
-    start: int
-    num_tokens: int
-    block_ids: tuple[int, ...]
-    samples: bool
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.request.all_token_ids[self.start : self.start + self.num_tokens]
+from .step_plan import SamplingRow, ScheduledChunk, StepPlan
 
 
 @attrs.frozen
 class SchedulerOutput:
-    """The plan for one step.
+    """What one ``finalize`` decided: the step's ``plan`` (the value the
+    runner gets), and for the caller in this process the ids preempted this
+    step and the requests that finished or were aborted since the last step,
+    whose blocks this step's batch released."""
 
-    ``preempted`` lists the ids preempted this step; ``finished`` the requests
-    that finished or were aborted since the last step, whose blocks this
-    step's batch released.
-    """
-
-    chunks: tuple[ScheduledChunk, ...]
+    plan: StepPlan
     preempted: tuple[str, ...]
     finished: tuple[Request, ...]
-    num_batched_tokens: int
+
+    @property
+    def chunks(self) -> tuple[ScheduledChunk, ...]:
+        return self.plan.chunks
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return self.plan.num_batched_tokens
 
     @property
     def is_empty(self) -> bool:
-        return not self.chunks
+        return self.plan.is_empty
 
 
 @attrs.frozen
@@ -134,25 +119,41 @@ class _InFlight:
 
 
 @attrs.define
+class _StepBudget:
+    """What is left of one step's budgets while ``propose`` plans it."""
+
+    tokens: int
+    free_blocks: int
+    planned: dict[str, tuple[int, int]] = attrs.field(factory=dict)  # running id -> (tokens, new blocks)
+    preempted: list[str] = attrs.field(factory=list)
+
+
+@attrs.define
 class Scheduler:
-    """Continuous batching over a KV pool of ``num_blocks`` x ``block_size``."""
+    """Continuous batching over a KV pool of ``num_blocks`` x ``block_size``.
+
+    Requests reach ``add_request`` validated (``EngineCore.validate``); the
+    scheduler only checks what depends on its own state: the id is free and
+    the request could ever fit the pool.
+    """
 
     max_num_seqs: int = attrs.field(kw_only=True)
     max_num_batched_tokens: int = attrs.field(kw_only=True)
     max_model_len: int = attrs.field(kw_only=True)
     num_blocks: int = attrs.field(kw_only=True)
     block_size: int = attrs.field(kw_only=True)
-    _requests: dict[str, Request] = attrs.field(init=False, factory=dict)  # unfinished
     aging_interval: int | None = attrs.field(default=None, kw_only=True)
+    _requests: dict[str, Request] = attrs.field(init=False, factory=dict)  # unfinished
     _waiting: list[Request] = attrs.field(init=False, factory=list)  # sorted by _key
     _running: list[Request] = attrs.field(init=False, factory=list)
     # The pool's block tables as this scheduler knows them: running requests
     # plus finished or preempted ones whose free is not sent yet.
-    _tables: dict[str, tuple[int, ...]] = attrs.field(init=False, factory=dict)
-    _refs: collections.Counter[int] = attrs.field(init=False, factory=collections.Counter)
-    _committed: dict[str, int] = attrs.field(init=False, factory=dict)  # tokens the pool has hashed
+    _tables: BlockTables = attrs.field(init=False, factory=BlockTables)
     _to_free: dict[str, Request] = attrs.field(init=False, factory=dict)
     _finished: list[Request] = attrs.field(init=False, factory=list)  # to report in the next output
+    # Ended sequences the runner has not been told of (it keeps their
+    # sampling state until a plan lists them in ``released``).
+    _released: list[str] = attrs.field(init=False, factory=list)
     _budget: KVBudget = attrs.field(init=False)
     _in_flight: _InFlight | None = attrs.field(init=False, default=None)
     _next_arrival: int = attrs.field(init=False, default=0)
@@ -181,18 +182,6 @@ class Scheduler:
             num_evictions=0,
         )
 
-    @classmethod
-    def from_config(cls, config: EngineConfig, *, max_model_len: int, num_blocks: int) -> Scheduler:
-        """Build from the engine config, the resolved context limit and the
-        pool size the memory budget allows."""
-        return cls(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=max_model_len,
-            num_blocks=num_blocks,
-            block_size=config.block_size,
-        )
-
     @property
     def max_context_len(self) -> int:
         """The longest a request may grow: ``max_model_len``, or less if the
@@ -201,29 +190,34 @@ class Scheduler:
 
     # -- requests -------------------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
-        """Admit a request to the waiting queue and set its ``arrival_index``.
-
-        Raise ``RequestTooLongError`` if its prompt plus one generated token
-        exceeds ``max_model_len`` or could never fit in the KV pool, and
-        ``InvalidRequestError`` if its id is already in use.
-        """
-        if request.request_id in self._requests or request.request_id in self._to_free:
-            raise InvalidRequestError(f"request_id {request.request_id!r} is already in use", field="request_id")
-        needed = request.num_tokens + 1
+    def check_fits(self, num_prompt_tokens: int) -> None:
+        """Raise ``RequestTooLongError`` (field ``prompt``) if a prompt this
+        long plus one generated token exceeds ``max_model_len`` or could
+        never fit the KV pool. The edge calls it before ``add_request``."""
+        needed = num_prompt_tokens + 1
         if needed > self.max_model_len:
             raise RequestTooLongError(
-                f"prompt has {request.num_tokens} tokens; with one generated token that exceeds "
+                f"prompt has {num_prompt_tokens} tokens; with one generated token that exceeds "
                 f"max_model_len ({self.max_model_len})",
                 field="prompt",
             )
         if needed > self.num_blocks * self.block_size:
             raise RequestTooLongError(
-                f"prompt has {request.num_tokens} tokens; with one generated token it needs "
+                f"prompt has {num_prompt_tokens} tokens; with one generated token it needs "
                 f"{math.ceil(needed / self.block_size)} KV blocks of {self.block_size} tokens, "
                 f"but the KV pool has only {self.num_blocks}",
                 field="prompt",
             )
+
+    def add_request(self, request: Request) -> None:
+        """Admit a request to the waiting queue and set its ``arrival_index``.
+
+        The request fits (the edge called ``check_fits``). Raises ``InvalidRequestError`` if its id
+        is still in use here (unfinished, or its blocks not yet released).
+        """
+        if request.request_id in self._requests or request.request_id in self._to_free:
+            raise InvalidRequestError(f"request_id {request.request_id!r} is already in use", field="request_id")
+        assert request.num_tokens + 1 <= self.max_context_len, f"request {request.request_id!r} can never fit"
         request.arrival_index = self._next_arrival
         self._next_arrival += 1
         request.status = RequestStatus.WAITING
@@ -275,6 +269,7 @@ class Scheduler:
             self._paused.pop(request.request_id, None)
         self._to_free[request.request_id] = request
         self._finished.append(request)
+        self._released.append(request.request_id)
 
     # -- one step -------------------------------------------------------------
 
@@ -308,71 +303,75 @@ class Scheduler:
         if self.aging_interval:
             self._waiting.sort(key=self._key)  # effective priorities moved on
         commits, frees, num_freed = self._release_pending()
-        free = self._budget.num_free_blocks + num_freed
-        token_budget = self.max_num_batched_tokens
-        planned: dict[str, tuple[int, int]] = {}  # running request id -> (tokens, new blocks)
-        preempted: list[str] = []
+        step = _StepBudget(tokens=self.max_num_batched_tokens, free_blocks=self._budget.num_free_blocks + num_freed)
 
         decodes = [r for r in self._running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in self._running if r.num_tokens - r.num_computed_tokens > 1]
         for request in sorted(decodes, key=self._key) + sorted(prefills, key=self._key):
-            if token_budget == 0:
+            if step.tokens == 0:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            num_tokens = min(request.num_tokens - request.num_computed_tokens, step.tokens)
             num_blocks = max(0, self._blocks_for(request.num_computed_tokens + num_tokens) - len(request.block_ids))
-            while num_blocks > free and request.status is RequestStatus.RUNNING:
-                victim = max(self._running, key=self._key)
-                undone_tokens, undone_blocks = planned.pop(victim.request_id, (0, 0))
-                token_budget += undone_tokens
-                free += undone_blocks + self._preempt(victim)
-                frees.append(victim.request_id)
-                preempted.append(victim.request_id)
+            while num_blocks > step.free_blocks and request.status is RequestStatus.RUNNING:
+                self._preempt_planned(max(self._running, key=self._key), step)
             if request.status is RequestStatus.RUNNING:
-                planned[request.request_id] = (num_tokens, num_blocks)
-                free -= num_blocks
-                token_budget -= num_tokens
+                step.planned[request.request_id] = (num_tokens, num_blocks)
+                step.free_blocks -= num_blocks
+                step.tokens -= num_tokens
 
-        admissions: list[KVAllocation] = []
-        num_seqs = len(self._running)
-        max_seqs = self.running_limit
-        if not preempted:
-            for request in list(self._waiting):  # a snapshot: preemption below inserts
-                if num_seqs >= max_seqs or token_budget == 0:
-                    break
-                num_tokens = min(request.num_tokens, token_budget)
-                needed = self._blocks_for(num_tokens)
-                if needed > free:
-                    # Preempt strictly lower priorities, lowest first, if
-                    # preempting all of them would make room.
-                    level = self._key(request)[0]
-                    victims = sorted((r for r in self._running if self._key(r)[0] > level), key=self._key, reverse=True)
-                    reclaimable = sum(self._sole_blocks(v) + planned.get(v.request_id, (0, 0))[1] for v in victims)
-                    for victim in victims if free + reclaimable >= needed else ():
-                        if free >= needed:
-                            break
-                        undone_tokens, undone_blocks = planned.pop(victim.request_id, (0, 0))
-                        token_budget += undone_tokens
-                        free += undone_blocks + self._preempt(victim)
-                        frees.append(victim.request_id)
-                        preempted.append(victim.request_id)
-                        num_seqs -= 1
-                    num_tokens = min(request.num_tokens, token_budget)
-                admissions.append(KVAllocation(request.request_id, 0, num_tokens, request.all_token_ids))
-                num_seqs += 1
-                token_budget -= num_tokens
-                free -= self._blocks_for(num_tokens)
-                if free < 0:
-                    break  # the pool decides whether its prefix hit makes it fit
-
+        admissions = [] if step.preempted else self._plan_admissions(step)
         allocations = [
             KVAllocation(rid, self._requests[rid].num_computed_tokens, num_tokens)
-            for rid, (num_tokens, _) in planned.items()
+            for rid, (num_tokens, _) in step.planned.items()
         ]
-        batch = KVBatch(commits=commits, frees=frees, allocations=allocations + admissions)
-        self._in_flight = _InFlight(batch, tuple(preempted), self._take_finished())
+        batch = KVBatch(commits=commits, frees=frees + step.preempted, allocations=allocations + admissions)
+        self._in_flight = _InFlight(batch, tuple(step.preempted), self._take_finished())
         return batch
+
+    def _plan_admissions(self, step: _StepBudget) -> list[KVAllocation]:
+        """Admit waiting requests in order while the budgets last (a
+        waiting request may preempt strictly lower priorities)."""
+        admissions: list[KVAllocation] = []
+        num_seqs = len(self._running)
+        for request in list(self._waiting):  # a snapshot: preemption below inserts
+            if num_seqs >= self.running_limit or step.tokens == 0:
+                break
+            num_tokens = min(request.num_tokens, step.tokens)
+            needed = self._blocks_for(num_tokens)
+            if needed > step.free_blocks:
+                # Preempt strictly lower priorities, lowest first, if
+                # preempting all of them would make room.
+                level = self._key(request)[0]
+                victims = sorted((r for r in self._running if self._key(r)[0] > level), key=self._key, reverse=True)
+                reclaimable = sum(
+                    self._tables.sole_blocks(v.request_id) + step.planned.get(v.request_id, (0, 0))[1] for v in victims
+                )
+                for victim in victims if step.free_blocks + reclaimable >= needed else ():
+                    if step.free_blocks >= needed:
+                        break
+                    self._preempt_planned(victim, step)
+                    num_seqs -= 1
+                num_tokens = min(request.num_tokens, step.tokens)
+            admissions.append(KVAllocation(request.request_id, 0, num_tokens, request.all_token_ids))
+            num_seqs += 1
+            step.tokens -= num_tokens
+            step.free_blocks -= self._blocks_for(num_tokens)
+            if step.free_blocks < 0:
+                break  # the pool decides whether its prefix hit makes it fit
+        return admissions
+
+    def _preempt_planned(self, victim: Request, step: _StepBudget) -> None:
+        """Preempt ``victim`` while planning: give back what was planned for
+        it this step and the blocks its free returns."""
+        undone_tokens, undone_blocks = step.planned.pop(victim.request_id, (0, 0))
+        step.tokens += undone_tokens
+        self._running.remove(victim)
+        step.free_blocks += undone_blocks + self._tables.drop(victim.request_id)
+        self._reset_for_recompute(victim)
+        bisect.insort(self._waiting, victim, key=self._key)
+        step.preempted.append(victim.request_id)
 
     def finalize(self, batch: KVBatch, result: KVResult) -> SchedulerOutput:
         """Turn the pool's answer to ``batch`` into this step's plan."""
@@ -389,7 +388,7 @@ class Scheduler:
             if table is None:
                 continue  # an admission stays waiting; a running request sits this step out
             rid = allocation.request_id
-            self._set_table(rid, table)
+            self._tables.set(rid, table)
             request = self._requests.get(rid)
             if request is None:
                 # Finished while the batch was in flight: _finish queued its
@@ -405,29 +404,51 @@ class Scheduler:
                 start = num_cached
                 num_tokens = min(num_tokens, request.num_tokens - num_cached)
                 request.num_computed_tokens = num_cached
-                self._committed[rid] = num_cached
+                self._tables.set_committed(rid, num_cached)
                 self._waiting.remove(request)
                 self._running.append(request)
                 request.status = RequestStatus.RUNNING
-            chunks.append(ScheduledChunk(request, start, num_tokens, table, start + num_tokens == request.num_tokens))
+            chunks.append(self._chunk(request, start, num_tokens, table))
+        released = ()
+        if chunks:
+            # A plan without chunks never reaches the runner: keep them for the next.
+            released, self._released = tuple(self._released), []
         return SchedulerOutput(
-            chunks=tuple(chunks),
+            plan=StepPlan(chunks=tuple(chunks), released=released),
             preempted=in_flight.preempted,
             finished=in_flight.finished,
-            num_batched_tokens=sum(c.num_tokens for c in chunks),
         )
+
+    @staticmethod
+    def _chunk(request: Request, start: int, num_tokens: int, table: tuple[int, ...]) -> ScheduledChunk:
+        """The chunk's value: its tokens sliced from the prompt or the output
+        (a decode step copies one token, never the whole sequence)."""
+        prompt, output = request.prompt_token_ids, request.output_token_ids
+        end = start + num_tokens
+        if start >= len(prompt):
+            tokens = tuple(output[start - len(prompt) : end - len(prompt)])
+        elif end <= len(prompt):
+            tokens = tuple(prompt[start:end])
+        else:
+            tokens = (*prompt[start:], *output[: end - len(prompt)])
+        sampling = None
+        if end == request.num_tokens:
+            sampling = SamplingRow.for_sequence(
+                request.request_id, request.sampling_params, prompt, output, request.eos_token_ids
+            )
+        return ScheduledChunk(request.request_id, start, tokens, table, sampling)
 
     def update_from_output(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> list[Request]:
         """Advance every chunk's request, append sampled tokens and apply
         token-level stops; return the requests that finished.
 
-        ``sampled`` maps the id of each chunk with ``samples=True`` to its new
-        token. A request finished since the plan was made is skipped.
+        ``sampled`` maps the id of each chunk that samples to its new token.
+        A request finished since the plan was made is skipped.
         """
         finished: list[Request] = []
         for chunk in output.chunks:
-            request = chunk.request
-            if request.is_finished or request.status is not RequestStatus.RUNNING:
+            request = self._requests.get(chunk.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
                 continue
             assert request.num_computed_tokens == chunk.start, (
                 f"request {request.request_id!r} has {request.num_computed_tokens} computed tokens, "
@@ -473,11 +494,11 @@ class Scheduler:
         return finished
 
     def _commit_for(self, request: Request) -> KVCommit | None:
-        done = self._committed.get(request.request_id, 0)
+        done = self._tables.committed(request.request_id)
         full = request.num_computed_tokens // self.block_size * self.block_size
         if full <= done or request.request_id not in self._tables:
             return None
-        self._committed[request.request_id] = full
+        self._tables.set_committed(request.request_id, full)
         return KVCommit(request.request_id, request.all_token_ids[done:full])
 
     def _release_pending(self) -> tuple[list[KVCommit], list[str], int]:
@@ -486,7 +507,7 @@ class Scheduler:
         holders: Iterable[Request] = [*self._running, *self._to_free.values()]
         commits = self._pause_commits + [c for c in map(self._commit_for, holders) if c is not None]
         frees = list(dict.fromkeys([*self._pause_frees, *self._to_free]))
-        num_freed = sum(self._drop_table(rid) for rid in frees)
+        num_freed = sum(self._tables.drop(rid) for rid in frees)
         self._to_free.clear()
         self._pause_commits, self._pause_frees = [], []
         return commits, frees, num_freed
@@ -500,9 +521,13 @@ class Scheduler:
         age = self._num_steps - self._admitted_step.get(request.request_id, self._num_steps)
         return (request.priority - age // self.aging_interval, request.arrival_index)
 
-    def _sole_blocks(self, request: Request) -> int:
-        """Blocks only this request holds (what preempting it frees)."""
-        return sum(1 for block_id in self._tables.get(request.request_id, ()) if self._refs[block_id] == 1)
+    def _reset_for_recompute(self, request: Request) -> None:
+        """A preempted request: no blocks, nothing computed, output kept."""
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.block_ids = []
+        request.num_preemptions += 1
+        self._num_preemptions += 1
 
     # -- pausing ----------------------------------------------------------------
 
@@ -521,11 +546,7 @@ class Scheduler:
                 self._pause_commits.append(commit)
             self._running.remove(request)
             self._pause_frees.append(request_id)
-            request.status = RequestStatus.PREEMPTED
-            request.num_computed_tokens = 0
-            request.block_ids = []
-            request.num_preemptions += 1
-            self._num_preemptions += 1
+            self._reset_for_recompute(request)
         else:
             self._waiting.remove(request)
         self._paused[request_id] = request
@@ -562,40 +583,12 @@ class Scheduler:
             raise ValueError(f"limit must be >= 1 or None, got {limit!r}")
         self._running_limit = limit
 
-    def _preempt(self, request: Request) -> int:
-        """Preempt by recompute; return the blocks that become free."""
-        self._running.remove(request)
-        num_freed = self._drop_table(request.request_id)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        request.block_ids = []
-        request.num_preemptions += 1
-        self._num_preemptions += 1
-        bisect.insort(self._waiting, request, key=self._key)
-        return num_freed
-
-    def _set_table(self, request_id: str, table: tuple[int, ...]) -> None:
-        old = self._tables.get(request_id, ())
-        self._refs.update(table[len(old) :])
-        self._tables[request_id] = table
-
-    def _drop_table(self, request_id: str) -> int:
-        """Forget a request's blocks; return how many no one else holds."""
-        num_freed = 0
-        for block_id in self._tables.pop(request_id, ()):
-            self._refs[block_id] -= 1
-            if self._refs[block_id] == 0:
-                del self._refs[block_id]
-                num_freed += 1
-        self._committed.pop(request_id, None)
-        return num_freed
-
     # -- introspection ----------------------------------------------------------
 
     def block_holders(self) -> Mapping[str, tuple[int, ...]]:
         """Request id -> block table, as the pool holds them (for
         ``BlockManager.check_invariants``)."""
-        return dict(self._tables)
+        return self._tables.as_dict()
 
     def statistics(self) -> SchedulerStatistics:
         return SchedulerStatistics(
@@ -608,7 +601,7 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         """Raise ``AssertionError`` if the queues or block tables are
-        inconsistent."""
+        inconsistent (tests call it after every step)."""
         if self._in_flight is not None:
             raise AssertionError("a batch is in flight")
         if len(self._running) > self.max_num_seqs:
@@ -630,6 +623,4 @@ class Scheduler:
                 raise AssertionError(f"request {request.request_id!r} computed more tokens than its blocks hold")
             if request.num_tokens > self.max_context_len:
                 raise AssertionError(f"request {request.request_id!r} grew past max_context_len")
-        expected = collections.Counter(b for table in self._tables.values() for b in table)
-        if expected != self._refs:
-            raise AssertionError("reference counts differ from the block tables")
+        self._tables.check()

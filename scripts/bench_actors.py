@@ -29,10 +29,10 @@ class Timed:
     def __init__(self, runner):
         self.runner, self.seconds, self.steps = runner, 0.0, 0
 
-    def execute(self, plan, states):
+    def execute(self, plan):
         start = time.perf_counter()
         try:
-            return self.runner.execute(plan, states)
+            return self.runner.execute(plan)
         finally:
             self.seconds += time.perf_counter() - start
             self.steps += 1

@@ -22,15 +22,15 @@ def tiny_loaded() -> LoadedModel:
     return testing.tiny_loaded(TEST_DEVICE)
 
 
-def assert_clean(core: EngineCore) -> None:
+def assert_clean(engine: Engine) -> None:
     """Every KV block is back in the pool and the core holds no request."""
-    stats = core.block_manager.statistics()
-    assert stats.num_free_blocks == stats.num_blocks, f"{stats.num_blocks - stats.num_free_blocks} blocks still held"
+    kv = engine.statistics().allocator.kv
+    assert kv.num_free_blocks == kv.num_blocks, f"{kv.num_blocks - kv.num_free_blocks} blocks still held"
+    core = engine.core
     assert not core.has_unfinished()
     assert not core.scheduler.has_unfinished()
     assert core.scheduler.num_waiting == 0 and core.scheduler.num_running == 0
-    core.scheduler.check_invariants()
-    core.block_manager.check_invariants(core.scheduler.block_holders())
+    engine.check_invariants()
     assert not core.scheduler.block_holders()
 
 
@@ -60,9 +60,7 @@ async def fake_engine(
     executors: list[FakeExecutor] = []
 
     def make(core: EngineCore) -> FakeExecutor:
-        executor = executor_cls(
-            vocab_size=core.model_config.vocab_size, step_time=step_time, token_time=token_time, fail=fail
-        )
+        executor = executor_cls.for_core(core, step_time=step_time, token_time=token_time, fail=fail)
         executors.append(executor)
         return executor
 
@@ -70,5 +68,5 @@ async def fake_engine(
     async with open_engine(config_value, loaded=tiny_loaded(), executor=make, **(engine_kw or {})) as engine:
         engine.fake = executors[0]
         yield engine
-    assert_clean(engine.core)
+    assert_clean(engine)
     assert engine.statistics().num_reserved_ids == 0

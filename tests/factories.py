@@ -85,32 +85,39 @@ class FakeRunner:
             raise AssertionError(f"position {position} is past the block table {list(block_ids)}")
         return block_ids[index] * self.block_size + position % self.block_size
 
-    def execute(self, output: SchedulerOutput) -> dict[str, int]:
-        """Write every chunk's tokens, then sample for chunks that sample."""
-        for chunk in output.chunks:
-            tokens = chunk.request.all_token_ids
-            for position in range(chunk.start, chunk.start + chunk.num_tokens):
-                self._slots[self._slot(chunk.block_ids, position)] = tokens[position]
+    def execute(self, output: SchedulerOutput, scheduler: Scheduler | None = None) -> dict[str, int]:
+        """Write every chunk's tokens, then sample for chunks that sample
+        from the context read back from the slots. With ``scheduler``, check
+        each chunk's tokens and each context read against the request's own
+        tokens (so a wrong plan or a wrongly shared block fails)."""
+        for chunk in output.plan.chunks:
+            if scheduler is not None:
+                tokens = scheduler.get_request(chunk.request_id).all_token_ids
+                expected = tokens[chunk.start : chunk.start + chunk.num_tokens]
+                assert list(chunk.token_ids) == expected, f"chunk of {chunk.request_id!r} carries the wrong tokens"
+            for offset, token in enumerate(chunk.token_ids):
+                self._slots[self._slot(chunk.block_ids, chunk.start + offset)] = token
         sampled = {}
-        for chunk in output.chunks:
+        for chunk in output.plan.chunks:
             if not chunk.samples:
                 continue
             length = chunk.start + chunk.num_tokens
             context = [self._slots.get(self._slot(chunk.block_ids, p)) for p in range(length)]
-            expected = chunk.request.all_token_ids[:length]
-            if context != expected:
-                raise AssertionError(
-                    f"request {chunk.request.request_id!r} reads a context that differs from its tokens "
-                    f"at position {next(i for i, (a, b) in enumerate(zip(context, expected)) if a != b)}"
-                )
-            sampled[chunk.request.request_id] = next_token(context, self.vocab_size)
+            if scheduler is not None:
+                expected = scheduler.get_request(chunk.request_id).all_token_ids[:length]
+                if context != expected:
+                    raise AssertionError(
+                        f"request {chunk.request_id!r} reads a context that differs from its tokens "
+                        f"at position {next(i for i, (a, b) in enumerate(zip(context, expected)) if a != b)}"
+                    )
+            sampled[chunk.request_id] = next_token(context, self.vocab_size)
         return sampled
 
 
 def step(scheduler: Scheduler, block_manager: BlockManager, runner: FakeRunner) -> SchedulerOutput:
     """One whole step: schedule, execute, update; return the plan."""
     output = scheduler.schedule(block_manager)
-    scheduler.update_from_output(output, runner.execute(output))
+    scheduler.update_from_output(output, runner.execute(output, scheduler))
     return output
 
 

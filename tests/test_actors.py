@@ -38,8 +38,8 @@ class GatedRunner:
         self.plans: list[set[str]] = []
         self._seen = 0
 
-    def execute(self, plan, states):
-        ids = {c.request.request_id for c in plan.chunks}
+    def execute(self, plan):
+        ids = {c.request_id for c in plan.chunks}
         self.plans.append(ids)
         if self.fail is not None and self.fail(ids, len(self.plans)):
             raise RuntimeError("injected fault in the model step")
@@ -49,7 +49,7 @@ class GatedRunner:
                 trio.from_thread.run_sync(self.entered.set, trio_token=self.trio_token)
                 if not self.release.wait(timeout=60):
                     raise TimeoutError("the test never released the step")
-        return self.runner.execute(plan, states)
+        return self.runner.execute(plan)
 
 
 def gated(**kw: Any):
@@ -113,7 +113,7 @@ async def test_outputs_through_the_actors_equal_those_of_engine_core_directly():
     assert set(through) == set(direct)
     for request_id in direct:
         assert by_completion(through[request_id]) == by_completion(direct[request_id]), request_id
-    assert_clean(engine.core)
+    assert_clean(engine)
 
 
 @pytest.mark.parametrize("seed", [20, 21])
@@ -197,7 +197,7 @@ async def test_200_concurrent_requests_with_cancels_deadlines_and_priorities_all
                     nursery.start_soon(one, engine, i)
             await trio.testing.wait_all_tasks_blocked()
             stats = engine.statistics()
-    assert_clean(engine.core)
+    assert_clean(engine)
     assert engine.statistics().num_reserved_ids == 0
     s = stats.scheduler
     assert s.num_live == 0 and s.num_waiting == 0 and s.num_running == 0 and s.num_paused == 0
@@ -245,7 +245,7 @@ async def test_a_cancel_landing_while_the_step_runs_is_applied_after_it():
         stats = engine.statistics()
         assert stats.scheduler.num_aborted == 1 and stats.scheduler.num_finished == 1
         assert stats.allocator.kv.num_free_blocks == stats.allocator.kv.num_blocks
-    assert_clean(engine.core)
+    assert_clean(engine)
 
 
 async def test_a_failing_model_step_fails_only_its_requests_and_the_engine_serves_on():
@@ -271,7 +271,7 @@ async def test_a_failing_model_step_fails_only_its_requests_and_the_engine_serve
         stats = engine.statistics()
         assert stats.executor.num_failed_steps == 1 and stats.scheduler.num_failed == 2
         assert stats.allocator.kv.num_free_blocks == stats.allocator.kv.num_blocks
-    assert_clean(engine.core)
+    assert_clean(engine)
 
 
 async def test_the_example_embeds_the_engine(capsys):

@@ -56,7 +56,7 @@ async def drain_stream(stream) -> list[RequestOutput]:
 
 
 def planned_ids(engine) -> list[set[str]]:
-    return [{c.request.request_id for c in plan.chunks} for plan in engine.fake.plans]
+    return [{c.request_id for c in plan.chunks} for plan in engine.fake.plans]
 
 
 async def test_a_request_streams_deltas_and_ends_with_its_finish_reason(autojump_clock):
@@ -320,7 +320,7 @@ async def test_higher_priority_arrival_preempts_when_kv_runs_out(autojump_clock)
 
 async def test_injected_step_failure_fails_only_that_steps_requests(autojump_clock):
     def fail(index, plan):
-        if any(c.request.request_id == "bad" for c in plan.chunks) and plan.chunks[0].start > 0:
+        if any(c.request_id == "bad" for c in plan.chunks) and plan.chunks[0].start > 0:
             return RuntimeError("injected fault")
         return None
 
@@ -383,7 +383,7 @@ async def test_an_actor_crash_tears_the_engine_down_through_the_nursery(autojump
         async with open_engine(
             engine_config(),
             loaded=tiny_loaded(),
-            executor=lambda core: _CrashingExecutor(vocab_size=core.model_config.vocab_size, step_time=STEP),
+            executor=lambda core: _CrashingExecutor.for_core(core, step_time=STEP),
         ) as engine:
             async with trio.open_nursery() as nursery:
                 for i in range(3):
@@ -445,7 +445,7 @@ async def test_streams_still_queued_when_an_actor_crashes_raise_engine_closed(au
         async with open_engine(
             engine_config(max_num_seqs=1),
             loaded=tiny_loaded(),
-            executor=lambda core: _CrashingExecutor(vocab_size=core.model_config.vocab_size, step_time=STEP),
+            executor=lambda core: _CrashingExecutor.for_core(core, step_time=STEP),
         ) as engine:
             # One running, one waiting in the core, the rest in the admission queue.
             streams = [engine.generate_nowait(f"q{i}", params(100)) for i in range(4)]

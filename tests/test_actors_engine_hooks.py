@@ -11,7 +11,7 @@ from trioserve.engine.sequence import FinishReason, RequestStatus
 
 
 def ids(output) -> set[str]:
-    return {c.request.request_id for c in output.chunks}
+    return {c.request_id for c in output.chunks}
 
 
 def greedy_reference(prompt: list[int], max_tokens: int, vocab_size: int = 1000) -> list[int]:
@@ -49,7 +49,7 @@ def test_pause_preempts_a_running_request_and_resume_loses_nothing():
 
     assert scheduler.resume("p") and not scheduler.resume("p")
     first = step(scheduler, bm, runner)
-    chunk = next(c for c in first.chunks if c.request.request_id == "p")
+    chunk = next(c for c in first.chunks if c.request_id == "p")
     assert chunk.start >= 8  # its committed full blocks came back from the prefix cache
     run_to_completion(scheduler, bm, runner)
     assert paused.output_token_ids == greedy_reference(paused.prompt_token_ids, 12)

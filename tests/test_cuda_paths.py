@@ -28,8 +28,9 @@ from trioserve.engine.engine_core import EngineCore
 from trioserve.engine.forward_batch import ForwardBatch, SeqChunk
 from trioserve.engine.kv_cache import KVCache
 from trioserve.engine.loader import LoadedModel, load_model
-from trioserve.engine.sampler import Sampler, SamplingState
+from trioserve.engine.sampler import Sampler
 from trioserve.engine.sampling_params import SamplingParams
+from trioserve.engine.step_plan import SamplingRow
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -199,7 +200,9 @@ def test_sampler_on_cuda_matches_cpu_for_deterministic_stages():
             SamplingParams(temperature=1.0, top_k=1, seed=7),
         ]
         prompt = [int(logits[1].argmax()), 3, 4]
-        return [SamplingState(p, prompt, [int(logits[1].argmax())] * 2, (int(logits[3].argmax()),)) for p in params]
+        output = [int(logits[1].argmax())] * 2
+        eos = (int(logits[3].argmax()),)
+        return [SamplingRow.for_sequence(f"row{i}", p, prompt, output, eos) for i, p in enumerate(params)]
 
     cpu = Sampler(vocab, "cpu").sample(logits, states())
     cuda_sampler = Sampler(vocab, "cuda")

@@ -57,7 +57,7 @@ def tokens(outputs: list[RequestOutput], index: int = 0) -> list[int]:
 
 
 def planned_ids(engine) -> set[str]:
-    return {c.request.request_id for plan in engine.fake.plans for c in plan.chunks}
+    return {c.request_id for plan in engine.fake.plans for c in plan.chunks}
 
 
 def nowait(engine, name: str, p: SamplingParams | None = None, **kw: Any):
@@ -201,7 +201,7 @@ async def test_adaptive_concurrency_lowers_the_running_limit_without_preempting(
         seen: set[str] = set()
         waves = []
         for plan in engine.fake.plans:
-            new = {c.request.request_id for c in plan.chunks} - seen
+            new = {c.request_id for c in plan.chunks} - seen
             if new:
                 waves.append(len(new))
                 seen |= new

@@ -1,5 +1,6 @@
 """The batched sampler: truncation sets, penalties, seeds, masks, logprobs."""
 
+import itertools
 import math
 
 import hypothesis.strategies as st
@@ -10,24 +11,29 @@ from hypothesis import assume, given, settings
 from trioserve.engine import sampler as sampler_module
 from trioserve.engine.sampler import (
     Sampler,
-    SamplingState,
     apply_penalties,
     apply_top_k_top_p_min_p,
 )
 from trioserve.engine.sampling_params import SamplingParams
-from trioserve.engine.sequence import FinishReason
+from trioserve.engine.step_plan import SamplingRow
 
 # Probabilities chosen so that no cumulative sum lands on a tested top_p.
 PROBS = [0.05, 0.4, 0.1, 0.3, 0.15]
 EOS = 0
 
 
-def make_state(output=None, prompt=(1, 2), eos=(EOS,), **params):
-    return SamplingState(
+_ids = itertools.count()
+
+
+def make_state(output=(), prompt=(1, 2), eos=(EOS,), request_id=None, **params):
+    """A sampling row; each gets its own sequence id unless ``request_id``
+    names one (the sampler keeps a seeded sequence's generator by id)."""
+    return SamplingRow.for_sequence(
+        f"seq{next(_ids)}" if request_id is None else request_id,
         SamplingParams(**params),
-        prompt_token_ids=list(prompt),
-        output_token_ids=[] if output is None else output,
-        eos_token_ids=eos,
+        tuple(prompt),
+        tuple(output),
+        eos,
     )
 
 
@@ -227,10 +233,9 @@ def test_logit_bias_forces_and_bans_tokens():
 def test_min_tokens_masks_eos_and_stop_tokens_until_reached():
     logits = torch.tensor([[9.0, 1.0, 8.0, 7.0]])  # EOS (0) best, then stop token 2
     sampler = Sampler(4)
-    output = [3, 3]
-    state = make_state(output=output, temperature=0.0, min_tokens=3, stop_token_ids=[2])
+    state = make_state(output=[3, 3], temperature=0.0, min_tokens=3, stop_token_ids=[2])
     assert sampler.sample(logits, [state]).token_ids == [3]
-    output.append(3)  # the state reads the live list
+    state = make_state(output=[3, 3, 3], temperature=0.0, min_tokens=3, stop_token_ids=[2])
     assert sampler.sample(logits, [state]).token_ids == [EOS]
 
 
@@ -240,22 +245,6 @@ def test_ignore_eos_leaves_eos_unmasked_but_still_masks_stop_tokens():
     assert Sampler(4).sample(logits, [state]).token_ids == [EOS]
     logits = torch.tensor([[1.0, 1.0, 8.0, 7.0]])
     assert Sampler(4).sample(logits, [state]).token_ids == [3]
-
-
-def test_check_stop():
-    out = []
-    state = make_state(output=out, max_tokens=4, min_tokens=2, stop_token_ids=[5])
-    out.append(EOS)
-    assert state.check_stop() is None  # before min_tokens
-    out.append(5)
-    assert state.check_stop() is FinishReason.STOP
-    out.append(3)
-    assert state.check_stop() is None
-    assert state.check_stop(max_model_len=5) is FinishReason.LENGTH  # 2 prompt + 3 output
-    out.append(3)
-    assert state.check_stop() is FinishReason.LENGTH
-    ignoring = make_state(output=[EOS], ignore_eos=True)
-    assert ignoring.check_stop() is None
 
 
 def test_logprobs_are_those_of_the_raw_logits():
@@ -289,17 +278,16 @@ def seeded_run(seed, position, neighbours, steps=8):
     vocab = 300
     sampler = Sampler(vocab)
     out = []
-    target = make_state(output=out, seed=seed, temperature=0.9, top_p=0.95, presence_penalty=0.3)
-    others = [make_state(**kw) for kw in neighbours]
     for step in range(steps):
+        target = make_state(
+            output=out, request_id="target", seed=seed, temperature=0.9, top_p=0.95, presence_penalty=0.3
+        )
+        others = [make_state(output=range(step), request_id=f"n{i}", **kw) for i, kw in enumerate(neighbours)]
         row = torch.randn(vocab, generator=torch.Generator().manual_seed(1000 + step))
         batch = torch.randn(len(others) + 1, vocab)  # neighbours differ on every run
         batch[position] = row
         states = others[:position] + [target] + others[position:]
-        token = sampler.sample(batch, states).token_ids[position]
-        out.append(token)
-        for s in others:
-            s.output_token_ids.append(step)
+        out.append(sampler.sample(batch, states).token_ids[position])
     return out
 
 
@@ -369,3 +357,16 @@ def test_top_p_over_a_large_vocabulary_equals_a_full_sort():
     assert (kept_counts[:3] < sampler_module.TOP_P_CANDIDATES).all()  # peaked: candidates sufficed
     assert (kept_counts[4:7] > sampler_module.TOP_P_CANDIDATES).all()  # flat: the fallback ran
     assert (kept_counts[[3, 7]] == vocab).all()  # p = 1 keeps everything
+
+
+def test_a_seeded_sequence_keeps_its_generator_until_forgotten():
+    logits = torch.zeros(1, 50)  # uniform: every draw comes from the generator
+    sampler = Sampler(50)
+    row = make_state(request_id="s", seed=7, temperature=1.0)
+    first = [sampler.sample(logits, [row]).token_ids[0] for _ in range(6)]
+    assert sampler.num_sequences == 1
+    sampler.forget(["s"])
+    assert sampler.num_sequences == 0
+    # A new sequence under the same id starts from its seed again.
+    again = [sampler.sample(logits, [row]).token_ids[0] for _ in range(6)]
+    assert again == first and len(set(first)) > 1

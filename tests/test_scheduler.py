@@ -14,13 +14,13 @@ from trioserve.engine.sequence import FinishReason, Request, RequestStatus
 
 
 def chunk_sizes(output: SchedulerOutput) -> dict[str, int]:
-    return {c.request.request_id: c.num_tokens for c in output.chunks}
+    return {c.request_id: c.num_tokens for c in output.chunks}
 
 
 def step_with(scheduler: Scheduler, bm, tokens: dict[str, int]) -> SchedulerOutput:
     """A step whose sampled tokens are given, for stop-condition tests."""
     output = scheduler.schedule(bm)
-    sampled = {c.request.request_id: tokens[c.request.request_id] for c in output.chunks if c.samples}
+    sampled = {c.request_id: tokens[c.request_id] for c in output.chunks if c.samples}
     scheduler.update_from_output(output, sampled)
     return output
 
@@ -87,7 +87,7 @@ def test_waiting_requests_run_by_priority_then_arrival():
     for rid, priority in [("late-low", 5), ("high", 0), ("mid", 2), ("high2", 0)]:
         scheduler.add_request(make_request(rid, priority=priority, max_tokens=1))
     outputs = run_to_completion(scheduler, bm, FakeRunner(4))
-    assert [o.chunks[0].request.request_id for o in outputs] == ["high", "high2", "mid", "late-low"]
+    assert [o.chunks[0].request_id for o in outputs] == ["high", "high2", "mid", "late-low"]
     assert [scheduler.get_request(r) for r in ("high", "mid")] == [None, None]
 
 
@@ -163,17 +163,18 @@ def test_one_request_needing_the_whole_pool_completes_beside_others():
     assert bm.statistics().num_free_blocks == 8
 
 
-def test_admission_refuses_prompts_that_cannot_fit():
+def test_check_fits_refuses_prompts_that_cannot_fit():
     scheduler, _ = make_scheduler(max_model_len=16, num_blocks=32)
     with pytest.raises(RequestTooLongError, match=r"max_model_len \(16\)") as too_long:
-        scheduler.add_request(make_request("a", prompt_len=16))
+        scheduler.check_fits(16)
     assert too_long.value.field == "prompt"
+    scheduler.check_fits(15)
     scheduler.add_request(make_request("ok", prompt_len=15))
 
     small_pool, _ = make_scheduler(max_model_len=64, num_blocks=4)
     message = r"needs 5 KV blocks of 4 tokens, but the KV pool has only 4"
     with pytest.raises(RequestTooLongError, match=message) as no_room:
-        small_pool.add_request(make_request("b", prompt_len=16))
+        small_pool.check_fits(16)
     assert no_room.value.field == "prompt"
     small_pool.add_request(make_request("fits", prompt_len=15))
     assert small_pool.num_waiting == 1
@@ -375,8 +376,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         prompt_room = self.scheduler.max_context_len - 1
         if request.num_tokens > prompt_room:
             with pytest.raises(RequestTooLongError):
-                self.scheduler.add_request(request)
+                self.scheduler.check_fits(request.num_tokens)
             return
+        self.scheduler.check_fits(request.num_tokens)
         self.scheduler.add_request(request)
         self.requests.append(request)
 

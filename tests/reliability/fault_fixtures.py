@@ -39,14 +39,14 @@ async def fake_engine(*, engine_kw: dict[str, Any] | None = None, clean: bool = 
 
     def make(core):
         executor_kw.setdefault("step_time", STEP)
-        executors.append(FakeExecutor(vocab_size=core.model_config.vocab_size, **executor_kw))
+        executors.append(FakeExecutor.for_core(core, **executor_kw))
         return executors[0]
 
     async with open_engine(engine_config(), loaded=tiny_loaded(), executor=make, **(engine_kw or {})) as engine:
         engine.fake = executors[0]
         yield engine
     if clean:
-        assert_clean(engine.core)
+        assert_clean(engine)
 
 
 class FaultyRunner:
@@ -67,7 +67,7 @@ class FaultyRunner:
         self.threads: list[threading.Thread] = []
         self.hung_thread: threading.Thread | None = None
 
-    def execute(self, plan: Any, states: Any) -> Any:
+    def execute(self, plan: Any) -> Any:
         self.threads.append(threading.current_thread())
         action = self.fault(plan)
         if action == "raise":
@@ -79,16 +79,16 @@ class FaultyRunner:
             self.hung.set()
             if not self.release.wait(timeout=120):
                 raise TimeoutError("the test never released the hung step")
-        return self.runner.execute(plan, states)
+        return self.runner.execute(plan)
 
 
 def prompt_has(plan: Any, marker: list[int]) -> bool:
-    """Whether a chunk of ``plan`` belongs to a request whose prompt
-    contains the token sequence ``marker``."""
+    """Whether a chunk of ``plan`` computes the token sequence ``marker``
+    (a prompt holding it, in the step that prefills it)."""
     n = len(marker)
     for chunk in plan.chunks:
-        prompt = chunk.request.prompt_token_ids
-        if any(prompt[i : i + n] == marker for i in range(len(prompt) - n + 1)):
+        tokens = list(chunk.token_ids)
+        if any(tokens[i : i + n] == marker for i in range(len(tokens) - n + 1)):
             return True
     return False
 
@@ -142,7 +142,7 @@ class HangOnce:
         if self.plan is not None:
             return 0.0  # once
         for chunk in plan.chunks:
-            if chunk.request.request_id == self.request_id and chunk.request.num_output_tokens == 2:
+            if chunk.request_id == self.request_id and chunk.sampling and chunk.sampling.num_output_tokens == 2:
                 self.plan = plan
                 return self.seconds
         return 0.0

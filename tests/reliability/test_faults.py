@@ -168,7 +168,7 @@ async def test_a_hung_real_step_is_abandoned_and_its_late_writes_corrupt_no_one(
         stats = engine.statistics()
         assert stats.executor.num_thread_restarts == 1 and stats.executor.num_hung_steps == 1
         assert stats.allocator.kv.num_free_blocks == stats.allocator.kv.num_blocks
-    assert_clean(engine.core)
+    assert_clean(engine)
 
 
 async def test_an_engine_with_a_step_hung_for_good_still_shuts_down():
@@ -207,7 +207,7 @@ async def test_a_step_thread_that_dies_fails_its_step_and_is_replaced():
         stats = engine.statistics()
         assert stats.executor.num_failed_steps == 1 and stats.executor.num_thread_restarts == 1
         assert stats.executor.last_fault.kind == "step_thread_died"
-    assert_clean(engine.core)
+    assert_clean(engine)
 
 
 async def test_a_step_thread_closed_between_steps_is_replaced_unnoticed():
@@ -221,7 +221,7 @@ async def test_a_step_thread_closed_between_steps_is_replaced_unnoticed():
             assert (await collect(engine, [24, 25, 26], greedy(4)))[-1].finish_reason is FinishReason.LENGTH
             stats = engine.statistics()
             assert stats.executor.num_thread_restarts == 1 and stats.executor.num_failed_steps == 0
-        assert_clean(engine.core)
+        assert_clean(engine)
     finally:
         thread.close()
 
@@ -259,23 +259,22 @@ async def test_a_tokenizer_fault_refuses_only_that_request(autojump_clock):
             assert results[f"ok{i}"][-1].finish_reason is FinishReason.LENGTH
         stats = engine.statistics()
         assert stats.scheduler.num_tokenizer_errors == 2 and stats.scheduler.last_fault.kind == "tokenizer_failed"
-    assert_clean(engine.core)
+    assert_clean(engine)
 
 
 def _fake(core, **kw: Any):
     from trioserve.actors import FakeExecutor
 
-    return FakeExecutor(vocab_size=core.model_config.vocab_size, step_time=STEP, **kw)
+    return FakeExecutor.for_core(core, step_time=STEP, **kw)
 
 
 @pytest.mark.parametrize("n", [1, 3])
 async def test_a_detokenizer_fault_mid_stream_fails_only_that_request(autojump_clock, n):
-    def token(chunk):
-        request = chunk.request
-        if request.request_id.startswith("bad") and request.request_id.endswith(("bad", "/1")):
-            if request.num_output_tokens == 2:
+    def token(chunk, context):
+        if chunk.request_id.startswith("bad") and chunk.request_id.endswith(("bad", "/1")):
+            if chunk.sampling.num_output_tokens == 2:
                 return POISON  # its third token cannot be decoded
-        return fake_token(chunk, 49152)
+        return fake_token(context, 49152)
 
     loaded = poisoned_loaded(poison=POISON)
     async with open_engine(engine_config(), loaded=loaded, executor=lambda core: _fake(core, token=token)) as engine:
@@ -306,7 +305,7 @@ async def test_a_detokenizer_fault_mid_stream_fails_only_that_request(autojump_c
         stats = engine.statistics()
         assert stats.scheduler.num_detokenizer_errors == 1 and stats.scheduler.num_failed == 1
         assert stats.allocator.kv.num_free_blocks == stats.allocator.kv.num_blocks
-    assert_clean(engine.core)
+    assert_clean(engine)
 
 
 # -- over HTTP, on the default model -----------------------------------------------
@@ -338,13 +337,13 @@ async def test_step_faults_over_http_are_clear_errors_and_health_reports_them(de
     hung = []
     token = trio.lowlevel.current_trio_token()
 
-    def execute(self, plan, states):
+    def execute(self, plan):
         if prompt_has(plan, RAISE_MARK):
             raise RuntimeError("injected fault; see /secret/path/model.py:12")
         if prompt_has(plan, HANG_MARK) and not hung:
             hung.append(plan)
             trio.from_thread.run(release.wait, trio_token=token)
-        return real_execute(self, plan, states)
+        return real_execute(self, plan)
 
     monkeypatch.setattr(ModelRunner, "execute", execute)
     app = create_app(server_config(engine={"watchdog_timeout": WATCHDOG}), loaded=default_loaded)

@@ -64,7 +64,7 @@ async def test_readers_that_stop_reading_do_not_move_anyone_elses_tokens(autojum
         # Each stalled sequence ran only until its reader was MAX_BUFFERED
         # behind (plus the step in flight and the one that paused it).
         for name, _, _ in STALLED:
-            assert sum(any(c.request.request_id == name for c in p.chunks) for p in engine.fake.plans) <= MAX_BUFFERED + 2
+            assert sum(any(c.request_id == name for c in p.chunks) for p in engine.fake.plans) <= MAX_BUFFERED + 2
         # Reading again resumes them; nothing was lost.
         for (name, _, _), stream in zip(STALLED, stalled):
             async with stream:

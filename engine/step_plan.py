@@ -1,0 +1,110 @@
+"""The step plan: what one model step computes, as an immutable value.
+
+The scheduler builds a ``StepPlan`` once per step; the runner executes it.
+It is the whole boundary between them: every field is a frozen value (token
+ids, positions, block tables, sampling rows), nothing refers to the
+scheduler's live ``Request`` objects, and a plan pickles, so it can go to a
+runner in another thread or another process and mean the same thing there.
+
+What a runner keeps between steps is only what belongs to the sequence's
+draws (a seeded request's random generator, a cached prompt tensor); it
+drops that when a plan lists the sequence in ``released``.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from .sampling_params import SamplingParams
+
+
+def _needs_output_history(params: SamplingParams) -> bool:
+    return params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 or params.repetition_penalty != 1.0
+
+
+@attrs.frozen
+class SamplingRow:
+    """What the sampler needs to choose one sequence's next token.
+
+    ``output_token_ids`` is the output so far when a penalty reads it (else
+    empty); ``prompt_token_ids`` is the prompt when ``repetition_penalty``
+    reads it (else empty). ``num_output_tokens`` counts the output either
+    way (for ``min_tokens``).
+    """
+
+    request_id: str
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    num_output_tokens: int
+    output_token_ids: tuple[int, ...] = ()
+    prompt_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def for_sequence(
+        cls,
+        request_id: str,
+        params: SamplingParams,
+        prompt_token_ids: tuple[int, ...] | list[int],
+        output_token_ids: tuple[int, ...] | list[int],
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> SamplingRow:
+        """The row of a sequence, carrying its token history only where its
+        parameters read it (a copy of the output per step costs nothing then)."""
+        return cls(
+            request_id=request_id,
+            params=params,
+            eos_token_ids=tuple(eos_token_ids),
+            num_output_tokens=len(output_token_ids),
+            output_token_ids=tuple(output_token_ids) if _needs_output_history(params) else (),
+            prompt_token_ids=tuple(prompt_token_ids) if params.repetition_penalty != 1.0 else (),
+        )
+
+
+@attrs.frozen
+class ScheduledChunk:
+    """Compute ``token_ids`` of a sequence at positions ``start ..
+    start + num_tokens - 1``.
+
+    ``block_ids`` is the sequence's block table, covering at least those
+    positions. ``sampling`` is set when the chunk reaches the sequence's last
+    known token, so the step samples its next token.
+    """
+
+    request_id: str
+    start: int
+    token_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]
+    sampling: SamplingRow | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def samples(self) -> bool:
+        return self.sampling is not None
+
+    @property
+    def is_decode(self) -> bool:
+        """It computes only the token sampled last step (else it is prompt,
+        or output recomputed after a preemption)."""
+        return self.num_tokens == 1 and self.sampling is not None and self.sampling.num_output_tokens > 0
+
+
+@attrs.frozen
+class StepPlan:
+    """One step for the runner: ``chunks`` in batch order, and the
+    sequences ended since the runner's last step (``released``), whose
+    per-sequence sampling state it may drop before running the chunks (an
+    id may come back in a chunk of the same plan as a new request)."""
+
+    chunks: tuple[ScheduledChunk, ...]
+    released: tuple[str, ...] = ()
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(chunk.num_tokens for chunk in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
