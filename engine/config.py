@@ -216,6 +216,10 @@ class EngineConfig:
     priority_aging_steps: int | None = attrs.field(default=256, validator=optional_positive)
     # Torch threads for the model step; None leaves torch's default.
     num_threads: int | None = attrs.field(default=None, validator=optional_positive)
+    # Build the CPU kernels for every batch size at start (a few seconds), so
+    # memory is flat while serving and no request waits for a kernel; False
+    # starts faster and builds each as it is first met (engine/onednn.py).
+    warm_up: bool = True
     # Overload control (docs/reliability.md, "Overload control").
     # Seconds a request may wait from its arrival before anything is computed
     # for it; past that it is dropped (QueueTimeout; HTTP 503). None: no bound.

@@ -121,6 +121,11 @@ class EngineCore:
             sampler=Sampler(loaded.model_config.vocab_size, loaded.device),
             device=loaded.device,
         )
+        if config.warm_up:
+            start = time.perf_counter()
+            calls = loaded.model.warm_up(config.max_num_seqs)
+            if calls:
+                log.info("built the CPU kernels for every batch size in %.1f s (%d calls)", time.perf_counter() - start, calls)
         self._completions: dict[str, _Completion] = {}  # by child request id
         self._children: dict[str, tuple[str, ...]] = {}  # request id -> its completions' ids
         self._ended: list[Request] = []  # ended between steps, final output not yet reported

@@ -332,6 +332,32 @@ class LlamaForCausalLM(nn.Module):
                 self._made = _Made([layer.projections(pack) for layer in self.layers], lm_head, pack, where)
             return self._made
 
+    def warm_up(self, max_logit_rows: int) -> int:
+        """Run each packed projection once at every row count it runs at
+        (``onednn.row_buckets``; the LM head up to ``max_logit_rows``, the
+        most sequences a step samples), so oneDNN builds all its kernels
+        now: the memory they take is there from the start, not added while
+        serving, and no request waits for one. Returns how many calls it
+        made (0 when the projections are not packed)."""
+        made = self._projections()
+        if not made.packed:
+            return 0
+        c = self.config
+        layer = made.layers[0]  # every layer has the same shapes
+        calls = 0
+        with torch.inference_mode():
+            for rows in onednn.row_buckets():
+                x = torch.zeros(rows, c.hidden_size, dtype=self.dtype, device=self.embed_tokens.device)
+                attention = torch.zeros(rows, c.num_attention_heads * c.head_dim, dtype=x.dtype, device=x.device)
+                layer.qkv(x)
+                layer.o_add(attention, x)
+                layer.mlp_add(x, x)
+                calls += 5
+                if rows <= onednn.row_bucket(min(max_logit_rows, onednn.MAX_ROWS)):
+                    onednn.linear(x, made.lm_head, None, "none")
+                    calls += 1
+        return calls
+
     def _can_pack(self, device: torch.device, dtype: torch.dtype) -> bool:
         # After a move (``.to``): pack only where that path works too.
         name = packed_path(dtype)

@@ -25,24 +25,38 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 # oneDNN builds and caches a kernel for every input shape it meets (in its
-# primitive cache and in ideep's, 1,024 entries each), a few hundred KiB
-# apiece, and a step's row count is its number of tokens, which varies from
-# step to step. Left alone, a server's memory grows for as long as new counts
-# keep coming (measured: docs/reliability.md, "Soak"). So a linear runs at a
-# bucketed row count: exact up to EXACT_ROWS (decode batches, where every
+# primitive cache and in ideep's, 1,024 entries each), up to a few MiB apiece
+# for large shapes, and a step's row count is its number of tokens, which
+# varies from step to step. Left alone, a server's memory grows for as long
+# as new counts keep coming (docs/reliability.md, "Soak"). So a linear runs
+# at few row counts: exact up to EXACT_ROWS (decode batches, where every
 # size is common and a matmul costs the weights' bandwidth, not its rows),
-# then rounded up by less than an eighth (prefill, where the padding is
-# compute but a cached kernel beats a new one). That is at most EXACT_ROWS +
-# 8 shapes per doubling of the row count, so the caches stop growing early.
+# then rounded up by less than an eighth, and past MAX_ROWS in slices of
+# MAX_ROWS rows (a GEMM is at its peak well before that). That is
+# EXACT_ROWS + 16 shapes in all, built once (``Model.warm_up``).
 EXACT_ROWS = 64
+MAX_ROWS = 256
 
 
 def row_bucket(num_rows: int) -> int:
-    """The row count a packed linear of ``num_rows`` rows runs at."""
+    """The row count a packed linear of ``num_rows`` rows (at most
+    ``MAX_ROWS``) runs at."""
+    assert 0 < num_rows <= MAX_ROWS
     if num_rows <= EXACT_ROWS:
         return num_rows
     step = 1 << (num_rows.bit_length() - 4)  # 1/16 to 1/8 of num_rows
     return -(-num_rows // step) * step
+
+
+def row_buckets() -> list[int]:
+    """Every row count a packed linear runs at, ascending."""
+    buckets = []
+    rows = 1
+    while rows <= MAX_ROWS:
+        bucket = row_bucket(rows)
+        buckets.append(bucket)
+        rows = bucket + 1
+    return buckets
 
 
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -50,22 +64,41 @@ def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return x if x.shape[0] == rows else F.pad(x, (0, 0, 0, rows - x.shape[0]))
 
 
+def _by_slices(call, x: torch.Tensor, *others: torch.Tensor) -> torch.Tensor:
+    """``call(x, *others)`` over row slices of at most MAX_ROWS, each padded
+    to its bucket; the padding is cut off again."""
+    rows = x.shape[0]
+    if rows == 0:
+        return call(x, *others)
+    if rows <= MAX_ROWS:
+        bucket = row_bucket(rows)
+        return call(_pad_rows(x, bucket), *(_pad_rows(o, bucket) for o in others))[:rows]
+    parts = [
+        _by_slices(call, x[start : start + MAX_ROWS], *(o[start : start + MAX_ROWS] for o in others))
+        for start in range(0, rows, MAX_ROWS)
+    ]
+    return torch.cat(parts)
+
+
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, post_op: str) -> torch.Tensor:
     """``x @ W.T + bias`` (``x`` 2-D) with ``post_op`` ("none", "swish", ...)
     applied in the matmul's epilogue."""
-    rows = x.shape[0]
-    out = torch.ops.mkldnn._linear_pointwise(_pad_rows(x, row_bucket(rows)), packed, bias, post_op, [], "")
-    return out[:rows]
+
+    def call(rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, post_op, [], "")
+
+    return _by_slices(call, x)
 
 
 def linear_binary(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, op: str, other: torch.Tensor
 ) -> torch.Tensor:
     """``(x @ W.T + bias) <op> other`` in one call (``x`` 2-D): ``op`` is "add" or "mul"."""
-    rows = x.shape[0]
-    bucket = row_bucket(rows)
-    out = torch.ops.mkldnn._linear_pointwise.binary(_pad_rows(x, bucket), _pad_rows(other, bucket), packed, bias, op)
-    return out[:rows]
+
+    def call(rows: torch.Tensor, other_rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise.binary(rows, other_rows, packed, bias, op)
+
+    return _by_slices(call, x, other)
 
 
 def trial(dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

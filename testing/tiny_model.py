@@ -94,6 +94,8 @@ def engine_config(*, num_blocks: int | None = None, **overrides: Any) -> EngineC
         max_num_seqs=16,
         max_num_batched_tokens=256,
         max_queued_requests=64,
+        # Tests build many engines; kernels are built as they are met.
+        warm_up=False,
     )
     if num_blocks is not None:
         fields["kv_cache_memory"] = num_blocks * kv_bytes_per_block(tiny_model_config(), BLOCK_SIZE, torch.float32)

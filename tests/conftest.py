@@ -82,4 +82,5 @@ def _torch_threads():
 def make_core(loaded: LoadedModel, **config) -> EngineCore:
     """An EngineCore on an already loaded model, with a small KV pool by default."""
     config.setdefault("kv_cache_memory", 64 << 20)
+    config.setdefault("warm_up", False)  # kernels are built as they are met
     return EngineCore(loaded, EngineConfig(**config))

@@ -1,6 +1,7 @@
-"""Packed linears run at bucketed row counts, so oneDNN's kernel caches
-(one kernel per input shape) stop growing: exact counts up to EXACT_ROWS,
-then less than an eighth of padding. The padding never reaches a result."""
+"""Packed linears run at few row counts, so oneDNN's kernel caches (one
+kernel per input shape) stop growing: exact counts up to EXACT_ROWS, then
+less than an eighth of padding, and slices of MAX_ROWS beyond. The padding
+never reaches a result, and warming the kernels up changes no token."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from trioserve.engine.capability import CpuPaths, packed_path
 pytestmark = pytest.mark.cpu_paths
 
 
-@given(st.integers(1, 200_000))
+@given(st.integers(1, onednn.MAX_ROWS))
 def test_a_row_bucket_is_exact_for_small_counts_and_pads_under_an_eighth(rows):
     bucket = onednn.row_bucket(rows)
     if rows <= onednn.EXACT_ROWS:
@@ -26,13 +27,14 @@ def test_a_row_bucket_is_exact_for_small_counts_and_pads_under_an_eighth(rows):
     assert onednn.row_bucket(bucket) == bucket
 
 
-def test_the_row_counts_seen_are_few():
-    buckets = {onednn.row_bucket(rows) for rows in range(1, 8193)}
-    # 64 exact counts, then at most 8 per doubling from 64 to 8192 (7 doublings).
-    assert len(buckets) <= onednn.EXACT_ROWS + 8 * 7
+def test_the_row_counts_a_linear_runs_at_are_few():
+    buckets = onednn.row_buckets()
+    assert buckets == sorted({onednn.row_bucket(rows) for rows in range(1, onednn.MAX_ROWS + 1)})
+    # 64 exact counts, then 8 per doubling up to MAX_ROWS (two doublings).
+    assert len(buckets) == onednn.EXACT_ROWS + 16
 
 
-@pytest.mark.parametrize("rows", [1, 7, onednn.EXACT_ROWS, onednn.EXACT_ROWS + 1, 100, 131, 300])
+@pytest.mark.parametrize("rows", [1, 7, onednn.EXACT_ROWS, onednn.EXACT_ROWS + 1, 100, 131, 256, 300, 700])
 def test_padded_rows_never_reach_the_result(rows):
     if not CpuPaths.from_environment().available(packed_path(torch.float32)):
         pytest.skip("oneDNN's packed float32 path is off on this CPU")
@@ -50,3 +52,29 @@ def test_padded_rows_never_reach_the_result(rows):
     for name, (got, expected) in cases.items():
         assert got.shape == (rows, 80), name
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4, msg=name)
+
+
+def test_warm_up_builds_every_row_count_and_changes_no_result():
+    from actor_fixtures import tiny_loaded
+
+    from trioserve import testing
+    from trioserve.engine.engine_core import EngineCore
+    from trioserve.engine.sampling_params import SamplingParams
+
+    def tokens(core: EngineCore) -> list[int]:
+        core.add_request("r", "warm kernels change nothing", SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        out: list[int] = []
+        while core.has_unfinished():
+            for output in core.step():
+                out.extend(output.new_token_ids)
+        return out
+
+    loaded = tiny_loaded()
+    cold = tokens(EngineCore(loaded, testing.engine_config()))
+    buckets = onednn.row_buckets()
+    calls = loaded.model.warm_up(max_logit_rows=16)
+    if not loaded.model.projection_choice.packed:
+        assert calls == 0  # plain projections have no kernels to build
+    else:
+        assert calls == 5 * len(buckets) + sum(1 for rows in buckets if rows <= 16)
+    assert tokens(EngineCore(loaded, testing.engine_config(warm_up=True))) == cold
