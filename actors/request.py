@@ -372,14 +372,11 @@ class RequestActor:
         return self._submitted
 
     @property
-    def closed(self) -> bool:
-        return self._closed
-
-    @property
     def engine_holds(self) -> bool:
-        """Whether the engine still holds the request: its output channel's
-        send end is open (queued in the admission queue, or taken by the
-        scheduler, which closes it when it lets the request go)."""
+        """After ``close()``: whether the engine still holds the request,
+        that is, its output channel's send end is open (the request is in
+        the admission queue, or the scheduler has it and closes the channel
+        when it lets the request go)."""
         return self._inbox.statistics().open_send_channels > 0
 
     def close(self) -> None:
