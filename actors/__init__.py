@@ -9,7 +9,7 @@ See docs/architecture.md for the actors, their channels and the semantics of
 backpressure, deadlines, cancellation, priorities and faults.
 """
 
-from .engine import Engine, RequestStream, open_engine
+from .engine import Engine, open_engine
 from .errors import (
     DuplicateRequestError,
     EngineClosed,
@@ -22,6 +22,7 @@ from .errors import (
     RequestShed,
 )
 from .executor import Executor, FakeExecutor, ModelExecutor
+from .request import RequestStream
 from .statistics import (
     AllocatorStatistics,
     EngineStatistics,

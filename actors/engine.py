@@ -2,24 +2,33 @@
 
 ``async with open_engine(config) as engine:`` builds the engine core, starts
 the allocator, executor and scheduler actors in a nursery (each with
-``nursery.start``, so each is ready before the next starts) and, on exit,
-shuts them down in order: admission closes, what is left is aborted, the
-step in flight finishes, the scheduler closes the executor's and the
-allocator's inboxes, and they end. If that takes longer than
-``shutdown_timeout``, the nursery is cancelled. An exception in the body, or
-the crash of an actor, cancels the nursery at once; the crash propagates
-out of ``open_engine`` in an exception group.
+``nursery.start``, so each is ready before the next starts), then makes the
+``Engine`` from what they handed out, and, on exit, shuts them down in
+order: admission closes, what is left is aborted, the step in flight
+finishes, the scheduler closes the executor's and the allocator's inboxes,
+and they end. If that takes longer than ``config.shutdown_timeout``, the
+nursery is cancelled. An exception in the body, or the crash of an actor,
+cancels the nursery at once; the crash propagates out of ``open_engine`` in
+an exception group.
+
+The ``Engine`` is the callers' side: each request runs its request actor in
+the caller's task, and talks to the scheduler only through the admission
+queue, the control channel and the request's output channel. Nothing in the
+scheduler calls back into the ``Engine``: a request id is in use while its
+actor is open or the engine holds the request's output channel open
+(request_ids.py), and a stream dropped unclosed is closed by its own
+finalizer (``RequestStream``).
 """
 
 from __future__ import annotations
 
-import collections
 import functools
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import attrs
 import trio
 
 from trioserve.engine.config import EngineConfig
@@ -38,95 +47,41 @@ from .degradation import Degradation
 from .errors import DuplicateRequestError, EngineClosed, EngineOverloaded
 from .executor import Executor, ModelExecutor
 from .messages import AbortAll, AddRequest, StepDone, StepFailed
-from .request import RequestActor
+from .request import RequestActor, RequestStream
+from .request_ids import RequestIds
 from .scheduler import SchedulerActor
 from .step_calls import run_in_step_thread
 from .statistics import EngineStatistics, OverloadStatistics, SchedulerActorStatistics
 
-DEFAULT_MAX_BUFFERED_OUTPUTS = 64
-
-
-class RequestStream:
-    """The output stream of a request queued by ``generate_nowait``.
-
-    Iterate it (``async for``) and close it: ``async with`` or ``aclose()``,
-    or iterate to the end. A cancel or error inside an iteration closes it,
-    which aborts the request. A stream dropped unclosed is closed by the
-    engine at its next call (its request is aborted then).
-    """
-
-    def __init__(self, actor: RequestActor, orphans: collections.deque[RequestActor]) -> None:
-        self._actor = actor
-        self._orphans = orphans
-        self._closed = False
-
-    @property
-    def request_id(self) -> str:
-        return self._actor.request_id
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self._closed:
-            raise StopAsyncIteration
-        try:
-            output = await self._actor.receive()
-        except BaseException:
-            self.close()
-            raise
-        if output is None:
-            self.close()
-            raise StopAsyncIteration
-        return output
-
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._actor.close()
-
-    async def aclose(self) -> None:
-        self.close()
-        await trio.lowlevel.checkpoint()
-
-    async def __aenter__(self) -> RequestStream:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        # Only a deque append here: trio objects are not touched from a
-        # finalizer. The engine closes orphans at its next step or call.
-        if not getattr(self, "_closed", True):
-            self._orphans.append(self._actor)
+__all__ = ["Engine", "RequestStream", "open_engine"]
 
 
 class Engine:
-    """The running engine; made by ``open_engine``, not directly."""
+    """The running engine; made by ``open_engine``, not directly.
+
+    ``scheduler`` is the running scheduler actor, taking requests from
+    ``admission``; ``control`` is the send end of its control channel.
+    ``allocator`` and ``executor`` are asked only for their statistics.
+    """
 
     def __init__(
         self,
         core: EngineCore,
         admission: AdmissionQueue,
+        scheduler: SchedulerActor,
+        control: trio.MemorySendChannel[Any],
+        *,
         allocator: AllocatorActor,
         executor: Executor,
-        *,
-        max_buffered_outputs: int,
     ) -> None:
         self.core = core
         self._admission = admission
+        self._scheduler = scheduler
+        self._control = control
         self._allocator = allocator
         self._executor = executor
-        self._max_buffered_outputs = max_buffered_outputs
-        self._scheduler: SchedulerActor | None = None
-        self._control: trio.MemorySendChannel[Any] | None = None
-        self._nursery: trio.Nursery | None = None
-        self._scheduler_done = trio.Event()
-        # Request id -> its actor; None while the actor is closed but the
-        # scheduler still holds the request (the id stays reserved).
-        self._live: dict[str, RequestActor | None] = {}
-        self._orphans: collections.deque[RequestActor] = collections.deque()
+        self._token = trio.lowlevel.current_trio_token()  # for the finalizers of dropped streams
+        self._ids = RequestIds()
         self._num_refused = 0
         self._num_deadline_unqueued = 0
         self._num_cancelled_unqueued = 0
@@ -217,7 +172,7 @@ class Engine:
         ``DegradationPolicy``."""
         request = self._new_request(prompt, params, request_id, priority, deadline, timeout, final_only)
         try:
-            self._degradation.check_expensive(request.params, self._admission.pressure, self._retry_after())
+            self._degradation.check_expensive(request.params, self._admission.pressure, self._scheduler.retry_after())
             request.submit_nowait()
         except BaseException as exc:
             request.close()
@@ -225,13 +180,12 @@ class Engine:
                 self._num_refused += 1
             raise
         self._num_accepted += 1
-        return RequestStream(request, self._orphans)
+        return RequestStream(request, self._token)
 
     def abort(self, request_id: str) -> bool:
         """End a request: queued or live, it finishes with ``ABORT`` at the
         next step boundary. False if there is no such request."""
-        self._reap()
-        actor = self._live.get(request_id)
+        actor = self._ids.get(request_id)
         return actor is not None and actor.abort()
 
     def _new_request(
@@ -244,8 +198,7 @@ class Engine:
         timeout: float | None,
         final_only: bool,
     ) -> RequestActor:
-        self._reap()
-        if self._control is None or self._admission.closed:
+        if self._admission.closed:
             raise EngineClosed("the engine is not taking requests")
         # The one validation of a request (the core and the scheduler trust it).
         request_id = uuid.uuid4().hex if request_id is None else request_id
@@ -255,7 +208,7 @@ class Engine:
         if timeout is not None:
             after = trio.current_time() + timeout
             deadline = after if deadline is None else min(deadline, after)
-        if request_id in self._live:
+        if self._ids.in_use(request_id):
             raise DuplicateRequestError(request_id)
         max_queue_time = self.core.config.max_queue_time
         actor = RequestActor(
@@ -267,20 +220,17 @@ class Engine:
             priority=priority,
             deadline=deadline,
             final_only=final_only,
-            max_buffered_outputs=self._max_buffered_outputs,
+            max_buffered_outputs=self.core.config.max_buffered_outputs,
             admission=self._admission,
             control=self._control,
-            retry_after=self._retry_after,
+            retry_after=self._scheduler.retry_after,
             on_close=self._on_request_closed,
         )
-        self._live[request_id] = actor
+        self._ids.add(actor)
         return actor
 
     def _on_request_closed(self, actor: RequestActor) -> None:
-        if actor.held:
-            self._live[actor.request_id] = None
-        else:
-            self._live.pop(actor.request_id, None)
+        self._ids.closed(actor)
         # Ended while waiting for room: the scheduler never saw it.
         if actor.unqueued_reason is FinishReason.DEADLINE:
             self._num_deadline_unqueued += 1
@@ -289,36 +239,17 @@ class Engine:
         elif actor.unqueued_reason is not None:
             self._num_cancelled_unqueued += 1
 
-    def _on_forget(self, request_id: str) -> None:
-        if request_id in self._live and self._live[request_id] is None:
-            del self._live[request_id]
-
-    def _reap(self) -> None:
-        while self._orphans:
-            self._orphans.popleft().close()
-
     def _shed(self, message: AddRequest) -> None:
         """The queue is full: queue ``message`` in place of a request of
-        lower priority, or raise ``trio.WouldBlock``."""
-        victim = self._degradation.shed(self._admission, message, self._retry_after())
-        self._on_forget(victim.request_id)  # its id is free if its reader had closed
-
-    def _retry_after(self) -> float:
-        """Seconds until the queue has room, estimated from its length and
-        the recent completion rate (1 s before there is a rate)."""
-        assert self._scheduler is not None
-        rate = self._scheduler.completion_rate()
-        if rate <= 0:
-            return 1.0
-        return min(60.0, max(0.1, (self._admission.num_queued + 1) / rate))
+        lower priority (whose id is then free: its output channel is
+        closed), or raise ``trio.WouldBlock``."""
+        self._degradation.shed(self._admission, message, self._scheduler.retry_after())
 
     # -- the engine -------------------------------------------------------------------
 
     def statistics(self) -> EngineStatistics:
         """Queue lengths, running, KV usage, prefix hit rate, throughput,
         and what overload control did."""
-        self._reap()
-        assert self._scheduler is not None
         scheduler = self._scheduler.statistics()
         return EngineStatistics(
             num_queued=self._admission.num_queued,
@@ -327,7 +258,7 @@ class Engine:
             max_queued_requests=self._admission.max_requests,
             max_queued_tokens=self._admission.max_tokens,
             num_refused=self._num_refused,
-            num_reserved_ids=len(self._live),
+            num_reserved_ids=len(self._ids),
             num_deadline_unqueued=self._num_deadline_unqueued,
             num_cancelled_unqueued=self._num_cancelled_unqueued,
             num_accepted=self._num_accepted,
@@ -338,7 +269,6 @@ class Engine:
         )
 
     def _overload_statistics(self, scheduler: SchedulerActorStatistics) -> OverloadStatistics:
-        assert self._scheduler is not None
         concurrency = self._scheduler.concurrency
         degradation = self._degradation
         return OverloadStatistics(
@@ -365,41 +295,18 @@ class Engine:
         """Stop admission; let queued and running requests finish for up to
         ``timeout`` seconds, then abort the rest. Returns how many were
         aborted. The engine serves nothing afterwards."""
-        self._reap()
         self._admission.close()
         with trio.move_on_after(timeout):
-            await self._scheduler_done.wait()
-        if self._scheduler_done.is_set():
+            await self._scheduler.wait_stopped()
+        if self._scheduler.stopped:
             return 0
-        assert self._scheduler is not None
         before = self._scheduler.statistics().num_aborted
-        self._abort_all()
-        await self._scheduler_done.wait()  # one step at most
-        return self._scheduler.statistics().num_aborted - before
-
-    def _abort_all(self) -> None:
-        if self._control is not None:
-            try:
-                self._control.send_nowait(AbortAll())
-            except (trio.ClosedResourceError, trio.BrokenResourceError, trio.WouldBlock):
-                pass  # the scheduler is gone already (or, impossibly, busy with more than it can hold)
-
-    async def _shutdown(self, timeout: float) -> None:
-        self._reap()
-        self._admission.close()
-        self._abort_all()
-        with trio.move_on_after(timeout):
-            await self._scheduler_done.wait()
-        if not self._scheduler_done.is_set() and self._nursery is not None:
-            self._nursery.cancel_scope.cancel()
-
-    async def _run_scheduler(
-        self, scheduler: SchedulerActor, task_status: trio.TaskStatus[Any] = trio.TASK_STATUS_IGNORED, **channels: Any
-    ) -> None:
         try:
-            await scheduler.run(task_status=task_status, **channels)
-        finally:
-            self._scheduler_done.set()
+            self._control.send_nowait(AbortAll())
+        except (trio.ClosedResourceError, trio.BrokenResourceError, trio.WouldBlock):
+            pass  # the scheduler is gone already (or, impossibly, busy with more than it can hold)
+        await self._scheduler.wait_stopped()  # one step at most
+        return self._scheduler.statistics().num_aborted - before
 
 
 @asynccontextmanager
@@ -408,8 +315,8 @@ async def open_engine(
     *,
     loaded: LoadedModel | None = None,
     executor: Callable[[EngineCore], Executor] | None = None,
-    max_buffered_outputs: int = DEFAULT_MAX_BUFFERED_OUTPUTS,
-    shutdown_timeout: float = 30.0,
+    max_buffered_outputs: int | None = None,
+    shutdown_timeout: float | None = None,
 ) -> AsyncIterator[Engine]:
     """Start an engine on ``loaded`` (else load ``config.model`` on the
     engine's step thread) and yield it; see the module docstring for start
@@ -417,11 +324,11 @@ async def open_engine(
 
     ``executor(core)`` makes the executor actor (default: ``ModelExecutor``
     on the core's runner; tests pass a ``FakeExecutor``).
-    ``max_buffered_outputs``: outputs a request's reader may fall behind
-    before its sequence is paused (preempted, output kept) until it reads.
+    ``max_buffered_outputs`` and ``shutdown_timeout``, when given, override
+    the config's fields of those names (``EngineConfig`` documents them).
     """
-    if max_buffered_outputs < 1:
-        raise ValueError("max_buffered_outputs must be >= 1")
+    overrides = {"max_buffered_outputs": max_buffered_outputs, "shutdown_timeout": shutdown_timeout}
+    config = attrs.evolve(config, **{name: value for name, value in overrides.items() if value is not None})
     # Loading and every step run on this one thread: see step_thread.py.
     step_thread = StepThread(config.num_threads)
     try:
@@ -438,43 +345,35 @@ async def open_engine(
             executor_actor: Executor = ModelExecutor(core.runner, step_thread, watchdog_timeout=config.watchdog_timeout)
         else:
             executor_actor = executor(core)
-        engine = Engine(core, admission, allocator, executor_actor, max_buffered_outputs=max_buffered_outputs)
         concurrency = None
         if config.adaptive_concurrency:
             concurrency = AdaptiveConcurrency(max_limit=config.max_num_seqs, target=config.target_tpot_ms / 1000)
-        scheduler = SchedulerActor(
-            core,
-            admission,
-            max_buffered_outputs=max_buffered_outputs,
-            on_forget=engine._on_forget,
-            before_step=engine._reap,  # streams dropped unclosed are aborted within a step
-            concurrency=concurrency,
-            retry_after=engine._retry_after,
-        )
-        engine._scheduler = scheduler
+        scheduler = SchedulerActor(core, admission, concurrency=concurrency)
         kv_send, kv_receive = trio.open_memory_channel[KVResult](1)
         step_send, step_receive = trio.open_memory_channel[StepDone | StepFailed](1)
         async with trio.open_nursery() as nursery:
-            engine._nursery = nursery
             allocator_inbox = await nursery.start(allocator.run, kv_send)
             executor_inbox = await nursery.start(executor_actor.run, step_send)
-            engine._control = await nursery.start(
+            control = await nursery.start(
                 functools.partial(
-                    engine._run_scheduler,
-                    scheduler,
+                    scheduler.run,
                     allocator=allocator_inbox,
                     kv_results=kv_receive,
                     executor=executor_inbox,
                     step_results=step_receive,
                 )
             )
+            engine = Engine(core, admission, scheduler, control, allocator=allocator, executor=executor_actor)
             try:
                 yield engine
             except BaseException:
                 admission.close()
                 nursery.cancel_scope.cancel()
                 raise
-            await engine._shutdown(shutdown_timeout)
-            engine._control.close()
+            with trio.move_on_after(config.shutdown_timeout):
+                await engine.drain(0)  # abort what is left; the step in flight finishes
+            if not scheduler.stopped:
+                nursery.cancel_scope.cancel()
+            control.close()
     finally:
         step_thread.close()  # steps are not cancellable: none is in flight here

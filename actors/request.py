@@ -17,6 +17,10 @@ The reader coalesces: each time it runs it takes everything buffered and
 merges it into one delta per completion. A reader that falls
 ``max_buffered_outputs`` behind finds a ``Paused`` marker where the
 scheduler preempted its sequence; taking the marker sends ``Resume``.
+
+``RequestStream`` is the handle ``Engine.generate_nowait`` returns: the
+request actor behind an async iterator, closed by its finalizer if its
+owner drops it unclosed.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from trioserve.engine.sampler import TokenLogprobs
 from trioserve.engine.sampling_params import SamplingParams
 from trioserve.engine.sequence import FinishReason
 
+from .admission import AdmissionQueue
 from .errors import EngineClosed, EngineOverloaded, QueueTimeout
 from .messages import Abort, AddRequest, Failed, Paused, Resume
 
@@ -132,7 +137,12 @@ class RequestActor:
     the request is dropped with ``QueueTimeout`` if nothing has been computed
     for it by then.
     ``receive()`` returns the next coalesced output, or None once every
-    completion has finished. ``close()`` must follow, always.
+    completion has finished. ``close()`` must follow, always; ``on_close``
+    is called then.
+
+    The request's id is in use while the actor is open or the engine still
+    holds the request (``engine_holds``): until the scheduler lets a request
+    go, it may still send outputs for it.
     """
 
     def __init__(
@@ -145,7 +155,7 @@ class RequestActor:
         deadline: float | None,
         final_only: bool,
         max_buffered_outputs: int,
-        admission: Any,
+        admission: AdmissionQueue,
         control: trio.MemorySendChannel[Any],
         retry_after: Callable[[], float],
         on_close: Callable[[RequestActor], None],
@@ -174,7 +184,6 @@ class RequestActor:
         self._ended = False  # the reader has its last output
         self._engine_done = False  # the scheduler has forgotten the request
         self._closed = False
-        self.held = False  # after close(): the scheduler still holds the request
         # Why it ended while waiting for room in the queue, if it did.
         self.unqueued_reason: FinishReason | None = None
         self._done: set[int] = set()  # completions over, by the engine or on this side
@@ -362,12 +371,18 @@ class RequestActor:
     def submitted(self) -> bool:
         return self._submitted
 
+    @property
+    def engine_holds(self) -> bool:
+        """After ``close()``: whether the engine still holds the request,
+        that is, its output channel's send end is open (the request is in
+        the admission queue, or the scheduler has it and closes the channel
+        when it lets the request go)."""
+        return self._inbox.statistics().open_send_channels > 0
+
     def close(self) -> None:
         """End the request on this side; sends the ``Abort`` unless the
         engine already finished it. Safe to call more than once.
-
-        ``on_close(self)`` follows; ``held`` then says whether the scheduler
-        still holds the request (its id stays reserved until it lets go)."""
+        ``on_close(self)`` follows."""
         if self._closed:
             return
         self._closed = True
@@ -375,7 +390,6 @@ class RequestActor:
             if not self._submitted:
                 self._outputs_send.close()
             elif not self._engine_done and not self._end_is_buffered():
-                self.held = True
                 self._send_abort(FinishReason.DEADLINE if self.deadline_passed() else FinishReason.ABORT)
         finally:
             self._inbox.close()
@@ -419,3 +433,74 @@ class RequestActor:
             # holds it). Were it to, the scheduler still aborts a request
             # whose reader has closed at its next output.
             log.error("control channel full; %s for %r dropped", type(message).__name__, self.request_id)
+
+
+class RequestStream:
+    """The output stream of a request queued by ``Engine.generate_nowait``.
+
+    Iterate it (``async for``) and close it: ``async with`` or ``aclose()``,
+    or iterate to the end. A cancel or error inside an iteration closes it,
+    which aborts the request. A stream dropped unclosed is closed (its
+    request aborted) by the event loop soon after it is collected.
+    """
+
+    def __init__(self, actor: RequestActor, token: trio.lowlevel.TrioToken) -> None:
+        self._actor = actor
+        self._token = token  # the engine's event loop, for the finalizer
+        self._closed = False
+
+    @property
+    def request_id(self) -> str:
+        return self._actor.request_id
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._closed:
+            raise StopAsyncIteration
+        try:
+            output = await self._actor.receive()
+        except BaseException:
+            self.close()
+            raise
+        if output is None:
+            self.close()
+            raise StopAsyncIteration
+        return output
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._actor.close()
+
+    async def aclose(self) -> None:
+        self.close()
+        await trio.lowlevel.checkpoint()
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # A finalizer runs wherever the collector happens to run, even in
+        # another thread or in the middle of trio's own bookkeeping, so it
+        # touches no trio object: it hands the close (which sends the Abort)
+        # to the event loop, as trio does to finalize async generators.
+        if getattr(self, "_closed", True):
+            return
+        try:
+            self._token.run_sync_soon(_close_dropped, self._actor)
+        except trio.RunFinishedError:
+            pass  # the event loop is gone, and the engine with it
+
+
+def _close_dropped(actor: RequestActor) -> None:
+    # Runs in the event loop's own task, where an exception would crash the
+    # whole run: a bug here is logged instead.
+    try:
+        actor.close()
+    except Exception:
+        log.exception("closing the dropped stream of request %r failed", actor.request_id)

@@ -1,7 +1,9 @@
-"""The scheduler actor: admission, the step loop, routing outputs.
+"""The scheduler actor: admission, control and the step loop.
 
 It owns the engine core's scheduling state (``EngineCore`` minus its pool and
-runner) and runs three loops in one nursery:
+runner), the routes of the requests it holds (``Delivery``, delivery.py) and
+their deadlines (``Deadlines``, deadlines.py), and runs three loops in one
+nursery:
 
 - the *admission loop* takes ``AddRequest`` messages from the admission
   queue, but only while the core's waiting queue is short and its working
@@ -24,10 +26,7 @@ request needs the token step n samples.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import math
-from collections.abc import Callable
 from typing import Any, NoReturn
 
 import attrs
@@ -45,12 +44,14 @@ from trioserve.engine.sequence import FinishReason
 
 from .admission import AdmissionQueue
 from .concurrency import AdaptiveConcurrency
+from .deadlines import Deadlines
+from .delivery import Delivery, Route, outcome_of
 from .errors import QueueTimeout, RequestFailed, StepHung
-from .messages import Abort, AbortAll, AddRequest, Allocate, Failed, Paused, Resume, RunStep, StepDone, StepFailed
+from .messages import Abort, AbortAll, AddRequest, Allocate, Failed, Resume, RunStep, StepDone, StepFailed
 from .request import final_output
 from .statistics import RateMeter, SchedulerActorStatistics
 
-__all__ = ["AdmissionQueue", "SchedulerActor"]
+__all__ = ["SchedulerActor"]
 
 _NO_OUTPUT = RunnerOutput(sampled={}, logprobs={})
 
@@ -66,30 +67,16 @@ class _Quarantine:
     num_blocks: int
 
 
-@attrs.define(eq=False)
-class _Route:
-    """Where one request's outputs go, and its delivery state."""
-
-    request_id: str
-    outputs: trio.MemorySendChannel[Any]
-    num_completions: int
-    num_prompt_tokens: int = 0
-    reasons: dict[int, FinishReason] = attrs.field(factory=dict)  # finished completions
-    pause_pending: bool = False  # Paused sent, preemption not applied yet
-    paused: bool = False
-    broken: bool = False  # the reader closed its end
-    has_deadline: bool = False  # an entry of the deadline heap points here
-
-
 class SchedulerActor:
-    """Drives ``core`` (its scheduler, detokenizers and sampling states).
+    """Drives ``core`` (its scheduler, detokenizers and sampling states),
+    taking requests from ``admission``.
 
-    ``max_buffered_outputs``: deltas a request's reader may fall behind
-    before its sequence is paused. ``max_ready``: waiting requests the core
-    holds before admission stops pulling (default ``max_num_seqs``).
-    ``max_live``: requests it holds at all, paused ones included (default
-    ``2 * max_num_seqs``). ``concurrency``: the adaptive running limit, if
-    on. ``retry_after()``: the estimate a dropped request is given.
+    ``max_ready``: waiting requests the core holds before admission stops
+    pulling (default ``max_num_seqs``). ``max_live``: requests it holds at
+    all, paused ones included (default ``2 * max_num_seqs``).
+    ``concurrency``: the adaptive running limit, if on. A reader may fall
+    ``core.config.max_buffered_outputs`` outputs behind before its sequence
+    is paused.
     """
 
     def __init__(
@@ -97,23 +84,15 @@ class SchedulerActor:
         core: EngineCore,
         admission: AdmissionQueue,
         *,
-        max_buffered_outputs: int,
         max_ready: int | None = None,
         max_live: int | None = None,
         rate_window: float = 10.0,
-        on_forget: Callable[[str], None] = lambda request_id: None,
-        before_step: Callable[[], None] = lambda: None,
         concurrency: AdaptiveConcurrency | None = None,
-        retry_after: Callable[[], float] = lambda: 1.0,
     ) -> None:
         self.core = core
         self.concurrency = concurrency
-        self._retry_after = retry_after
         self._max_queue_time = core.config.max_queue_time
-        self._on_forget = on_forget
-        self._before_step = before_step
         self.admission = admission
-        self.max_buffered_outputs = max_buffered_outputs
         num_seqs = core.scheduler.max_num_seqs
         self.max_ready = max_ready or num_seqs
         self.max_live = max_live or 2 * num_seqs
@@ -121,13 +100,10 @@ class SchedulerActor:
         # and only while this actor holds it (queued or live): see
         # docs/architecture.md. Twice that leaves room for stale messages.
         self.control_capacity = 4 * (admission.max_requests + self.max_live) + 16
-        self._routes: dict[str, _Route] = {}
-        self._deadlines: list[tuple[float, int, _Route]] = []  # heap
-        # Queue deadlines of admitted requests (heap); an entry is dropped
-        # when its time comes if its request has run meanwhile.
-        self._queue_deadlines: list[tuple[float, int, _Route]] = []
-        self._stale_deadlines = 0  # heap entries whose route is closed
-        self._order = itertools.count()
+        now = trio.current_time()
+        self._deadlines = Deadlines()
+        self._delivery = Delivery(core.config.max_buffered_outputs, self._deadlines, RateMeter(rate_window, now))
+        self._routes = self._delivery.routes  # the same dict: the delivery changes it, the step loop reads it
         self._pending_aborts: dict[str, FinishReason] = {}  # for requests still in the admission queue
         self._control: list[Any] = []
         self._abort_all: FinishReason | None = None
@@ -136,13 +112,10 @@ class SchedulerActor:
         self._release_needed = False
         self._wakeup = trio.Event()
         self._room = trio.Event()
+        self._stopped = trio.Event()
         self._num_steps = 0
-        self._num_paused = 0
-        self._counts = {"finished": 0, "aborted": 0, "deadline": 0, "failed": 0, "queue_timeout": 0}
-        now = trio.current_time()
         self._prompt_rate = RateMeter(rate_window, now)
         self._generation_rate = RateMeter(rate_window, now)
-        self._request_rate = RateMeter(rate_window, now)
         self._total_prompt = 0
         self._total_generation = 0
         self._nursery: trio.Nursery | None = None
@@ -163,7 +136,8 @@ class SchedulerActor:
         """Serve until the admission queue is closed and every request has
         been delivered; then close the allocator's and executor's inboxes,
         which ends them. ``task_status.started`` hands out the control
-        channel's send end."""
+        channel's send end (for ``Abort``, ``Resume`` and ``AbortAll``).
+        On the way out, requests still queued or held get ``EngineClosed``."""
         control_send, control = trio.open_memory_channel[Any](self.control_capacity)
         try:
             with control, allocator, kv_results, executor, step_results:
@@ -176,9 +150,17 @@ class SchedulerActor:
                     nursery.cancel_scope.cancel()
         finally:
             self.admission.close_receiver()
-            for route in self._routes.values():
-                route.outputs.close()
-            self._routes.clear()
+            self._delivery.close_all()
+            self._stopped.set()
+
+    @property
+    def stopped(self) -> bool:
+        """``run`` has returned (or raised)."""
+        return self._stopped.is_set()
+
+    async def wait_stopped(self) -> None:
+        """Wait until ``run`` has returned (or raised)."""
+        await self._stopped.wait()
 
     async def _control_loop(self, control: trio.MemoryReceiveChannel[Any]) -> None:
         async for message in control:
@@ -222,7 +204,6 @@ class SchedulerActor:
     ) -> None:
         pending: list[RequestOutput] = []  # the last step's outputs, delivered during the next
         while True:
-            self._before_step()
             self._apply_control()
             if not self._has_work():
                 self._deliver_all(pending)
@@ -270,9 +251,7 @@ class SchedulerActor:
     async def _wait_for_news(self) -> None:
         """Sleep until a message arrives, a request is admitted or the
         earliest deadline or queue deadline passes."""
-        deadline = self._deadlines[0][0] if self._deadlines else math.inf
-        if self._queue_deadlines:
-            deadline = min(deadline, self._queue_deadlines[0][0])
+        deadline = self._deadlines.next_time()
         if self._max_queue_time is not None:
             # A request queued while we sleep expires no sooner than this.
             queued = self.admission.next_queue_deadline()
@@ -409,8 +388,7 @@ class SchedulerActor:
                 f"{public}: {error}", request_id=request_id, code="detokenizer_failed", public_message=public
             )
             failure.__cause__ = error
-            self._send(route, Failed(request_id, failure))
-            self._close_route(route, outcome="failed")
+            self._fail(route, failure)
             self._release_needed = True
 
     @property
@@ -427,8 +405,7 @@ class SchedulerActor:
             reason = FinishReason.DEADLINE
         if not self.admission.num_queued:
             self._pending_aborts.clear()  # nothing else queued: the rest are stale
-        route = _Route(message.request_id, message.outputs, message.params.n, message.num_tokens)
-        self._routes[message.request_id] = route
+        route = self._delivery.open(message)
         if reason is None and message.queue_deadline is not None and message.queue_deadline <= now:
             self._queue_timeout(route)
             return
@@ -436,7 +413,7 @@ class SchedulerActor:
             # Dropped before any compute was spent on it.
             for index in range(message.params.n):
                 self._send(route, self._dropped(message, index, reason))
-            self._close_route(route, outcome=self._outcome({reason}))
+            self._close_route(route, outcome=outcome_of({reason}))
             return
         if self._quarantine or self._withheld:
             if self._in_quarantine(message):
@@ -444,22 +421,16 @@ class SchedulerActor:
                     f"request id {message.request_id!r} is still in use (its earlier request's step hung)",
                     field="request_id",
                 )
-                self._send(route, Failed(message.request_id, error))
-                self._close_route(route, outcome="failed")
+                self._fail(route, error)
                 return
         try:
             # Validated at the edge (Engine._new_request): admitted as is.
             new = NewRequest(message.request_id, message.prompt_token_ids, message.params, message.priority)
             self.core.admit(new, arrival_time=message.arrival_time)
         except InvalidRequestError as exc:
-            self._send(route, Failed(message.request_id, exc))
-            self._close_route(route, outcome="failed")
+            self._fail(route, exc)
             return
-        if message.deadline is not None:
-            heapq.heappush(self._deadlines, (message.deadline, next(self._order), route))
-            route.has_deadline = True
-        if message.queue_deadline is not None:
-            heapq.heappush(self._queue_deadlines, (message.queue_deadline, next(self._order), route))
+        self._deadlines.add(route, deadline=message.deadline, queue_deadline=message.queue_deadline)
         self._wakeup.set()
 
     @staticmethod
@@ -485,21 +456,13 @@ class SchedulerActor:
                     route.pause_pending = False
                 elif route is not None and route.paused:
                     route.paused = False
-                    self._num_paused -= 1
                     self.core.resume(route.request_id)
             elif isinstance(message, AbortAll):
                 self._abort_all = message.reason
                 for request_id in list(self._routes):
                     self._abort(request_id, message.reason)
-        if self._deadlines:
-            now = trio.current_time()
-            while self._deadlines and self._deadlines[0][0] <= now:
-                _, _, route = heapq.heappop(self._deadlines)
-                if self._routes.get(route.request_id) is route:
-                    route.has_deadline = False  # its entry is gone
-                    self._abort(route.request_id, FinishReason.DEADLINE)
-                else:
-                    self._stale_deadlines -= 1
+        for route in self._deadlines.expired(trio.current_time()):
+            self._abort(route.request_id, FinishReason.DEADLINE)
         if self._max_queue_time is not None:
             self._expire_queue_deadlines()
         for route in self._routes.values():
@@ -507,7 +470,6 @@ class SchedulerActor:
                 route.pause_pending = False
                 if self.core.pause(route.request_id):
                     route.paused = True
-                    self._num_paused += 1
                     self._release_needed = True
 
     def _expire_queue_deadlines(self) -> None:
@@ -517,19 +479,16 @@ class SchedulerActor:
         now = trio.current_time()
         for message in self.admission.remove_expired(now):
             self._pending_aborts.pop(message.request_id, None)
-            route = _Route(message.request_id, message.outputs, message.params.n, message.num_tokens)
-            self._routes[message.request_id] = route
-            self._queue_timeout(route)
-        while self._queue_deadlines and self._queue_deadlines[0][0] <= now:
-            _, _, route = heapq.heappop(self._queue_deadlines)
-            if self._routes.get(route.request_id) is route and self.core.is_unscheduled(route.request_id):
+            self._queue_timeout(self._delivery.open(message))
+        for route in self._deadlines.queue_expired(now):
+            if self.core.is_unscheduled(route.request_id):
                 self._queue_timeout(route)
                 self.core.abort(route.request_id, FinishReason.QUEUE_TIMEOUT)
                 self._release_needed = True
 
-    def _queue_timeout(self, route: _Route) -> None:
+    def _queue_timeout(self, route: Route) -> None:
         assert self._max_queue_time is not None
-        retry_after = self._retry_after()
+        retry_after = self.retry_after()
         error = QueueTimeout(
             f"request {route.request_id!r} waited longer than max_queue_time ({self._max_queue_time:g} s) "
             f"before any compute and was dropped; retry in about {retry_after:.1f} s",
@@ -537,8 +496,7 @@ class SchedulerActor:
             retry_after=retry_after,
             num_prompt_tokens=route.num_prompt_tokens,
         )
-        self._send(route, Failed(route.request_id, error))
-        self._close_route(route, outcome="queue_timeout")
+        self._fail(route, error, outcome="queue_timeout")
 
     def _abort(self, request_id: str, reason: FinishReason) -> None:
         route = self._routes.get(request_id)
@@ -551,112 +509,66 @@ class SchedulerActor:
             return
         if self.core.abort(request_id, reason):
             self._release_needed = True
-            if route.paused:
-                route.paused = False
-                self._num_paused -= 1
+            route.paused = False
 
-    # -- delivery -----------------------------------------------------------------
+    # -- delivery (delivery.py) -----------------------------------------------------
 
     def _deliver_all(self, outputs: list[RequestOutput]) -> None:
-        for output in outputs:
-            route = self._routes.get(output.request_id)
-            if route is None:
-                continue
-            self._send(route, output)
-            if output.finish_reason is not None:
-                route.reasons[output.index] = output.finish_reason
-                if len(route.reasons) == route.num_completions:
-                    self._close_route(route, outcome=self._outcome(set(route.reasons.values())))
-                    continue
-            if route.broken:
-                # The reader is gone without an abort reaching us (it raced
-                # the admission): end the request here.
-                self._control.append(Abort(route.request_id))
-            elif (
-                not route.paused
-                and not route.pause_pending
-                and route.outputs.statistics().current_buffer_used >= self.max_buffered_outputs
-            ):
-                route.pause_pending = True
-                self._send(route, Paused(route.request_id))
+        num_live = len(self._routes)
+        for request_id in self._delivery.deliver(outputs):
+            # Its reader is gone without an abort reaching us (it raced the
+            # admission): end the request here.
+            self._control.append(Abort(request_id))
+        if len(self._routes) < num_live:
+            self._room.set()
 
-    def _send(self, route: _Route, message: Any) -> None:
-        if route.broken:
-            return
-        try:
-            route.outputs.send_nowait(message)
-        except trio.BrokenResourceError:
-            route.broken = True
-        # trio.WouldBlock cannot happen (request.output_capacity); if it did,
-        # it is a bug and tears the engine down.
+    def _send(self, route: Route, message: Any) -> None:
+        self._delivery.send(route, message)
 
-    @staticmethod
-    def _outcome(reasons: set[FinishReason]) -> str:
-        if FinishReason.ERROR in reasons:
-            return "failed"
-        if FinishReason.DEADLINE in reasons:
-            return "deadline"
-        if FinishReason.ABORT in reasons:
-            return "aborted"
-        return "finished"
-
-    def _forget_deadline(self) -> None:
-        # Finished requests leave their entries behind (a heap cannot drop
-        # one cheaply); rebuild once they are half of it, so the heap, and
-        # the routes it holds, stay proportional to the requests in flight.
-        self._stale_deadlines += 1
-        if self._stale_deadlines * 2 > len(self._deadlines):
-            self._deadlines = [e for e in self._deadlines if self._routes.get(e[2].request_id) is e[2]]
-            heapq.heapify(self._deadlines)
-            self._stale_deadlines = 0
-
-    def _close_route(self, route: _Route, *, outcome: str) -> None:
-        route.outputs.close()
-        del self._routes[route.request_id]
-        if route.has_deadline:
-            self._forget_deadline()
-        if route.paused:
-            self._num_paused -= 1
-        self._counts[outcome] += 1
-        if outcome != "queue_timeout":
-            # The rate behind Retry-After: requests served (or ended), not
-            # those turned away for lack of room.
-            self._request_rate.add(trio.current_time(), 1)
+    def _close_route(self, route: Route, *, outcome: str) -> None:
+        self._delivery.close(route, outcome=outcome)
         self._room.set()
-        self._on_forget(route.request_id)
+
+    def _fail(self, route: Route, error: Exception, *, outcome: str = "failed") -> None:
+        """End the request with ``error`` (its ``generate`` raises it)."""
+        self._send(route, Failed(route.request_id, error))
+        self._close_route(route, outcome=outcome)
 
     # -- statistics ---------------------------------------------------------------
-
-    @property
-    def num_live(self) -> int:
-        return len(self._routes)
 
     def statistics(self) -> SchedulerActorStatistics:
         now = trio.current_time()
         core = self.core.scheduler.statistics()
+        counts = self._delivery.counts
         return SchedulerActorStatistics(
             num_waiting=core.num_waiting,
             num_running=core.num_running,
-            num_paused=self._num_paused,
+            num_paused=core.num_paused,
             num_live=len(self._routes),
             num_deadlines=len(self._deadlines),
             num_steps=self._num_steps,
             num_preemptions=core.num_preemptions,
-            num_finished=self._counts["finished"],
-            num_aborted=self._counts["aborted"],
-            num_deadline_exceeded=self._counts["deadline"],
-            num_failed=self._counts["failed"],
+            num_finished=counts["finished"],
+            num_aborted=counts["aborted"],
+            num_deadline_exceeded=counts["deadline"],
+            num_failed=counts["failed"],
             prompt_tokens_per_s=self._prompt_rate.rate(now),
             generation_tokens_per_s=self._generation_rate.rate(now),
-            requests_per_s=self._request_rate.rate(now),
+            requests_per_s=self._delivery.request_rate.rate(now),
             total_prompt_tokens=self._total_prompt,
             total_generation_tokens=self._total_generation,
-            num_queue_timeouts=self._counts["queue_timeout"],
+            num_queue_timeouts=counts["queue_timeout"],
             num_quarantined_blocks=self.num_quarantined_blocks,
             num_tokenizer_errors=self.core.num_tokenizer_errors,
             num_detokenizer_errors=self.core.num_detokenizer_errors,
             last_fault=self.core.last_fault,
         )
 
-    def completion_rate(self) -> float:
-        return self._request_rate.rate(trio.current_time())
+    def retry_after(self) -> float:
+        """Seconds until the admission queue has room, estimated from its
+        length and the recent completion rate (1 s before there is a
+        rate), in [0.1, 60]: what a refused or dropped request is told."""
+        rate = self._delivery.request_rate.rate(trio.current_time())
+        if rate <= 0:
+            return 1.0
+        return min(60.0, max(0.1, (self.admission.num_queued + 1) / rate))

@@ -38,7 +38,7 @@ class SchedulerActorStatistics:
 
     num_waiting: int  # admitted, waiting to be scheduled (new or preempted)
     num_running: int
-    num_paused: int  # preempted because their reader fell behind
+    num_paused: int  # sequences (each completion of a request) paused because their reader fell behind
     num_live: int  # requests the scheduler actor holds (incl. finished, not yet delivered)
     num_deadlines: int  # entries in its deadline heap, incl. stale ones not yet swept
     num_steps: int

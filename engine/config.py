@@ -21,6 +21,8 @@ SUPPORTED_ARCHITECTURES = (
 )
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DEFAULT_WATCHDOG_TIMEOUT = 300.0
+DEFAULT_MAX_BUFFERED_OUTPUTS = 64
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 
 
 def _required(hf: dict[str, Any], key: str, source: str) -> Any:
@@ -234,6 +236,15 @@ class EngineConfig:
     # and the next steps run on a fresh thread (docs/reliability.md). As
     # SGLang's --watchdog-timeout (default 300 s there too); None: no watchdog.
     watchdog_timeout: float | None = attrs.field(default=DEFAULT_WATCHDOG_TIMEOUT, validator=optional_positive_finite)
+    # Outputs a request's reader may fall behind before its sequence is
+    # paused (preempted by recompute, its output kept) until the reader
+    # catches up; each request's output channel holds this many plus a fixed
+    # reserve (docs/architecture.md, "The output channel's reserve").
+    max_buffered_outputs: int = attrs.field(default=DEFAULT_MAX_BUFFERED_OUTPUTS, validator=integer_at_least(1))
+    # Seconds that leaving ``async with open_engine(...)`` waits for what is
+    # left to be aborted and the step in flight to finish before it cancels
+    # the actors. Call ``Engine.drain`` first to let requests finish.
+    shutdown_timeout: float = attrs.field(default=DEFAULT_SHUTDOWN_TIMEOUT, validator=positive)
 
     def resolved_max_model_len(self, model_config: ModelConfig) -> int:
         """The context limit in force: the user's, capped by the model's."""

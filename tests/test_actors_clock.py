@@ -194,7 +194,7 @@ async def test_deadline_passing_while_waiting_drops_the_request_unscheduled(auto
 
 
 async def test_engine_side_deadline_reaches_a_stalled_reader(autojump_clock):
-    async with fake_engine(engine_kw={"max_buffered_outputs": 4}) as engine:
+    async with fake_engine(max_buffered_outputs=4) as engine:  # the config's field (the next test overrides it)
         stream = engine.generate_nowait("stalled", params(1000), timeout=20 * STEP)
         await trio.sleep(40 * STEP)  # nobody reads: the request actor's timer is not running
         stats = engine.statistics().scheduler
@@ -410,12 +410,29 @@ async def test_a_stalled_reader_of_n_completions_never_overflows_its_channel(aut
             stalled = engine.generate_nowait("stall here", params(100, n=n), request_id="s")
             timed = engine.generate_nowait("stall too", params(100, n=n), timeout=15 * STEP)
             await trio.sleep(20 * STEP)
+            assert engine.statistics().scheduler.num_paused == n  # sequences: every completion of "s"
             assert engine.abort("s")
             await trio.sleep(5 * STEP)
             aborted = [out async for out in stalled]
             assert {o.index for o in aborted if o.finish_reason is FinishReason.ABORT} == set(range(n))
             expired = [out async for out in timed]
             assert {o.index for o in expired if o.finish_reason is FinishReason.DEADLINE} == set(range(n))
+
+
+async def test_open_engine_options_override_the_config_and_are_checked_by_name(autojump_clock):
+    config = engine_config(max_buffered_outputs=8, shutdown_timeout=60.0)
+    with pytest.raises(ValueError, match="^max_buffered_outputs must be an integer >= 1, got 0$"):
+        async with open_engine(config, loaded=tiny_loaded(), max_buffered_outputs=0):
+            pass
+    with pytest.raises(ValueError, match="^shutdown_timeout must be > 0, got -1$"):
+        async with open_engine(config, loaded=tiny_loaded(), shutdown_timeout=-1):
+            pass
+
+    def make(core):
+        return FakeExecutor(vocab_size=core.model_config.vocab_size, step_time=STEP)
+
+    async with open_engine(config, loaded=tiny_loaded(), executor=make, max_buffered_outputs=2) as engine:
+        assert (engine.config.max_buffered_outputs, engine.config.shutdown_timeout) == (2, 60.0)
 
 
 async def test_an_id_stays_reserved_after_a_caller_side_deadline_until_the_engine_lets_go(autojump_clock):

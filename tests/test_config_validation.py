@@ -15,6 +15,7 @@ REQUIRED = [
     (EngineConfig, "max_num_seqs"),
     (EngineConfig, "max_num_batched_tokens"),
     (EngineConfig, "max_queued_requests"),
+    (EngineConfig, "shutdown_timeout"),
     (ServerConfig, "shutdown_timeout"),
     (ServerConfig, "max_body_size"),
 ]
@@ -56,3 +57,10 @@ def test_the_pool_and_its_messages_check_their_counts():
     with pytest.raises(ValueError, match="^num_new_tokens must be > 0, got 0$"):
         KVAllocation("a", 0, 0)
     assert KVAllocation("a", 0, 1).num_computed_tokens == 0
+
+
+@pytest.mark.parametrize("value", [0, -3, 2.5, True, None, "8"])
+def test_max_buffered_outputs_must_be_an_integer_of_at_least_one(value):
+    with pytest.raises(ValueError, match=f"^max_buffered_outputs must be an integer >= 1, got {value!r}$"):
+        EngineConfig(max_buffered_outputs=value)
+    assert EngineConfig(max_buffered_outputs=1).max_buffered_outputs == 1

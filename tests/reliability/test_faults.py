@@ -70,6 +70,10 @@ async def test_a_hung_step_fails_its_requests_quarantines_their_blocks_and_the_e
         async def doomed(name: str) -> None:
             streamed[name], failures[name] = await expect_failure(engine, f"{name} prompt", greedy(50), request_id=name)
 
+        # The engine's loops wait for work: both requests are then taken
+        # from the queue together (not one before the admission loop's first
+        # receive and one after), so they run in the same steps.
+        await trio.testing.wait_all_tasks_blocked()
         start = trio.current_time()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(doomed, "hung")
