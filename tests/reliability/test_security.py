@@ -23,7 +23,7 @@ from server_fixtures import MODEL, Server, parse_sse, server_config, serving
 from trioserve.web import routes, serve
 from trioserve.web.app import create_app
 from trioserve.web.completion_bodies import CompletionStream, OutputAccumulator
-from trioserve.web.options import build_serve_parser, server_config_from_args, server_config_from_env
+from trioserve.web.serve_options import build_serve_parser, server_config_from_args, server_config_from_env
 from trioserve.web.settings import ServerConfig
 
 KEY = "s3cret-key"
