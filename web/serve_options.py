@@ -32,13 +32,6 @@ from .settings import (
 )
 
 
-def _model_spec(text: str) -> ModelSpec:
-    try:
-        return ModelSpec.parse(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def build_serve_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     """The options of ``trioserve serve``, added to ``parser`` (default: a
     new one). ``server_config_from_env`` reads the same options."""
@@ -117,8 +110,10 @@ def _add_serve_options(parser: argparse.ArgumentParser) -> list[argparse.Action]
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
-    """The ``ServerConfig`` that ``trioserve serve``'s options describe."""
-    specs = [_model_spec(text) for text in args.model or []] or [ModelSpec.from_path(None)]
+    """The ``ServerConfig`` that ``trioserve serve``'s options describe;
+    ``ValueError`` names what is wrong with them (a ``--model`` that is not
+    ``NAME=PATH`` or a path, two models of one name, ...)."""
+    specs = [ModelSpec.parse(text) for text in args.model or []] or [ModelSpec.from_path(None)]
     engine = engine_config_from_args(
         args,
         model=None,
