@@ -2,7 +2,8 @@
 
 Lengths are in tokens of a local tokenizer, which should be the served
 model's: a prompt built here to be N tokens long is N tokens long for that
-tokenizer, not necessarily for another.
+tokenizer, not necessarily for another. ``random_words`` makes prompts that
+need no tokenizer, counted in words, for the soak and slow-reader scripts.
 """
 
 from __future__ import annotations
@@ -26,6 +27,19 @@ _MAX_SAMPLES = 8
 
 class DatasetError(TrioserveError, ValueError):
     """A dataset could not be built: a bad file, or impossible lengths."""
+
+
+# The vocabulary of ``random_words``: plain English words, so that a prompt
+# drawn from it tokenizes much like ordinary text.
+WORDS = (
+    "the a river stone amber quiet lantern copper meadow falcon winter orchard signal harbor velvet ember "
+    "north glass thunder silver market garden bridge candle paper island"
+).split()
+
+
+def random_words(rng: random.Random, count: int) -> str:
+    """``count`` words drawn from ``WORDS`` with ``rng``, joined by spaces."""
+    return " ".join(rng.choice(WORDS) for _ in range(count))
 
 
 class Tokenizer(Protocol):
