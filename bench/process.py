@@ -1,12 +1,13 @@
-"""A trioserve server in a process of its own, as the benchmark and soak
-scripts run it: a free loopback port, the server started and stopped
-(``serving_process``), and the process's resident memory and open file
-descriptors read from /proc (Linux)."""
+"""A trioserve server in a process of its own, as the benchmark, soak and
+slow-reader scripts run it: a free loopback port, the server started and
+stopped (``serving_process``), the process's resident memory and open file
+descriptors read from /proc (Linux), and its ``/metrics`` values."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -19,6 +20,10 @@ import httpx
 
 # Seconds a server may take to answer /health: a cold start converts the GGUF.
 READY_TIMEOUT = 300.0
+
+
+class ServerStartError(RuntimeError):
+    """The server exited, or did not answer ``/health``, before it was ready."""
 
 
 def free_port() -> int:
@@ -41,31 +46,47 @@ def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+async def server_metrics(url: str) -> dict[str, float]:
+    """The served model's ``trioserve:`` gauges and counters from ``/metrics``
+    (name -> value; histograms' buckets left out)."""
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        text = (await http.get("/metrics")).text
+    values = {}
+    for line in text.splitlines():
+        match = re.match(r"^(trioserve:[a-z_]+)(?:\{[^}]*\})? ([0-9.eE+-]+|NaN)$", line)
+        if match and "le=" not in line:
+            values.setdefault(match.group(1), float(match.group(2)))
+    return values
+
+
 @contextlib.contextmanager
-def serving_process(flags: Sequence[str], log: Path) -> Iterator[tuple[str, subprocess.Popen]]:
+def serving_process(flags: Sequence[str], log: Path | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
     """``trioserve serve`` (beside this interpreter) with ``flags`` on a free
-    loopback port, its output in ``log``: yields its URL and process once
-    ``/health`` answers 200, and stops it with SIGTERM (SIGKILL after a
-    minute) when the block ends, on an error too."""
+    loopback port, its output in ``log`` (None: discarded): yields its URL
+    and process once ``/health`` answers 200 (``ServerStartError`` if it
+    exits or takes over ``READY_TIMEOUT`` first), and stops it with SIGTERM
+    (SIGKILL after a minute) when the block ends, on an error too. The block
+    may stop the process itself, to see its exit status."""
     port = free_port()
     command = [str(Path(sys.executable).parent / "trioserve"), "serve", "--port", str(port)]
-    with open(log, "w") as log_file:
-        proc = subprocess.Popen([*command, "--shutdown-timeout", "5", *flags], stdout=log_file, stderr=subprocess.STDOUT)
+    see = f"; see {log}" if log is not None else ""
+    with open(log, "w") if log is not None else contextlib.nullcontext(subprocess.DEVNULL) as output:
+        proc = subprocess.Popen([*command, "--shutdown-timeout", "5", *flags], stdout=output, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + READY_TIMEOUT
             while True:
                 if proc.poll() is not None:
-                    raise RuntimeError(f"the server exited with {proc.returncode}; see {log}")
+                    raise ServerStartError(f"the server exited with {proc.returncode}{see}")
                 with contextlib.suppress(httpx.TransportError):
                     if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                         break
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"the server did not become ready in {READY_TIMEOUT:g} s; see {log}")
+                    raise ServerStartError(f"the server did not become ready in {READY_TIMEOUT:g} s{see}")
                 time.sleep(0.5)  # a script polling a child process, not a test
             yield url, proc
         finally:
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(signal.SIGTERM)  # nothing, if the block already stopped it
             try:
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:

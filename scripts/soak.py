@@ -1,7 +1,7 @@
 """Soak: serve the default model for a while under a mixed load and watch for leaks.
 
-    .venv/bin/python scripts/soak.py --minutes 30 [--concurrency 6] [--json soak.json]
-    .venv/bin/python scripts/soak.py --slow-reader [--stall 60]
+    .venv/bin/python scripts/soak.py --minutes 30 [--concurrency 6] [--json soak.json] [--log server.log]
+                                     [-- <trioserve serve options>]
 
 The soak starts ``trioserve serve`` on a free loopback port (a subprocess,
 stopped at the end, on failure too) and drives it with ``--concurrency``
@@ -27,28 +27,19 @@ fails:
   load (2 of slack), or KV-cache blocks still in use;
 - the server not exiting with status 0 within a minute of SIGTERM.
 
-``--slow-reader`` measures instead what a client that stops reading costs
-the others: ``--others`` streaming clients run for ``--seconds`` alone, then
-as long again next to one client that opens a long stream on a socket with
-a 4 KiB receive buffer and reads nothing for ``--stall`` seconds. It prints
-the others' inter-token latency in both phases, and exits 1 if the slow
-reader lost tokens. Everything here talks only to 127.0.0.1.
+Everything here talks only to 127.0.0.1. What a client that stops reading
+costs the others is measured by scripts/slow_reader.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import random
-import re
 import signal
-import socket
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,81 +47,27 @@ import attrs
 import httpx
 import trio
 
-from trioserve.bench.process import free_port, open_fds, rss_bytes
+from trioserve.bench.datasets import random_words
+from trioserve.bench.process import ServerStartError, open_fds, rss_bytes, server_metrics, serving_process
 
-BIN = Path(sys.executable).parent / "trioserve"
 MIB = 1 << 20
-WORDS = (
-    "the a river stone amber quiet lantern copper meadow falcon winter orchard signal harbor velvet ember "
-    "north glass thunder silver market garden bridge candle paper island"
-).split()
 
 
 # -- the server ------------------------------------------------------------------
-
-
-@attrs.define
-class Server:
-    url: str
-    port: int
-    proc: subprocess.Popen[bytes]
-
-    def check_alive(self) -> None:
-        if self.proc.poll() is not None:
-            raise SoakFailed(f"the server died with status {self.proc.returncode}")
 
 
 class SoakFailed(Exception):
     pass
 
 
-@contextlib.contextmanager
-def running_server(args: argparse.Namespace) -> Iterator[Server]:
-    """``trioserve serve`` on a free port, ready; SIGTERM (then a kill, if
-    it takes over a minute) when the block ends."""
-    port = free_port()
-    command = [str(BIN), "serve", "--port", str(port), "--shutdown-timeout", "5", *args.server_args]
-    log = open(args.log, "w") if args.log else subprocess.DEVNULL
-    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    server = Server(f"http://127.0.0.1:{port}", port, proc)
-    try:
-        deadline = time.monotonic() + 300  # a cold start converts the GGUF
-        while True:
-            server.check_alive()
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise SoakFailed("the server did not become ready in 300 s")
-            time.sleep(0.5)
-        yield server
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        if log is not subprocess.DEVNULL:
-            log.close()
+def check_alive(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is not None:
+        raise SoakFailed(f"the server died with status {proc.returncode}")
 
 
 async def server_tasks(url: str) -> int:
     async with httpx.AsyncClient(base_url=url, timeout=30) as http:
         return (await http.get("/health")).json()["tasks"]
-
-
-async def server_metrics(url: str) -> dict[str, float]:
-    """The model's gauges and counters from ``/metrics`` (name -> value)."""
-    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
-        text = (await http.get("/metrics")).text
-    values = {}
-    for line in text.splitlines():
-        match = re.match(r"^(trioserve:[a-z_]+)(?:\{[^}]*\})? ([0-9.eE+-]+|NaN)$", line)
-        if match and "le=" not in line:
-            values.setdefault(match.group(1), float(match.group(2)))
-    return values
 
 
 async def wait_idle(url: str, timeout: float = 120) -> dict[str, float]:
@@ -170,7 +107,7 @@ def draw_request(rng: random.Random) -> tuple[str, dict[str, Any], int | None]:
     """A path, a body, and after how many events to hang up (None: never)."""
     stream = rng.random() < 0.7
     chat = rng.random() < 0.3
-    words = [rng.choice(WORDS) for _ in range(int(rng.choice([3, 10, 40, 150]) * rng.uniform(0.7, 1.0)))]
+    prompt = random_words(rng, int(rng.choice([3, 10, 40, 150]) * rng.uniform(0.7, 1.0)))
     body: dict[str, Any] = {
         "max_tokens": rng.choice([4, 8, 16, 32, 64]),
         "n": rng.choice([1, 1, 1, 2, 3]),
@@ -182,9 +119,9 @@ def draw_request(rng: random.Random) -> tuple[str, dict[str, Any], int | None]:
     if rng.random() < 0.1:
         body["timeout"] = rng.uniform(0.3, 3.0)
     if chat:
-        body["messages"] = [{"role": "user", "content": " ".join(words)}]
+        body["messages"] = [{"role": "user", "content": prompt}]
     else:
-        body["prompt"] = " ".join(words)
+        body["prompt"] = prompt
     hang_up = rng.randint(1, 6) if stream and rng.random() < 0.1 else None
     return ("/v1/chat/completions" if chat else "/v1/completions"), body, hang_up
 
@@ -243,14 +180,16 @@ async def one_request(http: httpx.AsyncClient, rng: random.Random, window_of) ->
         window.errors.append(f"{type(exc).__name__}: {exc}"[:300])
 
 
-async def soak(server: Server, args: argparse.Namespace) -> int:
+async def soak(url: str, proc: subprocess.Popen[bytes], args: argparse.Namespace) -> int:
+    """Run the load against the server at ``url`` (process ``proc``), check
+    for leaks, stop the server; the script's exit status."""
     rng = random.Random(args.seed)
-    pid = server.proc.pid
-    async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:  # warm up
+    pid = proc.pid
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:  # warm up
         await http.post("/v1/completions", json={"prompt": "warm up", "max_tokens": 4})
-    idle_tasks = await server_tasks(server.url)
+    idle_tasks = await server_tasks(url)
     idle_fds = open_fds(pid)
-    print(f"server pid {pid} at {server.url}; idle before the load: {idle_tasks} tasks, {idle_fds} fds", flush=True)
+    print(f"server pid {pid} at {url}; idle before the load: {idle_tasks} tasks, {idle_fds} fds", flush=True)
     header = "| minute | requests ok | refused | hung up | timed out | failed | p50 s | p99 s | TTFT p99 s | RSS MiB | fds | tasks |"
     print(header + "\n|" + "---|" * (header.count("|") - 1), flush=True)
     windows = [Window()]
@@ -261,14 +200,14 @@ async def soak(server: Server, args: argparse.Namespace) -> int:
     async def client(seed: int) -> None:
         client_rng = random.Random(seed)
         limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
-        async with httpx.AsyncClient(base_url=server.url, timeout=300, limits=limits) as http:
+        async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as http:
             while trio.current_time() < end:
                 await one_request(http, client_rng, lambda: windows[-1])
 
     async def sample(minute: int) -> None:
         window = windows[-1]
         windows.append(Window())
-        server.check_alive()
+        check_alive(proc)
         row = {
             "minute": minute,
             "ok": window.ok,
@@ -281,7 +220,7 @@ async def soak(server: Server, args: argparse.Namespace) -> int:
             "ttft_p99_s": percentile(window.ttfts, 99),
             "rss_mib": rss_bytes(pid) / MIB,
             "fds": open_fds(pid),
-            "tasks": await server_tasks(server.url),
+            "tasks": await server_tasks(url),
         }
         rows.append(row)
         failures.extend(window.errors)
@@ -303,9 +242,9 @@ async def soak(server: Server, args: argparse.Namespace) -> int:
 
     failures.extend(windows[-1].errors)  # requests that ended after the last sample
     # The load has stopped: every connection is closed. Idle figures.
-    idle = await wait_idle(server.url)
+    idle = await wait_idle(url)
     with trio.move_on_after(30):  # closing connections takes the server a moment to see
-        while (tasks_after := await server_tasks(server.url)) != idle_tasks or open_fds(pid) > idle_fds + 2:
+        while (tasks_after := await server_tasks(url)) != idle_tasks or open_fds(pid) > idle_fds + 2:
             await trio.sleep(0.2)
     fds_after = open_fds(pid)
     print(
@@ -329,10 +268,10 @@ async def soak(server: Server, args: argparse.Namespace) -> int:
     checks.append((fds_after <= idle_fds + 2, f"open fds when idle: {idle_fds} before, {fds_after} after"))
     checks.append((idle["trioserve:kv_cache_usage_perc"] == 0, f"KV usage when idle: {idle['trioserve:kv_cache_usage_perc']}"))
     checks.append((not failures, f"{len(failures)} failed requests"))
-    server.check_alive()
-    server.proc.send_signal(signal.SIGTERM)
+    check_alive(proc)
+    proc.send_signal(signal.SIGTERM)
     try:
-        status = await trio.to_thread.run_sync(lambda: server.proc.wait(timeout=60))
+        status = await trio.to_thread.run_sync(lambda: proc.wait(timeout=60))
     except subprocess.TimeoutExpired:
         status = None
     checks.append((status == 0, f"exit status after SIGTERM: {status}"))
@@ -341,121 +280,6 @@ async def soak(server: Server, args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "checks": [[p, w] for p, w in checks]}, indent=2))
     return 0 if all(passed for passed, _ in checks) else 1
-
-
-# -- a reader that stops reading ----------------------------------------------------
-
-
-async def stream_itls(url: str, end: float, itls: list[float], seed: int) -> None:
-    """Stream 64-token completions one after another until ``end``; collect
-    the gaps between content events (the first event's is TTFT, skipped)."""
-    rng = random.Random(seed)
-    async with httpx.AsyncClient(base_url=url, timeout=300) as http:
-        while trio.current_time() < end:
-            body = {
-                "prompt": " ".join(rng.choice(WORDS) for _ in range(20)),
-                "max_tokens": 64,
-                "stream": True,
-                "ignore_eos": True,
-            }
-            last = None
-            async with http.stream("POST", "/v1/completions", json=body) as response:
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: {"):
-                        continue
-                    now = trio.current_time()
-                    if last is not None:
-                        itls.append(now - last)
-                    last = now
-
-
-@attrs.define
-class SlowReaderResult:
-    tokens: int = 0
-    done: bool = False
-    stalled_at: float = 0.0
-
-
-async def slow_reader(port: int, max_tokens: int, stall: float, result: SlowReaderResult) -> None:
-    """Open a long stream on a socket with a 4 KiB receive buffer, read its
-    first event, read nothing for ``stall`` seconds, then read it all."""
-    sock = trio.socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    await sock.connect(("127.0.0.1", port))
-    body = json.dumps(
-        {
-            "prompt": "Write a very long story about a lighthouse keeper.",
-            "max_tokens": max_tokens,
-            "stream": True,
-            "ignore_eos": True,
-            "stream_options": {"include_usage": True},
-        }
-    ).encode()
-    head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\n\r\n"
-    ).encode()
-    await sock.send(head + body)
-    received = b""
-    while b"data: " not in received:
-        received += await sock.recv(1024)
-    result.stalled_at = trio.current_time()
-    await trio.sleep(stall)  # reads nothing
-    while b"data: [DONE]" not in received:
-        chunk = await sock.recv(65536)
-        if not chunk:
-            break
-        received += chunk
-    sock.close()
-    usage = re.findall(rb'"completion_tokens":(\d+)', received)
-    result.tokens = int(usage[-1]) if usage else 0
-    result.done = b"data: [DONE]" in received
-
-
-def summary(itls: list[float]) -> str:
-    return (
-        f"{len(itls)} gaps, mean {1000 * sum(itls) / len(itls):.1f} ms, p50 {1000 * percentile(itls, 50):.1f} ms, "
-        f"p90 {1000 * percentile(itls, 90):.1f} ms, p99 {1000 * percentile(itls, 99):.1f} ms"
-    )
-
-
-async def slow_reader_run(server: Server, args: argparse.Namespace) -> int:
-    async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:  # warm up
-        await http.post("/v1/completions", json={"prompt": "warm up", "max_tokens": 8})
-    alone: list[float] = []
-    end = trio.current_time() + args.seconds
-    async with trio.open_nursery() as nursery:
-        for i in range(args.others):
-            nursery.start_soon(stream_itls, server.url, end, alone, i)
-    print(f"others alone:           {summary(alone)}", flush=True)
-
-    before = await server_metrics(server.url)
-    with_slow: list[float] = []
-    result = SlowReaderResult()
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(slow_reader, server.port, args.slow_tokens, args.stall, result)
-        while not result.stalled_at:
-            await trio.sleep(0.05)
-        end = trio.current_time() + args.seconds
-        for i in range(args.others):
-            nursery.start_soon(stream_itls, server.url, end, with_slow, i)
-    after = await server_metrics(server.url)
-    print(f"others with the stalled: {summary(with_slow)}", flush=True)
-    ratio = statistics_ratio(with_slow, alone)
-    print(f"ratio (with / alone): mean {ratio[0]:.3f}, p50 {ratio[1]:.3f}, p90 {ratio[2]:.3f}", flush=True)
-    preempted = after.get("trioserve:num_preemptions_total", 0) - before.get("trioserve:num_preemptions_total", 0)
-    print(
-        f"the stalled reader: {result.tokens} of {args.slow_tokens} tokens, [DONE] {result.done}; "
-        f"preemptions meanwhile (a pause is one): {preempted:.0f}",
-        flush=True,
-    )
-    server.check_alive()
-    return 0 if result.done and result.tokens == args.slow_tokens else 1
-
-
-def statistics_ratio(with_slow: list[float], alone: list[float]) -> tuple[float, float, float]:
-    mean = (sum(with_slow) / len(with_slow)) / (sum(alone) / len(alone))
-    return mean, percentile(with_slow, 50) / percentile(alone, 50), percentile(with_slow, 90) / percentile(alone, 90)
 
 
 # -- the command line -------------------------------------------------------------
@@ -468,11 +292,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=1, help="seeds the load's choices (default: 1)")
     parser.add_argument("--json", default=None, help="also write the rows and checks to this file")
     parser.add_argument("--log", default=None, help="write the server's log to this file")
-    parser.add_argument("--slow-reader", action="store_true", help="measure a stalled reader's cost to the others")
-    parser.add_argument("--others", type=int, default=8, help="--slow-reader: streaming clients measured (default: 8)")
-    parser.add_argument("--seconds", type=float, default=60.0, help="--slow-reader: length of each phase (default: 60)")
-    parser.add_argument("--stall", type=float, default=60.0, help="--slow-reader: seconds it reads nothing (default: 60)")
-    parser.add_argument("--slow-tokens", type=int, default=1000, help="--slow-reader: its max_tokens (default: 1000)")
     parser.add_argument(
         "server_args", nargs="*", help="options for trioserve serve, after --, e.g. -- --max-num-seqs 32"
     )
@@ -485,14 +304,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        with running_server(args) as server:
-            run = slow_reader_run if args.slow_reader else soak
-            return trio.run(run, server, args)
-    except (SoakFailed, BaseExceptionGroup) as exc:
+        with serving_process(args.server_args, Path(args.log) if args.log else None) as (url, proc):
+            return trio.run(soak, url, proc, args)
+    except (SoakFailed, ServerStartError, BaseExceptionGroup) as exc:
         failed = exc.split(SoakFailed)[0] if isinstance(exc, BaseExceptionGroup) else exc
         if failed is None:
             raise
-        print(f"FAIL {failed if isinstance(failed, SoakFailed) else failed.exceptions[0]}", flush=True)
+        print(f"FAIL {failed if not isinstance(failed, BaseExceptionGroup) else failed.exceptions[0]}", flush=True)
         return 1
 
 

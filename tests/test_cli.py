@@ -24,3 +24,10 @@ def test_a_missing_model_path_is_one_clear_error(tmp_path):
     assert result.returncode == 2
     assert str(missing) in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_malformed_model_spec_is_one_clear_error():
+    result = run_cli("serve", "--model", "=x", "--port", "0")
+    assert result.returncode == 2
+    assert "NAME=PATH" in result.stderr and "'=x'" in result.stderr
+    assert "Traceback" not in result.stderr

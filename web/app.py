@@ -20,7 +20,7 @@ from trioserve.engine.loader import LoadedModel
 from . import routes
 from .asgi import TrioserveApp
 from .host import EXTENSION, ModelHost
-from .options import server_config_from_env
+from .serve_options import server_config_from_env
 from .settings import ServerConfig
 
 # Seconds past ``shutdown_timeout`` that the engines get to abort what is

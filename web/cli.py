@@ -8,7 +8,8 @@ import sys
 
 from trioserve.engine.errors import TrioserveError
 
-from .options import add_engine_options, build_serve_parser, engine_config_from_args, server_config_from_args
+from .engine_options import add_engine_options, engine_config_from_args
+from .serve_options import build_serve_parser, server_config_from_args
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -35,12 +35,13 @@ from trioserve.engine.errors import TrioserveError
 from trioserve.engine.outputs import RequestOutput
 
 from .body import request_json
+from .completion_bodies import ChatCompletionStream, CompletionStream, OutputAccumulator
 from .errors import ApiError, RequestTimeout, from_exception
 from .host import current_host
 from .protocol import ChatCompletionRequest, CompletionRequest, effective_timeout, parse_timeout_header
 from .responses import json_response
 from .served import ServedModel
-from .sse import SSE_DONE, ChatCompletionStream, CompletionStream, OutputAccumulator, sse_error, sse_events
+from .sse import SSE_DONE, sse_error, sse_events
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from trioserve.actors.statistics import EngineStatistics
 from trioserve.engine.outputs import RequestOutput
 from trioserve.engine.sequence import FinishReason
 
+from .logprobs import TokenTexts
 from .metrics import Metrics
-from .sse import TokenTexts
 
 
 @attrs.frozen

@@ -6,7 +6,7 @@ deadline cap, body size limit, shutdown timeout, and the connections'
 timeouts and cap. ``trioserve serve``
 builds it from its options, and ``hypercorn --worker-class trio
 'trioserve.web.app:create_app()'`` from ``TRIOSERVE_*`` environment
-variables (both in ``web/options.py``).
+variables (both in ``web/serve_options.py``).
 """
 
 from __future__ import annotations

@@ -435,7 +435,7 @@ async def test_tokenizer_and_detokenizer_faults_over_http(default_loaded, monkey
 
 def test_the_watchdog_flag_and_its_environment_variable():
     from trioserve.engine.config import DEFAULT_WATCHDOG_TIMEOUT, EngineConfig
-    from trioserve.web.options import build_serve_parser, server_config_from_args, server_config_from_env
+    from trioserve.web.serve_options import build_serve_parser, server_config_from_args, server_config_from_env
 
     parse = build_serve_parser().parse_args
     assert server_config_from_args(parse([])).engine.watchdog_timeout == DEFAULT_WATCHDOG_TIMEOUT == 300

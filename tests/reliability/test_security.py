@@ -22,9 +22,9 @@ from actor_fixtures import tiny_loaded
 from server_fixtures import MODEL, Server, parse_sse, server_config, serving
 from trioserve.web import routes, serve
 from trioserve.web.app import create_app
-from trioserve.web.options import build_serve_parser, server_config_from_args, server_config_from_env
+from trioserve.web.completion_bodies import CompletionStream, OutputAccumulator
+from trioserve.web.serve_options import build_serve_parser, server_config_from_args, server_config_from_env
 from trioserve.web.settings import ServerConfig
-from trioserve.web.sse import CompletionStream, OutputAccumulator
 
 KEY = "s3cret-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

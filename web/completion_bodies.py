@@ -1,0 +1,296 @@
+"""The response bodies of ``/v1/completions`` and ``/v1/chat/completions``,
+whole and streamed, in OpenAI's exact shapes.
+
+The engine streams ``RequestOutput`` deltas, the ``n`` completions of a
+request interleaved by ``index``. ``CompletionStream`` and
+``ChatCompletionStream`` turn each delta into ``text_completion`` or
+``chat.completion.chunk`` chunks (web/sse.py frames them as events);
+``OutputAccumulator`` gathers the deltas into the non-streaming
+``text_completion`` or ``chat.completion`` body.
+
+Finish reasons are the engine's, except that a request ended by its
+deadline reports ``"timeout"`` (see ``FINISH_REASONS``).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from trioserve.engine.sequence import FinishReason
+
+from .logprobs import TokenTexts, chat_logprobs, completion_logprobs
+
+if TYPE_CHECKING:
+    from trioserve.engine.outputs import RequestOutput
+
+# OpenAI's finish reasons are stop/length; the others are ours, named so a
+# client can tell them apart: "timeout" is a deadline that expired (the
+# request's ``timeout`` or X-Request-Timeout, or --max-request-time),
+# "abort" a request cancelled on the server, "error" a failed model step;
+# "queue_timeout" and "shed" end a stream already started whose request
+# overload control dropped before any compute (docs/reliability.md).
+FINISH_REASONS = {
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.ABORT: "abort",
+    FinishReason.DEADLINE: "timeout",
+    FinishReason.ERROR: "error",
+    FinishReason.QUEUE_TIMEOUT: "queue_timeout",
+    FinishReason.SHED: "shed",
+}
+
+
+def finish_reason(reason: FinishReason | None) -> str | None:
+    return None if reason is None else FINISH_REASONS[reason]
+
+
+def completion_id() -> str:
+    return f"cmpl-{uuid.uuid4().hex}"
+
+
+def chat_completion_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+# -- per-choice state ------------------------------------------------------
+
+
+@attrs.define
+class _Choice:
+    text: list[str] = attrs.field(factory=list)
+    logprobs: list[Any] = attrs.field(factory=list)
+    text_offset: int = 0
+    started: bool = False
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+
+
+@attrs.define
+class _Choices:
+    """What a request's completions have produced so far, by index."""
+
+    by_index: dict[int, _Choice] = attrs.field(factory=dict)
+    num_prompt_tokens: int = 0
+
+    def update(self, output: RequestOutput) -> _Choice:
+        choice = self.by_index.setdefault(output.index, _Choice())
+        self.num_prompt_tokens = output.num_prompt_tokens
+        choice.num_output_tokens = output.num_output_tokens
+        choice.num_cached_tokens = output.num_cached_tokens
+        if output.finish_reason is not None:
+            choice.finish_reason = output.finish_reason
+            choice.stop_reason = output.stop_reason
+        return choice
+
+    def usage(self) -> dict[str, Any]:
+        """Usage: the shared prompt counts once; each completion's tokens count."""
+        completion = sum(c.num_output_tokens for c in self.by_index.values())
+        first = self.by_index[min(self.by_index)] if self.by_index else None
+        cached = first.num_cached_tokens if first is not None else 0
+        return {
+            "prompt_tokens": self.num_prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.num_prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+
+# -- streams -------------------------------------------------------------
+
+
+@attrs.define
+class CompletionStream:
+    """Chunks of a streamed ``POST /v1/completions`` response.
+
+    Pass ``texts`` when the request asked for logprobs. Call ``chunks`` per
+    engine delta and ``final_chunks`` once all completions finished, then
+    send ``SSE_DONE`` (web/sse.py).
+    """
+
+    model: str
+    texts: TokenTexts | None = None
+    include_usage: bool = False
+    id: str = attrs.field(factory=completion_id)
+    created: int = attrs.field(factory=_now)
+    _choices: _Choices = attrs.field(factory=_Choices, init=False)
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        chunk = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model, "choices": choices}
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def chunks(self, output: RequestOutput) -> list[dict[str, Any]]:
+        choice = self._choices.update(output)
+        logprobs = None
+        if self.texts is not None:
+            logprobs, choice.text_offset = completion_logprobs(output.logprobs, self.texts, choice.text_offset)
+        if not output.text_delta and not output.logprobs and output.finish_reason is None:
+            return []  # the detokenizer is holding text back; nothing to say yet
+        return [
+            self._chunk(
+                [
+                    {
+                        "index": output.index,
+                        "text": output.text_delta,
+                        "logprobs": logprobs,
+                        "finish_reason": finish_reason(output.finish_reason),
+                        "stop_reason": output.stop_reason,
+                    }
+                ]
+            )
+        ]
+
+    def final_chunks(self) -> list[dict[str, Any]]:
+        """The usage chunk (empty ``choices``) when ``stream_options.include_usage`` asked for it."""
+        if not self.include_usage:
+            return []
+        return [{**self._chunk([]), "usage": self._choices.usage()}]
+
+
+@attrs.define
+class ChatCompletionStream:
+    """Chunks of a streamed ``POST /v1/chat/completions`` response.
+
+    Each completion's first chunk carries ``delta.role``; later ones carry
+    ``delta.content`` and, with logprobs, ``logprobs.content``.
+    """
+
+    model: str
+    texts: TokenTexts | None = None
+    include_usage: bool = False
+    id: str = attrs.field(factory=chat_completion_id)
+    created: int = attrs.field(factory=_now)
+    _choices: _Choices = attrs.field(factory=_Choices, init=False)
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model}
+        chunk["choices"] = choices
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    @staticmethod
+    def _choice(index: int, delta: dict[str, Any], logprobs: Any = None, output: RequestOutput | None = None) -> dict[str, Any]:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
+        if output is not None and output.finish_reason is not None:
+            choice["finish_reason"] = finish_reason(output.finish_reason)
+            choice["stop_reason"] = output.stop_reason
+        return choice
+
+    def chunks(self, output: RequestOutput) -> list[dict[str, Any]]:
+        choice = self._choices.update(output)
+        chunks = []
+        if not choice.started:
+            choice.started = True
+            chunks.append(self._chunk([self._choice(output.index, {"role": "assistant", "content": ""})]))
+        logprobs = None
+        if self.texts is not None and output.logprobs:
+            logprobs = {"content": chat_logprobs(output.logprobs, self.texts), "refusal": None}
+        if output.text_delta or logprobs is not None or output.finish_reason is not None:
+            delta = {"content": output.text_delta} if output.text_delta or logprobs is not None else {}
+            chunks.append(self._chunk([self._choice(output.index, delta, logprobs, output)]))
+        return chunks
+
+    def final_chunks(self) -> list[dict[str, Any]]:
+        """The usage chunk (empty ``choices``) when ``stream_options.include_usage`` asked for it."""
+        if not self.include_usage:
+            return []
+        return [{**self._chunk([]), "usage": self._choices.usage()}]
+
+
+# -- whole bodies ----------------------------------------------------------
+
+
+@attrs.define
+class OutputAccumulator:
+    """Gathers a request's deltas into one non-streaming body.
+
+    ``n`` is the number of completions to wait for; pass ``texts`` when the
+    request asked for logprobs.
+    """
+
+    n: int = 1
+    texts: TokenTexts | None = None
+    _choices: _Choices = attrs.field(factory=_Choices, init=False)
+
+    def add(self, output: RequestOutput) -> None:
+        choice = self._choices.update(output)
+        choice.text.append(output.text_delta)
+        choice.logprobs.extend(output.logprobs)
+
+    @property
+    def finished(self) -> bool:
+        done = [c for c in self._choices.by_index.values() if c.finish_reason is not None]
+        return len(done) >= self.n
+
+    @property
+    def timed_out(self) -> bool:
+        """Whether any completion ended by its deadline (the app answers 504)."""
+        return any(c.finish_reason is FinishReason.DEADLINE for c in self._choices.by_index.values())
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(c.num_output_tokens for c in self._choices.by_index.values())
+
+    def usage(self) -> dict[str, Any]:
+        return self._choices.usage()
+
+    def _sorted(self) -> list[tuple[int, _Choice]]:
+        return sorted(self._choices.by_index.items())
+
+    def completion_body(self, model: str, *, id: str | None = None, created: int | None = None) -> dict[str, Any]:
+        """A ``text_completion`` body."""
+
+        def content(choice: _Choice) -> dict[str, Any]:
+            logprobs = None
+            if self.texts is not None:
+                logprobs, _ = completion_logprobs(choice.logprobs, self.texts, 0)
+            return {"text": "".join(choice.text), "logprobs": logprobs}
+
+        return self._body(model, "text_completion", id or completion_id(), created, content)
+
+    def chat_completion_body(self, model: str, *, id: str | None = None, created: int | None = None) -> dict[str, Any]:
+        """A ``chat.completion`` body."""
+
+        def content(choice: _Choice) -> dict[str, Any]:
+            logprobs = None
+            if self.texts is not None:
+                logprobs = {"content": chat_logprobs(choice.logprobs, self.texts), "refusal": None}
+            return {"message": {"role": "assistant", "content": "".join(choice.text)}, "logprobs": logprobs}
+
+        return self._body(model, "chat.completion", id or chat_completion_id(), created, content)
+
+    def _body(
+        self, model: str, kind: str, id: str, created: int | None, content: Callable[[_Choice], dict[str, Any]]
+    ) -> dict[str, Any]:
+        """The body shared by both endpoints; ``content`` gives a choice's
+        text (or message) and logprobs."""
+        choices = [
+            {
+                "index": index,
+                **content(choice),
+                "finish_reason": finish_reason(choice.finish_reason),
+                "stop_reason": choice.stop_reason,
+            }
+            for index, choice in self._sorted()
+        ]
+        return {
+            "id": id,
+            "object": kind,
+            "created": created if created is not None else _now(),
+            "model": model,
+            "choices": choices,
+            "usage": self.usage(),
+        }

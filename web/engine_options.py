@@ -1,0 +1,144 @@
+"""The options that describe an ``EngineConfig``: the model and its limits
+(every command that starts an engine takes them), and overload control
+(``trioserve serve``'s).
+
+Each ``add_*_options`` adds its options to a parser and returns them in
+order; the matching ``*_from_args`` turns the parsed values into the config
+or its fields.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from trioserve.engine.config import DegradationPolicy, EngineConfig
+
+from .option_types import fraction_or_off, parse_memory, recording, seconds
+
+
+def add_engine_options(parser: argparse.ArgumentParser, *, several_models: bool = False) -> list[argparse.Action]:
+    """Options shared by every command that starts an engine; with
+    ``several_models``, ``--model`` may repeat (``args.model`` is a list).
+    Returns the options added, in order."""
+    actions: list[argparse.Action] = []
+    add = recording(parser, actions)
+    if several_models:
+        add(
+            "--model",
+            action="append",
+            default=None,
+            help="checkpoint folder, .gguf file, or NAME=PATH; repeat to serve several models, "
+            "requests pick one by their model field (default: SmolLM2-135M-Instruct)",
+        )
+    else:
+        add("--model", default=None, help="checkpoint folder, .gguf file (default: SmolLM2-135M-Instruct)")
+    add("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    add("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when present)")
+    add("--block-size", type=int, default=16)
+    add("--kv-cache-memory", default=None, help="bytes (e.g. 2G) or a fraction of free memory (e.g. 0.5)")
+    add("--max-model-len", type=int, default=None)
+    add("--max-num-seqs", type=int, default=64)
+    add("--max-num-batched-tokens", type=int, default=2048)
+    add("--no-prefix-caching", action="store_true")
+    add("--num-threads", type=int, default=None, help="torch threads for the model step")
+    return actions
+
+
+def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
+    """The ``EngineConfig`` that ``add_engine_options``'s values describe;
+    ``overrides`` replace fields or set others."""
+    fields = dict(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        block_size=args.block_size,
+        kv_cache_memory=parse_memory(args.kv_cache_memory),
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=not args.no_prefix_caching,
+        num_threads=args.num_threads,
+    )
+    fields.update(overrides)
+    return EngineConfig(**fields)
+
+
+def add_overload_options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """Overload control (docs/reliability.md, "Overload control"); returns
+    the options added, in order."""
+    engine, policy = EngineConfig(), DegradationPolicy()
+    group = parser.add_argument_group("overload control")
+    actions: list[argparse.Action] = []
+    add = recording(group, actions)
+    add(
+        "--max-queue-time",
+        type=seconds,
+        default=None,
+        help="drop a request that waited this long (seconds) before any compute, with 503 (default: no bound)",
+    )
+    add(
+        "--adaptive-concurrency",
+        action="store_true",
+        help="lower the running-sequence limit while TPOT p90 is above --target-tpot-ms, raise it while below",
+    )
+    add(
+        "--target-tpot-ms",
+        type=seconds,  # any finite number > 0
+        default=engine.target_tpot_ms,
+        help=f"the TPOT p90 adaptive concurrency steers to, in ms (default: {engine.target_tpot_ms:g})",
+    )
+    add(
+        "--no-priority-shedding",
+        action="store_true",
+        help="a full queue refuses a new request instead of dropping a queued one of lower priority",
+    )
+    add(
+        "--low-priority",
+        type=int,
+        default=policy.low_priority,
+        help=f"priority values from this one up count as low priority (default: {policy.low_priority})",
+    )
+    add(
+        "--cap-low-priority-at",
+        type=fraction_or_off,
+        default=policy.cap_at,
+        metavar="FRACTION|off",
+        help=f"queue fill from which new low-priority requests get max_tokens capped (default: {policy.cap_at:g})",
+    )
+    add(
+        "--low-priority-max-tokens",
+        type=int,
+        default=policy.low_priority_max_tokens,
+        help=f"that cap (default: {policy.low_priority_max_tokens})",
+    )
+    add(
+        "--refuse-expensive-at",
+        type=fraction_or_off,
+        default=policy.refuse_expensive_at,
+        metavar="FRACTION|off",
+        help=f"queue fill from which n > 1 and many top logprobs get 429 (default: {policy.refuse_expensive_at:g})",
+    )
+    add(
+        "--expensive-logprobs",
+        type=int,
+        default=policy.expensive_logprobs,
+        help=f"more top logprobs than this count as expensive (default: {policy.expensive_logprobs})",
+    )
+    return actions
+
+
+def overload_config_from_args(args: argparse.Namespace) -> dict:
+    """The ``EngineConfig`` fields that ``add_overload_options`` set."""
+    return dict(
+        max_queue_time=args.max_queue_time,
+        adaptive_concurrency=args.adaptive_concurrency,
+        target_tpot_ms=args.target_tpot_ms,
+        degradation=DegradationPolicy(
+            low_priority=args.low_priority,
+            cap_at=args.cap_low_priority_at,
+            low_priority_max_tokens=args.low_priority_max_tokens,
+            refuse_expensive_at=args.refuse_expensive_at,
+            expensive_logprobs=args.expensive_logprobs,
+            shed_lower_priority=not args.no_priority_shedding,
+        ),
+    )

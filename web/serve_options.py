@@ -1,0 +1,168 @@
+"""The options of ``trioserve serve``, and the ``ServerConfig`` they describe.
+
+``build_serve_parser`` adds them to a parser; ``server_config_from_args``
+builds the config from a parsed command line, and
+``server_config_from_env`` from ``TRIOSERVE_*`` environment variables (for
+``hypercorn --worker-class trio 'trioserve.web.app:create_app()'``), both
+from the same option definitions. The dependency runs one way: the CLI and
+the app import this module, this module imports the settings and the
+engine's options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+from collections.abc import Mapping
+
+from trioserve.engine.config import DEFAULT_WATCHDOG_TIMEOUT
+
+from .engine_options import add_engine_options, add_overload_options, engine_config_from_args, overload_config_from_args
+from .option_types import count, recording, seconds, size_in_bytes, watchdog_seconds
+from .settings import (
+    DEFAULT_BODY_TIMEOUT,
+    DEFAULT_KEEP_ALIVE_TIMEOUT,
+    DEFAULT_MAX_BODY_SIZE,
+    DEFAULT_SEND_TIMEOUT,
+    DEFAULT_SHUTDOWN_TIMEOUT,
+    ENV_PREFIX,
+    ModelSpec,
+    ServerConfig,
+)
+
+
+def build_serve_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """The options of ``trioserve serve``, added to ``parser`` (default: a
+    new one). ``server_config_from_env`` reads the same options."""
+    if parser is None:
+        parser = argparse.ArgumentParser(prog="trioserve serve")
+    _add_serve_options(parser)
+    return parser
+
+
+def _add_serve_options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """Add ``trioserve serve``'s options to ``parser``; returns them, in order."""
+    actions: list[argparse.Action] = []
+    add = recording(parser, actions)
+    add("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    add("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default: 8000)")
+    add(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every route but /health, /metrics and /version",
+    )
+    add(
+        "--max-request-time", type=seconds, default=None, help="cap on every request's deadline, in seconds (default: none)"
+    )
+    add(
+        "--shutdown-timeout",
+        type=seconds,
+        default=DEFAULT_SHUTDOWN_TIMEOUT,
+        help=f"seconds in-flight requests may run on after SIGTERM/SIGINT (default: {DEFAULT_SHUTDOWN_TIMEOUT:g})",
+    )
+    add(
+        "--max-body-size", type=size_in_bytes, default=DEFAULT_MAX_BODY_SIZE, help="largest request body, e.g. 1M (default: 1M)"
+    )
+    add(
+        "--keep-alive-timeout",
+        type=seconds,
+        default=DEFAULT_KEEP_ALIVE_TIMEOUT,
+        help="seconds before closing a connection with no request under way: idle between requests, "
+        f"or its request headers incomplete (default: {DEFAULT_KEEP_ALIVE_TIMEOUT:g})",
+    )
+    add(
+        "--body-timeout",
+        type=seconds,
+        default=DEFAULT_BODY_TIMEOUT,
+        help=f"seconds a request body may take to arrive; then 408 and the connection closes (default: {DEFAULT_BODY_TIMEOUT:g})",
+    )
+    add(
+        "--send-timeout",
+        type=seconds,
+        default=DEFAULT_SEND_TIMEOUT,
+        help="seconds a response may wait on a client that reads none of it before the connection is dropped "
+        f"(default: {DEFAULT_SEND_TIMEOUT:g})",
+    )
+    add(
+        "--max-connections",
+        type=count,
+        default=None,
+        help="open connections beyond which new ones get 503 (default: 2048, less under a low file descriptor limit)",
+    )
+    add(
+        "--log-requests", action="store_true", help="log each request's body (prompts included); off by default"
+    )
+    add(
+        "--max-queued-requests", type=int, default=256, help="admission queue bound; beyond it requests get 429 (default: 256)"
+    )
+    add("--max-queued-tokens", type=int, default=None, help="bound on queued prompt tokens (default: none)")
+    actions += add_overload_options(parser)
+    add(
+        "--watchdog-timeout",
+        type=watchdog_seconds,
+        default=DEFAULT_WATCHDOG_TIMEOUT,
+        help="seconds a model step may run before it is declared hung: its requests fail, the engine goes on "
+        f"on a fresh step thread and /health reports it; 0 turns the watchdog off (default: {DEFAULT_WATCHDOG_TIMEOUT:g})",
+    )
+    actions += add_engine_options(parser, several_models=True)
+    return actions
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """The ``ServerConfig`` that ``trioserve serve``'s options describe;
+    ``ValueError`` names what is wrong with them (a ``--model`` that is not
+    ``NAME=PATH`` or a path, two models of one name, ...)."""
+    specs = [ModelSpec.parse(text) for text in args.model or []] or [ModelSpec.from_path(None)]
+    engine = engine_config_from_args(
+        args,
+        model=None,
+        max_queued_requests=args.max_queued_requests,
+        max_queued_tokens=args.max_queued_tokens,
+        **overload_config_from_args(args),
+        watchdog_timeout=args.watchdog_timeout or None,  # 0: off
+    )
+    return ServerConfig(
+        engine=engine,
+        models=tuple(specs),
+        api_key=args.api_key,
+        max_request_time=args.max_request_time,
+        shutdown_timeout=args.shutdown_timeout,
+        max_body_size=args.max_body_size,
+        keep_alive_timeout=args.keep_alive_timeout,
+        body_timeout=args.body_timeout,
+        send_timeout=args.send_timeout,
+        max_connections=args.max_connections,
+        log_requests=args.log_requests,
+    )
+
+
+def server_config_from_env(environ: Mapping[str, str] | None = None) -> ServerConfig:
+    """Read ``trioserve serve``'s options from the environment (default: ``os.environ``).
+
+    Each option ``--some-option`` is ``TRIOSERVE_SOME_OPTION``; flags
+    take ``1``/``true``/``yes``/``on``; ``TRIOSERVE_MODEL`` may list several
+    models separated by commas. ``TRIOSERVE_ARGS`` may hold further
+    options in command-line form. ``--host`` and ``--port`` are
+    hypercorn's business there and are ignored.
+    """
+    environ = os.environ if environ is None else environ
+    parser = argparse.ArgumentParser(prog="trioserve serve")
+    argv = shlex.split(environ.get(ENV_PREFIX + "ARGS", ""))
+    for action in _add_serve_options(parser):
+        option = next((s for s in action.option_strings if s.startswith("--")), None)
+        if option is None:
+            continue
+        value = environ.get(ENV_PREFIX + option[2:].upper().replace("-", "_"))
+        if value is None:
+            continue
+        if action.nargs == 0:  # a flag
+            if value.strip().lower() in ("1", "true", "yes", "on"):
+                argv.append(option)
+        elif action.dest == "model":
+            for item in value.split(","):
+                if item.strip():
+                    argv += [option, item.strip()]
+        else:
+            argv += [option, value]
+    return server_config_from_args(parser.parse_args(argv))
