@@ -369,12 +369,9 @@ class SchedulerActor:
             self._withheld -= entry.children
         return attrs.evolve(batch, frees=frees)
 
-    def _in_quarantine(self, message: AddRequest) -> bool:
-        """Whether a sequence id of this request is still quarantined (the
-        pool would take it for the hung sequence's holding)."""
-        ids = [message.request_id]
-        if message.params.n > 1:
-            ids = [f"{message.request_id}/{i}" for i in range(message.params.n)]
+    def _in_quarantine(self, ids: tuple[str, ...]) -> bool:
+        """Whether one of these sequence ids is still quarantined (the pool
+        would take it for the hung sequence's holding)."""
         return any(i in self._withheld or any(i in q.children for q in self._quarantine) for i in ids)
 
     def _fail_detokenized(self) -> None:
@@ -415,17 +412,16 @@ class SchedulerActor:
                 self._send(route, self._dropped(message, index, reason))
             self._close_route(route, outcome=outcome_of({reason}))
             return
-        if self._quarantine or self._withheld:
-            if self._in_quarantine(message):
-                error = InvalidRequestError(
-                    f"request id {message.request_id!r} is still in use (its earlier request's step hung)",
-                    field="request_id",
-                )
-                self._fail(route, error)
-                return
+        # Validated at the edge (Engine._new_request): admitted as is.
+        new = NewRequest(message.request_id, message.prompt_token_ids, message.params, message.priority)
+        if (self._quarantine or self._withheld) and self._in_quarantine(new.sequence_ids()):
+            error = InvalidRequestError(
+                f"request id {message.request_id!r} is still in use (its earlier request's step hung)",
+                field="request_id",
+            )
+            self._fail(route, error)
+            return
         try:
-            # Validated at the edge (Engine._new_request): admitted as is.
-            new = NewRequest(message.request_id, message.prompt_token_ids, message.params, message.priority)
             self.core.admit(new, arrival_time=message.arrival_time)
         except InvalidRequestError as exc:
             self._fail(route, exc)
