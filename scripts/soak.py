@@ -18,10 +18,10 @@ fails:
 
 - resident memory at the last minute more than max(64 MiB, 10 %) above
   its value at the middle of the run (minute ceil(N / 2); minute 1 for a
-  2-minute run). The first half is the warm-up: oneDNN caches a kernel
-  ("primitive") for each new batch shape it meets, up to its cache's
-  capacity, and the allocator's arenas grow to the load's working set;
-  a leak keeps growing after that;
+  2-minute run). The first half is the warm-up: the allocator's arenas
+  grow to the load's working set (oneDNN's kernels for every batch size
+  are built before the server is ready: ``EngineConfig.warm_up``); a leak
+  keeps growing after that;
 - once the load stops and the engine is idle: the task count not back to
   its value before the load, more open file descriptors than before the
   load (2 of slack), or KV-cache blocks still in use;

@@ -429,7 +429,7 @@ async def test_open_engine_options_override_the_config_and_are_checked_by_name(a
             pass
 
     def make(core):
-        return FakeExecutor(vocab_size=core.model_config.vocab_size, step_time=STEP)
+        return FakeExecutor.for_core(core, step_time=STEP)
 
     async with open_engine(config, loaded=tiny_loaded(), executor=make, max_buffered_outputs=2) as engine:
         assert (engine.config.max_buffered_outputs, engine.config.shutdown_timeout) == (2, 60.0)
