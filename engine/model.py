@@ -347,8 +347,9 @@ class LlamaForCausalLM(nn.Module):
         calls = 0
         with torch.inference_mode():
             for rows in onednn.row_buckets():
-                x = torch.zeros(rows, c.hidden_size, dtype=self.dtype, device=self.embed_tokens.device)
-                attention = torch.zeros(rows, c.num_attention_heads * c.head_dim, dtype=x.dtype, device=x.device)
+                # The weights' dtype and device, which a ``.to`` may have changed.
+                x = self.embed_tokens.new_zeros(rows, c.hidden_size)
+                attention = x.new_zeros(rows, c.num_attention_heads * c.head_dim)
                 layer.qkv(x)
                 layer.o_add(attention, x)
                 layer.mlp_add(x, x)
