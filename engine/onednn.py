@@ -32,10 +32,11 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 # at few row counts: exact up to EXACT_ROWS (decode batches, where every
 # size is common and a matmul costs the weights' bandwidth, not its rows),
 # then rounded up by less than an eighth, and past MAX_ROWS in slices of
-# MAX_ROWS rows (a GEMM is at its peak well before that). That is
-# EXACT_ROWS + 16 shapes in all, built once (``Model.warm_up``).
+# MAX_ROWS rows (a GEMM is at its peak by then; 256-row slices cost a
+# prefill about a fifth). That is EXACT_ROWS + 32 shapes in all, built once
+# (``Model.warm_up``).
 EXACT_ROWS = 64
-MAX_ROWS = 256
+MAX_ROWS = 1024
 
 
 def row_bucket(num_rows: int) -> int:

@@ -30,11 +30,12 @@ def test_a_row_bucket_is_exact_for_small_counts_and_pads_under_an_eighth(rows):
 def test_the_row_counts_a_linear_runs_at_are_few():
     buckets = onednn.row_buckets()
     assert buckets == sorted({onednn.row_bucket(rows) for rows in range(1, onednn.MAX_ROWS + 1)})
-    # 64 exact counts, then 8 per doubling up to MAX_ROWS (two doublings).
-    assert len(buckets) == onednn.EXACT_ROWS + 16
+    # The exact counts, then 8 per doubling up to MAX_ROWS.
+    doublings = (onednn.MAX_ROWS // onednn.EXACT_ROWS).bit_length() - 1
+    assert len(buckets) == onednn.EXACT_ROWS + 8 * doublings
 
 
-@pytest.mark.parametrize("rows", [1, 7, onednn.EXACT_ROWS, onednn.EXACT_ROWS + 1, 100, 131, 256, 300, 700])
+@pytest.mark.parametrize("rows", [1, 7, onednn.EXACT_ROWS, onednn.EXACT_ROWS + 1, 100, 131, 300, onednn.MAX_ROWS, 2500])
 def test_padded_rows_never_reach_the_result(rows):
     if not CpuPaths.from_environment().available(packed_path(torch.float32)):
         pytest.skip("oneDNN's packed float32 path is off on this CPU")
