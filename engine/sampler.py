@@ -257,11 +257,7 @@ class Sampler:
                     banned.update(row.eos_token_ids)
                 mask_rows.extend([i] * len(banned))
                 mask_cols.extend(banned)
-        penalty_rows = [
-            i
-            for i, p in enumerate(params)
-            if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
-        ]
+        penalty_rows = [i for i, p in enumerate(params) if p.has_penalties]
         if not (bias_rows or mask_rows or penalty_rows):
             return logits
         logits = logits.clone()

@@ -132,6 +132,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def has_penalties(self) -> bool:
+        """Whether a penalty reads the output so far (and, for
+        ``repetition_penalty``, the prompt)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
     def validate_for_vocab(self, vocab_size: int) -> None:
         """Reject token ids outside the model's vocabulary."""
         for token_id, _ in self.logit_bias:

@@ -18,10 +18,6 @@ import attrs
 from .sampling_params import SamplingParams
 
 
-def _needs_output_history(params: SamplingParams) -> bool:
-    return params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 or params.repetition_penalty != 1.0
-
-
 @attrs.frozen
 class SamplingRow:
     """What the sampler needs to choose one sequence's next token.
@@ -55,7 +51,7 @@ class SamplingRow:
             params=params,
             eos_token_ids=tuple(eos_token_ids),
             num_output_tokens=len(output_token_ids),
-            output_token_ids=tuple(output_token_ids) if _needs_output_history(params) else (),
+            output_token_ids=tuple(output_token_ids) if params.has_penalties else (),
             prompt_token_ids=tuple(prompt_token_ids) if params.repetition_penalty != 1.0 else (),
         )
 
