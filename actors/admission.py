@@ -17,6 +17,7 @@ always either in the queue or with the scheduler, never in between.
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 
 import trio
 
@@ -26,7 +27,9 @@ from .messages import AddRequest
 class AdmissionQueue:
     """Requests queued for the scheduler (one receiver: its admission loop)."""
 
-    def __init__(self, max_requests: int, max_tokens: int | None = None) -> None:
+    def __init__(
+        self, max_requests: int, max_tokens: int | None = None, *, on_room: Callable[[], None] | None = None
+    ) -> None:
         if max_requests < 1:
             raise ValueError("max_requests must be >= 1")
         if max_tokens is not None and max_tokens < 1:
@@ -40,6 +43,10 @@ class AdmissionQueue:
         self._tokens = 0
         self._closed = False  # no more sends
         self._receiver_closed = False
+        # Called whenever room may have been made (a take, the receiver
+        # closing): the replicated queue in front of several (replicas.py)
+        # wakes its own waiting senders with it.
+        self._on_room = on_room
 
     def _fits(self, num_tokens: int) -> bool:
         if len(self._queue) >= self.max_requests:
@@ -81,10 +88,8 @@ class AdmissionQueue:
         out makes room. Return the displaced request: its output channel is
         the caller's to end. Raise ``trio.WouldBlock`` otherwise."""
         self._check_open()
-        if not self._queue:
-            raise trio.WouldBlock
-        victim = max(reversed(self._queue), key=lambda queued: queued.priority)  # the latest of the lowest
-        if victim.priority <= message.priority:
+        victim = self.lowest_priority()
+        if victim is None or victim.priority <= message.priority:
             raise trio.WouldBlock
         tokens = self._tokens - victim.num_tokens
         if self.max_tokens is not None and tokens and tokens + message.num_tokens > self.max_tokens:
@@ -93,6 +98,13 @@ class AdmissionQueue:
         self._tokens -= victim.num_tokens
         self._put(message)
         return victim
+
+    def lowest_priority(self) -> AddRequest | None:
+        """The queued request ``displace_nowait`` would take out: the lowest
+        priority (the highest ``priority`` value), the latest among equals."""
+        if not self._queue:
+            return None
+        return max(reversed(self._queue), key=lambda queued: queued.priority)
 
     def _put(self, message: AddRequest) -> None:
         self._check_open()
@@ -137,6 +149,8 @@ class AdmissionQueue:
     def _take(self, message: AddRequest) -> AddRequest:
         self._tokens -= message.num_tokens
         self._room.unpark_all()
+        if self._on_room is not None:
+            self._on_room()
         return message
 
     # -- closing ----------------------------------------------------------------
@@ -156,6 +170,8 @@ class AdmissionQueue:
         while self._queue:
             self._take(self._queue.popleft()).outputs.close()
         self._room.unpark_all()
+        if self._on_room is not None:
+            self._on_room()
         self._items.unpark_all()
 
     # -- figures ----------------------------------------------------------------

@@ -51,7 +51,7 @@ from .request import RequestActor, RequestStream
 from .request_ids import RequestIds
 from .scheduler import SchedulerActor
 from .step_calls import run_in_step_thread
-from .statistics import EngineStatistics, OverloadStatistics, SchedulerActorStatistics
+from .statistics import EngineStatistics, OverloadStatistics, ReplicaStatistics, SchedulerActorStatistics
 
 __all__ = ["Engine", "RequestStream", "open_engine"]
 
@@ -251,6 +251,7 @@ class Engine:
         """Queue lengths, running, KV usage, prefix hit rate, throughput,
         and what overload control did."""
         scheduler = self._scheduler.statistics()
+        replicas = self._replica_statistics()
         return EngineStatistics(
             num_queued=self._admission.num_queued,
             num_queued_tokens=self._admission.num_queued_tokens,
@@ -266,6 +267,19 @@ class Engine:
             allocator=self._allocator.statistics(),
             executor=self._executor.statistics(),
             overload=self._overload_statistics(scheduler),
+            replicas=replicas,
+        )
+
+    def _replica_statistics(self) -> tuple[ReplicaStatistics, ...]:
+        # One replica: the engine itself (ReplicatedEngine has several).
+        return (
+            ReplicaStatistics(
+                index=0,
+                num_queued=self._admission.num_queued,
+                scheduler=self._scheduler.statistics(),
+                allocator=self._allocator.statistics(),
+                executor=self._executor.statistics(),
+            ),
         )
 
     def _overload_statistics(self, scheduler: SchedulerActorStatistics) -> OverloadStatistics:
@@ -329,6 +343,12 @@ async def open_engine(
     """
     overrides = {"max_buffered_outputs": max_buffered_outputs, "shutdown_timeout": shutdown_timeout}
     config = attrs.evolve(config, **{name: value for name, value in overrides.items() if value is not None})
+    if config.data_parallel_size > 1:
+        from .replicas import open_replicated_engine  # it builds on this module
+
+        async with open_replicated_engine(config, loaded=loaded, executor=executor) as replicated:
+            yield replicated
+        return
     # Loading and every step run on this one thread: see step_thread.py.
     step_thread = StepThread(config.num_threads)
     try:

@@ -91,6 +91,18 @@ class OverloadStatistics:
 
 
 @attrs.frozen
+class ReplicaStatistics:
+    """One data-parallel replica's figures (``EngineStatistics.replicas``);
+    with one replica, the engine's own."""
+
+    index: int
+    num_queued: int  # in its admission queue, routed to it, not yet taken
+    scheduler: SchedulerActorStatistics
+    allocator: AllocatorStatistics
+    executor: ExecutorStatistics
+
+
+@attrs.frozen
 class EngineStatistics:
     """What ``Engine.statistics()`` reports."""
 
@@ -112,6 +124,9 @@ class EngineStatistics:
     allocator: AllocatorStatistics
     executor: ExecutorStatistics
     overload: OverloadStatistics
+    # Per data-parallel replica (one entry with one replica); the fields
+    # above are the sums over replicas.
+    replicas: tuple[ReplicaStatistics, ...] = ()
 
     # The headline figures, flattened.
     @property

@@ -245,6 +245,12 @@ class EngineConfig:
     # left to be aborted and the step in flight to finish before it cancels
     # the actors. Call ``Engine.drain`` first to let requests finish.
     shutdown_timeout: float = attrs.field(default=DEFAULT_SHUTDOWN_TIMEOUT, validator=positive)
+    # Engine replicas (data parallelism), each with its own KV pool,
+    # allocator, executor and scheduler; requests are routed by prefix
+    # affinity and load (actors/replicas.py). On CUDA replica i runs on
+    # cuda:i; on CPU each gets a share of the cores and ``num_threads`` is
+    # per replica (engine/placement.py).
+    data_parallel_size: int = attrs.field(default=1, validator=integer_at_least(1))
 
     def resolved_max_model_len(self, model_config: ModelConfig) -> int:
         """The context limit in force: the user's, capped by the model's."""
