@@ -29,11 +29,29 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     config = engine_config_from_args(args)
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    if config.data_parallel_size > 1:
+        import trio
+
+        trio.run(_generate_replicated, config, prompt, args.max_tokens)
+        return 0
     for delta in generate_greedy(config, prompt, max_tokens=args.max_tokens):
         sys.stdout.write(delta)
         sys.stdout.flush()
     sys.stdout.write("\n")
     return 0
+
+
+async def _generate_replicated(config, prompt, max_tokens: int) -> None:
+    """``generate`` with several replicas: the actor engine, every replica
+    started (the prompt runs on one of them)."""
+    from trioserve.actors import open_engine
+    from trioserve.engine.sampling_params import SamplingParams
+
+    async with open_engine(config) as engine:
+        async for output in engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens)):
+            sys.stdout.write(output.text_delta)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
 
 
 def build_parser() -> argparse.ArgumentParser:

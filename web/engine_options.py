@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 from trioserve.engine.config import DegradationPolicy, EngineConfig
+from trioserve.engine.placement import plan_replicas
 
 from .option_types import fraction_or_off, parse_memory, recording, seconds
 
@@ -40,7 +41,15 @@ def add_engine_options(parser: argparse.ArgumentParser, *, several_models: bool 
     add("--max-num-seqs", type=int, default=64)
     add("--max-num-batched-tokens", type=int, default=2048)
     add("--no-prefix-caching", action="store_true")
-    add("--num-threads", type=int, default=None, help="torch threads for the model step")
+    add("--num-threads", type=int, default=None, help="torch threads for the model step (per replica)")
+    # Data parallelism (actors/replicas.py, docs/deployment.md).
+    add(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="engine replicas, each with its own KV cache and scheduler: on CUDA replica i on cuda:i, "
+        "on CPU each pinned to a share of the cores (default: 1)",
+    )
     return actions
 
 
@@ -58,9 +67,12 @@ def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConf
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
         num_threads=args.num_threads,
+        data_parallel_size=args.data_parallel_size,
     )
     fields.update(overrides)
-    return EngineConfig(**fields)
+    config = EngineConfig(**fields)
+    plan_replicas(config)  # more replicas than devices: refused here, before anything loads
+    return config
 
 
 def add_overload_options(parser: argparse.ArgumentParser) -> list[argparse.Action]:

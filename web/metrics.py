@@ -23,6 +23,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from trioserve.engine.sequence import FinishReason
 
+from .replica_metrics import ReplicaMetrics
+
 if TYPE_CHECKING:
     from trioserve.engine.outputs import RequestOutput
 
@@ -156,6 +158,8 @@ class Metrics:
         self.request_generation_tokens = histogram(
             "request_generation_tokens", "Generated tokens per request (all completions).", tokens
         )
+        # Per data-parallel replica, labelled ``replica`` (replica_metrics.py).
+        self.replicas = ReplicaMetrics(self.registry)
 
     @property
     def _model_only(self) -> list[Gauge | Counter | Histogram]:
