@@ -146,6 +146,21 @@ def run_transformers(
     return ContenderResult(name, len(prompts), tokens, seconds, latency)
 
 
+def run_replicated(args: argparse.Namespace, config: Any, loaded: Any, prompts: list[list[int]]) -> ContenderResult:
+    """The actor engine with ``--data-parallel-size`` replicas, every prompt
+    at once (on CPU the replicas share ``loaded``'s weights)."""
+    import functools
+
+    import trio
+
+    from .replicated import run_actor_engine
+
+    replicated = attrs.evolve(config, data_parallel_size=args.data_parallel_size, num_threads=args.num_threads)
+    shared = loaded if loaded.device.type == "cpu" else None  # on CUDA each replica loads onto its device
+    run = trio.run(functools.partial(run_actor_engine, loaded=shared), replicated, prompts, args.output_len, len(prompts))
+    return ContenderResult(f"trioserve actors, {run.layout}", run.requests, run.output_tokens, run.seconds)
+
+
 def add_bench_offline_parser(bench_commands) -> None:
     p = bench_commands.add_parser(
         "offline",
@@ -167,6 +182,12 @@ def add_bench_offline_parser(bench_commands) -> None:
     p.add_argument("--device", default="cpu", help="every contender's: cpu, cuda, cuda:1")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="also run the actor engine with this many replicas (--num-threads each), all prompts at once",
+    )
     p.add_argument("--result-json", type=Path, default=None)
     p.set_defaults(func=run_bench_offline)
 
@@ -174,8 +195,12 @@ def add_bench_offline_parser(bench_commands) -> None:
 def run_bench_offline(args: argparse.Namespace) -> int:
     """Every contender, and the load, runs on one long-lived thread: one
     OpenMP pool for all of them (see ``trioserve.engine.step_thread``)."""
+    from trioserve.engine.config import EngineConfig
+    from trioserve.engine.placement import plan_replicas
     from trioserve.engine.step_thread import StepThread
 
+    # More replicas than devices: refused before anything loads.
+    plan_replicas(EngineConfig(device=args.device, data_parallel_size=args.data_parallel_size))
     with StepThread(args.num_threads) as step_thread:
         return step_thread.call(_run_bench_offline, args)
 
@@ -212,6 +237,8 @@ def _run_bench_offline(args: argparse.Namespace) -> int:
     single, _ = run_engine(core_factory, prompts[:1], args.output_len)
     results.append(single)
     prefill_seconds = measure_batch_prefill(loaded, prompts[: args.prefill_batch], config_fields)
+    if args.data_parallel_size > 1:
+        results.append(run_replicated(args, config, loaded, prompts))
 
     if not args.skip_transformers:
         from transformers import AutoModelForCausalLM

