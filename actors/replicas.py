@@ -257,11 +257,16 @@ class ReplicaControl:
 
     def send_nowait(self, message: Abort | Resume | AbortAll) -> None:
         if isinstance(message, AbortAll):
-            for control in self.controls:
+            full = False
+            for control in self.controls:  # every replica, whatever one of them answers
                 try:
                     control.send_nowait(message)
                 except (trio.ClosedResourceError, trio.BrokenResourceError):
                     pass  # that scheduler has stopped already
+                except trio.WouldBlock:
+                    full = True
+            if full:
+                raise trio.WouldBlock
             return
         replica = self.router.replica_of(message.request_id)
         # A request is routed when it is queued and released when its actor
@@ -430,6 +435,9 @@ async def open_replicated_engine(
         replicas = []
         for placement, core, thread, allocator, queue in zip(placements, built, threads, allocators, admission.queues):
             if executor is None:
+                # The executor open_engine makes for one engine, on this
+                # replica's core and thread: another kind (a worker process
+                # per replica) is chosen here the same way.
                 executor_actor: Executor = ModelExecutor(core.runner, thread, watchdog_timeout=config.watchdog_timeout)
             else:
                 executor_actor = executor(core)
