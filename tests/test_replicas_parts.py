@@ -5,6 +5,7 @@ before anything starts."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -112,3 +113,20 @@ def test_the_router_counts_load_until_release_and_forgets_old_prefixes():
     assert router.statistics().outstanding_tokens == (0, 0) and router.replica_of("a") is None
     # Equal outstanding tokens: the lower KV usage wins.
     assert router.choose(other, [0.5, 0.25])[0] == 1
+
+
+@pytest.mark.slow
+def test_bench_offline_runs_the_replicated_engine_as_a_contender():
+    result = subprocess.run(
+        [sys.executable, "-m", "trioserve.web.cli", "--log-level", "WARNING", "bench", "offline",
+         "--num-prompts", "2", "--input-len", "8", "--output-len", "4", "--sequential-prompts", "1",
+         "--prefill-batch", "2", "--max-num-seqs", "2", "--num-threads", "1", "--skip-transformers",
+         "--data-parallel-size", "2"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stderr
+    row = re.search(r"^trioserve actors, DP=2 x 1 thread\(s\)\s+(\d+)\s+(\d+)\s", result.stdout, re.MULTILINE)
+    assert row is not None, result.stdout
+    assert (int(row[1]), int(row[2])) == (2, 8)  # 2 requests, 4 tokens each
