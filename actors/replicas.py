@@ -10,7 +10,7 @@ shared between replicas but, on CPU, the read-only weights.
 The callers' side is the one ``ReplicatedEngine`` (an ``Engine``: the same
 ``generate`` / ``generate_nowait`` / ``abort`` / ``statistics`` / ``drain``):
 
-- ``ReplicatedAdmission`` is its admission queue. It holds the admission
+- ``ReplicatedAdmission`` (replica_admission.py) is its admission queue. It holds the admission
   bound for all replicas together (``max_queued_requests`` and
   ``max_queued_tokens`` over the sum of the replicas' queues), with the
   same first-come-first-served waiting, refusal and shedding as one queue,
@@ -48,17 +48,12 @@ from .allocator import AllocatorActor
 from .concurrency import AdaptiveConcurrency
 from .engine import Engine
 from .executor import Executor, ModelExecutor
-from .messages import Abort, AbortAll, AddRequest, Resume, StepDone, StepFailed
+from .messages import StepDone, StepFailed
+from .replica_admission import ReplicaControl, ReplicatedAdmission
 from .request import RequestActor
 from .router import ReplicaRouter
 from .scheduler import SchedulerActor
-from .statistics import (
-    AllocatorStatistics,
-    ExecutorStatistics,
-    OverloadStatistics,
-    ReplicaStatistics,
-    SchedulerActorStatistics,
-)
+from .statistics import OverloadStatistics, ReplicaStatistics, SchedulerActorStatistics
 from .step_calls import run_in_step_thread
 
 __all__ = ["Replica", "ReplicaControl", "ReplicatedAdmission", "ReplicatedEngine", "combine", "open_replicated_engine"]
@@ -114,169 +109,6 @@ class Replica:
             allocator=self.allocator.statistics(),
             executor=self.executor.statistics(),
         )
-
-
-class ReplicatedAdmission:
-    """The admission queue of a replicated engine: the one bound over every
-    replica's queue, and the routing of each request into one of them.
-
-    The senders' side of ``AdmissionQueue`` (``send``, ``send_nowait``,
-    ``displace_nowait``, ``close``, the figures). Each replica's scheduler
-    receives from its own queue in ``queues``; a take there wakes the
-    senders waiting here. A request that displaces a queued one (shedding)
-    takes the displaced request's place in that replica's queue.
-    """
-
-    def __init__(
-        self,
-        max_requests: int,
-        max_tokens: int | None,
-        router: ReplicaRouter,
-        kv_usage: Callable[[], Sequence[float]],
-    ) -> None:
-        if max_requests < 1:
-            raise ValueError("max_requests must be >= 1")
-        if max_tokens is not None and max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
-        self.max_requests = max_requests
-        self.max_tokens = max_tokens
-        self._router = router
-        self._kv_usage = kv_usage
-        self._fifo = trio.Lock()  # senders waiting for room, in order; the holder waits on _room
-        self._room = trio.lowlevel.ParkingLot()
-        self._closed = False
-        # Each queue may hold the whole bound: this object keeps their sum under it.
-        self.queues = tuple(
-            AdmissionQueue(max_requests, max_tokens, on_room=self._room.unpark_all)
-            for _ in range(router.num_replicas)
-        )
-
-    def _fits(self, num_tokens: int) -> bool:
-        if self.num_queued >= self.max_requests:
-            return False
-        tokens = self.num_queued_tokens
-        return self.max_tokens is None or tokens == 0 or tokens + num_tokens <= self.max_tokens
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise trio.ClosedResourceError("the admission queue is closed")
-
-    async def send(self, message: AddRequest) -> None:
-        await trio.lowlevel.checkpoint_if_cancelled()
-        try:
-            self.send_nowait(message)
-        except trio.WouldBlock:
-            pass
-        else:
-            await trio.lowlevel.cancel_shielded_checkpoint()
-            return
-        async with self._fifo:
-            while not self._closed and not self._fits(message.num_tokens):
-                await self._room.park()
-            self._put(message)
-
-    def send_nowait(self, message: AddRequest) -> None:
-        self._check_open()
-        if self._fifo.locked() or not self._fits(message.num_tokens):
-            raise trio.WouldBlock
-        self._put(message)
-
-    def _put(self, message: AddRequest) -> None:
-        self._check_open()
-        replica, hashes = self._router.choose(message.prompt_token_ids, self._kv_usage())
-        # Raises if that replica's scheduler is gone (BrokenResourceError).
-        self.queues[replica].send_nowait(message)
-        self._router.record(message.request_id, replica, hashes, self._router.cost(message.prompt_token_ids, message.params))
-
-    def displace_nowait(self, message: AddRequest) -> AddRequest:
-        """As ``AdmissionQueue.displace_nowait``, over every replica's queue:
-        the victim is the lowest priority queued anywhere (the latest
-        arrival among equals); ``message`` takes its place in its queue."""
-        self._check_open()
-        best: tuple[int, AddRequest] | None = None
-        for index, queue in enumerate(self.queues):
-            victim = queue.lowest_priority()
-            if victim is not None and (
-                best is None or (victim.priority, victim.arrival_time) > (best[1].priority, best[1].arrival_time)
-            ):
-                best = (index, victim)
-        if best is None or best[1].priority <= message.priority:
-            raise trio.WouldBlock
-        index, victim = best
-        tokens = self.num_queued_tokens - victim.num_tokens
-        if self.max_tokens is not None and tokens and tokens + message.num_tokens > self.max_tokens:
-            raise trio.WouldBlock
-        taken = self.queues[index].displace_nowait(message)
-        assert taken is victim
-        self._router.release(victim.request_id)
-        self._router.record(message.request_id, index, (), self._router.cost(message.prompt_token_ids, message.params))
-        return victim
-
-    def close(self) -> None:
-        """Stop admission everywhere: waiting and later senders get
-        ``ClosedResourceError``; each scheduler takes what its queue holds."""
-        self._closed = True
-        for queue in self.queues:
-            queue.close()
-        self._room.unpark_all()
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    @property
-    def num_queued(self) -> int:
-        return sum(queue.num_queued for queue in self.queues)
-
-    @property
-    def num_queued_tokens(self) -> int:
-        return sum(queue.num_queued_tokens for queue in self.queues)
-
-    @property
-    def num_waiting_to_send(self) -> int:
-        return self._fifo.statistics().tasks_waiting + (1 if self._fifo.locked() else 0)
-
-    @property
-    def pressure(self) -> float:
-        """As ``AdmissionQueue.pressure``, of the bound over all replicas."""
-        if self._fifo.locked():
-            return 1.0
-        fill = self.num_queued / self.max_requests
-        if self.max_tokens is not None:
-            fill = max(fill, self.num_queued_tokens / self.max_tokens)
-        return min(1.0, fill)
-
-
-@attrs.define(eq=False)
-class ReplicaControl:
-    """The control channel of a replicated engine: each message to the
-    scheduler of the replica its request went to; ``AbortAll`` to all."""
-
-    controls: Sequence[trio.MemorySendChannel[Any]]
-    router: ReplicaRouter
-
-    def send_nowait(self, message: Abort | Resume | AbortAll) -> None:
-        if isinstance(message, AbortAll):
-            full = False
-            for control in self.controls:  # every replica, whatever one of them answers
-                try:
-                    control.send_nowait(message)
-                except (trio.ClosedResourceError, trio.BrokenResourceError):
-                    pass  # that scheduler has stopped already
-                except trio.WouldBlock:
-                    full = True
-            if full:
-                raise trio.WouldBlock
-            return
-        replica = self.router.replica_of(message.request_id)
-        # A request is routed when it is queued and released when its actor
-        # closes, which sends nothing after: an unrouted id was never queued.
-        if replica is not None:
-            self.controls[replica].send_nowait(message)
-
-    def close(self) -> None:
-        for control in self.controls:
-            control.close()
 
 
 class _Combined:
