@@ -17,6 +17,7 @@ docs/api.md.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -38,9 +39,13 @@ class GrammarError(TrioserveError):
     token (or refused the sampled one). The request ends with this error."""
 
 
+# xgrammar's messages start "[time] /path/file.cc:line: "; the rest says what is wrong.
+_LOCATION = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
+    return _LOCATION.sub("", text[0]) if text else type(exc).__name__
 
 
 @attrs.define(eq=False)
