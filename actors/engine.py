@@ -143,6 +143,7 @@ class Engine:
         low-priority request may get a smaller ``max_tokens``
         (``DegradationPolicy``).
         """
+        await self.prepare(params)
         request = self._new_request(prompt, params, request_id, priority, deadline, timeout, final_only)
         try:
             await request.submit()
@@ -152,6 +153,17 @@ class Engine:
                 yield output
         finally:
             request.close()
+
+    async def prepare(self, params: SamplingParams | None) -> None:
+        """Compile ``params.structured_output``'s grammar in a worker thread
+        (cached by its kind and spec), so queuing the request does not
+        compile it in the event loop. ``generate`` calls it; call it before
+        ``generate_nowait``. Raises ``InvalidRequestError`` naming the field
+        if the schema, regex or grammar is unusable."""
+        constraint = None if params is None else params.structured_output
+        compiler = self.core.grammars.compiler
+        if constraint is not None and compiler.cached(constraint) is None:
+            await trio.to_thread.run_sync(compiler.compile, constraint)
 
     def generate_nowait(
         self,
@@ -169,7 +181,8 @@ class Engine:
         is full, a request displaces a queued one of strictly lower priority
         instead of being refused; under pressure ``n > 1`` and many top
         logprobs are refused first (``ExpensiveRequestRefused``); see
-        ``DegradationPolicy``."""
+        ``DegradationPolicy``. A structured output not compiled before
+        (``prepare``) is compiled here, in the event loop."""
         request = self._new_request(prompt, params, request_id, priority, deadline, timeout, final_only)
         try:
             self._degradation.check_expensive(request.params, self._admission.pressure, self._scheduler.retry_after())

@@ -23,6 +23,7 @@ from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .errors import InvalidRequestError, TokenizerError
 from .faults import Fault
+from .grammar import GrammarCompiler, GrammarError, GrammarMatchers, MaskRequest
 from .kv_cache import KVCache, kv_bytes_per_block
 from .loader import LoadedModel, load_model
 from .model_runner import ModelRunner, RunnerOutput
@@ -137,6 +138,13 @@ class EngineCore:
         self.num_detokenizer_errors = 0
         self.last_fault: Fault | None = None
         self._failures: dict[str, Exception] = {}  # request id -> the detokenizer's error
+        # Structured output: compiled grammars (cached) and each constrained
+        # sequence's matcher; _grammar_dead holds sequences ended because
+        # their grammar allowed no token, whose token this step is dropped.
+        self.grammars = GrammarMatchers(
+            GrammarCompiler(loaded.tokenizer, loaded.model_config.vocab_size, tuple(loaded.model_config.eos_token_ids))
+        )
+        self._grammar_dead: set[str] = set()
 
     @classmethod
     def from_config(cls, config: EngineConfig, *, own_pool: bool = True) -> EngineCore:
@@ -205,6 +213,9 @@ class EngineCore:
         check_priority(priority)
         params = params or SamplingParams()
         params.validate_for_vocab(self.model_config.vocab_size)
+        if params.structured_output is not None:
+            # A dict hit when Engine.prepare compiled it in a worker thread.
+            self.grammars.compiler.compile(params.structured_output)
         prompt_ids = self.tokenize(prompt)
         self.scheduler.check_fits(len(prompt_ids))
         return NewRequest(request_id, tuple(prompt_ids), params, priority)
@@ -279,6 +290,8 @@ class EngineCore:
             self._held_siblings[request_id] = children[1:]
         for completion in completions:
             self._completions[completion.request.request_id] = completion
+            if completion.request.sampling_params.structured_output is not None:
+                self.grammars.add(completion.request.request_id, completion.request.sampling_params.structured_output)
         self._children[request_id] = tuple(r.request_id for r in children)
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
@@ -342,7 +355,38 @@ class EngineCore:
         """Plan a step against the core's own pool."""
         if self.block_manager is None:
             raise RuntimeError("this core's KV pool lives with an allocator actor: plan with propose/finalize")
-        return self.scheduler.schedule(self.block_manager)
+        return self.attach_masks(self.scheduler.schedule(self.block_manager))
+
+    def attach_masks(self, plan: SchedulerOutput) -> SchedulerOutput:
+        """``plan`` with the allowed-token bitmask of every constrained row
+        that samples this step, filled in one batch. A row whose grammar
+        allows no token (with ``min_tokens`` still banning EOS, say) ends its
+        request with a ``GrammarError`` now: its token this step is dropped."""
+        if not len(self.grammars):
+            return plan
+        rows = []
+        for chunk in plan.chunks:
+            row = chunk.sampling
+            if row is None or chunk.request_id not in self.grammars:
+                continue
+            banned: tuple[int, ...] = ()
+            if row.num_output_tokens < row.params.min_tokens:
+                banned = (*row.eos_token_ids, *row.params.stop_token_ids)
+            rows.append(MaskRequest(chunk.request_id, banned))
+        if not rows:
+            return plan
+        mask, dead = self.grammars.fill(rows)
+        for request_id in dead:
+            self._grammar_failed(request_id, "its grammar allows no token at this point of the output")
+        return attrs.evolve(plan, plan=attrs.evolve(plan.plan, token_mask=mask))
+
+    def _grammar_failed(self, request_id: str, why: str) -> None:
+        completion = self._completions.get(request_id)
+        if completion is None or completion.parent_id in self._failures:
+            return
+        self._grammar_dead.add(request_id)
+        self._failures[completion.parent_id] = GrammarError(f"structured output failed: {why}")
+        self.abort(completion.parent_id, FinishReason.ERROR)
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         return self.runner.execute(plan.plan)
@@ -361,12 +405,17 @@ class EngineCore:
             completion = self._completions.get(chunk.request_id)
             if completion is not None and completion.first_scheduled is None:
                 completion.first_scheduled = now
+        constrained = [rid for rid in output.sampled if rid in self.grammars and self.scheduler.get_request(rid) is not None]
         finished = {r.request_id for r in self.scheduler.update_from_output(plan, output.sampled)}
+        for request_id in constrained:
+            if not self.grammars.accept(request_id, output.sampled[request_id]):
+                self._grammar_failed(request_id, f"its grammar refused token {output.sampled[request_id]}")
         if self._held_siblings:
             self._admit_siblings(output.sampled.keys() | finished)
+        dead, self._grammar_dead = self._grammar_dead, set()
         for request_id, token_id in output.sampled.items():
             completion = self._completions.get(request_id)
-            if completion is None:
+            if completion is None or request_id in dead:
                 continue
             if completion.first_token is None:
                 completion.first_token = now
@@ -430,6 +479,7 @@ class EngineCore:
     def _forget(self, completion: _Completion) -> None:
         request_id = completion.request.request_id
         del self._completions[request_id]
+        self.grammars.remove(request_id)
         siblings = self._children[completion.parent_id]
         if all(child not in self._completions for child in siblings):
             del self._children[completion.parent_id]

@@ -73,7 +73,7 @@ class ModelRunner:
             logits = self.model(batch, self.kv_cache)
             if not rows:
                 return RunnerOutput(sampled={}, logprobs={})
-            result = self.sampler.sample(logits, rows)
+            result = self.sampler.sample(logits, rows, plan.token_mask)
         ids = [row.request_id for row in rows]
         logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs) if lp is not None}
         return RunnerOutput(sampled=dict(zip(ids, result.token_ids)), logprobs=logprobs)

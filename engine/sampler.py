@@ -8,6 +8,8 @@ entirely, so a batch of greedy requests costs one ``argmax``:
    masked while the request has fewer than ``min_tokens`` output tokens;
 3. penalties: repetition over prompt and output tokens (as in HF and vLLM),
    then frequency and presence over output tokens (as OpenAI defines them);
+   then structured output: tokens a constrained row's grammar rules out
+   (the plan's ``TokenMask``) get -inf, in one masked fill for the batch;
 4. greedy rows take the ``argmax`` here;
 5. the other rows: temperature, ``top_k``, ``top_p``, ``min_p``, then a draw.
 
@@ -22,8 +24,9 @@ from collections.abc import Sequence
 import attrs
 import torch
 
+from .grammar import unpack_bitmask
 from .sampling_params import SamplingParams
-from .step_plan import SamplingRow
+from .step_plan import SamplingRow, TokenMask
 
 # Temperatures below this are treated as greedy: dividing by them overflows.
 _GREEDY_EPS = 1e-5
@@ -155,6 +158,15 @@ def _long(values: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long, device=device)
 
 
+def _apply_token_mask(logits: torch.Tensor, rows: Sequence[SamplingRow], token_mask: TokenMask) -> torch.Tensor:
+    position = {row.request_id: i for i, row in enumerate(rows)}
+    index = _long([position[request_id] for request_id in token_mask.request_ids], logits.device)
+    allowed = unpack_bitmask(token_mask.bitmask.to(logits.device), logits.shape[1])
+    ruled_out = torch.zeros_like(logits, dtype=torch.bool)
+    ruled_out[index] = ~allowed
+    return logits.masked_fill(ruled_out, float("-inf"))
+
+
 def _exponential_race(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     # Dividing by Exp(1) noise and taking the argmax draws from ``probs``
     # without torch.multinomial's device sync. The clamp keeps a zero draw
@@ -209,8 +221,11 @@ class Sampler:
             self._prompts[row.request_id] = tensor
         return tensor
 
-    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+    def sample(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], token_mask: TokenMask | None = None
+    ) -> SamplerOutput:
         """One token for each row of ``logits`` [B, V]; row i is ``rows[i]``.
+        ``token_mask`` limits the rows it lists to their allowed tokens.
 
         ``logits`` is not modified.
         """
@@ -225,6 +240,8 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits[want_logprobs], dim=-1) if want_logprobs else None
 
         logits = self._bias_mask_penalise(logits, rows, params)
+        if token_mask is not None and token_mask.request_ids:
+            logits = _apply_token_mask(logits, rows, token_mask)
         random_rows = [i for i, p in enumerate(params) if p.temperature >= _GREEDY_EPS]
         if not random_rows:
             tokens = logits.argmax(dim=-1)

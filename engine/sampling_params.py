@@ -8,6 +8,7 @@ from typing import Any
 import attrs
 
 from .errors import InvalidRequestError
+from .structured_output import StructuredOutput
 
 
 def _check(condition: bool, field: str, message: str) -> None:
@@ -70,6 +71,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_as_bias)
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's logprob plus the top k
     skip_special_tokens: bool = True
+    # Structured output: the output follows this schema, regex, choice or
+    # grammar (a token mask each step; see engine/grammar.py).
+    structured_output: StructuredOutput | None = None
 
     def __attrs_post_init__(self) -> None:
         # Types first, so a wrong one is named rather than a TypeError below.
@@ -126,6 +130,16 @@ class SamplingParams:
             all(isinstance(t, int) for t in self.stop_token_ids),
             "stop_token_ids",
             f"must be integers, got {self.stop_token_ids!r}",
+        )
+        _check(
+            self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
+            "structured_output",
+            f"must be a StructuredOutput, got {type(self.structured_output).__name__}",
+        )
+        _check(
+            self.structured_output is None or not self.ignore_eos,
+            "ignore_eos",
+            "cannot be used with structured output (the grammar ends the output with EOS)",
         )
 
     @property

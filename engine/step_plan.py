@@ -14,6 +14,7 @@ drops that when a plan lists the sequence in ``released``.
 from __future__ import annotations
 
 import attrs
+import torch
 
 from .sampling_params import SamplingParams
 
@@ -88,14 +89,26 @@ class ScheduledChunk:
 
 
 @attrs.frozen
+class TokenMask:
+    """The tokens each constrained row may take this step: ``bitmask`` is
+    int32 [len(request_ids), ceil(vocab / 32)], row i for ``request_ids[i]``
+    (bit j of word w allows token 32 * w + j). Rows not listed are free."""
+
+    request_ids: tuple[str, ...]
+    bitmask: torch.Tensor = attrs.field(eq=False)
+
+
+@attrs.frozen
 class StepPlan:
     """One step for the runner: ``chunks`` in batch order, and the
     sequences ended since the runner's last step (``released``), whose
     per-sequence sampling state it may drop before running the chunks (an
-    id may come back in a chunk of the same plan as a new request)."""
+    id may come back in a chunk of the same plan as a new request), and the
+    allowed tokens of its constrained rows (``token_mask``)."""
 
     chunks: tuple[ScheduledChunk, ...]
     released: tuple[str, ...] = ()
+    token_mask: TokenMask | None = None  # structured output's allowed tokens
 
     @property
     def num_batched_tokens(self) -> int:

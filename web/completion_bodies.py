@@ -24,6 +24,7 @@ import attrs
 from trioserve.engine.sequence import FinishReason
 
 from .logprobs import TokenTexts, chat_logprobs, completion_logprobs
+from .tools import StreamedCalls, ToolChoice, parse_tool_calls
 
 if TYPE_CHECKING:
     from trioserve.engine.outputs import RequestOutput
@@ -172,7 +173,9 @@ class ChatCompletionStream:
     include_usage: bool = False
     id: str = attrs.field(factory=chat_completion_id)
     created: int = attrs.field(factory=_now)
+    tools: ToolChoice | None = None  # tool calls are read out of the text (web/tools.py)
     _choices: _Choices = attrs.field(factory=_Choices, init=False)
+    _calls: dict[int, StreamedCalls] = attrs.field(factory=dict, init=False)
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model}
@@ -198,9 +201,34 @@ class ChatCompletionStream:
         logprobs = None
         if self.texts is not None and output.logprobs:
             logprobs = {"content": chat_logprobs(output.logprobs, self.texts), "refusal": None}
+        if self.tools is not None:
+            return chunks + self._tool_chunks(output, logprobs)
         if output.text_delta or logprobs is not None or output.finish_reason is not None:
             delta = {"content": output.text_delta} if output.text_delta or logprobs is not None else {}
             chunks.append(self._chunk([self._choice(output.index, delta, logprobs, output)]))
+        return chunks
+
+    def _tool_chunks(self, output: RequestOutput, logprobs: Any) -> list[dict[str, Any]]:
+        # Text that may be a tool call is held back; the calls go out in one
+        # delta each when the choice ends (index, id, name and arguments).
+        assert self.tools is not None
+        calls_state = self._calls.setdefault(output.index, StreamedCalls(self.tools))
+        text = calls_state.feed(output.text_delta)
+        calls: list[dict[str, Any]] = []
+        if output.finish_reason is not None:
+            rest, calls = calls_state.finish()
+            text += rest
+        chunks = []
+        if text or logprobs is not None:
+            chunks.append(self._chunk([self._choice(output.index, {"content": text}, logprobs)]))
+        if calls:
+            delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
+            chunks.append(self._chunk([self._choice(output.index, delta)]))
+        if output.finish_reason is not None:
+            final = self._choice(output.index, {}, None, output)
+            if calls and output.finish_reason is FinishReason.STOP:
+                final["finish_reason"] = "tool_calls"
+            chunks.append(self._chunk([final]))
         return chunks
 
     def final_chunks(self) -> list[dict[str, Any]]:
@@ -261,16 +289,28 @@ class OutputAccumulator:
 
         return self._body(model, "text_completion", id or completion_id(), created, content)
 
-    def chat_completion_body(self, model: str, *, id: str | None = None, created: int | None = None) -> dict[str, Any]:
-        """A ``chat.completion`` body."""
+    def chat_completion_body(
+        self, model: str, *, id: str | None = None, created: int | None = None, tools: ToolChoice | None = None
+    ) -> dict[str, Any]:
+        """A ``chat.completion`` body; with ``tools``, the calls in a choice's
+        text become ``message.tool_calls`` and its finish reason ``tool_calls``."""
 
         def content(choice: _Choice) -> dict[str, Any]:
             logprobs = None
             if self.texts is not None:
                 logprobs = {"content": chat_logprobs(choice.logprobs, self.texts), "refusal": None}
-            return {"message": {"role": "assistant", "content": "".join(choice.text)}, "logprobs": logprobs}
+            message: dict[str, Any] = {"role": "assistant", "content": "".join(choice.text)}
+            if tools is not None:
+                message["content"], calls = parse_tool_calls(message["content"], tools)
+                if calls:
+                    message["tool_calls"] = calls
+            return {"message": message, "logprobs": logprobs}
 
-        return self._body(model, "chat.completion", id or chat_completion_id(), created, content)
+        body = self._body(model, "chat.completion", id or chat_completion_id(), created, content)
+        for choice in body["choices"]:
+            if choice["message"].get("tool_calls") and choice["finish_reason"] == "stop":
+                choice["finish_reason"] = "tool_calls"
+        return body
 
     def _body(
         self, model: str, kind: str, id: str, created: int | None, content: Callable[[_Choice], dict[str, Any]]

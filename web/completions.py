@@ -42,6 +42,7 @@ from .protocol import ChatCompletionRequest, CompletionRequest, effective_timeou
 from .responses import json_response
 from .served import ServedModel
 from .sse import SSE_DONE, sse_error, sse_events
+from .tools import render_prompt
 
 log = logging.getLogger(__name__)
 
@@ -85,9 +86,15 @@ async def _generate(kind: type[CompletionRequest] | type[ChatCompletionRequest],
     timeout = effective_timeout(
         parsed.timeout, parse_timeout_header(request.headers.get(TIMEOUT_HEADER)), host.config.max_request_time
     )
+    prompt = parsed.engine_prompt
+    tools = parsed.tools if chat else None
     try:
+        if chat and parsed.renders_tools:
+            prompt = render_prompt(served.engine.tokenizer, prompt, tools)
+        # A schema, regex or grammar compiles in a worker thread (cached).
+        await served.engine.prepare(parsed.params)
         stream = served.engine.generate_nowait(
-            parsed.engine_prompt,
+            prompt,
             parsed.params,
             priority=parsed.priority,
             deadline=None if timeout is None else arrival + timeout,
@@ -101,6 +108,8 @@ async def _generate(kind: type[CompletionRequest] | type[ChatCompletionRequest],
             first = await _first_output(stream, served, parsed.params.n, log_requests=log_requests)
         builder_kind = ChatCompletionStream if chat else CompletionStream
         builder = builder_kind(served.name, texts=texts, include_usage=parsed.include_usage)
+        if tools is not None:
+            builder.tools = tools
         response = Response(
             _sse_body(stream, builder, served, parsed.params.n, first, log_requests=log_requests),
             content_type="text/event-stream; charset=utf-8",
@@ -121,7 +130,7 @@ async def _generate(kind: type[CompletionRequest] | type[ChatCompletionRequest],
         served.metrics.forget(stream.request_id)
     if accumulator.timed_out:
         raise RequestTimeout(timeout, accumulator.num_output_tokens)
-    body = accumulator.chat_completion_body(served.name) if chat else accumulator.completion_body(served.name)
+    body = accumulator.chat_completion_body(served.name, tools=tools) if chat else accumulator.completion_body(served.name)
     return json_response(body)
 
 

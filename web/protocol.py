@@ -6,8 +6,9 @@ the decoded JSON body of ``POST /v1/completions`` and
 frozen values holding a ready ``SamplingParams``. Every wrong type or value
 raises ``InvalidRequest`` (400) whose ``param`` names the field. Unknown
 fields are ignored, as OpenAI does; the few known fields we cannot honour
-(``echo``, ``best_of``, ``suffix``, ``tools``, ``response_format``) are
-refused rather than silently dropped.
+(``echo``, ``best_of``, ``suffix``) are refused rather than silently
+dropped. ``response_format`` and ``structured_outputs`` are read by
+``structured.py``, ``tools`` and ``tool_choice`` by ``tools.py``.
 """
 
 from __future__ import annotations
@@ -23,13 +24,15 @@ from trioserve.engine.errors import InvalidRequestError
 from trioserve.engine.sampling_params import SamplingParams
 
 from .errors import InvalidRequest
+from .structured import structured_output
+from .tools import ToolChoice, tool_choice
 
 MAX_LOGPROBS = 20
 # OpenAI's request bodies nest a few levels (a chat message's content parts
 # are four deep); a deeper body is refused before anything walks it.
 MAX_JSON_DEPTH = 32
 MAX_N = 128
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 _MISSING = object()
 # A JSON escape of a UTF-16 surrogate (a pair is fine; a lone one is not).
@@ -191,6 +194,7 @@ def _sampling_params(body: dict[str, Any], *, max_tokens: int | None, logprobs: 
         logit_bias=_logit_bias(body),
         logprobs=logprobs,
         skip_special_tokens=_bool(body, "skip_special_tokens", True),
+        structured_output=structured_output(body),
     )
     best_of = body.get("best_of")
     if best_of is not None and (type(best_of) is not int or best_of != n):
@@ -335,13 +339,42 @@ def _prompt(body: dict[str, Any]) -> str | tuple[int, ...]:
 
 @attrs.frozen
 class ChatMessage:
-    """One chat message with its content flattened to text."""
+    """One chat message with its content flattened to text; an assistant's
+    ``tool_calls`` (arguments decoded to objects, as chat templates take
+    them) and a tool result's ``tool_call_id``."""
 
     role: str
     content: str
+    tool_calls: tuple[dict[str, Any], ...] = ()
+    tool_call_id: str | None = None
 
-    def as_dict(self) -> dict[str, str]:
-        return {"role": self.role, "content": self.content}
+    def as_dict(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = [dict(call) for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+def _tool_calls(value: Any, where: str) -> tuple[dict[str, Any], ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise InvalidRequest(f"{where} must be a list", param=where)
+    calls = []
+    for i, call in enumerate(value):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise InvalidRequest(f"{where}[{i}] must be {{'type': 'function', 'function': {{name, arguments}}}}", param=f"{where}[{i}]")
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                raise InvalidRequest(f"{where}[{i}].function.arguments must be JSON", param=f"{where}[{i}].function.arguments") from None
+        calls.append({"id": call.get("id"), "type": "function", "function": {"name": function["name"], "arguments": arguments}})
+    return tuple(calls)
 
 
 def _content(value: Any, param: str) -> str:
@@ -376,8 +409,13 @@ def _messages(body: dict[str, Any], name: str = "messages") -> tuple[ChatMessage
         content = item.get("content")
         if content is None and role == "assistant":
             content = ""
+        tool_calls = _tool_calls(item.get("tool_calls"), f"{where}.tool_calls") if role == "assistant" else ()
+        tool_call_id = item.get("tool_call_id")
+        if role == "tool" and not isinstance(tool_call_id, str):
+            raise InvalidRequest(f"{where}.tool_call_id is required for a tool message", param=f"{where}.tool_call_id")
         # Chat templates know "system"; "developer" is OpenAI's newer name for it.
-        messages.append(ChatMessage("system" if role == "developer" else role, _content(content, f"{where}.content")))
+        role = "system" if role == "developer" else role
+        messages.append(ChatMessage(role, _content(content, f"{where}.content"), tool_calls, tool_call_id if role == "tool" else None))
     return tuple(messages)
 
 
@@ -441,21 +479,24 @@ class ChatCompletionRequest:
     include_usage: bool = False
     priority: int = 0
     timeout: float | None = None
+    tools: ToolChoice | None = None
 
     @property
-    def engine_prompt(self) -> list[dict[str, str]]:
+    def engine_prompt(self) -> list[dict[str, Any]]:
         """The messages in the form ``engine.generate`` takes (templated there)."""
         return [m.as_dict() for m in self.messages]
+
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the prompt needs a template that knows tools (web/tools.py):
+        the request offers tools, or its history holds calls or results."""
+        return self.tools is not None or any(m.tool_calls or m.role == "tool" for m in self.messages)
 
     @classmethod
     def from_json(cls, body: Any) -> ChatCompletionRequest:
         body = _require_object(body)
-        tools = body.get("tools") or body.get("functions")
-        if tools:
-            raise InvalidRequest("tools is not supported: this server does not do tool calling", param="tools")
-        fmt = body.get("response_format")
-        if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-            raise InvalidRequest("response_format is not supported: only {'type': 'text'}", param="response_format")
+        if body.get("functions"):
+            raise InvalidRequest("functions is not supported: use tools", param="functions")
         stream = _bool(body, "stream", False)
         want_logprobs = _bool(body, "logprobs", False)
         top = _int(body, "top_logprobs", None, low=0, high=MAX_LOGPROBS)
@@ -467,10 +508,15 @@ class ChatCompletionRequest:
         max_completion_tokens = _int(body, "max_completion_tokens", None, low=1)
         if max_completion_tokens is not None:
             max_tokens = max_completion_tokens
+        tools = tool_choice(body)
+        params = _sampling_params(body, max_tokens=max_tokens, logprobs=(top or 0) if want_logprobs else None)
+        if tools is not None and (constraint := tools.constraint()) is not None:
+            params = attrs.evolve(params, structured_output=constraint)
         return cls(
             model=_model(body),
             messages=_messages(body),
-            params=_sampling_params(body, max_tokens=max_tokens, logprobs=(top or 0) if want_logprobs else None),
+            params=params,
+            tools=tools,
             stream=stream,
             include_usage=_stream_options(body, stream),
             priority=_priority(body),

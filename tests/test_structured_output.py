@@ -1,0 +1,193 @@
+"""Structured output on the tiny random model (the default model's
+tokenizer): grammars compile, cache and fail naming the field; the mask
+reaches only constrained rows; a random model's output always matches its
+choice or regex; a dead end ends the request with an error."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import make_core
+from trioserve.engine.errors import InvalidRequestError
+from trioserve.engine.grammar import GrammarCompiler, GrammarError, unpack_bitmask
+from trioserve.engine.sampler import Sampler
+from trioserve.engine.sampling_params import SamplingParams
+from trioserve.engine.sequence import FinishReason
+from trioserve.engine.step_plan import SamplingRow, StepPlan, TokenMask
+from trioserve.engine.structured_output import StructuredOutput
+from trioserve.testing.tiny_model import VOCAB_SIZE, tiny_loaded, tokenizer
+
+
+@pytest.fixture(scope="module")
+def compiler():
+    return GrammarCompiler(tokenizer(), VOCAB_SIZE, (2,))
+
+
+@pytest.mark.parametrize(
+    ("constraint", "field", "says"),
+    [
+        (StructuredOutput.regex("(ab", field="structured_outputs.regex"), "structured_outputs.regex", "parenthesis"),
+        (StructuredOutput.grammar("root ::= (", field="structured_outputs.grammar"), "structured_outputs.grammar", "EBNF"),
+        (StructuredOutput.json_schema({"type": "nonsense"}, field="response_format.json_schema.schema"),
+         "response_format.json_schema.schema", "nonsense"),
+        (StructuredOutput.json_schema({"type": "string", "minLength": 5, "maxLength": 2}), "structured_output.json", "minLength"),
+    ],
+)
+def test_unusable_constraints_name_their_field(compiler, constraint, field, says):
+    with pytest.raises(InvalidRequestError) as info:
+        compiler.compile(constraint)
+    assert info.value.field == field
+    assert says in str(info.value) and ".cc:" not in str(info.value)
+
+
+def test_constraint_shapes_are_checked():
+    with pytest.raises(InvalidRequestError, match="non-empty list") as info:
+        StructuredOutput.choice([], field="structured_outputs.choice")
+    assert info.value.field == "structured_outputs.choice"
+    with pytest.raises(InvalidRequestError, match="not valid JSON"):
+        StructuredOutput.json_schema("{nope")
+    with pytest.raises(InvalidRequestError, match="non-empty string"):
+        StructuredOutput.regex("")
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(ignore_eos=True, structured_output=StructuredOutput.json_object())
+    assert info.value.field == "ignore_eos"
+
+
+def test_compiled_grammars_are_cached_by_kind_and_spec(compiler):
+    first = compiler.compile(StructuredOutput.json_schema({"type": "integer"}))
+    again = compiler.compile(StructuredOutput.json_schema('{"type": "integer"}', field="elsewhere"))
+    assert again is first
+    assert compiler.cached(StructuredOutput.regex("[0-9]+")) is None
+    assert compiler.compile(StructuredOutput.regex("[0-9]+")) is not first
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(-(2**31), 2**31 - 1), min_size=3, max_size=3), st.integers(65, 96))
+def test_unpack_bitmask_reads_bit_j_of_word_w_as_token_32w_plus_j(words, vocab):
+    bitmask = torch.tensor([words], dtype=torch.int32)
+    allowed = unpack_bitmask(bitmask, vocab)[0].tolist()
+    expected = [bool((words[t // 32] >> (t % 32)) & 1) for t in range(vocab)]
+    assert allowed == expected
+
+
+def _row(request_id, **params):
+    return SamplingRow(request_id=request_id, params=SamplingParams(**params), eos_token_ids=(2,), num_output_tokens=0)
+
+
+def test_sampler_masks_only_the_listed_rows():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 64)
+    rows = [_row("free", temperature=0), _row("held", temperature=0), _row("drawn", temperature=1.0, seed=3)]
+    bitmask = torch.zeros(1, 2, dtype=torch.int32)
+    bitmask[0, 0] = (1 << 5) | (1 << 7)
+    mask = TokenMask(("held",), bitmask)
+    sampler = Sampler(64)
+    masked = sampler.sample(logits, rows, mask).token_ids
+    assert masked[1] in (5, 7)
+    assert masked[1] == (5 if logits[1, 5] > logits[1, 7] else 7)
+    unmasked = Sampler(64).sample(logits, rows).token_ids
+    assert masked[0] == unmasked[0] and masked[2] == unmasked[2]
+
+
+def test_a_plan_with_a_mask_pickles():
+    bitmask = torch.tensor([[1, -1]], dtype=torch.int32)
+    plan = StepPlan(chunks=(), token_mask=TokenMask(("a",), bitmask))
+    copy = pickle.loads(pickle.dumps(plan))
+    assert copy.token_mask.request_ids == ("a",) and torch.equal(copy.token_mask.bitmask, bitmask)
+
+
+def _run(core, requests):
+    """Add ``requests`` (id -> params) together and step to the end; texts,
+    token ids and finish reasons by id."""
+    for request_id, params in requests.items():
+        core.add_request(request_id, "Answer:", params)
+    texts = {rid: "" for rid in requests}
+    tokens = {rid: [] for rid in requests}
+    reasons = {}
+    while core.has_unfinished():
+        for out in core.step():
+            texts[out.request_id] += out.text_delta
+            tokens[out.request_id].extend(out.new_token_ids)
+            if out.finish_reason is not None:
+                reasons[out.request_id] = out.finish_reason
+    return texts, tokens, reasons
+
+
+@pytest.fixture(scope="module")
+def core():
+    return make_core(tiny_loaded(), max_num_seqs=32)
+
+
+def test_random_model_output_always_matches_choice_and_regex(core):
+    choices = ["red", "green", "blue sky", 'say "hi"']
+    pattern = r"[0-9]{3}-[a-z]{2,4}"
+    requests = {}
+    for seed in range(6):
+        requests[f"c{seed}"] = SamplingParams(
+            temperature=1.0, seed=seed, max_tokens=12, structured_output=StructuredOutput.choice(choices)
+        )
+        requests[f"r{seed}"] = SamplingParams(
+            temperature=1.0, seed=seed, max_tokens=16, structured_output=StructuredOutput.regex(pattern)
+        )
+    requests["j"] = SamplingParams(temperature=0, max_tokens=6, structured_output=StructuredOutput.json_schema({"enum": [1, 22]}))
+    texts, _, reasons = _run(core, requests)
+    for request_id, text in texts.items():
+        assert reasons[request_id] is FinishReason.STOP, (request_id, text)
+        if request_id.startswith("c"):
+            assert text in choices
+        elif request_id.startswith("r"):
+            assert re.fullmatch(pattern, text), text
+        else:
+            assert json.loads(text) in (1, 22)
+    assert len(core.grammars) == 0  # every matcher dropped with its request
+
+
+def test_free_rows_get_the_same_tokens_beside_constrained_ones(core):
+    free = {f"f{i}": SamplingParams(temperature=0 if i % 2 else 1.0, seed=i, max_tokens=6) for i in range(8)}
+    _, alone, _ = _run(core, free)
+    constrained = {
+        f"s{i}": SamplingParams(temperature=1.0, seed=i, max_tokens=6, structured_output=StructuredOutput.regex("[a-c]+"))
+        for i in range(8)
+    }
+    _, mixed, _ = _run(core, {**free, **constrained})
+    assert {rid: mixed[rid] for rid in free} == alone
+
+
+def test_a_grammar_with_no_allowed_token_ends_its_request_with_an_error(core):
+    # After "yes" the grammar allows only EOS, which min_tokens still bans.
+    dead = SamplingParams(temperature=0, max_tokens=8, min_tokens=5, structured_output=StructuredOutput.choice(["yes"]))
+    texts, _, reasons = _run(core, {"dead": dead, "other": SamplingParams(temperature=0, max_tokens=4)})
+    assert reasons == {"dead": FinishReason.ERROR, "other": FinishReason.LENGTH}
+    assert texts["dead"] == "yes"
+    failures = core.take_failures()
+    assert list(failures) == ["dead"] and isinstance(failures["dead"], GrammarError)
+    assert "allows no token" in str(failures["dead"])
+
+
+def test_validate_refuses_an_unusable_schema_before_admitting(core):
+    params = SamplingParams(structured_output=StructuredOutput.regex("[", field="structured_outputs.regex"))
+    with pytest.raises(InvalidRequestError) as info:
+        core.add_request("bad", "x", params)
+    assert info.value.field == "structured_outputs.regex"
+    assert not core.has_unfinished()
+
+
+def test_bitmask_is_int32_and_sized_to_the_vocabulary(core):
+    core.add_request("m", "x", SamplingParams(max_tokens=2, structured_output=StructuredOutput.choice(["a", "b"])))
+    plan = core.schedule()
+    mask = plan.plan.token_mask
+    assert mask.request_ids == ("m",)
+    assert mask.bitmask.dtype == torch.int32 and mask.bitmask.shape == (1, (VOCAB_SIZE + 31) // 32)
+    allowed = np.flatnonzero(unpack_bitmask(mask.bitmask, VOCAB_SIZE)[0].numpy())
+    assert {tokenizer().decode([t]) for t in allowed} <= {"a", "b"}
+    core.process_output(plan, core.execute(plan))
+    while core.has_unfinished():
+        core.step()
