@@ -106,6 +106,12 @@ class ServerConfig:
     send_timeout: float = attrs.field(default=DEFAULT_SEND_TIMEOUT, validator=positive)
     max_connections: int | None = attrs.field(default=None, validator=optional_positive)
     log_requests: bool = False
+    # Hypercorn's access log, one line per response with its X-Request-Id
+    # (web/request_ids.py).
+    access_log: bool = True
+    # OTLP collector for request spans (web/tracing.py); None: off unless
+    # OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is set.
+    otlp_traces_endpoint: str | None = None
 
     @property
     def model_names(self) -> tuple[str, ...]:
