@@ -23,6 +23,7 @@ from trioserve import testing
 from trioserve.engine.engine_core import EngineCore
 from trioserve.engine.sampling_params import SamplingParams
 from trioserve.web.app import create_app
+from trioserve.web.cli import main
 from trioserve.web.request_ids import HEADER
 from trioserve.web.settings import ServerConfig
 from trioserve.web.tracing import Tracing, TracingUnavailable, traces_url, tracing_wanted
@@ -151,7 +152,7 @@ def test_the_timeline_records_each_preemption():
         assert all(t.first_scheduled <= p <= t.now for p in t.preemptions)
 
 
-def test_tracing_is_off_unless_asked():
+def test_tracing_is_off_unless_asked(capsys):
     assert not tracing_wanted(None, {})
     assert tracing_wanted("http://127.0.0.1:4318", {})
     assert tracing_wanted(None, {"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://c:4318/v1/traces"})
@@ -164,6 +165,10 @@ def test_tracing_is_off_unless_asked():
     assert traces_url("https://c/otlp/v1/traces") == "https://c/otlp/v1/traces"
     with pytest.raises(ValueError, match="otlp_traces_endpoint must be an http"):
         traces_url("c:4317")
+    with pytest.raises(ValueError, match="otlp_traces_endpoint must be an http"):
+        ServerConfig(otlp_traces_endpoint="collector:4318")
+    assert main(["serve", "--otlp-traces-endpoint", "collector:4318"]) == 2
+    assert "otlp_traces_endpoint must be an http:// or https:// URL, got 'collector:4318'" in capsys.readouterr().err
     with pytest.raises(TracingUnavailable, match="opentelemetry-exporter-otlp-proto-grpc"):
         Tracing.from_endpoint("http://c:4317", {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc"})
 

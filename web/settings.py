@@ -73,6 +73,13 @@ def _unique_names(instance: object, attribute: attrs.Attribute, value: tuple[Mod
         raise ValueError(f"model names must be unique; {', '.join(map(repr, duplicates))} given twice")
 
 
+def _optional_traces_url(instance: object, attribute: attrs.Attribute, value: str | None) -> None:
+    if value is not None:
+        from .tracing import traces_url  # here, so that reading settings imports no quart
+
+        traces_url(value)  # raises ValueError naming the field
+
+
 @attrs.frozen(kw_only=True)
 class ServerConfig:
     """Everything ``create_app`` needs.
@@ -111,7 +118,7 @@ class ServerConfig:
     access_log: bool = True
     # OTLP collector for request spans (web/tracing.py); None: off unless
     # OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is set.
-    otlp_traces_endpoint: str | None = None
+    otlp_traces_endpoint: str | None = attrs.field(default=None, validator=_optional_traces_url)
 
     @property
     def model_names(self) -> tuple[str, ...]:
