@@ -80,6 +80,8 @@ class _Completion:
     detokenizer: IncrementalDetokenizer
     first_scheduled: float | None = None
     first_token: float | None = None
+    admitted: float = attrs.field(factory=time.monotonic)
+    preemptions: tuple[float, ...] = ()
 
 
 class EngineCore:
@@ -405,6 +407,10 @@ class EngineCore:
             completion = self._completions.get(chunk.request_id)
             if completion is not None and completion.first_scheduled is None:
                 completion.first_scheduled = now
+        for request_id in plan.preempted:
+            completion = self._completions.get(request_id)
+            if completion is not None:
+                completion.preemptions += (now,)
         constrained = [rid for rid in output.sampled if rid in self.grammars and self.scheduler.get_request(rid) is not None]
         finished = {r.request_id for r in self.scheduler.update_from_output(plan, output.sampled)}
         for request_id in constrained:
@@ -529,5 +535,7 @@ class EngineCore:
                 first_scheduled=completion.first_scheduled,
                 first_token=completion.first_token,
                 now=now,
+                admitted=completion.admitted,
+                preemptions=completion.preemptions,
             ),
         )

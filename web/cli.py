@@ -9,7 +9,10 @@ import sys
 from trioserve.engine.errors import TrioserveError
 
 from .engine_options import add_engine_options, engine_config_from_args
+from .request_ids import RequestIdFilter
 from .serve_options import build_serve_parser, server_config_from_args
+
+LOG_FORMAT = "%(asctime)s %(levelname)s [%(request_id)s] %(name)s: %(message)s"
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -86,7 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RequestIdFilter())  # %(request_id)s: the X-Request-Id being served, or -
     # httpx logs every request at INFO: a benchmark would print thousands.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     try:

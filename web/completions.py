@@ -35,6 +35,7 @@ from trioserve.engine.errors import TrioserveError
 from trioserve.engine.outputs import RequestOutput
 
 from .body import request_json
+from . import request_ids, tracing
 from .completion_bodies import ChatCompletionStream, CompletionStream, OutputAccumulator
 from .errors import ApiError, RequestTimeout, from_exception
 from .host import current_host
@@ -93,7 +94,8 @@ async def _generate(kind: type[CompletionRequest] | type[ChatCompletionRequest],
             prompt = render_prompt(served.engine.tokenizer, prompt, tools)
         # A schema, regex or grammar compiles in a worker thread (cached).
         await served.engine.prepare(parsed.params)
-        stream = served.engine.generate_nowait(
+        stream = request_ids.generate_nowait(
+            served.engine,
             prompt,
             parsed.params,
             priority=parsed.priority,
@@ -101,6 +103,7 @@ async def _generate(kind: type[CompletionRequest] | type[ChatCompletionRequest],
         )
     except Exception as exc:
         raise _refusal(translate(exc, log_requests=log_requests), chat) from None
+    stream = tracing.follow(stream, parsed.params, parsed.model, served.name)  # itself when tracing is off
     texts = served.texts if parsed.params.logprobs is not None else None
     if parsed.stream:
         first = None

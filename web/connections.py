@@ -35,6 +35,7 @@ from hypercorn.utils import repr_socket_addr, wrap_app
 from quart import Quart
 
 from .errors import ServiceUnavailable
+from .request_ids import new_request_id
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +166,7 @@ def _refusal_response(limit: int) -> bytes:
         f"content-length: {len(body)}",
         *(f"{name.lower()}: {value}" for name, value in error.headers.items()),
         "connection: close",
+        f"x-request-id: {new_request_id()}",  # every response carries one (web/request_ids.py)
     ]
     return "\r\n".join(head).encode() + b"\r\n\r\n" + body
 

@@ -16,7 +16,7 @@ from werkzeug.exceptions import HTTPException
 from trioserve.engine.errors import InvalidRequestError
 from trioserve.engine.tokenizer import apply_chat_template
 
-from . import completions
+from . import chat_page, completions, request_ids
 from .body import body_left_unread, read_body, request_json
 from .errors import ApiError, AuthenticationError, InternalError, InvalidRequest, NotFoundError, log_unexpected
 from .health import health_report
@@ -29,9 +29,9 @@ log = logging.getLogger(__name__)
 # With an API key set, every path needs it but these: load balancers and
 # scrapers poll them without one (as vLLM leaves them open). A path missing
 # from this list, unknown ones included, answers 401 before 404, so an
-# unauthenticated client learns nothing of what exists. (A chat page's
-# static files, when there are some, belong here.)
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})
+# unauthenticated client learns nothing of what exists. The chat page is
+# open too: it holds no data and asks for the key itself.
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version", *chat_page.PATHS})
 # Paths whose refusals are counted in the metrics, by model.
 API_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 # Characters of a request body that --log-requests logs, at most.
@@ -43,6 +43,7 @@ _REJECT_REASONS = {400: "invalid", 401: "unauthorized", 404: "not_found", 413: "
 
 def register(app: Quart) -> None:
     """Add every route and handler to ``app``."""
+    request_ids.register(app)  # first: a refusal carries the id too
     app.before_request(check_api_key_and_read_body)
     app.add_url_rule("/v1/completions", view_func=completions.create_completion, methods=["POST"])
     app.add_url_rule("/v1/chat/completions", view_func=completions.create_chat_completion, methods=["POST"])
@@ -52,6 +53,7 @@ def register(app: Quart) -> None:
     app.add_url_rule("/tokenize", view_func=tokenize, methods=["POST"])
     app.add_url_rule("/detokenize", view_func=detokenize, methods=["POST"])
     app.add_url_rule("/version", view_func=version, methods=["GET"])
+    chat_page.register(app)
     app.register_error_handler(ApiError, handle_api_error)
     app.register_error_handler(HTTPException, handle_http_exception)
     app.register_error_handler(Exception, handle_unexpected)

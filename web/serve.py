@@ -27,6 +27,7 @@ from quart_trio import QuartTrio
 
 from .app import SHUTDOWN_MARGIN, app_host
 from .connections import ConnectionLimits, default_max_connections, serve_connections
+from .request_ids import ACCESS_LOG_FORMAT
 from .scopes import cancel_after
 from .settings import ServerConfig
 
@@ -54,6 +55,9 @@ def hypercorn_config(host: str, port: int, server: ServerConfig) -> Config:
     # their own bound (body_timeout, web/body.py), headers the idle timer.
     config.read_timeout = None
     config.errorlog = logging.getLogger("hypercorn.error")
+    if server.access_log:
+        config.accesslog = logging.getLogger("hypercorn.access")
+        config.access_log_format = ACCESS_LOG_FORMAT
     return config
 
 

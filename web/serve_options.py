@@ -97,6 +97,19 @@ def _add_serve_options(parser: argparse.ArgumentParser) -> list[argparse.Action]
         "--max-queued-requests", type=int, default=256, help="admission queue bound; beyond it requests get 429 (default: 256)"
     )
     add("--max-queued-tokens", type=int, default=None, help="bound on queued prompt tokens (default: none)")
+    # Request ids and tracing (web/request_ids.py, web/tracing.py).
+    add(
+        "--no-access-log",
+        dest="access_log",
+        action="store_false",
+        help="do not log a line per response (method, path, status, size, time, X-Request-Id)",
+    )
+    add(
+        "--otlp-traces-endpoint",
+        default=None,
+        help="export a span per request to this OTLP collector, e.g. http://127.0.0.1:4318 "
+        "(needs the 'tracing' extra; OTEL_* variables apply; default: off)",
+    )
     actions += add_overload_options(parser)
     add(
         "--watchdog-timeout",
@@ -134,6 +147,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         send_timeout=args.send_timeout,
         max_connections=args.max_connections,
         log_requests=args.log_requests,
+        access_log=args.access_log,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
 
 

@@ -73,6 +73,13 @@ def _unique_names(instance: object, attribute: attrs.Attribute, value: tuple[Mod
         raise ValueError(f"model names must be unique; {', '.join(map(repr, duplicates))} given twice")
 
 
+def _optional_traces_url(instance: object, attribute: attrs.Attribute, value: str | None) -> None:
+    if value is not None:
+        from .tracing import traces_url  # here, so that reading settings imports no quart
+
+        traces_url(value)  # raises ValueError naming the field
+
+
 @attrs.frozen(kw_only=True)
 class ServerConfig:
     """Everything ``create_app`` needs.
@@ -106,6 +113,12 @@ class ServerConfig:
     send_timeout: float = attrs.field(default=DEFAULT_SEND_TIMEOUT, validator=positive)
     max_connections: int | None = attrs.field(default=None, validator=optional_positive)
     log_requests: bool = False
+    # Hypercorn's access log, one line per response with its X-Request-Id
+    # (web/request_ids.py).
+    access_log: bool = True
+    # OTLP collector for request spans (web/tracing.py); None: off unless
+    # OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is set.
+    otlp_traces_endpoint: str | None = attrs.field(default=None, validator=_optional_traces_url)
 
     @property
     def model_names(self) -> tuple[str, ...]:
