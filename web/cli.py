@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import Any
 
+from trioserve.engine.config import EngineConfig
 from trioserve.engine.errors import TrioserveError
 
 from .engine_options import add_engine_options, engine_config_from_args
@@ -29,9 +31,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     config = engine_config_from_args(args)
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+    if config.worker_mode == "process":
+        import trio
+
+        return trio.run(_generate_with_worker, config, prompt, args.max_tokens)
     for delta in generate_greedy(config, prompt, max_tokens=args.max_tokens):
         sys.stdout.write(delta)
         sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+async def _generate_with_worker(config: EngineConfig, prompt: Any, max_tokens: int) -> int:
+    """``generate`` with the model step in a worker process: through the
+    actors, which own the worker (the synchronous core has none)."""
+    from trioserve.actors import open_engine
+    from trioserve.engine.sampling_params import SamplingParams
+
+    async with open_engine(config) as engine:
+        async for output in engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens)):
+            sys.stdout.write(output.text_delta)
+            sys.stdout.flush()
     sys.stdout.write("\n")
     return 0
 

@@ -41,6 +41,13 @@ def add_engine_options(parser: argparse.ArgumentParser, *, several_models: bool 
     add("--max-num-batched-tokens", type=int, default=2048)
     add("--no-prefix-caching", action="store_true")
     add("--num-threads", type=int, default=None, help="torch threads for the model step")
+    add(
+        "--worker-mode",
+        default="thread",
+        choices=["thread", "process"],
+        help="run the model step on a thread of this process, or in a worker process that is restarted "
+        "if it dies, its requests recomputed (default: thread)",
+    )
     return actions
 
 
@@ -58,6 +65,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConf
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
         num_threads=args.num_threads,
+        worker_mode=args.worker_mode,
     )
     fields.update(overrides)
     return EngineConfig(**fields)

@@ -71,3 +71,4 @@ class ServedModel:
         stats = self.engine.statistics()
         self.metrics.update_from_statistics(self.name, MetricsStatistics.from_engine(stats))
         self.metrics.update_overload(self.name, stats.overload)
+        self.metrics.update_worker(self.name, stats.executor.num_worker_restarts)
