@@ -46,6 +46,7 @@ from .concurrency import AdaptiveConcurrency
 from .degradation import Degradation
 from .errors import DuplicateRequestError, EngineClosed, EngineOverloaded
 from .executor import Executor, ModelExecutor
+from .process_executor import process_executor, worker_core
 from .messages import AbortAll, AddRequest, StepDone, StepFailed
 from .request import RequestActor, RequestStream
 from .request_ids import RequestIds
@@ -344,6 +345,7 @@ async def open_engine(
     executor: Callable[[EngineCore], Executor] | None = None,
     max_buffered_outputs: int | None = None,
     shutdown_timeout: float | None = None,
+    worker_model: Callable[[], LoadedModel] | None = None,
 ) -> AsyncIterator[Engine]:
     """Start an engine on ``loaded`` (else load ``config.model`` on the
     engine's step thread) and yield it; see the module docstring for start
@@ -353,6 +355,13 @@ async def open_engine(
     on the core's runner; tests pass a ``FakeExecutor``).
     ``max_buffered_outputs`` and ``shutdown_timeout``, when given, override
     the config's fields of those names (``EngineConfig`` documents them).
+
+    With ``config.worker_mode == "process"`` the model step runs in a worker
+    process (``ProcessExecutor``) that loads the model itself: this process
+    reads only the model's config and tokenizer (``describe_model``), or
+    uses ``loaded`` for them when given; ``worker_model`` (picklable, e.g. a
+    module-level function) is how the worker gets the model, and is
+    required with ``loaded`` (default: load ``config.model``).
     """
     overrides = {"max_buffered_outputs": max_buffered_outputs, "shutdown_timeout": shutdown_timeout}
     config = attrs.evolve(config, **{name: value for name, value in overrides.items() if value is not None})
@@ -367,15 +376,21 @@ async def open_engine(
     try:
         # The core gets no pool of its own: the allocator actor owns it, and
         # the core reaches it only with KVBatch / KVResult messages.
-        if loaded is None:
+        in_process = config.worker_mode == "process" and executor is None
+        if in_process:
+            make_core = functools.partial(worker_core, config, loaded, worker_model)
+        elif loaded is None:
             make_core = functools.partial(EngineCore.from_config, config, own_pool=False)
         else:
             make_core = functools.partial(EngineCore, loaded, config, own_pool=False)
         core = await run_in_step_thread(step_thread, make_core)
         admission = AdmissionQueue(config.max_queued_requests, config.max_queued_tokens)
         allocator = AllocatorActor(core.new_block_manager())
-        if executor is None:
-            executor_actor: Executor = ModelExecutor(core.runner, step_thread, watchdog_timeout=config.watchdog_timeout)
+        if in_process:
+            executor_actor: Executor = process_executor(core, config, worker_model)
+        elif executor is None:
+            assert core.runner is not None
+            executor_actor = ModelExecutor(core.runner, step_thread, watchdog_timeout=config.watchdog_timeout)
         else:
             executor_actor = executor(core)
         concurrency = None

@@ -101,3 +101,16 @@ class RequestShed(RequestDropped):
     admission queue; the web layer answers 429."""
 
     finish_reason = FinishReason.SHED
+
+
+class WorkerLost(Exception):
+    """The worker process that runs the model step died (or was killed for
+    a hung step), and the KV cache it held went with it. A step failure the
+    scheduler recovers from: every running request is preempted and
+    recomputes its prompt and output on the restarted worker."""
+
+
+class WorkerUnavailable(Exception):
+    """The worker process is down for good: it died more often than
+    ``max_worker_restarts`` within ``worker_restart_window``, or could not
+    be started again. The steps' requests fail with it."""

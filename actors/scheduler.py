@@ -26,6 +26,7 @@ request needs the token step n samples.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, NoReturn
 
@@ -47,12 +48,14 @@ from .admission import AdmissionQueue
 from .concurrency import AdaptiveConcurrency
 from .deadlines import Deadlines
 from .delivery import Delivery, Route, outcome_of
-from .errors import QueueTimeout, RequestFailed, StepHung
+from .errors import QueueTimeout, RequestFailed, StepHung, WorkerLost, WorkerUnavailable
 from .messages import Abort, AbortAll, AddRequest, Allocate, Failed, Resume, RunStep, StepDone, StepFailed
 from .request import final_output
 from .statistics import RateMeter, SchedulerActorStatistics
 
 __all__ = ["SchedulerActor"]
+
+log = logging.getLogger(__name__)
 
 _NO_OUTPUT = RunnerOutput(sampled={}, logprobs={})
 
@@ -122,6 +125,7 @@ class SchedulerActor:
         self._nursery: trio.Nursery | None = None
         self._quarantine: list[_Quarantine] = []
         self._withheld: set[str] = set()  # quarantined ids whose free the pool has not had
+        self._num_worker_recoveries = 0  # steps failed with WorkerLost: all running requests recomputed
 
     # -- the actor --------------------------------------------------------------
 
@@ -288,6 +292,8 @@ class SchedulerActor:
         return plan
 
     def _process(self, plan: SchedulerOutput, reply: StepDone | StepFailed) -> list[RequestOutput]:
+        if isinstance(reply, StepFailed) and isinstance(reply.error, WorkerLost):
+            return self._recompute_all(plan, reply.error)
         if isinstance(reply, StepFailed):
             code, public = self._describe(reply.error)
             message = public if code == "step_hung" else f"{public}: {reply.error}"
@@ -326,6 +332,17 @@ class SchedulerActor:
 
     # -- faults: failed and hung steps, the detokenizer ----------------------------
 
+    def _recompute_all(self, plan: SchedulerOutput, error: WorkerLost) -> list[RequestOutput]:
+        """The worker process died and its KV cache with it: every running
+        request goes back to waiting, to recompute its prompt and output on
+        the next worker (the preemption path); nothing fails. Their blocks
+        are freed, and the pool forgets its prefix cache, in the next batch."""
+        preempted = self.core.scheduler.recompute_all()
+        self._num_worker_recoveries += 1
+        self._release_needed = True
+        log.warning("%s: %d running requests recompute on the next worker", error, len(preempted))
+        return self.core.process_output(plan, _NO_OUTPUT)
+
     @staticmethod
     def _describe(error: Exception) -> tuple[str, str]:
         """A failed step's fault code, and what to tell its requests'
@@ -334,6 +351,8 @@ class SchedulerActor:
             return "step_hung", str(error)
         if isinstance(error, (StepThreadDied, StepThreadClosed)):
             return "step_thread_died", "the model step's thread died during the step"
+        if isinstance(error, WorkerUnavailable):
+            return "worker_unavailable", "the model worker process is down and is not restarted"
         return "step_failed", f"the model step failed ({type(error).__name__})"
 
     def _quarantine_step(self, plan: SchedulerOutput, released: trio.Event) -> None:

@@ -30,6 +30,10 @@ class ExecutorStatistics:
     num_hung_steps_running: int = 0  # of those, not returned yet (their threads still busy)
     num_thread_restarts: int = 0  # step threads replaced (hung, died or found closed)
     last_fault: Fault | None = None
+    # worker_mode="process" only (None / 0 with the step thread):
+    worker_state: str | None = None  # starting, ready, restarting, failed, stopped
+    worker_pid: int | None = None
+    num_worker_restarts: int = 0  # worker processes restarted after one died
 
 
 @attrs.frozen

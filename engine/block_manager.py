@@ -65,6 +65,7 @@ class BlockManager:
     _queries: int = attrs.field(init=False, default=0)
     _hits: int = attrs.field(init=False, default=0)
     _evictions: int = attrs.field(init=False, default=0)
+    _num_forgotten: int = attrs.field(init=False, default=0)  # times the cache was forgotten (worker restarts)
 
     def __attrs_post_init__(self) -> None:
         self._blocks = [_Block(i) for i in range(self.num_blocks)]
@@ -82,6 +83,8 @@ class BlockManager:
             self._commit(commit)
         for request_id in batch.frees:
             self._release(request_id)
+        if batch.forget_cache:
+            self._forget_cache()
         tables: list[tuple[int, ...] | None] = []
         cached: list[int] = []
         admissions_closed = False
@@ -165,6 +168,14 @@ class BlockManager:
                 self._free[block_id] = None
                 if block.block_hash is None:
                     self._free.move_to_end(block_id, last=False)
+
+    def _forget_cache(self) -> None:
+        """Drop every block's cached content (its KV tensors are lost). A
+        block still held keeps its holder but no longer serves a lookup."""
+        for block in self._blocks:
+            block.block_hash = None
+        self._cached.clear()
+        self._num_forgotten += 1
 
     def _allocate(self, allocation: KVAllocation) -> tuple[tuple[int, ...] | None, int]:
         holding = self._holdings.get(allocation.request_id)

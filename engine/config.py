@@ -155,6 +155,20 @@ def _kv_cache_memory(instance: Any, attribute: attrs.Attribute, value: Any) -> N
         raise ValueError(f"kv_cache_memory in bytes must be > 0, got {value!r}")
 
 
+WORKER_MODES = ("thread", "process")
+
+
+def _worker_mode(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value not in WORKER_MODES:
+        raise ValueError(f"worker_mode must be one of {', '.join(map(repr, WORKER_MODES))}, got {value!r}")
+
+
+def _seconds(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is None:
+        raise ValueError(f"{attribute.name} must be a finite number > 0, got None")
+    optional_positive_finite(instance, attribute, value)
+
+
 @attrs.frozen(kw_only=True)
 class DegradationPolicy:
     """What the engine gives up, step by step, as its admission queue fills.
@@ -251,6 +265,15 @@ class EngineConfig:
     # cuda:i; on CPU each gets a share of the cores and ``num_threads`` is
     # per replica (engine/placement.py).
     data_parallel_size: int = attrs.field(default=1, validator=integer_at_least(1))
+    # Where the model step runs (docs/reliability.md, "Worker processes"):
+    # "thread", the engine's step thread in this process; or "process", a
+    # worker process that loads the weights itself. A worker that dies is
+    # restarted, and its requests recompute what they had; more than
+    # ``max_worker_restarts`` restarts within ``worker_restart_window``
+    # seconds and the worker is given up (its requests then fail).
+    worker_mode: str = attrs.field(default="thread", validator=_worker_mode)
+    max_worker_restarts: int = attrs.field(default=5, validator=integer_at_least(0))
+    worker_restart_window: float = attrs.field(default=60.0, validator=_seconds)
 
     def resolved_max_model_len(self, model_config: ModelConfig) -> int:
         """The context limit in force: the user's, capped by the model's."""

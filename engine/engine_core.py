@@ -70,6 +70,30 @@ def kv_cache_num_blocks(config: EngineConfig, loaded: LoadedModel) -> int:
     return int(num_blocks)
 
 
+def build_runner(loaded: LoadedModel, config: EngineConfig, num_blocks: int) -> ModelRunner:
+    """The model runner of ``loaded``: a KV cache of ``num_blocks`` blocks,
+    a sampler, and (with ``config.warm_up``) the CPU kernels built."""
+    kv_cache = KVCache.allocate(
+        loaded.model_config,
+        num_blocks=num_blocks,
+        block_size=config.block_size,
+        dtype=loaded.dtype,
+        device=loaded.device,
+    )
+    runner = ModelRunner(
+        model=loaded.model,
+        kv_cache=kv_cache,
+        sampler=Sampler(loaded.model_config.vocab_size, loaded.device),
+        device=loaded.device,
+    )
+    if config.warm_up:
+        start = time.perf_counter()
+        calls = loaded.model.warm_up(config.max_num_seqs)
+        if calls:
+            log.info("built the CPU kernels for every batch size in %.1f s (%d calls)", time.perf_counter() - start, calls)
+    return runner
+
+
 @attrs.define(eq=False)
 class _Completion:
     """Engine-side bookkeeping of one of a request's ``n`` completions."""
@@ -87,7 +111,10 @@ class _Completion:
 class EngineCore:
     """The engine as a plain object: add requests, call ``step()``, read outputs."""
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, *, own_pool: bool = True) -> None:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, *, own_pool: bool = True, runner: bool = True) -> None:
+        """``runner=False``: no KV tensors and no runner here (the model step
+        runs in a worker process that builds its own, of ``num_blocks``
+        blocks); the core then only plans and reports."""
         self.config = config
         self.loaded = loaded
         self.model_config = loaded.model_config
@@ -96,13 +123,6 @@ class EngineCore:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)  # process-wide: the step is the only heavy user
         num_blocks = kv_cache_num_blocks(config, loaded)
-        self.kv_cache = KVCache.allocate(
-            loaded.model_config,
-            num_blocks=num_blocks,
-            block_size=config.block_size,
-            dtype=loaded.dtype,
-            device=loaded.device,
-        )
         self.num_blocks = num_blocks
         # The KV pool, when this core drives it in process (offline use:
         # ``step()``; abort() and process_output() then return finished
@@ -118,17 +138,8 @@ class EngineCore:
             block_size=config.block_size,
             aging_interval=config.priority_aging_steps,
         )
-        self.runner = ModelRunner(
-            model=loaded.model,
-            kv_cache=self.kv_cache,
-            sampler=Sampler(loaded.model_config.vocab_size, loaded.device),
-            device=loaded.device,
-        )
-        if config.warm_up:
-            start = time.perf_counter()
-            calls = loaded.model.warm_up(config.max_num_seqs)
-            if calls:
-                log.info("built the CPU kernels for every batch size in %.1f s (%d calls)", time.perf_counter() - start, calls)
+        self.runner: ModelRunner | None = build_runner(loaded, config, num_blocks) if runner else None
+        self.kv_cache: KVCache | None = None if self.runner is None else self.runner.kv_cache
         self._completions: dict[str, _Completion] = {}  # by child request id
         self._children: dict[str, tuple[str, ...]] = {}  # request id -> its completions' ids
         self._ended: list[Request] = []  # ended between steps, final output not yet reported
@@ -391,6 +402,8 @@ class EngineCore:
         self.abort(completion.parent_id, FinishReason.ERROR)
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
+        if self.runner is None:
+            raise RuntimeError("this core has no runner: its model step runs in a worker process")
         return self.runner.execute(plan.plan)
 
     def process_output(self, plan: SchedulerOutput, output: RunnerOutput) -> list[RequestOutput]:

@@ -9,7 +9,11 @@ method. Each step it sends one ``KVBatch`` and gets one ``KVResult`` back. The p
    aborted or preempted) leaves all its computed blocks reusable.
 2. ``frees``: each request's blocks are released, its last block first, so
    that among cached blocks a request's tail is evicted before its head.
-3. ``allocations``, in the order given (the scheduler's priority order). One
+3. ``forget_cache``: when set, the prefix cache forgets every block's
+   content (the KV tensors it described are gone: their worker process
+   died). After the frees, so a freed request's blocks are forgotten too,
+   and before the allocations, so none is looked up.
+4. ``allocations``, in the order given (the scheduler's priority order). One
    that does not fit gets ``None`` and takes nothing. After the first
    *admission* (a request holding no blocks) that does not fit, later
    admissions are refused too, so a large request at the head of the queue
@@ -61,6 +65,7 @@ class KVBatch:
     commits: tuple[KVCommit, ...] = attrs.field(default=(), converter=tuple)
     frees: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     allocations: tuple[KVAllocation, ...] = attrs.field(default=(), converter=tuple)
+    forget_cache: bool = False
 
 
 @attrs.frozen

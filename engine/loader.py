@@ -26,7 +26,7 @@ from .capability import CpuPaths
 from .config import ModelConfig
 from .errors import ModelLoadError
 from .gguf_cache import Progress
-from .model import LlamaForCausalLM, ProjectionChoice
+from .model import LlamaForCausalLM, ProjectionChoice, choose_projections
 from .tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -160,33 +160,8 @@ def load_model(
     """
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
-    if torch_device.type == "cpu":
-        if cpu_paths is None:
-            cpu_paths = CpuPaths.from_environment()
-        for line in cpu_paths.describe():
-            logger.debug("%s", line)
-        cpu_paths.require_dtype(torch_dtype)
-    if model is None or model.lower() == DEFAULT_MODEL_NAME.lower():
-        source, name = default_model_path(), DEFAULT_MODEL_NAME
-    else:
-        source = Path(model).expanduser()
-        if not source.exists():
-            raise ModelLoadError(
-                f"{source}: no such file or folder (expected a checkpoint folder, a .gguf file "
-                f"or {DEFAULT_MODEL_NAME!r})"
-            )
-        name = source.stem if source.is_file() else source.resolve().name
-    if source.is_dir() and not (source / "config.json").exists():
-        # A folder holding just a GGUF file (as a download often is).
-        ggufs = sorted(source.glob("*.gguf"))
-        if len(ggufs) == 1:
-            source = ggufs[0]
-    if source.is_file():
-        if source.suffix.lower() != ".gguf":
-            raise ModelLoadError(f"{source}: expected a checkpoint folder or a .gguf file")
-        folder = gguf_cache.ensure_converted(source, cache_dir)
-    else:
-        folder = source
+    cpu_paths = _check_cpu(torch_device, torch_dtype, cpu_paths)
+    folder, name = _locate(model, cache_dir)
     model_config = read_model_config(folder)
     # The tokenizer (mostly Python, and transformers' import) loads while the
     # weight copies, which release the GIL, run.
@@ -212,6 +187,86 @@ def load_model(
         dtype=torch_dtype,
         device=torch_device,
     )
+
+
+@attrs.frozen
+class RemoteModel:
+    """What the server process knows of a model whose weights another
+    process holds (``worker_mode="process"``): the CPU paths found here and
+    the projection choice the worker's model makes from them (the same
+    function of the same CPU). It has no weights and cannot run."""
+
+    cpu_paths: CpuPaths | None
+    projection_choice: ProjectionChoice
+
+
+def describe_model(
+    model: str | None = None,
+    *,
+    dtype: str | torch.dtype | None = None,
+    device: str | None = None,
+    cache_dir: Path | None = None,
+) -> LoadedModel:
+    """``load_model`` without the weights: the config, tokenizer, dtype and
+    device of ``model``, with a ``RemoteModel`` in place of the model. For a
+    server whose model step runs in a worker process that loads the
+    weights itself. Raises what ``load_model`` raises, before any weight is
+    read."""
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    cpu_paths = _check_cpu(torch_device, torch_dtype, None)
+    folder, name = _locate(model, cache_dir)
+    model_config = read_model_config(folder)
+    find_shards(folder)  # a folder without weights fails here, not in the worker
+    tokenizer = load_tokenizer(folder)
+    remote = RemoteModel(cpu_paths, choose_projections(torch_device, torch_dtype, cpu_paths, None))
+    return LoadedModel(
+        model=remote,  # type: ignore[arg-type]  # no weights here: the worker has them
+        model_config=attrs.evolve(model_config, eos_token_ids=eos_token_ids(tokenizer, model_config.eos_token_ids, folder)),
+        tokenizer=tokenizer,
+        name=name,
+        path=folder,
+        dtype=torch_dtype,
+        device=torch_device,
+    )
+
+
+def _check_cpu(device: torch.device, dtype: torch.dtype, cpu_paths: CpuPaths | None) -> CpuPaths | None:
+    """On CPU: what this CPU runs (found now unless given); raises
+    ``CpuCapabilityError`` for a dtype it cannot."""
+    if device.type != "cpu":
+        return cpu_paths
+    if cpu_paths is None:
+        cpu_paths = CpuPaths.from_environment()
+    for line in cpu_paths.describe():
+        logger.debug("%s", line)
+    cpu_paths.require_dtype(dtype)
+    return cpu_paths
+
+
+def _locate(model: str | None, cache_dir: Path | None) -> tuple[Path, str]:
+    """The checkpoint folder of ``model`` (a GGUF file converted once into
+    its cache folder) and the model's name."""
+    if model is None or model.lower() == DEFAULT_MODEL_NAME.lower():
+        source, name = default_model_path(), DEFAULT_MODEL_NAME
+    else:
+        source = Path(model).expanduser()
+        if not source.exists():
+            raise ModelLoadError(
+                f"{source}: no such file or folder (expected a checkpoint folder, a .gguf file "
+                f"or {DEFAULT_MODEL_NAME!r})"
+            )
+        name = source.stem if source.is_file() else source.resolve().name
+    if source.is_dir() and not (source / "config.json").exists():
+        # A folder holding just a GGUF file (as a download often is).
+        ggufs = sorted(source.glob("*.gguf"))
+        if len(ggufs) == 1:
+            source = ggufs[0]
+    if source.is_file():
+        if source.suffix.lower() != ".gguf":
+            raise ModelLoadError(f"{source}: expected a checkpoint folder or a .gguf file")
+        return gguf_cache.ensure_converted(source, cache_dir), name
+    return source, name
 
 
 def read_model_config(folder: Path) -> ModelConfig:

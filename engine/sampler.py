@@ -181,7 +181,10 @@ class Sampler:
 
     It keeps two things per sequence across steps, both owned by the thread
     that runs the steps: a seeded sequence's ``torch.Generator`` (made at its
-    first draw, so its tokens depend only on its seed and its own history)
+    first draw, so its tokens depend only on its seed and its own history;
+    a sampler that meets a seeded sequence with ``num_output_tokens`` already
+    drawn elsewhere replays that many draws first, so a restarted worker
+    process continues the sequence exactly)
     and the prompt as a tensor for ``repetition_penalty``. ``forget`` drops
     them when the sequence ends.
     """
@@ -211,6 +214,13 @@ class Sampler:
             assert row.params.seed is not None
             generator = torch.Generator(device=self.device)
             generator.manual_seed(row.params.seed & _SEED_MASK)
+            # A sequence met with output already drawn (by a sampler in a
+            # worker process that died): replay those draws, so the
+            # generator is where the lost one was and the sequence goes on
+            # exactly as it would have. Each draw filled one row of the
+            # vocabulary in float32 (_exponential_race), whatever its logits.
+            for _ in range(row.num_output_tokens):
+                torch.empty(self.vocab_size, dtype=torch.float32, device=self.device).exponential_(generator=generator)
             self._generators[row.request_id] = generator
         return generator
 

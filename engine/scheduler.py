@@ -166,6 +166,7 @@ class Scheduler:
     _pause_commits: list[KVCommit] = attrs.field(init=False, factory=list)
     _pause_frees: list[str] = attrs.field(init=False, factory=list)
     _running_limit: int | None = attrs.field(init=False, default=None)
+    _forget_cache: bool = attrs.field(init=False, default=False)  # sent with the next batch (recompute_all)
 
     def __attrs_post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_blocks", "block_size"):
@@ -291,7 +292,7 @@ class Scheduler:
         steps. Must be followed by ``finalize``."""
         self._check_not_in_flight()
         commits, frees, _ = self._release_pending()
-        batch = KVBatch(commits=commits, frees=frees)
+        batch = KVBatch(commits=commits, frees=frees, forget_cache=self._take_forget())
         self._in_flight = _InFlight(batch, (), self._take_finished())
         return batch
 
@@ -326,7 +327,12 @@ class Scheduler:
             KVAllocation(rid, self._requests[rid].num_computed_tokens, num_tokens)
             for rid, (num_tokens, _) in step.planned.items()
         ]
-        batch = KVBatch(commits=commits, frees=frees + step.preempted, allocations=allocations + admissions)
+        batch = KVBatch(
+            commits=commits,
+            frees=frees + step.preempted,
+            allocations=allocations + admissions,
+            forget_cache=self._take_forget(),
+        )
         self._in_flight = _InFlight(batch, tuple(step.preempted), self._take_finished())
         return batch
 
@@ -528,6 +534,27 @@ class Scheduler:
         request.block_ids = []
         request.num_preemptions += 1
         self._num_preemptions += 1
+
+    def _take_forget(self) -> bool:
+        forget, self._forget_cache = self._forget_cache, False
+        return forget
+
+    def recompute_all(self) -> list[str]:
+        """The KV cache's content is lost (the worker process that held it
+        died): preempt every running request by recompute, its output kept,
+        and have the next batch free their blocks and make the pool forget
+        its prefix cache (``KVBatch.forget_cache``), so nothing is read from
+        the lost tensors. Returns the preempted ids."""
+        self._check_not_in_flight()
+        preempted = []
+        for request in list(self._running):
+            self._running.remove(request)
+            self._pause_frees.append(request.request_id)
+            self._reset_for_recompute(request)
+            bisect.insort(self._waiting, request, key=self._key)
+            preempted.append(request.request_id)
+        self._forget_cache = True
+        return preempted
 
     # -- pausing ----------------------------------------------------------------
 

@@ -34,6 +34,10 @@ def tokenizer() -> Any:
 def tiny_model_config() -> ModelConfig:
     """2 layers, 64 wide, 4 query and 2 KV heads, the default model's vocabulary."""
     tok = tokenizer()
+    return _tiny_config(tok.bos_token_id, (tok.eos_token_id,))
+
+
+def _tiny_config(bos_token_id: int | None, eos_token_ids: tuple[int, ...]) -> ModelConfig:
     return ModelConfig(
         architecture="LlamaForCausalLM",
         vocab_size=VOCAB_SIZE,
@@ -49,8 +53,8 @@ def tiny_model_config() -> ModelConfig:
         rope_scaling=RopeScaling(),
         tie_word_embeddings=True,
         attention_bias=False,
-        bos_token_id=tok.bos_token_id,
-        eos_token_ids=(tok.eos_token_id,),
+        bos_token_id=bos_token_id,
+        eos_token_ids=eos_token_ids,
     )
 
 
@@ -62,9 +66,7 @@ def tiny_loaded(device: str | torch.device = "cpu") -> LoadedModel:
     return _tiny_loaded(torch.device(device))
 
 
-@functools.cache
-def _tiny_loaded(device: torch.device) -> LoadedModel:
-    config = tiny_model_config()
+def _tiny_weights(config: ModelConfig, device: torch.device) -> LlamaForCausalLM:
     model = LlamaForCausalLM(config, dtype=torch.float32, device=device)
     generator = torch.Generator().manual_seed(1234)
     with torch.no_grad():
@@ -74,8 +76,31 @@ def _tiny_loaded(device: torch.device) -> LoadedModel:
             else:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
     model.eval()
+    return model
+
+
+def tiny_worker_model() -> LoadedModel:
+    """The tiny model's weights on CPU, without the tokenizer (a worker
+    process runs steps only; the server has the tokenizer): what
+    ``worker_model`` is for ``worker_mode="process"`` tests. Picklable by
+    reference; the weights equal ``tiny_loaded()``'s."""
+    config = _tiny_config(None, ())
     return LoadedModel(
-        model=model,
+        model=_tiny_weights(config, torch.device("cpu")),
+        model_config=config,
+        tokenizer=None,
+        name="tiny-random-llama",
+        path=default_model_path().parent,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
+    )
+
+
+@functools.cache
+def _tiny_loaded(device: torch.device) -> LoadedModel:
+    config = tiny_model_config()
+    return LoadedModel(
+        model=_tiny_weights(config, device),
         model_config=config,
         tokenizer=tokenizer(),
         name="tiny-random-llama",

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import Any
 
+from trioserve.engine.config import EngineConfig
 from trioserve.engine.errors import TrioserveError
 
 from .engine_options import add_engine_options, engine_config_from_args
@@ -32,11 +34,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     config = engine_config_from_args(args)
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
-    if config.data_parallel_size > 1:
+    if config.data_parallel_size > 1 or config.worker_mode == "process":
         import trio
 
-        trio.run(_generate_replicated, config, prompt, args.max_tokens)
-        return 0
+        return trio.run(_generate_with_actors, config, prompt, args.max_tokens)
     for delta in generate_greedy(config, prompt, max_tokens=args.max_tokens):
         sys.stdout.write(delta)
         sys.stdout.flush()
@@ -44,9 +45,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _generate_replicated(config, prompt, max_tokens: int) -> None:
-    """``generate`` with several replicas: the actor engine, every replica
-    started (the prompt runs on one of them)."""
+async def _generate_with_actors(config: EngineConfig, prompt: Any, max_tokens: int) -> int:
+    """``generate`` through the actor engine, which owns what the synchronous
+    core has not: several replicas (every one started; the prompt runs on
+    one) or the model step in a worker process."""
     from trioserve.actors import open_engine
     from trioserve.engine.sampling_params import SamplingParams
 
@@ -55,6 +57,7 @@ async def _generate_replicated(config, prompt, max_tokens: int) -> None:
             sys.stdout.write(output.text_delta)
             sys.stdout.flush()
     sys.stdout.write("\n")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:

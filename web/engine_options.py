@@ -50,6 +50,13 @@ def add_engine_options(parser: argparse.ArgumentParser, *, several_models: bool 
         help="engine replicas, each with its own KV cache and scheduler: on CUDA replica i on cuda:i, "
         "on CPU each pinned to a share of the cores (default: 1)",
     )
+    add(
+        "--worker-mode",
+        default="thread",
+        choices=["thread", "process"],
+        help="run the model step on a thread of this process, or in a worker process that is restarted "
+        "if it dies, its requests recomputed (default: thread)",
+    )
     return actions
 
 
@@ -68,6 +75,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConf
         enable_prefix_caching=not args.no_prefix_caching,
         num_threads=args.num_threads,
         data_parallel_size=args.data_parallel_size,
+        worker_mode=args.worker_mode,
     )
     fields.update(overrides)
     config = EngineConfig(**fields)

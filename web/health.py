@@ -49,8 +49,9 @@ def fault_json(fault: Fault | None) -> dict[str, Any] | None:
 def model_health(stats: EngineStatistics) -> dict[str, Any]:
     """One engine's part of the report."""
     executor, scheduler = stats.executor, stats.scheduler
+    worker_down = executor.worker_state is not None and executor.worker_state != "ready"
     return {
-        "degraded": executor.num_hung_steps_running > 0 or scheduler.num_quarantined_blocks > 0,
+        "degraded": executor.num_hung_steps_running > 0 or scheduler.num_quarantined_blocks > 0 or worker_down,
         "failed_steps": executor.num_failed_steps,
         "hung_steps": executor.num_hung_steps,
         "hung_steps_running": executor.num_hung_steps_running,
@@ -60,6 +61,10 @@ def model_health(stats: EngineStatistics) -> dict[str, Any]:
         "tokenizer_errors": scheduler.num_tokenizer_errors,
         "detokenizer_errors": scheduler.num_detokenizer_errors,
         "last_error": fault_json(Fault.latest(executor.last_fault, scheduler.last_fault)),
+        # --worker-mode process: the worker's state and pid, and its restarts.
+        "worker": None
+        if executor.worker_state is None
+        else {"state": executor.worker_state, "pid": executor.worker_pid, "restarts": executor.num_worker_restarts},
     }
 
 

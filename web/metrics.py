@@ -142,6 +142,9 @@ class Metrics:
         )
         self.overload_pressure = gauge("overload_pressure", "Admission queue fill, 0..1, that degradation acts on.")
         self.overload_actions = counter("overload_actions", "Overload-control actions taken, by action.", "action")
+        self.worker_restarts = counter(
+            "worker_restarts", "Worker processes restarted after one died (--worker-mode process)."
+        )
         tokens = token_buckets(self.max_model_len)
         self.time_to_first_token = histogram(
             "time_to_first_token_seconds", "Arrival to first token.", LATENCY_BUCKETS
@@ -256,6 +259,14 @@ class Metrics:
             if growth:
                 self.overload_actions.labels(model, action).inc(growth)
             self._last_totals[key] = total
+
+    def update_worker(self, model: str, restarts: int) -> None:
+        """Advance the worker-restart counter to the engine's total."""
+        last = self._last_totals.get((model, "worker_restarts"), 0)
+        growth = restarts - last if restarts >= last else restarts  # a new engine counts from zero
+        if growth:
+            self.worker_restarts.labels(model).inc(growth)
+        self._last_totals[(model, "worker_restarts")] = restarts
 
     def render(self) -> tuple[bytes, str]:
         """The exposition body and its content type."""

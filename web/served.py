@@ -72,3 +72,4 @@ class ServedModel:
         self.metrics.update_from_statistics(self.name, MetricsStatistics.from_engine(stats))
         self.metrics.update_overload(self.name, stats.overload)
         self.metrics.replicas.update(self.name, stats.replicas)
+        self.metrics.update_worker(self.name, stats.executor.num_worker_restarts)

@@ -1,0 +1,188 @@
+"""The model step in a worker process: its synchronous loop, and the frames it speaks.
+
+With ``EngineConfig.worker_mode == "process"`` the executor actor
+(``trioserve.actors.process_executor``) starts ``worker_main`` in a process
+of its own (``torch.multiprocessing``, spawn). The worker builds its model
+runner from a ``WorkerSpec`` (the engine config, the pool's size, and how to
+get the model), so the weights and the KV tensors live only there, then
+answers step plans until it is told to stop.
+
+The protocol is the executor's own, serialised: each frame is an 8-byte
+big-endian length and a pickle. In: ``StepPlan`` values (immutable, made to
+travel) and a final ``StopWorker`` (the poison pill). Out: one
+``WorkerReady`` once the runner is built (or a ``WorkerStartFailed``), then
+for each plan its ``RunnerOutput`` or a ``WorkerStepError``.
+
+The worker dies with its parent: the end of its socket (the parent closed
+it, or died) ends its loop, and on Linux ``PR_SET_PDEATHSIG`` kills it if
+the parent is killed while a step computes. A dead worker is the parent's
+business: its requests recompute on the restarted one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import pickle
+import signal
+import socket
+import struct
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+from .config import EngineConfig
+from .loader import LoadedModel, load_model
+from .step_plan import StepPlan
+
+log = logging.getLogger(__name__)
+
+HEADER = struct.Struct(">Q")
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+@attrs.frozen
+class WorkerSpec:
+    """What a worker process needs to build its runner, all picklable.
+
+    ``num_blocks``: the KV pool's size, as the server's allocator has it.
+    ``model``: a picklable callable returning the ``LoadedModel`` to run
+    (a module-level function, or a ``functools.partial`` of one); None
+    loads ``config.model`` with its dtype and device. ``parent_pid``: the
+    process that must be alive for the worker to run.
+    """
+
+    config: EngineConfig
+    num_blocks: int
+    parent_pid: int
+    model: Callable[[], LoadedModel] | None = None
+
+
+@attrs.frozen
+class StopWorker:
+    """The poison pill: finish, close, exit 0."""
+
+
+@attrs.frozen
+class WorkerReady:
+    """The runner is built; the worker takes plans."""
+
+    pid: int
+
+
+@attrs.frozen
+class WorkerStartFailed:
+    """Building the runner raised; the worker exits. ``error`` is the
+    exception when it pickles, else a ``RuntimeError`` with its text."""
+
+    error: BaseException
+
+
+@attrs.frozen
+class WorkerStepError:
+    """A step raised (the worker goes on). ``error`` as in ``WorkerStartFailed``."""
+
+    error: BaseException
+    traceback: str
+
+
+def portable(error: BaseException) -> BaseException:
+    """``error`` if it survives pickling, else a ``RuntimeError`` naming it."""
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
+    return error
+
+
+def encode(message: Any) -> bytes:
+    """One frame: the length, then the pickle."""
+    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    return HEADER.pack(len(payload)) + payload
+
+
+def send_frame(sock: socket.socket, message: Any) -> None:
+    sock.sendall(encode(message))
+
+
+def _recv_exactly(sock: socket.socket, size: int) -> bytes:
+    parts, remaining = [], size
+    while remaining:
+        part = sock.recv(min(remaining, 1 << 20))
+        if not part:
+            raise EOFError("the other end closed the worker's socket")
+        parts.append(part)
+        remaining -= len(part)
+    return b"".join(parts)
+
+
+def recv_frame(sock: socket.socket) -> Any:
+    """The next message; ``EOFError`` at the end of the stream."""
+    (size,) = HEADER.unpack(_recv_exactly(sock, HEADER.size))
+    return pickle.loads(_recv_exactly(sock, size))
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Have the kernel kill this process when its parent dies (Linux), and
+    exit now if the parent is gone already (it may have died before the
+    request was made)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            log.warning("prctl(PR_SET_PDEATHSIG) failed: %s", os.strerror(ctypes.get_errno()))
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def _build(spec: WorkerSpec) -> Any:
+    # Imported here: the engine core imports this module's siblings only.
+    from .engine_core import build_runner
+
+    config = spec.config
+    if config.num_threads is not None:
+        import torch
+
+        torch.set_num_threads(config.num_threads)
+    if spec.model is None:
+        loaded = load_model(config.model, dtype=config.dtype, device=config.device)
+    else:
+        loaded = spec.model()
+    return build_runner(loaded, config, spec.num_blocks)
+
+
+def worker_main(spec: WorkerSpec, sock: socket.socket) -> None:
+    """The worker process: build the runner, then run each plan received on
+    ``sock`` until ``StopWorker`` or the end of the stream."""
+    die_with_parent(spec.parent_pid)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s worker %(process)d %(name)s: %(message)s")
+    # SIGINT goes to the whole foreground group: the server decides when its
+    # worker stops (the stop message), so a Ctrl-C must not kill a step.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    with sock:
+        try:
+            runner = _build(spec)
+        except Exception as exc:
+            log.error("cannot build the model runner: %s", exc)
+            send_frame(sock, WorkerStartFailed(portable(exc)))
+            return
+        send_frame(sock, WorkerReady(os.getpid()))
+        while True:
+            try:
+                message = recv_frame(sock)
+            except (EOFError, ConnectionError):
+                return  # the server closed its end or died: nothing to answer
+            if isinstance(message, StopWorker):
+                return
+            assert isinstance(message, StepPlan), f"unexpected message {type(message).__name__}"
+            try:
+                reply: Any = runner.execute(message)
+            except Exception as exc:
+                reply = WorkerStepError(portable(exc), traceback.format_exc())
+            try:
+                send_frame(sock, reply)
+            except (BrokenPipeError, ConnectionError):
+                return
