@@ -368,7 +368,7 @@ async def open_engine(
     if config.data_parallel_size > 1:
         from .replicas import open_replicated_engine  # it builds on this module
 
-        async with open_replicated_engine(config, loaded=loaded, executor=executor) as replicated:
+        async with open_replicated_engine(config, loaded=loaded, executor=executor, worker_model=worker_model) as replicated:
             yield replicated
         return
     # Loading and every step run on this one thread: see step_thread.py.

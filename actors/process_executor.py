@@ -368,9 +368,16 @@ def worker_core(config: EngineConfig, loaded: LoadedModel | None, worker_model: 
     return EngineCore(loaded, config, own_pool=False, runner=False)
 
 
-def process_executor(core: EngineCore, config: EngineConfig, worker_model: Callable[[], LoadedModel] | None) -> ProcessExecutor:
-    """The executor of ``core`` with its worker built from ``config``."""
-    spec = WorkerSpec(config=config, num_blocks=core.num_blocks, parent_pid=os.getpid(), model=worker_model)
+def process_executor(
+    core: EngineCore,
+    config: EngineConfig,
+    worker_model: Callable[[], LoadedModel] | None,
+    *,
+    cpus: frozenset[int] | None = None,
+) -> ProcessExecutor:
+    """The executor of ``core`` with its worker built from ``config``,
+    pinned to ``cpus`` when given (a data-parallel replica's share)."""
+    spec = WorkerSpec(config=config, num_blocks=core.num_blocks, parent_pid=os.getpid(), model=worker_model, cpus=cpus)
     return ProcessExecutor(
         spec,
         watchdog_timeout=config.watchdog_timeout,

@@ -21,9 +21,10 @@ The callers' side is the one ``ReplicatedEngine`` (an ``Engine``: the same
   every one. Each replica's scheduler then handles priorities, deadlines,
   pauses and aborts exactly as a single engine's does.
 
-A replica's executor is made by the same factory as a single engine's, on
-the replica's core and step thread, so another executor kind (a worker
-process per replica) plugs in where ``ModelExecutor`` is made here.
+A replica's executor is the same kind as a single engine's: a
+``ModelExecutor`` on the replica's pinned step thread, or with
+``worker_mode="process"`` a worker process of its own, pinned to the
+replica's cores (or on its CUDA device), which loads its own weights.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from .allocator import AllocatorActor
 from .concurrency import AdaptiveConcurrency
 from .engine import Engine
 from .executor import Executor, ModelExecutor
+from .process_executor import process_executor, worker_core
 from .messages import StepDone, StepFailed
 from .replica_admission import ReplicaControl, ReplicatedAdmission
 from .request import RequestActor
@@ -60,18 +62,26 @@ __all__ = ["Replica", "ReplicaControl", "ReplicatedAdmission", "ReplicatedEngine
 
 T = TypeVar("T")
 
+# ExecutorStatistics.worker_state values, least healthy first.
+_WORKER_STATES = ("failed", "restarting", "starting", "stopped", "ready")
+
 
 def combine(values: Sequence[T]) -> T:
     """Statistics values of several replicas as one: counts, rates and times
-    summed, ``last_*`` figures the largest, flags any, faults the latest,
-    nested values combined the same way."""
+    summed, ``last_*`` figures the largest, flags any, faults the latest, a
+    worker's state the least healthy, a worker's pid none (each replica's is
+    in ``statistics().replicas``), nested values combined the same way."""
     first = values[0]
     if len(values) == 1:
         return first
     fields: dict[str, Any] = {}
     for field in attrs.fields(type(first)):
         items = [getattr(v, field.name) for v in values]
-        if any(isinstance(item, Fault) for item in items) or all(item is None for item in items):
+        if field.name == "worker_pid":
+            fields[field.name] = None
+        elif field.name == "worker_state":
+            fields[field.name] = min(items, key=lambda state: _WORKER_STATES.index(state) if state in _WORKER_STATES else 0)
+        elif any(isinstance(item, Fault) for item in items) or all(item is None for item in items):
             fields[field.name] = Fault.latest(*items)
         elif isinstance(items[0], bool):
             fields[field.name] = any(items)
@@ -202,9 +212,18 @@ class ReplicatedEngine(Engine):
 # -- starting and stopping ----------------------------------------------------------
 
 
-def _build_core(config: EngineConfig, placement: ReplicaPlacement, shared: LoadedModel | None) -> EngineCore:
+def _build_core(
+    config: EngineConfig,
+    placement: ReplicaPlacement,
+    shared: LoadedModel | None,
+    in_process: bool,
+    worker_model: Callable[[], LoadedModel] | None,
+) -> EngineCore:
     # Runs on the replica's step thread: its KV cache and kernels are made there.
     replica_config = placement.engine_config(config)
+    if in_process:
+        # The replica's worker process loads the weights and holds the KV cache.
+        return worker_core(replica_config, shared, worker_model)
     if shared is None:
         loaded = load_model(replica_config.model, dtype=replica_config.dtype, device=replica_config.device)
     else:
@@ -218,6 +237,7 @@ async def open_replicated_engine(
     *,
     loaded: LoadedModel | None = None,
     executor: Callable[[EngineCore], Executor] | None = None,
+    worker_model: Callable[[], LoadedModel] | None = None,
 ) -> AsyncIterator[ReplicatedEngine]:
     """``open_engine`` for ``config.data_parallel_size > 1``: plan the
     replicas (refusing a layout the machine lacks before anything loads),
@@ -226,7 +246,10 @@ async def open_replicated_engine(
     does, every replica together.
 
     On CPU the replicas share one copy of the weights (``loaded``, else
-    loaded once); on CUDA each replica loads its own onto its device.
+    loaded once); on CUDA each replica loads its own onto its device. With
+    ``worker_mode="process"`` each replica's worker process loads its own
+    (``worker_model`` as for ``open_engine``; ``loaded``, when given, only
+    lends its config and tokenizer).
     """
     placements = plan_replicas(config)
     on_cuda = placements[0].device is not None and placements[0].device.startswith("cuda")
@@ -236,14 +259,15 @@ async def open_replicated_engine(
         )
     threads = [PinnedStepThread(p.num_threads, p.cpus, name=f"trioserve-step-{p.index}") for p in placements]
     try:
-        if loaded is None and not on_cuda:
+        in_process = config.worker_mode == "process" and executor is None
+        if loaded is None and not on_cuda and not in_process:
             loaded = await run_in_step_thread(
                 threads[0], functools.partial(load_model, config.model, dtype=config.dtype, device=config.device)
             )
         cores: list[EngineCore | None] = [None] * len(placements)
 
         async def build(index: int) -> None:
-            cores[index] = await run_in_step_thread(threads[index], _build_core, config, placements[index], loaded)
+            cores[index] = await run_in_step_thread(threads[index], _build_core, config, placements[index], loaded, in_process, worker_model)
 
         async with trio.open_nursery() as builders:
             for index in range(len(placements)):
@@ -266,11 +290,15 @@ async def open_replicated_engine(
         )
         replicas = []
         for placement, core, thread, allocator, queue in zip(placements, built, threads, allocators, admission.queues):
-            if executor is None:
-                # The executor open_engine makes for one engine, on this
-                # replica's core and thread: another kind (a worker process
-                # per replica) is chosen here the same way.
-                executor_actor: Executor = ModelExecutor(core.runner, thread, watchdog_timeout=config.watchdog_timeout)
+            if in_process:
+                # Each replica's step in its own worker process, pinned to the replica's cores.
+                executor_actor: Executor = process_executor(
+                    core, placement.engine_config(config), worker_model, cpus=placement.cpus
+                )
+            elif executor is None:
+                # The executor open_engine makes for one engine, on this replica's core and thread.
+                assert core.runner is not None
+                executor_actor = ModelExecutor(core.runner, thread, watchdog_timeout=config.watchdog_timeout)
             else:
                 executor_actor = executor(core)
             concurrency = None

@@ -53,13 +53,16 @@ class WorkerSpec:
     ``model``: a picklable callable returning the ``LoadedModel`` to run
     (a module-level function, or a ``functools.partial`` of one); None
     loads ``config.model`` with its dtype and device. ``parent_pid``: the
-    process that must be alive for the worker to run.
+    process that must be alive for the worker to run. ``cpus``: the CPUs
+    the worker is pinned to (a data-parallel replica's share), None: not
+    pinned.
     """
 
     config: EngineConfig
     num_blocks: int
     parent_pid: int
     model: Callable[[], LoadedModel] | None = None
+    cpus: frozenset[int] | None = None
 
 
 @attrs.frozen
@@ -143,6 +146,8 @@ def _build(spec: WorkerSpec) -> Any:
     from .engine_core import build_runner
 
     config = spec.config
+    if spec.cpus is not None:
+        os.sched_setaffinity(0, spec.cpus)
     if config.num_threads is not None:
         import torch
 
