@@ -135,6 +135,17 @@ async def test_deadline_abort_and_refusal_spans(exporter):
     assert not bad.events and "gen_ai.response.id" not in bad.attributes
 
 
+async def test_a_request_without_the_api_key_has_its_span(exporter):
+    async with serving(traced_app(exporter, api_key="k")) as server, httpx.AsyncClient(base_url=server.url) as http:
+        refused = await http.post("/v1/chat/completions", json=CHAT, headers={HEADER: "nokey-1"})
+        assert refused.status_code == 401
+    [span] = exporter.get_finished_spans()
+    assert span.attributes["http.response.status_code"] == 401
+    assert span.attributes["error.type"] == "invalid_api_key"
+    assert span.attributes["trioserve.request_id"] == "nokey-1"
+    assert span.status.status_code is StatusCode.UNSET  # a client's error, not the server's
+
+
 def test_the_timeline_records_each_preemption():
     # 4 blocks of 16 tokens for 7 sequences of about 30: preemptions happen.
     core = EngineCore(tiny_loaded(), testing.engine_config(num_blocks=4))
