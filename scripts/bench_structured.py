@@ -4,7 +4,7 @@ constrained by a mid-size JSON schema against the same run unconstrained;
 the mask time per step (all constrained rows of a step, in one batch) and
 the compile time of the schema.
 
-    python scripts/bench_structured.py [--requests 32] [--max-tokens 64]
+    python scripts/bench_structured.py [--requests 32] [--max-tokens 64] [--c1-requests 3]
 
 Unconstrained requests use ``ignore_eos`` and constrained ones are asked for
 a long enough schema, so both runs decode about ``--max-tokens`` per request.
@@ -106,13 +106,15 @@ async def main(args):
             return out
 
         core.attach_masks = timed
+        print(f"engine up; tokenizer info {tokenizer_s:.2f} s, compile {compile_ms:.1f} ms", flush=True)
         await engine.prepare(constrained)
         await _run(engine, free, 4, 4)  # warm-up
         results = {}
-        for concurrency, requests in ((1, 3), (32, args.requests)):
+        for concurrency, requests in ((1, args.c1_requests), (32, args.requests)):
             for name, params in (("free", free), ("json", constrained)):
                 masks.clear()
                 results[(concurrency, name)] = await _run(engine, params, concurrency, requests) + (list(masks),)
+                print(f"c={concurrency} {name}: done", flush=True)
     print(f"tokenizer info for xgrammar: {tokenizer_s:.2f} s once; schema compile {compile_ms:.1f} ms cold, {cached_us:.0f} us cached")
     for concurrency in (1, 32):
         free_r, json_r = results[(concurrency, "free")], results[(concurrency, "json")]
@@ -133,4 +135,5 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--c1-requests", type=int, default=3, help="requests run one at a time for TPOT at concurrency 1")
     trio.run(main, parser.parse_args())

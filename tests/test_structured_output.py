@@ -191,3 +191,23 @@ def test_bitmask_is_int32_and_sized_to_the_vocabulary(core):
     core.process_output(plan, core.execute(plan))
     while core.has_unfinished():
         core.step()
+
+
+async def test_the_actors_constrain_and_report_a_dead_grammar_as_a_failure():
+    from trioserve.actors.engine import open_engine
+    from trioserve.actors.errors import RequestFailed
+    from trioserve.testing.tiny_model import engine_config
+
+    choice = StructuredOutput.choice(["alpha", "beta"])
+    async with open_engine(engine_config(num_blocks=64), loaded=tiny_loaded()) as engine:
+
+        async def text(params):
+            return "".join([out.text_delta async for out in engine.generate("x", params)])
+
+        dead = SamplingParams(temperature=0, max_tokens=8, min_tokens=6, structured_output=choice)
+        with pytest.raises(RequestFailed) as info:
+            await text(dead)
+        assert info.value.code == "structured_output_failed"
+        assert "allows no token" in info.value.public_message
+        assert await text(SamplingParams(temperature=1.0, seed=1, max_tokens=8, structured_output=choice)) in ("alpha", "beta")
+        assert len(engine.core.grammars) == 0
