@@ -274,6 +274,10 @@ async def open_replicated_engine(
                 builders.start_soon(build, index)
         built = [core for core in cores if core is not None]
         assert len(built) == len(placements)
+        # One grammar cache for all: ``Engine.prepare`` compiles a request's
+        # grammar before it is routed, so any replica must find it compiled.
+        for core in built[1:]:
+            core.grammars.compiler = built[0].grammars.compiler
 
         router = ReplicaRouter(
             num_replicas=len(placements),

@@ -211,3 +211,30 @@ async def test_the_actors_constrain_and_report_a_dead_grammar_as_a_failure():
         assert "allows no token" in info.value.public_message
         assert await text(SamplingParams(temperature=1.0, seed=1, max_tokens=8, structured_output=choice)) in ("alpha", "beta")
         assert len(engine.core.grammars) == 0
+
+
+async def test_replicas_share_one_grammar_cache_and_constrain_on_either():
+    import trio
+
+    from trioserve.actors.engine import open_engine
+    from trioserve.testing.tiny_model import engine_config
+
+    choices = ["alpha", "beta", "gamma"]
+    async with open_engine(engine_config(num_blocks=64, data_parallel_size=2), loaded=tiny_loaded()) as engine:
+        compilers = {id(replica.core.grammars.compiler) for replica in engine.replicas}
+        assert len(compilers) == 1  # compiled once by prepare, found by whichever replica gets the request
+
+        async def text(seed: int) -> str:
+            params = SamplingParams(temperature=1.0, seed=seed, max_tokens=8, structured_output=StructuredOutput.choice(choices))
+            return "".join([out.text_delta async for out in engine.generate(f"prompt {seed}", params)])
+
+        results: list[str] = []
+
+        async def run(seed: int) -> None:
+            results.append(await text(seed))
+
+        async with trio.open_nursery() as nursery:  # at once, so the load spreads them over both
+            for seed in range(6):
+                nursery.start_soon(run, seed)
+        assert len(results) == 6 and set(results) <= set(choices)
+        assert all(replica.executor.statistics().num_steps > 0 for replica in engine.replicas)
