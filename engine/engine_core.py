@@ -44,7 +44,8 @@ Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
 
 def kv_cache_num_blocks(config: EngineConfig, loaded: LoadedModel) -> int:
     """How many KV blocks the pool gets from ``config.kv_cache_memory`` (see EngineConfig)."""
-    per_block = kv_bytes_per_block(loaded.model_config, config.block_size, loaded.dtype)
+    # The model's own config: under tensor parallelism, one rank's KV heads.
+    per_block = kv_bytes_per_block(loaded.model.config, config.block_size, loaded.dtype)
     budget = config.kv_cache_memory
     if budget is None:
         budget = CUDA_DEFAULT_KV_FRACTION if loaded.device.type == "cuda" else CPU_DEFAULT_KV_BYTES
@@ -94,7 +95,7 @@ class EngineCore:
             torch.set_num_threads(config.num_threads)  # process-wide: the step is the only heavy user
         num_blocks = kv_cache_num_blocks(config, loaded)
         self.kv_cache = KVCache.allocate(
-            loaded.model_config,
+            loaded.model.config,
             num_blocks=num_blocks,
             block_size=config.block_size,
             dtype=loaded.dtype,
@@ -121,6 +122,10 @@ class EngineCore:
             sampler=Sampler(loaded.model_config.vocab_size, loaded.device),
             device=loaded.device,
         )
+        if config.tensor_parallel_size > 1:
+            from .tp_runner import tensor_parallel_runner
+
+            self.runner = tensor_parallel_runner(self.runner)
         if config.warm_up:
             start = time.perf_counter()
             calls = loaded.model.warm_up(config.max_num_seqs)
@@ -141,7 +146,12 @@ class EngineCore:
     @classmethod
     def from_config(cls, config: EngineConfig, *, own_pool: bool = True) -> EngineCore:
         """Load ``config.model`` (the default model when None) and build an engine on it."""
-        loaded = load_model(config.model, dtype=config.dtype, device=config.device)
+        if config.tensor_parallel_size > 1:
+            from .tp_runner import start_tensor_parallel
+
+            loaded = start_tensor_parallel(config)
+        else:
+            loaded = load_model(config.model, dtype=config.dtype, device=config.device)
         return cls(loaded, config, own_pool=own_pool)
 
     def new_block_manager(self) -> BlockManager:
@@ -343,6 +353,13 @@ class EngineCore:
         if self.block_manager is None:
             raise RuntimeError("this core's KV pool lives with an allocator actor: plan with propose/finalize")
         return self.scheduler.schedule(self.block_manager)
+
+    def close(self) -> None:
+        """Stop what the core started beside its own thread: the other ranks
+        of a tensor-parallel group (tp_runner.py). Idempotent; a core
+        without such ranks has nothing to stop."""
+        if self.config.tensor_parallel_size > 1:
+            self.runner.close()
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         return self.runner.execute(plan.plan)

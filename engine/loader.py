@@ -166,27 +166,7 @@ def load_model(
         for line in cpu_paths.describe():
             logger.debug("%s", line)
         cpu_paths.require_dtype(torch_dtype)
-    if model is None or model.lower() == DEFAULT_MODEL_NAME.lower():
-        source, name = default_model_path(), DEFAULT_MODEL_NAME
-    else:
-        source = Path(model).expanduser()
-        if not source.exists():
-            raise ModelLoadError(
-                f"{source}: no such file or folder (expected a checkpoint folder, a .gguf file "
-                f"or {DEFAULT_MODEL_NAME!r})"
-            )
-        name = source.stem if source.is_file() else source.resolve().name
-    if source.is_dir() and not (source / "config.json").exists():
-        # A folder holding just a GGUF file (as a download often is).
-        ggufs = sorted(source.glob("*.gguf"))
-        if len(ggufs) == 1:
-            source = ggufs[0]
-    if source.is_file():
-        if source.suffix.lower() != ".gguf":
-            raise ModelLoadError(f"{source}: expected a checkpoint folder or a .gguf file")
-        folder = gguf_cache.ensure_converted(source, cache_dir)
-    else:
-        folder = source
+    folder, name = resolve_checkpoint(model, cache_dir)
     model_config = read_model_config(folder)
     # The tokenizer (mostly Python, and transformers' import) loads while the
     # weight copies, which release the GIL, run.
@@ -212,6 +192,31 @@ def load_model(
         dtype=torch_dtype,
         device=torch_device,
     )
+
+
+def resolve_checkpoint(model: str | None, cache_dir: Path | None = None) -> tuple[Path, str]:
+    """The checkpoint folder ``model`` names (see ``load_model``; a GGUF file
+    is converted once into ``cache_dir``) and the model's name."""
+    if model is None or model.lower() == DEFAULT_MODEL_NAME.lower():
+        source, name = default_model_path(), DEFAULT_MODEL_NAME
+    else:
+        source = Path(model).expanduser()
+        if not source.exists():
+            raise ModelLoadError(
+                f"{source}: no such file or folder (expected a checkpoint folder, a .gguf file "
+                f"or {DEFAULT_MODEL_NAME!r})"
+            )
+        name = source.stem if source.is_file() else source.resolve().name
+    if source.is_dir() and not (source / "config.json").exists():
+        # A folder holding just a GGUF file (as a download often is).
+        ggufs = sorted(source.glob("*.gguf"))
+        if len(ggufs) == 1:
+            source = ggufs[0]
+    if source.is_file():
+        if source.suffix.lower() != ".gguf":
+            raise ModelLoadError(f"{source}: expected a checkpoint folder or a .gguf file")
+        return gguf_cache.ensure_converted(source, cache_dir), name
+    return source, name
 
 
 def read_model_config(folder: Path) -> ModelConfig:
