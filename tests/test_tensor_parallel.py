@@ -244,7 +244,7 @@ def test_sizes_that_do_not_split_the_model_are_refused_naming_its_heads(checkpoi
     # Before any rank starts: no child process is made.
     with pytest.raises(ValueError, match="9 attention heads"):
         EngineCore.from_config(EngineConfig(tensor_parallel_size=2))
-    assert not psutil.Process().children()
+    assert not _ranks_of(psutil.Process())
     qwen2 = read_model_config(checkpoints["qwen2"])  # 6 heads, 2 KV heads
     with pytest.raises(ValueError, match=r"neither divides the model's 2 KV heads"):
         check_tensor_parallel(qwen2, 3)
@@ -296,7 +296,7 @@ def test_rank_zero_waiting_for_a_missing_node_times_out_naming_the_address(check
     config = _config(checkpoints["qwen2"], tensor_parallel_size=2, nnodes=2, master_port=port, distributed_timeout=3)
     with pytest.raises(DistributedError, match=f"rendezvous at 127.0.0.1:{port} failed within 3 s"):
         EngineCore.from_config(config)
-    assert not psutil.Process().children()
+    assert not _ranks_of(psutil.Process())
 
 
 CHATS = [
