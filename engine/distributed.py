@@ -12,17 +12,15 @@ failure behaviour a server needs at start:
 - ``init_process_group`` gets the same ``timeout``, so a rank that never
   joins ends the wait with an error naming the address and the world size.
 
-``Rendezvous.from_environment`` reads torchrun's variables (``MASTER_ADDR``,
-``MASTER_PORT``, ``WORLD_SIZE``) for what the caller did not set.
+The command line takes torchrun's ``MASTER_ADDR`` and ``MASTER_PORT`` as
+the defaults of ``--master-addr`` and ``--master-port``.
 """
 
 from __future__ import annotations
 
 import datetime
-import os
 import socket
 import time
-from collections.abc import Mapping
 
 import attrs
 import torch
@@ -81,27 +79,6 @@ class Rendezvous:
     @property
     def address(self) -> str:
         return f"{self.master_addr}:{self.master_port}"
-
-    @classmethod
-    def from_environment(
-        cls, environ: Mapping[str, str] | None = None, **fields: object
-    ) -> Rendezvous:
-        """A rendezvous from ``fields``, taking ``master_addr``,
-        ``master_port`` and ``world_size`` from torchrun's ``MASTER_ADDR``,
-        ``MASTER_PORT`` and ``WORLD_SIZE`` where a field is None or absent."""
-        env = os.environ if environ is None else environ
-        names = {"master_addr": "MASTER_ADDR", "master_port": "MASTER_PORT", "world_size": "WORLD_SIZE"}
-        values = {k: v for k, v in fields.items() if v is not None}
-        for field, var in names.items():
-            if field not in values and env.get(var):
-                raw = env[var]
-                try:
-                    values[field] = raw if field == "master_addr" else int(raw)
-                except ValueError:
-                    raise ValueError(f"{var} must be an integer, got {raw!r}") from None
-        if "master_port" not in values:
-            raise ValueError("master_port is required (--master-port or MASTER_PORT)")
-        return cls(**values)
 
 
 def free_port(host: str = LOCALHOST) -> int:

@@ -63,7 +63,6 @@ class LoadShard:
     model: str | None
     dtype: str
     device_type: str
-    num_threads: int | None
 
 
 @attrs.frozen
@@ -294,7 +293,7 @@ def start_tensor_parallel(config: EngineConfig) -> LoadedModel:
     processes = start_local_ranks(rendezvous, local[1:], threads) if len(local) > 1 else []
     try:
         init_group(rendezvous, 0)
-        _broadcast(LoadShard(config.model, str(dtype).removeprefix("torch."), device.type, config.num_threads))
+        _broadcast(LoadShard(config.model, str(dtype).removeprefix("torch."), device.type))
         model = load_shard(folder, model_config, TPShard(model_config, 0, rendezvous.world_size), dtype=dtype, device=device)
         tokenizer = load_tokenizer(folder)
     except BaseException:

@@ -39,6 +39,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     from trioserve.engine.tp_runner import run_worker
 
+    try:
+        return _run_worker(run_worker, args)
+    except ValueError as exc:
+        print(f"trioserve worker: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run_worker(run_worker, args: argparse.Namespace) -> int:
     return run_worker(
         tensor_parallel_size=args.tensor_parallel_size,
         nnodes=args.nnodes,
