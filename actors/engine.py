@@ -373,6 +373,7 @@ async def open_engine(
         return
     # Loading and every step run on this one thread: see step_thread.py.
     step_thread = StepThread(config.num_threads)
+    core: EngineCore | None = None
     try:
         # The core gets no pool of its own: the allocator actor owns it, and
         # the core reaches it only with KVBatch / KVResult messages.
@@ -424,4 +425,8 @@ async def open_engine(
                 nursery.cancel_scope.cancel()
             control.close()
     finally:
+        if core is not None:
+            # Stops a tensor-parallel group's other ranks (a few seconds at most).
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(core.close)
         step_thread.close()  # steps are not cancellable: none is in flight here

@@ -188,6 +188,9 @@ def add_bench_offline_parser(bench_commands) -> None:
         default=1,
         help="also run the actor engine with this many replicas (--num-threads each), all prompts at once",
     )
+    p.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="the engine's ranks (docs/deployment.md; default: 1)"
+    )
     p.add_argument("--result-json", type=Path, default=None)
     p.set_defaults(func=run_bench_offline)
 
@@ -212,15 +215,23 @@ def _run_bench_offline(args: argparse.Namespace) -> int:
     from trioserve.engine.engine_core import EngineCore
     from trioserve.engine.loader import load_model
 
-    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     config_fields = dict(
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.input_len + args.output_len + 16,
         dtype=args.dtype,
         device=args.device,
+        tensor_parallel_size=args.tensor_parallel_size,
+        model=args.model,
     )
     config = EngineConfig(**config_fields)
+    if config.tensor_parallel_size > 1:
+        from trioserve.engine.tp_runner import start_tensor_parallel
+
+        # One group for every engine of the run (each sizes the ranks' KV pools anew).
+        loaded = start_tensor_parallel(config)
+    else:
+        loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     prompts = make_prompts(args.num_prompts, args.input_len, loaded.model_config.vocab_size, args.seed)
     gflops = measure_matmul_gflops(loaded.dtype, loaded.device)
     print(f"{args.dtype} matmul: {gflops:.1f} GFLOP/s ({torch.get_num_threads()} threads)", file=sys.stderr)
@@ -289,4 +300,8 @@ def _run_bench_offline(args: argparse.Namespace) -> int:
             "ratios": ratios,
         }
         args.result_json.write_text(json.dumps(payload, indent=2))
+    if config.tensor_parallel_size > 1:
+        from trioserve.engine.tp_runner import stop_tensor_parallel
+
+        stop_tensor_parallel(loaded.model)
     return 0

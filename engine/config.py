@@ -274,6 +274,30 @@ class EngineConfig:
     worker_mode: str = attrs.field(default="thread", validator=_worker_mode)
     max_worker_restarts: int = attrs.field(default=5, validator=integer_at_least(0))
     worker_restart_window: float = attrs.field(default=60.0, validator=_seconds)
+    # Tensor parallelism (docs/deployment.md): ranks in one torch.distributed
+    # group, ``nnodes`` machines with as many ranks each; this engine is
+    # node 0 and hosts the rendezvous at master_addr:master_port (None: a
+    # free port, on one machine only). ``distributed_timeout`` bounds the
+    # wait for the master's port, for every rank to join, and any collective.
+    tensor_parallel_size: int = attrs.field(default=1, validator=integer_at_least(1))
+    nnodes: int = attrs.field(default=1, validator=integer_at_least(1))
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = attrs.field(default=None, validator=optional_positive)
+    distributed_timeout: float = attrs.field(default=120.0, validator=optional_positive_finite)
+
+    def __attrs_post_init__(self) -> None:
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(
+                f"tensor_parallel_size ({self.tensor_parallel_size}) must be a multiple of nnodes ({self.nnodes})"
+            )
+        if self.nnodes > 1 and self.master_port is None:
+            raise ValueError("master_port is required when nnodes > 1 (the other machines must know where to meet)")
+        if self.tensor_parallel_size > 1 and (self.data_parallel_size > 1 or self.worker_mode != "thread"):
+            # Each would need a rank group per replica / inside the worker; refused rather than half-working.
+            raise ValueError(
+                "tensor_parallel_size > 1 runs with data_parallel_size 1 and worker_mode 'thread' only, "
+                f"got data_parallel_size={self.data_parallel_size}, worker_mode={self.worker_mode!r}"
+            )
 
     def resolved_max_model_len(self, model_config: ModelConfig) -> int:
         """The context limit in force: the user's, capped by the model's."""

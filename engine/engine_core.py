@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -35,6 +35,9 @@ from .scheduler import Scheduler, SchedulerOutput
 from .sequence import FinishReason, Request, RequestStatus
 from .tokenizer import apply_chat_template, check_text
 
+if TYPE_CHECKING:
+    from .tp_runner import TPRunner
+
 log = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
@@ -45,7 +48,8 @@ Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
 
 def kv_cache_num_blocks(config: EngineConfig, loaded: LoadedModel) -> int:
     """How many KV blocks the pool gets from ``config.kv_cache_memory`` (see EngineConfig)."""
-    per_block = kv_bytes_per_block(loaded.model_config, config.block_size, loaded.dtype)
+    # The model's own config: under tensor parallelism, one rank's KV heads.
+    per_block = kv_bytes_per_block(loaded.model.config, config.block_size, loaded.dtype)
     budget = config.kv_cache_memory
     if budget is None:
         budget = CUDA_DEFAULT_KV_FRACTION if loaded.device.type == "cuda" else CPU_DEFAULT_KV_BYTES
@@ -74,7 +78,7 @@ def build_runner(loaded: LoadedModel, config: EngineConfig, num_blocks: int) -> 
     """The model runner of ``loaded``: a KV cache of ``num_blocks`` blocks,
     a sampler, and (with ``config.warm_up``) the CPU kernels built."""
     kv_cache = KVCache.allocate(
-        loaded.model_config,
+        loaded.model.config,  # the model's own: under tensor parallelism, one rank's KV heads
         num_blocks=num_blocks,
         block_size=config.block_size,
         dtype=loaded.dtype,
@@ -138,8 +142,13 @@ class EngineCore:
             block_size=config.block_size,
             aging_interval=config.priority_aging_steps,
         )
-        self.runner: ModelRunner | None = build_runner(loaded, config, num_blocks) if runner else None
+        self.runner: ModelRunner | TPRunner | None = build_runner(loaded, config, num_blocks) if runner else None
         self.kv_cache: KVCache | None = None if self.runner is None else self.runner.kv_cache
+        if self.runner is not None and config.tensor_parallel_size > 1:
+            from .tp_runner import tensor_parallel_runner  # torch.distributed only when asked for
+
+            # Rank 0's runner, driving the other ranks.
+            self.runner = tensor_parallel_runner(self.runner)
         self._completions: dict[str, _Completion] = {}  # by child request id
         self._children: dict[str, tuple[str, ...]] = {}  # request id -> its completions' ids
         self._ended: list[Request] = []  # ended between steps, final output not yet reported
@@ -162,7 +171,12 @@ class EngineCore:
     @classmethod
     def from_config(cls, config: EngineConfig, *, own_pool: bool = True) -> EngineCore:
         """Load ``config.model`` (the default model when None) and build an engine on it."""
-        loaded = load_model(config.model, dtype=config.dtype, device=config.device)
+        if config.tensor_parallel_size > 1:
+            from .tp_runner import start_tensor_parallel
+
+            loaded = start_tensor_parallel(config)
+        else:
+            loaded = load_model(config.model, dtype=config.dtype, device=config.device)
         return cls(loaded, config, own_pool=own_pool)
 
     def new_block_manager(self) -> BlockManager:
@@ -400,6 +414,13 @@ class EngineCore:
         self._grammar_dead.add(request_id)
         self._failures[completion.parent_id] = GrammarError(f"structured output failed: {why}")
         self.abort(completion.parent_id, FinishReason.ERROR)
+
+    def close(self) -> None:
+        """Stop what the core started beside its own thread: the other ranks
+        of a tensor-parallel group (tp_runner.py). Idempotent; a core
+        without such ranks has nothing to stop."""
+        if self.config.tensor_parallel_size > 1 and self.runner is not None:
+            self.runner.close()
 
     def execute(self, plan: SchedulerOutput) -> RunnerOutput:
         if self.runner is None:

@@ -161,7 +161,7 @@ def load_model(
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     cpu_paths = _check_cpu(torch_device, torch_dtype, cpu_paths)
-    folder, name = _locate(model, cache_dir)
+    folder, name = resolve_checkpoint(model, cache_dir)
     model_config = read_model_config(folder)
     # The tokenizer (mostly Python, and transformers' import) loads while the
     # weight copies, which release the GIL, run.
@@ -198,6 +198,7 @@ class RemoteModel:
 
     cpu_paths: CpuPaths | None
     projection_choice: ProjectionChoice
+    config: ModelConfig  # as a loaded model's ``config``: what the KV cache is sized from
 
 
 def describe_model(
@@ -215,14 +216,15 @@ def describe_model(
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     cpu_paths = _check_cpu(torch_device, torch_dtype, None)
-    folder, name = _locate(model, cache_dir)
+    folder, name = resolve_checkpoint(model, cache_dir)
     model_config = read_model_config(folder)
     find_shards(folder)  # a folder without weights fails here, not in the worker
     tokenizer = load_tokenizer(folder)
-    remote = RemoteModel(cpu_paths, choose_projections(torch_device, torch_dtype, cpu_paths, None))
+    model_config = attrs.evolve(model_config, eos_token_ids=eos_token_ids(tokenizer, model_config.eos_token_ids, folder))
+    remote = RemoteModel(cpu_paths, choose_projections(torch_device, torch_dtype, cpu_paths, None), model_config)
     return LoadedModel(
         model=remote,  # type: ignore[arg-type]  # no weights here: the worker has them
-        model_config=attrs.evolve(model_config, eos_token_ids=eos_token_ids(tokenizer, model_config.eos_token_ids, folder)),
+        model_config=model_config,
         tokenizer=tokenizer,
         name=name,
         path=folder,
@@ -244,9 +246,9 @@ def _check_cpu(device: torch.device, dtype: torch.dtype, cpu_paths: CpuPaths | N
     return cpu_paths
 
 
-def _locate(model: str | None, cache_dir: Path | None) -> tuple[Path, str]:
-    """The checkpoint folder of ``model`` (a GGUF file converted once into
-    its cache folder) and the model's name."""
+def resolve_checkpoint(model: str | None, cache_dir: Path | None = None) -> tuple[Path, str]:
+    """The checkpoint folder ``model`` names (see ``load_model``; a GGUF file
+    is converted once into ``cache_dir``) and the model's name."""
     if model is None or model.lower() == DEFAULT_MODEL_NAME.lower():
         source, name = default_model_path(), DEFAULT_MODEL_NAME
     else:

@@ -306,13 +306,22 @@ class LlamaForCausalLM(nn.Module):
         made = self._projections()
         meta = AttentionMetadata.build(batch, kv_cache)
         cos, sin = self.rotary.cos_sin(batch.positions)
-        hidden = F.embedding(batch.input_ids, self.embed_tokens)
+        hidden = self.embed(batch.input_ids)
         for i, layer in enumerate(self.layers):
             hidden = layer(
                 hidden, made.layers[i], cos, sin, kv_cache.key[i], kv_cache.value[i], batch.slot_mapping, meta
             )
         hidden = hidden.index_select(0, batch.logits_indices)
         hidden = F.rms_norm(hidden, (hidden.shape[-1],), self.norm, self.config.rms_norm_eps)
+        return self.lm_logits(hidden, made)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The input embeddings of ``input_ids`` (a tensor-parallel shard
+        overrides this and ``lm_logits``: engine/tensor_parallel.py)."""
+        return F.embedding(input_ids, self.embed_tokens)
+
+    def lm_logits(self, hidden: torch.Tensor, made: _Made) -> torch.Tensor:
+        """Float32 logits of the final-normed ``hidden`` rows."""
         if made.packed:
             return onednn.linear(hidden, made.lm_head, None, "none").float()
         return F.linear(hidden, made.lm_head).float()

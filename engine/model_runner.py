@@ -58,6 +58,21 @@ class ModelRunner:
         self.sampler.forget(plan.released)
         if not plan.chunks:
             return RunnerOutput(sampled={}, logprobs={})
+        rows = [chunk.sampling for chunk in plan.chunks if chunk.sampling is not None]
+        with torch.inference_mode(), self._attention_backends():
+            logits = self.forward(plan)
+            if not rows:
+                return RunnerOutput(sampled={}, logprobs={})
+            result = self.sampler.sample(logits, rows, plan.token_mask)
+        ids = [row.request_id for row in rows]
+        logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs) if lp is not None}
+        return RunnerOutput(sampled=dict(zip(ids, result.token_ids)), logprobs=logprobs)
+
+    def forward(self, plan: StepPlan) -> torch.Tensor:
+        """Run the model over ``plan``'s chunks (not empty), writing their
+        keys and values; return the logits of the sampling chunks, in order.
+        The caller enters inference mode (a tensor-parallel rank other than
+        the first calls only this, and gets no logits: tp_runner.py)."""
         chunks = [
             SeqChunk(
                 token_ids=chunk.token_ids,
@@ -67,13 +82,5 @@ class ModelRunner:
             )
             for chunk in plan.chunks
         ]
-        rows = [chunk.sampling for chunk in plan.chunks if chunk.sampling is not None]
-        with torch.inference_mode(), self._attention_backends():
-            batch = ForwardBatch.build(chunks, block_size=self.block_size, device=self.device)
-            logits = self.model(batch, self.kv_cache)
-            if not rows:
-                return RunnerOutput(sampled={}, logprobs={})
-            result = self.sampler.sample(logits, rows, plan.token_mask)
-        ids = [row.request_id for row in rows]
-        logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs) if lp is not None}
-        return RunnerOutput(sampled=dict(zip(ids, result.token_ids)), logprobs=logprobs)
+        batch = ForwardBatch.build(chunks, block_size=self.block_size, device=self.device)
+        return self.model(batch, self.kv_cache)

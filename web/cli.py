@@ -10,7 +10,7 @@ from typing import Any
 from trioserve.engine.config import EngineConfig
 from trioserve.engine.errors import TrioserveError
 
-from .engine_options import add_engine_options, engine_config_from_args
+from .engine_options import add_engine_options, add_tensor_parallel_options, engine_config_from_args
 from .request_ids import RequestIdFilter
 from .serve_options import build_serve_parser, server_config_from_args
 
@@ -60,6 +60,29 @@ async def _generate_with_actors(config: EngineConfig, prompt: Any, max_tokens: i
     return 0
 
 
+def cmd_worker(args: argparse.Namespace) -> int:
+    from trioserve.engine.tp_runner import run_worker
+
+    try:
+        return _run_worker(run_worker, args)
+    except ValueError as exc:
+        print(f"trioserve worker: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run_worker(run_worker, args: argparse.Namespace) -> int:
+    return run_worker(
+        tensor_parallel_size=args.tensor_parallel_size,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        timeout=args.distributed_timeout,
+        num_threads=args.num_threads,
+        device=args.device,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trioserve", description="trioserve: an LLM serving engine on trio")
     parser.add_argument("--log-level", default="INFO")
@@ -79,6 +102,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     build_serve_parser(serve)
     serve.set_defaults(func=cmd_serve)
+
+    worker = commands.add_parser(
+        "worker",
+        help="run this machine's ranks of a tensor-parallel group led by a server on node 0",
+        description="Join the tensor-parallel group of `trioserve serve --nnodes N` on node 0 and run this "
+        "machine's ranks until the server stops (docs/deployment.md). The model and its settings come "
+        "from node 0; the checkpoint must be at the same path here.",
+    )
+    add_tensor_parallel_options(worker)
+    worker.add_argument("--node-rank", type=int, required=True, help="this machine's index, 1 .. nnodes-1")
+    worker.add_argument("--num-threads", type=int, default=None, help="torch threads per rank (default: cores / ranks)")
+    worker.add_argument("--device", default=None, help="cpu or cuda, as on node 0 (default: cuda when present)")
+    worker.set_defaults(func=cmd_worker)
 
     from trioserve.bench.cli import add_bench_serve_parser
     from trioserve.bench.offline import add_bench_offline_parser

@@ -10,11 +10,12 @@ or its fields.
 from __future__ import annotations
 
 import argparse
+import os
 
 from trioserve.engine.config import DegradationPolicy, EngineConfig
 from trioserve.engine.placement import plan_replicas
 
-from .option_types import fraction_or_off, parse_memory, recording, seconds
+from .option_types import count, fraction_or_off, parse_memory, recording, seconds
 
 
 def add_engine_options(parser: argparse.ArgumentParser, *, several_models: bool = False) -> list[argparse.Action]:
@@ -57,7 +58,48 @@ def add_engine_options(parser: argparse.ArgumentParser, *, several_models: bool 
         help="run the model step on a thread of this process, or in a worker process that is restarted "
         "if it dies, its requests recomputed (default: thread)",
     )
+    actions += add_tensor_parallel_options(parser)
     return actions
+
+
+def add_tensor_parallel_options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """Tensor parallelism over processes and machines (docs/deployment.md);
+    ``--master-addr`` and ``--master-port`` default to torchrun's
+    ``MASTER_ADDR`` and ``MASTER_PORT``. Returns the options added."""
+    group = parser.add_argument_group("tensor parallelism")
+    actions: list[argparse.Action] = []
+    add = recording(group, actions)
+    add("--tensor-parallel-size", type=count, default=1, help="ranks the model is split over (default: 1)")
+    add("--nnodes", type=count, default=1, help="machines the ranks run on; node 0 runs the server (default: 1)")
+    add(
+        "--master-addr",
+        default=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        help="address of node 0, where the ranks meet (default: $MASTER_ADDR or 127.0.0.1)",
+    )
+    add(
+        "--master-port",
+        type=count,
+        default=int(os.environ["MASTER_PORT"]) if os.environ.get("MASTER_PORT", "").isdigit() else None,
+        help="port of the rendezvous on node 0 (default: $MASTER_PORT; on one machine a free port)",
+    )
+    add(
+        "--distributed-timeout",
+        type=seconds,
+        default=120.0,
+        help="seconds to wait for the master and for every rank to join (default: 120)",
+    )
+    return actions
+
+
+def tensor_parallel_fields(args: argparse.Namespace) -> dict:
+    """The ``EngineConfig`` fields that ``add_tensor_parallel_options`` set."""
+    return dict(
+        tensor_parallel_size=args.tensor_parallel_size,
+        nnodes=args.nnodes,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        distributed_timeout=args.distributed_timeout,
+    )
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
@@ -76,6 +118,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConf
         num_threads=args.num_threads,
         data_parallel_size=args.data_parallel_size,
         worker_mode=args.worker_mode,
+        **tensor_parallel_fields(args),
     )
     fields.update(overrides)
     config = EngineConfig(**fields)
