@@ -314,10 +314,13 @@ class SchedulerActor:
         now = trio.current_time()
         # Decode chunks compute the token sampled last step; the rest is prefill.
         decodes = sum(1 for c in plan.chunks if c.is_decode)
-        self._prompt_rate.add(now, plan.num_batched_tokens - decodes)
-        self._generation_rate.add(now, len(reply.output.sampled))
-        self._total_prompt += plan.num_batched_tokens - decodes
-        self._total_generation += len(reply.output.sampled)
+        # Speculating chunks: their proposals are not prompt, their accepted tokens are generated.
+        drafts = sum(c.num_draft_tokens for c in plan.chunks)
+        generated = len(reply.output.sampled) + sum(map(len, reply.output.extra_tokens.values()))
+        self._prompt_rate.add(now, plan.num_batched_tokens - decodes - drafts)
+        self._generation_rate.add(now, generated)
+        self._total_prompt += plan.num_batched_tokens - decodes - drafts
+        self._total_generation += generated
         outputs = self.core.process_output(plan, reply.output)
         if self.concurrency is not None:
             scheduler = self.core.scheduler
@@ -581,6 +584,8 @@ class SchedulerActor:
             num_tokenizer_errors=self.core.num_tokenizer_errors,
             num_detokenizer_errors=self.core.num_detokenizer_errors,
             last_fault=self.core.last_fault,
+            num_draft_tokens=core.num_draft_tokens,
+            num_accepted_tokens=core.num_accepted_tokens,
         )
 
     def retry_after(self) -> float:

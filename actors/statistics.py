@@ -65,6 +65,9 @@ class SchedulerActorStatistics:
     num_tokenizer_errors: int = 0
     num_detokenizer_errors: int = 0
     last_fault: Fault | None = None
+    # Speculative decoding (--speculative): tokens proposed and, of those, accepted, since start.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @attrs.frozen

@@ -192,6 +192,9 @@ def add_bench_offline_parser(bench_commands) -> None:
         "--tensor-parallel-size", type=int, default=1, help="the engine's ranks (docs/deployment.md; default: 1)"
     )
     p.add_argument("--result-json", type=Path, default=None)
+    from trioserve.web.engine_options import add_speculative_options
+
+    add_speculative_options(p)
     p.set_defaults(func=run_bench_offline)
 
 
@@ -224,6 +227,9 @@ def _run_bench_offline(args: argparse.Namespace) -> int:
         tensor_parallel_size=args.tensor_parallel_size,
         model=args.model,
     )
+    from trioserve.web.engine_options import speculative_fields
+
+    config_fields.update(speculative_fields(args))
     config = EngineConfig(**config_fields)
     if config.tensor_parallel_size > 1:
         from trioserve.engine.tp_runner import start_tensor_parallel

@@ -163,6 +163,11 @@ def _worker_mode(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         raise ValueError(f"worker_mode must be one of {', '.join(map(repr, WORKER_MODES))}, got {value!r}")
 
 
+def _speculative(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value not in (None, "ngram"):
+        raise ValueError(f"speculative must be None or 'ngram', got {value!r}")
+
+
 def _seconds(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if value is None:
         raise ValueError(f"{attribute.name} must be a finite number > 0, got None")
@@ -284,8 +289,21 @@ class EngineConfig:
     master_addr: str = "127.0.0.1"
     master_port: int | None = attrs.field(default=None, validator=optional_positive)
     distributed_timeout: float = attrs.field(default=120.0, validator=optional_positive_finite)
+    # Speculative decoding without a draft model (engine/speculative.py):
+    # "ngram" proposes up to ``num_speculative_tokens`` tokens per decoding
+    # sequence and step by matching its latest ``speculative_max_ngram`` ..
+    # ``speculative_min_ngram`` tokens against its prompt and output; None: off.
+    speculative: str | None = attrs.field(default=None, validator=_speculative)
+    num_speculative_tokens: int = attrs.field(default=4, validator=integer_at_least(1))
+    speculative_max_ngram: int = attrs.field(default=4, validator=integer_at_least(1))
+    speculative_min_ngram: int = attrs.field(default=1, validator=integer_at_least(1))
 
     def __attrs_post_init__(self) -> None:
+        if self.speculative_min_ngram > self.speculative_max_ngram:
+            raise ValueError(
+                f"speculative_min_ngram ({self.speculative_min_ngram}) must be <= "
+                f"speculative_max_ngram ({self.speculative_max_ngram})"
+            )
         if self.tensor_parallel_size % self.nnodes:
             raise ValueError(
                 f"tensor_parallel_size ({self.tensor_parallel_size}) must be a multiple of nnodes ({self.nnodes})"

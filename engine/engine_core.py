@@ -20,7 +20,7 @@ import torch
 
 from .block_manager import BlockManager
 from .config import EngineConfig
-from .detokenizer import IncrementalDetokenizer
+from .detokenizer import DetokenizerDelta, IncrementalDetokenizer
 from .errors import InvalidRequestError, TokenizerError
 from .faults import Fault
 from .grammar import GrammarCompiler, GrammarError, GrammarMatchers, MaskRequest
@@ -33,6 +33,7 @@ from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import FinishReason, Request, RequestStatus
+from .speculative import speculative_proposer
 from .tokenizer import apply_chat_template, check_text
 
 if TYPE_CHECKING:
@@ -141,6 +142,7 @@ class EngineCore:
             num_blocks=num_blocks,
             block_size=config.block_size,
             aging_interval=config.priority_aging_steps,
+            proposer=speculative_proposer(config),
         )
         self.runner: ModelRunner | TPRunner | None = build_runner(loaded, config, num_blocks) if runner else None
         self.kv_cache: KVCache | None = None if self.runner is None else self.runner.kv_cache
@@ -446,7 +448,11 @@ class EngineCore:
             if completion is not None:
                 completion.preemptions += (now,)
         constrained = [rid for rid in output.sampled if rid in self.grammars and self.scheduler.get_request(rid) is not None]
-        finished = {r.request_id for r in self.scheduler.update_from_output(plan, output.sampled)}
+        # A speculating request may append several tokens (engine/speculative.py).
+        before = {rid: r.num_output_tokens for rid in output.extra_tokens if (r := self.scheduler.get_request(rid))}
+        finished = {
+            r.request_id for r in self.scheduler.update_from_output(plan, output.sampled, output.extra_tokens)
+        }
         for request_id in constrained:
             if not self.grammars.accept(request_id, output.sampled[request_id]):
                 self._grammar_failed(request_id, f"its grammar refused token {output.sampled[request_id]}")
@@ -459,8 +465,11 @@ class EngineCore:
                 continue
             if completion.first_token is None:
                 completion.first_token = now
+            token_ids = (token_id,)
+            if request_id in before:
+                token_ids = tuple(completion.request.output_token_ids[before[request_id] :])
             try:
-                delta = completion.detokenizer.add_tokens([token_id])
+                token_ids, delta = self._detokenize(completion, token_ids)
             except Exception as exc:
                 self._detokenizer_failed(completion, exc)
                 continue
@@ -474,15 +483,34 @@ class EngineCore:
                     self.scheduler.finish_request(request_id, FinishReason.STOP)
                     finished.add(request_id)
             if request_id in finished:
-                outputs.append(self._final_output(completion, (token_id,), delta.text, logprobs, now, delta.stop_str))
+                outputs.append(self._final_output(completion, token_ids, delta.text, logprobs, now, delta.stop_str))
             else:
-                outputs.append(self._output(completion, (token_id,), delta.text, logprobs, None, None, now))
+                outputs.append(self._output(completion, token_ids, delta.text, logprobs, None, None, now))
         if finished and self.block_manager is not None:
             # Return finished requests' blocks now, so an idle engine holds none.
             self._ended.extend(r for r in self.scheduler.free_finished(self.block_manager) if r.request_id in self._completions)
         if self._failures:
             self._end_failed()
         return outputs
+
+    @staticmethod
+    def _detokenize(completion: _Completion, token_ids: tuple[int, ...]) -> tuple[tuple[int, ...], DetokenizerDelta]:
+        """Feed a step's tokens to the completion's detokenizer one at a
+        time, so a stop string ends the output where plain decoding would:
+        the tokens after it are taken off the request's output. Returns the
+        tokens kept and their delta."""
+        if len(token_ids) == 1:
+            return token_ids, completion.detokenizer.add_tokens(token_ids)
+        texts = []
+        for j, token_id in enumerate(token_ids):
+            delta = completion.detokenizer.add_tokens([token_id])
+            texts.append(delta.text)
+            if delta.stop_str is not None:
+                dropped = len(token_ids) - j - 1
+                if dropped:
+                    del completion.request.output_token_ids[-dropped:]
+                return token_ids[: j + 1], attrs.evolve(delta, text="".join(texts))
+        return token_ids, attrs.evolve(delta, text="".join(texts))
 
     # -- detokenizer faults -----------------------------------------------------
 

@@ -26,6 +26,9 @@ class RunnerOutput:
 
     sampled: Mapping[str, int]
     logprobs: Mapping[str, TokenLogprobs]
+    # A speculating chunk's tokens after its sampled one: the accepted
+    # proposals after the first, then the corrected or bonus token.
+    extra_tokens: Mapping[str, tuple[int, ...]] = attrs.field(factory=dict)
 
 
 @attrs.define
@@ -63,10 +66,40 @@ class ModelRunner:
             logits = self.forward(plan)
             if not rows:
                 return RunnerOutput(sampled={}, logprobs={})
-            result = self.sampler.sample(logits, rows, plan.token_mask)
+            if not any(chunk.num_draft_tokens for chunk in plan.chunks):
+                result = self.sampler.sample(logits, rows, plan.token_mask)
+            else:
+                return self._sample_speculating(plan, logits)
         ids = [row.request_id for row in rows]
         logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs) if lp is not None}
         return RunnerOutput(sampled=dict(zip(ids, result.token_ids)), logprobs=logprobs)
+
+    def _sample_speculating(self, plan: StepPlan, logits: torch.Tensor) -> RunnerOutput:
+        # Plain rows are sampled together as usual; each speculating chunk
+        # verifies its proposal on its own rows of logits.
+        plain_rows, plain_index = [], []
+        sampled: dict[str, int] = {}
+        extra: dict[str, tuple[int, ...]] = {}
+        offset = 0
+        for chunk in plan.chunks:
+            if chunk.sampling is None:
+                continue
+            n = chunk.num_logits
+            if chunk.num_draft_tokens:
+                tokens = self.sampler.verify(logits[offset : offset + n], chunk.sampling, chunk.draft_token_ids)
+                sampled[chunk.request_id] = tokens[0]
+                extra[chunk.request_id] = tuple(tokens[1:])
+            else:
+                plain_rows.append(chunk.sampling)
+                plain_index.append(offset)
+            offset += n
+        logprobs = {}
+        if plain_rows:
+            result = self.sampler.sample(logits[plain_index], plain_rows, plan.token_mask)
+            ids = [row.request_id for row in plain_rows]
+            sampled.update(zip(ids, result.token_ids))
+            logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs) if lp is not None}
+        return RunnerOutput(sampled=sampled, logprobs=logprobs, extra_tokens=extra)
 
     def forward(self, plan: StepPlan) -> torch.Tensor:
         """Run the model over ``plan``'s chunks (not empty), writing their
@@ -78,7 +111,7 @@ class ModelRunner:
                 token_ids=chunk.token_ids,
                 start_position=chunk.start,
                 block_table=chunk.block_ids,
-                num_logits=1 if chunk.samples else 0,
+                num_logits=chunk.num_logits,
             )
             for chunk in plan.chunks
         ]

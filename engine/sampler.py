@@ -26,6 +26,7 @@ import torch
 
 from .grammar import unpack_bitmask
 from .sampling_params import SamplingParams
+from .speculative import verify_greedy, verify_sampled
 from .step_plan import SamplingRow, TokenMask
 
 # Temperatures below this are treated as greedy: dividing by them overflows.
@@ -330,9 +331,38 @@ class Sampler:
             per_row("repetition_penalty"),
         )
 
+    def verify(self, logits: torch.Tensor, row: SamplingRow, draft: Sequence[int]) -> list[int]:
+        """The tokens a speculating row emits (engine/speculative.py):
+        ``logits`` [len(draft) + 1, V] are its rows at the last known token
+        and at each proposed one. The row may speculate (``may_speculate``),
+        so stages 1-3 are the same at every position."""
+        logits = logits[:, : self.vocab_size].to(device=self.device, dtype=torch.float32)
+        rows = [row] * logits.shape[0]
+        logits = self._bias_mask_penalise(logits, rows, [row.params] * len(rows))
+        if row.params.temperature < _GREEDY_EPS:
+            return verify_greedy(logits, draft)
+        generator = self._generator(row) if row.params.seed is not None else None
+        return verify_sampled(self._probs(logits, rows), draft, generator)
+
     def _sample_random(self, logits: torch.Tensor, seqs: list[SamplingRow], rows: list[int]) -> torch.Tensor:
         if len(rows) != logits.shape[0]:
             logits = logits[rows]
+        probs = self._probs(logits, seqs)
+        params = [row.params for row in seqs]
+        seeded = [r for r, p in enumerate(params) if p.seed is not None]
+        if len(seeded) == len(params):
+            tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
+        else:
+            tokens = _exponential_race(probs)
+        # Each seeded row draws its noise alone from its own generator, so
+        # what it gets does not depend on the rest of the batch.
+        for r in seeded:
+            tokens[r] = _exponential_race(probs[r], self._generator(seqs[r]))
+        return tokens
+
+    def _probs(self, logits: torch.Tensor, seqs: Sequence[SamplingRow]) -> torch.Tensor:
+        """Stage 5 without the draw: each row's distribution after
+        temperature, top-k, top-p and min-p."""
         params = [row.params for row in seqs]
         temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
         logits = logits / temperature.unsqueeze(-1)
@@ -345,17 +375,7 @@ class Sampler:
             min_p = torch.tensor([p.min_p for p in params], dtype=logits.dtype, device=logits.device)
         if top_k is not None or top_p is not None or min_p is not None:
             logits = apply_top_k_top_p_min_p(logits, top_k, top_p, min_p)
-        probs = logits.softmax(dim=-1)
-        seeded = [r for r, p in enumerate(params) if p.seed is not None]
-        if len(seeded) == len(params):
-            tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
-        else:
-            tokens = _exponential_race(probs)
-        # Each seeded row draws its noise alone from its own generator, so
-        # what it gets does not depend on the rest of the batch.
-        for r in seeded:
-            tokens[r] = _exponential_race(probs[r], self._generator(seqs[r]))
-        return tokens
+        return logits.softmax(dim=-1)
 
     def _fill_logprobs(
         self,

@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
 
@@ -69,6 +69,7 @@ from .block_tables import BlockTables
 from .errors import InvalidRequestError, RequestTooLongError
 from .kv_batch import KVAllocation, KVBatch, KVBudget, KVCommit, KVResult
 from .sequence import FinishReason, Request, RequestStatus
+from .speculative import NgramProposer, may_speculate
 from .step_plan import SamplingRow, ScheduledChunk, StepPlan
 
 
@@ -105,6 +106,8 @@ class SchedulerStatistics:
     num_preemptions: int  # since start
     kv: KVBudget  # the pool as of the last batch
     num_paused: int = 0  # out of scheduling until resumed
+    num_draft_tokens: int = 0  # speculative decoding: tokens proposed, since start
+    num_accepted_tokens: int = 0  # ... and of those, accepted
 
     @property
     def kv_usage(self) -> float:
@@ -143,6 +146,13 @@ class Scheduler:
     num_blocks: int = attrs.field(kw_only=True)
     block_size: int = attrs.field(kw_only=True)
     aging_interval: int | None = attrs.field(default=None, kw_only=True)
+    # Speculative decoding (engine/speculative.py): a decoding sequence that
+    # may speculate runs [last token, proposal] when the proposal's tokens
+    # and blocks fit this step without preempting anyone.
+    proposer: NgramProposer | None = attrs.field(default=None, kw_only=True)
+    _drafts: dict[str, tuple[int, ...]] = attrs.field(init=False, factory=dict)  # planned this step
+    _num_draft_tokens: int = attrs.field(init=False, default=0)
+    _num_accepted_tokens: int = attrs.field(init=False, default=0)
     _requests: dict[str, Request] = attrs.field(init=False, factory=dict)  # unfinished
     _waiting: list[Request] = attrs.field(init=False, factory=list)  # sorted by _key
     _running: list[Request] = attrs.field(init=False, factory=list)
@@ -305,6 +315,7 @@ class Scheduler:
             self._waiting.sort(key=self._key)  # effective priorities moved on
         commits, frees, num_freed = self._release_pending()
         step = _StepBudget(tokens=self.max_num_batched_tokens, free_blocks=self._budget.num_free_blocks + num_freed)
+        self._drafts.clear()
 
         decodes = [r for r in self._running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in self._running if r.num_tokens - r.num_computed_tokens > 1]
@@ -315,6 +326,8 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             num_tokens = min(request.num_tokens - request.num_computed_tokens, step.tokens)
             num_blocks = max(0, self._blocks_for(request.num_computed_tokens + num_tokens) - len(request.block_ids))
+            if self.proposer is not None and num_tokens == 1 and request.num_output_tokens > 0:
+                num_tokens, num_blocks = self._plan_draft(request, step, num_blocks)
             while num_blocks > step.free_blocks and request.status is RequestStatus.RUNNING:
                 self._preempt_planned(max(self._running, key=self._key), step)
             if request.status is RequestStatus.RUNNING:
@@ -372,6 +385,7 @@ class Scheduler:
         """Preempt ``victim`` while planning: give back what was planned for
         it this step and the blocks its free returns."""
         undone_tokens, undone_blocks = step.planned.pop(victim.request_id, (0, 0))
+        self._drafts.pop(victim.request_id, None)
         step.tokens += undone_tokens
         self._running.remove(victim)
         step.free_blocks += undone_blocks + self._tables.drop(victim.request_id)
@@ -414,7 +428,7 @@ class Scheduler:
                 self._waiting.remove(request)
                 self._running.append(request)
                 request.status = RequestStatus.RUNNING
-            chunks.append(self._chunk(request, start, num_tokens, table))
+            chunks.append(self._chunk(request, start, num_tokens, table, self._drafts.pop(rid, ())))
         released = ()
         if chunks:
             # A plan without chunks never reaches the runner: keep them for the next.
@@ -425,11 +439,38 @@ class Scheduler:
             finished=in_flight.finished,
         )
 
+    def _plan_draft(self, request: Request, step: _StepBudget, num_blocks: int) -> tuple[int, int]:
+        """A decoding request's tokens and new blocks this step with its
+        proposal, if it may speculate and the proposal fits what is left of
+        the step (else its plain 1 token and ``num_blocks``)."""
+        assert self.proposer is not None
+        params = request.sampling_params
+        if not may_speculate(params, request.num_output_tokens):
+            return 1, num_blocks
+        # Room for the proposal and the token after it: past a limit the
+        # tokens would be cut anyway.
+        limit = min(step.tokens - 1, self.max_context_len - request.num_tokens)
+        if params.max_tokens is not None:
+            limit = min(limit, params.max_tokens - request.num_output_tokens - 1)
+        draft = self.proposer.propose(request.all_token_ids, limit)
+        if not draft:
+            return 1, num_blocks
+        num_tokens = 1 + len(draft)
+        blocks = max(0, self._blocks_for(request.num_computed_tokens + num_tokens) - len(request.block_ids))
+        if blocks > step.free_blocks:
+            return 1, num_blocks  # speculation never preempts
+        self._drafts[request.request_id] = draft
+        return num_tokens, blocks
+
     @staticmethod
-    def _chunk(request: Request, start: int, num_tokens: int, table: tuple[int, ...]) -> ScheduledChunk:
+    def _chunk(
+        request: Request, start: int, num_tokens: int, table: tuple[int, ...], draft: tuple[int, ...] = ()
+    ) -> ScheduledChunk:
         """The chunk's value: its tokens sliced from the prompt or the output
-        (a decode step copies one token, never the whole sequence)."""
+        (a decode step copies one token, never the whole sequence), then a
+        proposal to verify."""
         prompt, output = request.prompt_token_ids, request.output_token_ids
+        num_tokens -= len(draft)
         end = start + num_tokens
         if start >= len(prompt):
             tokens = tuple(output[start - len(prompt) : end - len(prompt)])
@@ -442,13 +483,22 @@ class Scheduler:
             sampling = SamplingRow.for_sequence(
                 request.request_id, request.sampling_params, prompt, output, request.eos_token_ids
             )
-        return ScheduledChunk(request.request_id, start, tokens, table, sampling)
+        return ScheduledChunk(request.request_id, start, tokens + draft, table, sampling, len(draft))
 
-    def update_from_output(self, output: SchedulerOutput, sampled: Mapping[str, int]) -> list[Request]:
+    def update_from_output(
+        self,
+        output: SchedulerOutput,
+        sampled: Mapping[str, int],
+        extra_tokens: Mapping[str, Sequence[int]] | None = None,
+    ) -> list[Request]:
         """Advance every chunk's request, append sampled tokens and apply
         token-level stops; return the requests that finished.
 
-        ``sampled`` maps the id of each chunk that samples to its new token.
+        ``sampled`` maps the id of each chunk that samples to its new token;
+        ``extra_tokens`` a speculating chunk's tokens after it (its accepted
+        proposals, then one more). A speculating request advances by the
+        tokens accepted; the rest of its chunk is rolled back (its slots are
+        overwritten later). Tokens after a stop are dropped.
         A request finished since the plan was made is skipped.
         """
         finished: list[Request] = []
@@ -460,16 +510,26 @@ class Scheduler:
                 f"request {request.request_id!r} has {request.num_computed_tokens} computed tokens, "
                 f"chunk starts at {chunk.start}"
             )
-            request.num_computed_tokens += chunk.num_tokens
             if not chunk.samples:
+                request.num_computed_tokens += chunk.num_tokens
                 continue
             if request.request_id not in sampled:
                 raise ValueError(f"no sampled token for request {request.request_id!r}, whose chunk samples")
-            request.output_token_ids.append(sampled[request.request_id])
-            reason = self._stop_reason(request)
-            if reason is not None:
-                self._finish(request, reason)
-                finished.append(request)
+            tokens = [sampled[request.request_id]]
+            if chunk.num_draft_tokens:
+                tokens.extend((extra_tokens or {}).get(request.request_id, ()))
+                accepted = len(tokens) - 1
+                assert accepted <= chunk.num_draft_tokens, f"{accepted} tokens accepted of {chunk.num_draft_tokens}"
+                self._num_draft_tokens += chunk.num_draft_tokens
+                self._num_accepted_tokens += accepted
+            request.num_computed_tokens += chunk.num_tokens - chunk.num_draft_tokens + len(tokens) - 1
+            for token in tokens:
+                request.output_token_ids.append(token)
+                reason = self._stop_reason(request)
+                if reason is not None:
+                    self._finish(request, reason)
+                    finished.append(request)
+                    break
         return finished
 
     def _stop_reason(self, request: Request) -> FinishReason | None:
@@ -624,6 +684,8 @@ class Scheduler:
             num_preemptions=self._num_preemptions,
             kv=self._budget,
             num_paused=len(self._paused),
+            num_draft_tokens=self._num_draft_tokens,
+            num_accepted_tokens=self._num_accepted_tokens,
         )
 
     def check_invariants(self) -> None:

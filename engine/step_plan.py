@@ -64,7 +64,10 @@ class ScheduledChunk:
 
     ``block_ids`` is the sequence's block table, covering at least those
     positions. ``sampling`` is set when the chunk reaches the sequence's last
-    known token, so the step samples its next token.
+    known token, so the step samples its next token. A speculating chunk
+    (engine/speculative.py) ends with ``num_draft_tokens`` proposed tokens
+    after that last known token: the step wants logits at each of them and
+    verifies the proposal.
     """
 
     request_id: str
@@ -72,6 +75,16 @@ class ScheduledChunk:
     token_ids: tuple[int, ...]
     block_ids: tuple[int, ...]
     sampling: SamplingRow | None = None
+    num_draft_tokens: int = 0
+
+    @property
+    def draft_token_ids(self) -> tuple[int, ...]:
+        return self.token_ids[self.num_tokens - self.num_draft_tokens :]
+
+    @property
+    def num_logits(self) -> int:
+        """Logit rows the step needs: one per verified position."""
+        return 1 + self.num_draft_tokens if self.sampling is not None else 0
 
     @property
     def num_tokens(self) -> int:
@@ -85,7 +98,11 @@ class ScheduledChunk:
     def is_decode(self) -> bool:
         """It computes only the token sampled last step (else it is prompt,
         or output recomputed after a preemption)."""
-        return self.num_tokens == 1 and self.sampling is not None and self.sampling.num_output_tokens > 0
+        return (
+            self.num_tokens - self.num_draft_tokens == 1
+            and self.sampling is not None
+            and self.sampling.num_output_tokens > 0
+        )
 
 
 @attrs.frozen

@@ -145,6 +145,8 @@ class Stats:
     num_preemptions: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
 
 
 def test_statistics_set_gauges_and_advance_counters():

@@ -59,6 +59,7 @@ def add_engine_options(parser: argparse.ArgumentParser, *, several_models: bool 
         "if it dies, its requests recomputed (default: thread)",
     )
     actions += add_tensor_parallel_options(parser)
+    actions += add_speculative_options(parser)
     return actions
 
 
@@ -102,6 +103,36 @@ def tensor_parallel_fields(args: argparse.Namespace) -> dict:
     )
 
 
+def add_speculative_options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """Speculative decoding without a draft model (engine/speculative.py).
+    Returns the options added."""
+    group = parser.add_argument_group("speculative decoding")
+    actions: list[argparse.Action] = []
+    add = recording(group, actions)
+    add(
+        "--speculative",
+        default=None,
+        choices=["ngram"],
+        help="ngram: propose each decoding sequence's next tokens by matching its latest tokens against its "
+        "prompt and output (prompt lookup) and verify them in one forward; greedy output is unchanged "
+        "(default: off)",
+    )
+    add("--num-speculative-tokens", type=count, default=4, help="tokens proposed per sequence and step (default: 4)")
+    add("--speculative-max-ngram", type=count, default=4, help="longest n-gram matched (default: 4)")
+    add("--speculative-min-ngram", type=count, default=1, help="shortest n-gram matched (default: 1)")
+    return actions
+
+
+def speculative_fields(args: argparse.Namespace) -> dict:
+    """The ``EngineConfig`` fields that ``add_speculative_options`` set."""
+    return dict(
+        speculative=args.speculative,
+        num_speculative_tokens=args.num_speculative_tokens,
+        speculative_max_ngram=args.speculative_max_ngram,
+        speculative_min_ngram=args.speculative_min_ngram,
+    )
+
+
 def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
     """The ``EngineConfig`` that ``add_engine_options``'s values describe;
     ``overrides`` replace fields or set others."""
@@ -119,6 +150,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConf
         data_parallel_size=args.data_parallel_size,
         worker_mode=args.worker_mode,
         **tensor_parallel_fields(args),
+        **speculative_fields(args),
     )
     fields.update(overrides)
     config = EngineConfig(**fields)

@@ -74,6 +74,8 @@ class MetricsSource(Protocol):
     num_preemptions: int
     prompt_tokens: int
     generation_tokens: int
+    spec_decode_num_draft_tokens: int  # speculative decoding: tokens proposed
+    spec_decode_num_accepted_tokens: int  # of those, accepted
 
 
 class OverloadSource(Protocol):
@@ -86,7 +88,15 @@ class OverloadSource(Protocol):
 
 
 # Engine totals mirrored into counters of the same name.
-_TOTALS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens")
+_TOTALS = (
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "num_preemptions",
+    "prompt_tokens",
+    "generation_tokens",
+    "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens",
+)
 
 
 @attrs.define
@@ -135,6 +145,12 @@ class Metrics:
         self.num_preemptions = counter("num_preemptions", "Requests preempted to free KV blocks.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.spec_decode_num_draft_tokens = counter(
+            "spec_decode_num_draft_tokens", "Speculative decoding: tokens proposed (--speculative)."
+        )
+        self.spec_decode_num_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens", "Speculative decoding: proposed tokens accepted."
+        )
         self.request_success = counter("request_success", "Requests finished, by finish reason.", "finished_reason")
         self.request_rejected = counter("request_rejected", "Requests refused, by reason.", "reason")
         self.concurrency_limit = gauge(

@@ -27,6 +27,8 @@ class MetricsStatistics:
     num_preemptions: int
     prompt_tokens: int
     generation_tokens: int
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
 
     @classmethod
     def from_engine(cls, stats: EngineStatistics) -> MetricsStatistics:
@@ -40,6 +42,8 @@ class MetricsStatistics:
             num_preemptions=stats.scheduler.num_preemptions,
             prompt_tokens=stats.scheduler.total_prompt_tokens,
             generation_tokens=stats.scheduler.total_generation_tokens,
+            spec_decode_num_draft_tokens=stats.scheduler.num_draft_tokens,
+            spec_decode_num_accepted_tokens=stats.scheduler.num_accepted_tokens,
         )
 
 
