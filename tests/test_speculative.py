@@ -41,6 +41,7 @@ def greedy(max_tokens: int = 40, **kw: Any) -> SamplingParams:
 def run_core(speculative: str | None, requests: list[tuple[str, str, SamplingParams]], **config: Any):
     """Step a core until done; per request (tokens, text, finish, count),
     and the core for its statistics. Checks the pool after every step."""
+    config.setdefault("num_blocks", 64)  # the pool is checked after every step: keep it small
     core = EngineCore(tiny_loaded(), engine_config(speculative=speculative, **config))
     for request_id, prompt, params in requests:
         core.add_request(request_id, prompt, params)
@@ -212,9 +213,15 @@ def test_sampler_verify_draws_from_the_processed_distribution_and_is_seeded():
         sampler = Sampler(vocab)
         return [sampler.verify(logits, row, [2]) for _ in range(count)]
 
-    out = draws(20_000)
+    # Thousands of tiny draws: one thread spares them an OpenMP wake-up each.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = draws(5_000)
+    finally:
+        torch.set_num_threads(threads)
     first = collections.Counter(o[0] for o in out)
-    assert total_variation(first, target, len(out)) < 0.02
+    assert total_variation(first, target, len(out)) < 0.03  # always accepting token 2 would give about 0.95
     assert first[3] == first[4] == 0  # dropped by top_k
     # Seeded: a fresh sampler with the same seed draws the same tokens.
-    assert draws(50) == out[:50]
+    assert draws(20) == out[:20]
