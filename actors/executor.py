@@ -312,9 +312,19 @@ class FakeExecutor(Executor):
             for offset, token_id in enumerate(chunk.token_ids):
                 self._slots[self._slot(chunk.block_ids, chunk.start + offset)] = token_id
         sampled = {}
+        extra = {}
         for chunk in plan.chunks:
             if chunk.samples:
-                end = chunk.start + chunk.num_tokens
+                end = chunk.start + chunk.num_tokens - chunk.num_draft_tokens
                 context = [self._slots[self._slot(chunk.block_ids, p)] for p in range(end)]
-                sampled[chunk.request_id] = self._token(chunk, context)
-        return RunnerOutput(sampled=sampled, logprobs={})
+                tokens = [self._token(chunk, context)]
+                # A speculating chunk is verified greedily, as the model runner would.
+                for draft in chunk.draft_token_ids:
+                    if tokens[-1] != draft:
+                        break
+                    context.append(draft)
+                    tokens.append(self._token(chunk, context))
+                sampled[chunk.request_id] = tokens[0]
+                if chunk.num_draft_tokens:
+                    extra[chunk.request_id] = tuple(tokens[1:])
+        return RunnerOutput(sampled=sampled, logprobs={}, extra_tokens=extra)

@@ -17,6 +17,7 @@ import trio
 from actor_fixtures import assert_clean, tiny_loaded
 
 from trioserve.actors import open_engine
+from trioserve.actors.executor import FakeExecutor
 from trioserve.engine.engine_core import EngineCore
 from trioserve.engine.sampler import Sampler
 from trioserve.engine.sampling_params import SamplingParams
@@ -225,3 +226,48 @@ def test_sampler_verify_draws_from_the_processed_distribution_and_is_seeded():
     assert first[3] == first[4] == 0  # dropped by top_k
     # Seeded: a fresh sampler with the same seed draws the same tokens.
     assert draws(20) == out[:20]
+
+
+def copying_token(chunk: Any, context: list[int]) -> int:
+    """A fake model that repeats its context with a period set by the request
+    (so n-gram proposals are mostly right), every so often breaking it."""
+    period = 3 + int(chunk.request_id[1:]) % 4
+    if len(context) % 11 == 0:
+        return 100 + len(context) % 50
+    return context[-period] if len(context) >= period else 100
+
+
+async def test_fake_executor_verifies_greedily_and_the_pool_ends_clean(autojump_clock):
+    async def run(speculative: str | None) -> tuple[dict[str, list[int]], Any, int]:
+        executors: list[FakeExecutor] = []
+
+        def make(core: EngineCore) -> FakeExecutor:
+            executor = FakeExecutor.for_core(core, step_time=0.01, token=copying_token)
+            executors.append(executor)
+            return executor
+
+        results: dict[str, list[int]] = {}
+        # 12 sequences of up to about 60 tokens in 20 blocks of 16: preemption.
+        config = engine_config(num_blocks=20, max_num_seqs=12, speculative=speculative)
+        async with open_engine(config, loaded=tiny_loaded(), executor=make) as engine:
+
+            async def one(i: int) -> None:
+                tokens: list[int] = []
+                params = greedy(40 + i, stop_token_ids=[110 + i])
+                async for out in engine.generate(PROMPTS[i % 4], params, request_id=f"r{i}"):
+                    tokens.extend(out.new_token_ids)
+                results[f"r{i}"] = tokens
+
+            async with trio.open_nursery() as nursery:
+                for i in range(12):
+                    nursery.start_soon(one, i)
+            stats = engine.statistics()
+            assert_clean(engine)
+        return results, stats, len(executors[0].plans)
+
+    plain, plain_stats, plain_steps = await run(None)
+    spec, stats, steps = await run("ngram")
+    assert spec == plain
+    assert plain_stats.scheduler.num_preemptions > 0 and stats.scheduler.num_preemptions > 0
+    assert stats.scheduler.num_accepted_tokens > stats.scheduler.num_draft_tokens // 2
+    assert steps < plain_steps
