@@ -508,7 +508,9 @@ class EngineCore:
             if delta.stop_str is not None:
                 dropped = len(token_ids) - j - 1
                 if dropped:
-                    del completion.request.output_token_ids[-dropped:]
+                    request = completion.request
+                    del request.output_token_ids[-dropped:]
+                    request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
                 return token_ids[: j + 1], attrs.evolve(delta, text="".join(texts))
         return token_ids, attrs.evolve(delta, text="".join(texts))
 

@@ -530,6 +530,8 @@ class Scheduler:
                     self._finish(request, reason)
                     finished.append(request)
                     break
+            # Cut at a stop, accepted tokens past it are not computed tokens either.
+            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
         return finished
 
     def _stop_reason(self, request: Request) -> FinishReason | None:
