@@ -15,6 +15,7 @@ import pytest
 import torch
 import trio
 from actor_fixtures import assert_clean, tiny_loaded
+from factories import make_request, make_scheduler
 
 from trioserve.actors import open_engine
 from trioserve.actors.executor import FakeExecutor
@@ -271,3 +272,25 @@ async def test_fake_executor_verifies_greedily_and_the_pool_ends_clean(autojump_
     assert plain_stats.scheduler.num_preemptions > 0 and stats.scheduler.num_preemptions > 0
     assert stats.scheduler.num_accepted_tokens > stats.scheduler.num_draft_tokens // 2
     assert steps < plain_steps
+
+
+def test_a_stop_inside_accepted_tokens_leaves_no_computed_token_past_the_output():
+    scheduler, pool = make_scheduler(block_size=4)
+    scheduler.proposer = NgramProposer(num_speculative_tokens=4)
+    request = make_request("r", [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1], max_tokens=10, stop_token_ids=[4])
+    scheduler.add_request(request)
+    prefill = scheduler.schedule(pool)
+    scheduler.update_from_output(prefill, {"r": 2})
+    # "5 1 2" recurs: the proposal is what followed it, "3 4 5 1".
+    step = scheduler.schedule(pool)
+    (chunk,) = step.chunks
+    assert (chunk.start, chunk.token_ids, chunk.num_logits) == (11, (2, 3, 4, 5, 1), 5)
+    # All four accepted, but the second token is a stop: 3 and 4 are kept.
+    finished = scheduler.update_from_output(step, {"r": 3}, {"r": (4, 5, 1, 7)})
+    assert finished == [request] and request.output_token_ids == [2, 3, 4]
+    assert request.num_computed_tokens == request.num_tokens == 14
+    assert scheduler.statistics().num_accepted_tokens == 4
+    scheduler.free_finished(pool)
+    scheduler.check_invariants()
+    pool.check_invariants(scheduler.block_holders())
+    assert pool.statistics().num_free_blocks == pool.num_blocks
