@@ -12,6 +12,7 @@ configured by ``TRIOSERVE_*`` environment variables::
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from quart_trio import QuartTrio
 
@@ -23,6 +24,11 @@ from .host import EXTENSION, ModelHost
 from .serve_options import server_config_from_env
 from .settings import ServerConfig
 
+if TYPE_CHECKING:
+    from trioserve.rpc.service import GrpcService
+
+# The key of the gRPC service in ``app.extensions``.
+GRPC_EXTENSION = "trioserve.grpc"
 # Seconds past ``shutdown_timeout`` that the engines get to abort what is
 # left and close, before quart cancels the serving nursery.
 SHUTDOWN_MARGIN = 10.0
@@ -52,17 +58,39 @@ def create_app(
     )
     app.extensions[EXTENSION] = host
     routes.register(app)
+    grpc_service = _grpc_service(app, host)
 
     @app.before_serving
     async def start_engines() -> None:
         await app.nursery.start(host.run)
+        if grpc_service is not None:
+            await app.nursery.start(grpc_service.run)
 
     @app.after_serving
     async def stop_engines() -> None:
         host.begin_drain()
         await host.wait_stopped()
+        if grpc_service is not None:
+            await grpc_service.wait_stopped()
 
     return app
+
+
+def _grpc_service(app: QuartTrio, host: ModelHost) -> GrpcService | None:
+    """The gRPC service ``host.config`` asks for (``grpc_port``), kept in ``app.extensions``."""
+    if host.config.grpc_port is None:
+        return None
+    from trioserve.rpc.service import GrpcService, bind_address
+
+    service = GrpcService(host, bind_address(host.config.grpc_host, host.config.grpc_port))
+    app.extensions[GRPC_EXTENSION] = service
+    return service
+
+
+def app_grpc(app: QuartTrio) -> GrpcService | None:
+    """The gRPC service of an app made by ``create_app`` (None without ``grpc_port``);
+    its ``port`` is the bound one once serving."""
+    return app.extensions.get(GRPC_EXTENSION)
 
 
 def app_host(app: QuartTrio) -> ModelHost:

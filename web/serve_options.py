@@ -106,6 +106,13 @@ def _add_serve_options(parser: argparse.ArgumentParser) -> list[argparse.Action]
         f"on a fresh step thread and /health reports it; 0 turns the watchdog off (default: {DEFAULT_WATCHDOG_TIMEOUT:g})",
     )
     actions += add_engine_options(parser, several_models=True)
+    add(
+        "--grpc-port",
+        type=int,
+        default=None,
+        help="also serve the gRPC API (proto/trioserve.proto) and grpc.health.v1 on --host at this port; "
+        "0 picks a free one (default: no gRPC)",
+    )
     return actions
 
 
@@ -134,6 +141,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         send_timeout=args.send_timeout,
         max_connections=args.max_connections,
         log_requests=args.log_requests,
+        grpc_port=args.grpc_port,
+        grpc_host=args.host,
     )
 
 

@@ -73,6 +73,11 @@ def _unique_names(instance: object, attribute: attrs.Attribute, value: tuple[Mod
         raise ValueError(f"model names must be unique; {', '.join(map(repr, duplicates))} given twice")
 
 
+def _optional_port(instance: object, attribute: attrs.Attribute, value: int | None) -> None:
+    if value is not None and not (isinstance(value, int) and 0 <= value <= 65535):
+        raise ValueError(f"{attribute.name} must be a port number in [0, 65535], got {value!r}")
+
+
 @attrs.frozen(kw_only=True)
 class ServerConfig:
     """Everything ``create_app`` needs.
@@ -106,6 +111,10 @@ class ServerConfig:
     send_timeout: float = attrs.field(default=DEFAULT_SEND_TIMEOUT, validator=positive)
     max_connections: int | None = attrs.field(default=None, validator=optional_positive)
     log_requests: bool = False
+    # gRPC (rpc/, docs/api.md "gRPC"): served on grpc_host:grpc_port beside
+    # the HTTP server when grpc_port is set (0 picks a free port).
+    grpc_port: int | None = attrs.field(default=None, validator=_optional_port)
+    grpc_host: str = "127.0.0.1"
 
     @property
     def model_names(self) -> tuple[str, ...]:
