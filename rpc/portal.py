@@ -33,7 +33,7 @@ import trio
 log = logging.getLogger(__name__)
 
 # Items a stream may have posted but not yet handed to gRPC.
-DEFAULT_WINDOW = 8
+DEFAULT_WINDOW = 16
 
 
 class PortalClosed(Exception):
