@@ -245,6 +245,8 @@ class EngineConfig:
     # left to be aborted and the step in flight to finish before it cancels
     # the actors. Call ``Engine.drain`` first to let requests finish.
     shutdown_timeout: float = attrs.field(default=DEFAULT_SHUTDOWN_TIMEOUT, validator=positive)
+    # Plugins to load by entry-point name (engine/plugins.py; --plugins).
+    plugins: tuple[str, ...] = attrs.field(default=(), converter=tuple)
 
     def resolved_max_model_len(self, model_config: ModelConfig) -> int:
         """The context limit in force: the user's, capped by the model's."""

@@ -27,10 +27,12 @@ from .kv_cache import KVCache, kv_bytes_per_block
 from .loader import LoadedModel, load_model
 from .model_runner import ModelRunner, RunnerOutput
 from .outputs import RequestOutput, RequestTimes
+from .plugins import PluginError, Plugins
 from .new_request import NewRequest, check_priority, check_request_id
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
+from .scheduling_policy import scheduling_policy
 from .sequence import FinishReason, Request, RequestStatus
 from .tokenizer import apply_chat_template, check_text
 
@@ -107,6 +109,8 @@ class EngineCore:
         # pool lives with an allocator actor (``new_block_manager``) and
         # every change reaches it as a ``KVBatch`` with the next step.
         self.block_manager: BlockManager | None = self.new_block_manager() if own_pool else None
+        # Plugins by entry-point name; an unknown one stops here (engine/plugins.py).
+        self.plugins = Plugins.load(config.plugins)
         self.scheduler = Scheduler(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -114,11 +118,14 @@ class EngineCore:
             num_blocks=num_blocks,
             block_size=config.block_size,
             aging_interval=config.priority_aging_steps,
+            policy=scheduling_policy(self.plugins, config),
         )
         self.runner = ModelRunner(
             model=loaded.model,
             kv_cache=self.kv_cache,
-            sampler=Sampler(loaded.model_config.vocab_size, loaded.device),
+            sampler=Sampler(
+                loaded.model_config.vocab_size, loaded.device, logits_processors=self.plugins.logits_processors
+            ),
             device=loaded.device,
         )
         if config.warm_up:
@@ -205,6 +212,8 @@ class EngineCore:
         check_priority(priority)
         params = params or SamplingParams()
         params.validate_for_vocab(self.model_config.vocab_size)
+        if params.logits_processors:
+            self.plugins.check_logits_processors(params.logits_processors)
         prompt_ids = self.tokenize(prompt)
         self.scheduler.check_fits(len(prompt_ids))
         return NewRequest(request_id, tuple(prompt_ids), params, priority)
@@ -368,6 +377,9 @@ class EngineCore:
             completion = self._completions.get(request_id)
             if completion is None:
                 continue
+            if request_id in output.failed:
+                self._plugin_failed(completion, output.failed[request_id])
+                continue
             if completion.first_token is None:
                 completion.first_token = now
             try:
@@ -406,6 +418,14 @@ class EngineCore:
         log.warning("request %s: %s", completion.parent_id, message)
         self._failures[completion.parent_id] = exc
 
+    def _plugin_failed(self, completion: _Completion, error: PluginError) -> None:
+        """A logits processor raised on this sequence: fail its request
+        (as a detokenizer failure does; ``take_failures`` hands it on)."""
+        if completion.parent_id in self._failures:
+            return
+        log.warning("request %s: %s", completion.parent_id, error)
+        self._failures[completion.parent_id] = error
+
     def _end_failed(self) -> None:
         """End every completion of the requests whose detokenizer failed:
         unfinished ones with ``ERROR`` (their final outputs come with the
@@ -421,8 +441,8 @@ class EngineCore:
                 self._forget(completion)
 
     def take_failures(self) -> dict[str, Exception]:
-        """The requests whose detokenizer failed since the last call, with
-        the detokenizer's exception. Each is ended with ``ERROR`` already
+        """The requests whose detokenizer (or logits processor, a
+        ``PluginError``) failed since the last call, with its exception. Each is ended with ``ERROR`` already
         (its output stops there); its caller should be told."""
         failures, self._failures = self._failures, {}
         return failures

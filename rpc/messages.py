@@ -9,6 +9,7 @@ keep the engine's defaults. ``status_of`` maps the HTTP layer's
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import grpc
@@ -60,7 +61,17 @@ def sampling_params(message: pb.SamplingParameters) -> SamplingParams:
         fields["stop_token_ids"] = tuple(message.stop_token_ids)
     if message.logit_bias:
         fields["logit_bias"] = dict(message.logit_bias)
+    if message.logits_processors:
+        fields["logits_processors"] = [_processor(p) for p in message.logits_processors]
     return SamplingParams(**fields)
+
+
+def _processor(message: pb.LogitsProcessor) -> dict[str, Any]:
+    try:
+        args = json.loads(message.args_json) if message.args_json else {}
+    except ValueError as exc:
+        raise InvalidRequestError(f"logits_processors: args_json of {message.name!r} is not JSON: {exc}", field="logits_processors") from None
+    return {"name": message.name, "args": args}
 
 
 def prompt(request: pb.GenerateRequest) -> str | list[int]:

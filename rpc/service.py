@@ -28,6 +28,7 @@ from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from trioserve.web.host import ModelHost
+from trioserve.web.plugins import ServerPlugins
 
 from . import trioserve_pb2 as pb
 from . import trioserve_pb2_grpc as pb_grpc
@@ -66,6 +67,7 @@ class GrpcService:
     host: ModelHost
     address: str
     grace: float = DEFAULT_GRACE
+    plugins: ServerPlugins = attrs.field(factory=ServerPlugins, kw_only=True)
     port: int | None = attrs.field(default=None, init=False)
     _stopped: trio.Event = attrs.field(factory=trio.Event, init=False)
 
@@ -131,7 +133,7 @@ class GrpcService:
             health = grpc_health.aio.HealthServicer()
             for name in ("", SERVICE_NAME):
                 await health.set(name, _NOT_SERVING)
-            pb_grpc.add_GenerationServicer_to_server(GenerationServicer(self.host, portal), server)
+            pb_grpc.add_GenerationServicer_to_server(GenerationServicer(self.host, portal, self.plugins), server)
             health_pb2_grpc.add_HealthServicer_to_server(health, server)
             try:
                 port = server.add_insecure_port(self.address)

@@ -23,9 +23,11 @@ import grpc
 import trio
 
 from trioserve.engine.errors import InvalidRequestError
+from trioserve.engine.plugins import RequestContext
 from trioserve.web.completions import translate
 from trioserve.web.errors import ApiError, InvalidRequest, from_exception
 from trioserve.web.host import ModelHost
+from trioserve.web.plugins import ServerPlugins
 
 from . import messages
 from . import trioserve_pb2 as pb
@@ -40,11 +42,14 @@ DEADLINE_MARGIN = 0.05
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    """Serves ``host``'s models; every engine call goes through ``portal``."""
+    """Serves ``host``'s models; every engine call goes through ``portal``.
+    The output post-processors of ``plugins`` apply to ``Generate``'s
+    deltas as over HTTP (the request pre-processors see HTTP bodies only)."""
 
-    def __init__(self, host: ModelHost, portal: TrioPortal) -> None:
+    def __init__(self, host: ModelHost, portal: TrioPortal, plugins: ServerPlugins | None = None) -> None:
         self.host = host
         self.portal = portal
+        self.plugins = plugins or ServerPlugins()
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         remaining = context.time_remaining()
@@ -97,6 +102,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             )
         except Exception as exc:
             raise translate(exc, log_requests=log_requests) from None
+        context = RequestContext("grpc.generate", served.name, stream.request_id)
+        stream = self.plugins.postprocessed(stream, context, params.n)
         try:
             async for output in stream:
                 served.observe(output, params.n)

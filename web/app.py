@@ -21,6 +21,7 @@ from trioserve.engine.loader import LoadedModel
 from . import routes
 from .asgi import TrioserveApp
 from .host import EXTENSION, ModelHost
+from .plugins import PLUGINS_EXTENSION, ServerPlugins
 from .serve_options import server_config_from_env
 from .settings import ServerConfig
 
@@ -46,7 +47,10 @@ def create_app(
         config = server_config_from_env()
     if isinstance(loaded, LoadedModel):
         loaded = {config.model_names[0]: loaded}
+    # Plugins load before any model, so an unknown name stops startup at once.
+    plugins = ServerPlugins.load(config.engine.plugins)
     host = ModelHost(config, dict(loaded or {}))
+    plugins.register_metrics(host.metrics.registry)
     app = TrioserveApp(__name__)
     app.config.update(
         # A stream lasts as long as its generation; quart would cut any
@@ -57,6 +61,7 @@ def create_app(
         BACKGROUND_TASK_SHUTDOWN_TIMEOUT=config.shutdown_timeout + SHUTDOWN_MARGIN,
     )
     app.extensions[EXTENSION] = host
+    app.extensions[PLUGINS_EXTENSION] = plugins
     routes.register(app)
     grpc_service = _grpc_service(app, host)
 
@@ -82,7 +87,9 @@ def _grpc_service(app: QuartTrio, host: ModelHost) -> GrpcService | None:
         return None
     from trioserve.rpc.service import GrpcService, bind_address
 
-    service = GrpcService(host, bind_address(host.config.grpc_host, host.config.grpc_port))
+    service = GrpcService(
+        host, bind_address(host.config.grpc_host, host.config.grpc_port), plugins=app.extensions[PLUGINS_EXTENSION]
+    )
     app.extensions[GRPC_EXTENSION] = service
     return service
 

@@ -191,6 +191,8 @@ def _sampling_params(body: dict[str, Any], *, max_tokens: int | None, logprobs: 
         logit_bias=_logit_bias(body),
         logprobs=logprobs,
         skip_special_tokens=_bool(body, "skip_special_tokens", True),
+        # Plugins' logits processors by name (engine/plugins.py); SamplingParams checks the shape.
+        logits_processors=body.get("logits_processors"),
     )
     best_of = body.get("best_of")
     if best_of is not None and (type(best_of) is not int or best_of != n):

@@ -107,6 +107,13 @@ def _add_serve_options(parser: argparse.ArgumentParser) -> list[argparse.Action]
     )
     actions += add_engine_options(parser, several_models=True)
     add(
+        "--plugins",
+        type=_names,
+        default=(),
+        help="plugins to load, by entry-point name, comma-separated (docs/api.md, 'Plugins'); "
+        "an unknown name stops startup (default: none)",
+    )
+    add(
         "--grpc-port",
         type=int,
         default=None,
@@ -114,6 +121,10 @@ def _add_serve_options(parser: argparse.ArgumentParser) -> list[argparse.Action]
         "0 picks a free one (default: no gRPC)",
     )
     return actions
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in text.split(",") if name.strip())
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -128,6 +139,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_queued_tokens=args.max_queued_tokens,
         **overload_config_from_args(args),
         watchdog_timeout=args.watchdog_timeout or None,  # 0: off
+        plugins=args.plugins,
     )
     return ServerConfig(
         engine=engine,
