@@ -384,7 +384,8 @@ class SchedulerActor:
             if isinstance(error, PluginError):  # a logits processor
                 public, code, detail = str(error), "plugin_error", error.detail
             else:
-                public, code = f"the detokenizer failed on this request's output ({type(error).__name__})", "detokenizer_failed"
+                public = f"the detokenizer failed on this request's output ({type(error).__name__})"
+                code = "detokenizer_failed"
                 detail = str(error)
             failure = RequestFailed(f"{public}: {detail}", request_id=request_id, code=code, public_message=public)
             failure.__cause__ = error

@@ -350,7 +350,8 @@ class Scheduler:
                 # Preempt strictly lower priorities, lowest first, if
                 # preempting all of them would make room.
                 key = self._key(request)
-                victims = sorted((r for r in self._running if self.policy.outranks(key, self._key(r))), key=self._key, reverse=True)
+                outranked = (r for r in self._running if self.policy.outranks(key, self._key(r)))
+                victims = sorted(outranked, key=self._key, reverse=True)
                 reclaimable = sum(
                     self._tables.sole_blocks(v.request_id) + step.planned.get(v.request_id, (0, 0))[1] for v in victims
                 )

@@ -68,6 +68,18 @@ def test_health_is_serving(tiny):
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+def test_health_turns_not_serving_when_the_drain_begins():
+    from actor_fixtures import tiny_loaded
+
+    config = server_config(engine=dict(max_model_len=256, warm_up=False), models=(ModelSpec(TINY, None),), grpc_port=0)
+    with server_in_thread(create_app(config, loaded={TINY: tiny_loaded()})) as server, channel_to(server) as channel:
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=30)
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        server.run_sync(server.host.begin_drain)
+        assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        watch.cancel()
+
+
 def test_list_models_and_tokenize(tiny, tiny_server):
     stub, _ = tiny
     (model,) = stub.ListModels(pb.ListModelsRequest(), timeout=10).models
