@@ -442,8 +442,9 @@ class EngineCore:
 
     def take_failures(self) -> dict[str, Exception]:
         """The requests whose detokenizer (or logits processor, a
-        ``PluginError``) failed since the last call, with its exception. Each is ended with ``ERROR`` already
-        (its output stops there); its caller should be told."""
+        ``PluginError``) failed since the last call, with its exception.
+        Each is ended with ``ERROR`` already (its output stops there); its
+        caller should be told."""
         failures, self._failures = self._failures, {}
         return failures
 
