@@ -284,6 +284,8 @@ class EngineConfig:
     master_addr: str = "127.0.0.1"
     master_port: int | None = attrs.field(default=None, validator=optional_positive)
     distributed_timeout: float = attrs.field(default=120.0, validator=optional_positive_finite)
+    # Plugins to load by entry-point name (engine/plugins.py; --plugins).
+    plugins: tuple[str, ...] = attrs.field(default=(), converter=tuple)
 
     def __attrs_post_init__(self) -> None:
         if self.tensor_parallel_size % self.nnodes:

@@ -11,6 +11,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .forward_batch import ForwardBatch, SeqChunk
 from .kv_cache import KVCache
+from .plugins import PluginError
 from .sampler import Sampler, TokenLogprobs
 from .step_plan import StepPlan
 
@@ -26,6 +27,8 @@ class RunnerOutput:
 
     sampled: Mapping[str, int]
     logprobs: Mapping[str, TokenLogprobs]
+    # Sequences whose logits processor (a plugin) raised: their requests fail.
+    failed: Mapping[str, PluginError] = attrs.field(factory=dict)
 
 
 @attrs.define
@@ -66,7 +69,7 @@ class ModelRunner:
             result = self.sampler.sample(logits, rows, plan.token_mask)
         ids = [row.request_id for row in rows]
         logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs) if lp is not None}
-        return RunnerOutput(sampled=dict(zip(ids, result.token_ids)), logprobs=logprobs)
+        return RunnerOutput(sampled=dict(zip(ids, result.token_ids)), logprobs=logprobs, failed=result.failed)
 
     def forward(self, plan: StepPlan) -> torch.Tensor:
         """Run the model over ``plan``'s chunks (not empty), writing their
