@@ -170,7 +170,7 @@ class EngineCore:
         self.num_tokenizer_errors = 0
         self.num_detokenizer_errors = 0
         self.last_fault: Fault | None = None
-        self._failures: dict[str, Exception] = {}  # request id -> the detokenizer's error
+        self._failures: dict[str, Exception] = {}  # request id -> the detokenizer's (or grammar's) error
         # Structured output: compiled grammars (cached) and each constrained
         # sequence's matcher; _grammar_dead holds sequences ended because
         # their grammar allowed no token, whose token this step is dropped.
