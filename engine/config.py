@@ -245,6 +245,13 @@ class EngineConfig:
     # left to be aborted and the step in flight to finish before it cancels
     # the actors. Call ``Engine.drain`` first to let requests finish.
     shutdown_timeout: float = attrs.field(default=DEFAULT_SHUTDOWN_TIMEOUT, validator=positive)
+    # Compressed weights (engine/quant, docs/api.md): "auto" keeps a GGUF's
+    # quantized matrices compressed on CPU (float32 activations) and loads
+    # float checkpoints as they are; "int8" / "int4" quantize any checkpoint
+    # round-to-nearest (per channel; in groups of quantization_group_size
+    # inputs), once, cached; "none" is the dequantized float path.
+    quantization: str = attrs.field(default="auto", validator=attrs.validators.in_(("auto", "none", "int8", "int4")))
+    quantization_group_size: int = attrs.field(default=32, validator=positive)
 
     def resolved_max_model_len(self, model_config: ModelConfig) -> int:
         """The context limit in force: the user's, capped by the model's."""

@@ -141,7 +141,13 @@ class EngineCore:
     @classmethod
     def from_config(cls, config: EngineConfig, *, own_pool: bool = True) -> EngineCore:
         """Load ``config.model`` (the default model when None) and build an engine on it."""
-        loaded = load_model(config.model, dtype=config.dtype, device=config.device)
+        loaded = load_model(
+            config.model,
+            dtype=config.dtype,
+            device=config.device,
+            quantization=config.quantization,
+            quantization_group_size=config.quantization_group_size,
+        )
         return cls(loaded, config, own_pool=own_pool)
 
     def new_block_manager(self) -> BlockManager:

@@ -41,6 +41,21 @@ def add_engine_options(parser: argparse.ArgumentParser, *, several_models: bool 
     add("--max-num-batched-tokens", type=int, default=2048)
     add("--no-prefix-caching", action="store_true")
     add("--num-threads", type=int, default=None, help="torch threads for the model step")
+    # Compressed weights (engine/quant).
+    add(
+        "--quantization",
+        default="auto",
+        choices=["auto", "none", "int8", "int4"],
+        help="weights kept compressed: auto keeps a GGUF's quantized matrices compressed on CPU and "
+        "loads float checkpoints as they are; int8 (per channel) / int4 (in groups) quantize any checkpoint "
+        "round-to-nearest once, cached in $TRIOSERVE_CACHE; none dequantizes to float (default: auto)",
+    )
+    add(
+        "--quantization-group-size",
+        type=int,
+        default=32,
+        help="inputs per int4 scale; must divide every projection's input size (default: 32)",
+    )
     return actions
 
 
@@ -58,6 +73,8 @@ def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConf
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
         num_threads=args.num_threads,
+        quantization=args.quantization,
+        quantization_group_size=args.quantization_group_size,
     )
     fields.update(overrides)
     return EngineConfig(**fields)

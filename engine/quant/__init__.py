@@ -1,0 +1,5 @@
+"""Compressed weights: round-to-nearest formats (``rtn``), one small module
+per linear kernel over them (``int8_dynamic``, ``int8_pack``, ``int4_pack``),
+the chooser that picks a kernel by capability and a short measurement
+(``choose``), and the projections a model runs with them (``projections``).
+GGUF tensors come in through ``gguf_weights``."""
