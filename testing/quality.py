@@ -37,3 +37,21 @@ def perplexity(logits: torch.Tensor, token_ids: list[int]) -> float:
     targets = torch.tensor(token_ids[1:])
     nll = torch.nn.functional.cross_entropy(logits[:-1].float(), targets)
     return math.exp(nll.item())
+
+
+def greedy_tokens(model: LlamaForCausalLM, prompt: list[int], count: int) -> list[int]:
+    """``count`` greedy tokens after ``prompt``: one prefill, then one-row decode steps."""
+    total = len(prompt) + count
+    blocks = -(-total // BLOCK_SIZE)
+    cache = KVCache.allocate(model.config, num_blocks=blocks + 1, block_size=BLOCK_SIZE, dtype=model.dtype, device="cpu")
+    table = list(range(1, blocks + 1))
+    out: list[int] = []
+    piece, start = list(prompt), 0
+    with torch.inference_mode():
+        while len(out) < count:
+            batch = ForwardBatch.build([SeqChunk(piece, start, table)], block_size=BLOCK_SIZE, device="cpu")
+            token = int(model(batch, cache)[-1].argmax())
+            out.append(token)
+            start += len(piece)
+            piece = [token]
+    return out

@@ -172,3 +172,18 @@ def test_a_group_size_that_does_not_divide_a_dimension_is_refused_at_load(tmp_pa
         load_model(str(folder), quantization="int4", quantization_group_size=32, cache_dir=tmp_path / "c")
     with pytest.raises(ValueError, match=r"group size 16: the 4-bit kernel runs groups of 32, 64, 128, 256 only"):
         load_model(str(folder), quantization="int4", quantization_group_size=16, cache_dir=tmp_path / "c")
+
+
+@pytest.mark.cpu_paths
+def test_a_row_split_sends_each_call_to_its_kernel_by_rows(cpu_paths):
+    usable = [k for k in choose.KERNELS if cpu_paths.available(k.name)]
+    small, large = usable[-1], usable[0]
+    choice = choose.KernelChoice(large, "auto", 32, (), small=small, max_small_rows=2)
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 64, generator=gen)
+    split = choice.make(w, None)
+    one, many = small.make(w, None, 32), large.make(w, None, 32)
+    for rows, want in ((1, one), (2, one), (3, many), (40, many)):
+        x = torch.randn(rows, 64, generator=gen)
+        assert torch.equal(split(x), want(x))
+    assert choice.label == f"int{small.bits}+int{large.bits}"

@@ -22,6 +22,7 @@ import torch
 from ..capability import CpuPaths
 from ..errors import CpuCapabilityError
 from . import int4_pack, int8_dynamic, int8_pack
+from .row_split import RowSplitLinear
 from .rtn import Int4Weight, Int8Weight, quantize_int4, quantize_int8
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
@@ -29,8 +30,8 @@ Linear = Callable[[torch.Tensor], torch.Tensor]
 # "auto" keeps a GGUF's own bits (4-bit tensors stay 4-bit where a 4-bit
 # kernel is the fastest here, else become int8 per channel).
 SCHEMES = ("int8", "int4", "auto")
-# Rows a kernel is timed at: a one-stream decode step and a batched one.
-MEASURE_ROWS = (1, 32)
+# Rows a kernel is timed at: a one-stream decode step, small and larger batches.
+MEASURE_ROWS = (1, 4, 16, 32)
 
 
 @attrs.frozen
@@ -73,12 +74,29 @@ KERNELS: tuple[Kernel, ...] = (
 @attrs.frozen
 class KernelChoice:
     """The kernel a model runs and why: ``timings`` holds each candidate's
-    milliseconds at ``MEASURE_ROWS``."""
+    milliseconds at ``MEASURE_ROWS``. With ``small``, calls of at most
+    ``max_small_rows`` rows run on that kernel instead (``row_split``)."""
 
     kernel: Kernel
     scheme: str
     group_size: int
     timings: tuple[tuple[str, tuple[float, ...]], ...]
+    small: Kernel | None = None
+    max_small_rows: int = 0
+
+    @property
+    def label(self) -> str:
+        """The formats the weights are held in, e.g. ``int8`` or ``int4+int8``."""
+        if self.small is None:
+            return f"int{self.kernel.bits}"
+        return f"int{self.small.bits}+int{self.kernel.bits}"
+
+    def make(self, weight: torch.Tensor | Int8Weight | Int4Weight, bias: torch.Tensor | None) -> Linear:
+        """The linear for ``weight`` on this choice's kernel(s)."""
+        large = self.kernel.make(weight, bias, self.group_size)
+        if self.small is None:
+            return large
+        return RowSplitLinear(self.small.make(weight, bias, self.group_size), large, self.max_small_rows)
 
     @property
     def reason(self) -> str:
@@ -86,7 +104,10 @@ class KernelChoice:
             f"{name} {' / '.join(f'{ms:.2f}' for ms in times)} ms" for name, times in self.timings
         )
         rows = "/".join(str(r) for r in MEASURE_ROWS)
-        return f"{self.kernel.what} (one layer at {rows} rows: {shown})"
+        what = self.kernel.what
+        if self.small is not None:
+            what = f"{self.small.what} up to {self.max_small_rows} rows, {what} above"
+        return f"{what} (one layer at {rows} rows: {shown})"
 
 
 def candidates(cpu_paths: CpuPaths, scheme: str) -> list[Kernel]:
@@ -143,4 +164,14 @@ def choose_kernel(
         fits = [k for k in fits if k.bits == 8] or fits
     timings = measure(fits, shapes, group_size) if len(fits) > 1 else {}
     best = min(fits, key=lambda k: sum(timings.get(k.name, ())))
-    return KernelChoice(best, scheme, group_size, tuple(timings.items()))
+    choice = KernelChoice(best, scheme, group_size, tuple(timings.items()))
+    if scheme != "auto" or not timings:
+        return choice
+    # "auto" may hold the weights twice: the fastest kernel at one row for
+    # the rows where it wins, the fastest at the most rows above that.
+    by_rows = {rows: min(fits, key=lambda k: timings[k.name][i]) for i, rows in enumerate(MEASURE_ROWS)}
+    small, large = by_rows[MEASURE_ROWS[0]], by_rows[MEASURE_ROWS[-1]]
+    if small is large:
+        return attrs.evolve(choice, kernel=large)
+    wins = [r for i, r in enumerate(MEASURE_ROWS) if timings[small.name][i] < timings[large.name][i]]
+    return attrs.evolve(choice, kernel=large, small=small, max_small_rows=max(wins))

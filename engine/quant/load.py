@@ -39,17 +39,17 @@ def layer_shapes(config: ModelConfig) -> list[tuple[int, int]]:
     return [(qkv, hidden), (hidden, config.num_attention_heads * hd), (2 * inter, hidden), (hidden, inter)]
 
 
-def _cat(parts: list[Tensor], kernel: Kernel, group_size: int) -> Tensor:
-    """Stack weights by rows in a form ``kernel`` takes: exact when all
-    share its format, else float32 for it to quantize."""
-    if kernel.bits == 4 and all(isinstance(p, Int4Weight) and p.group_size == group_size for p in parts):
+def _cat(parts: list[Tensor]) -> Tensor:
+    """Stack weights by rows: exact when all share one format (the kernels
+    convert it if it is not theirs), else float32."""
+    if all(isinstance(p, Int4Weight) and p.group_size == parts[0].group_size for p in parts):
         return Int4Weight(
             torch.cat([p.q for p in parts]),
             torch.cat([p.scale for p in parts]),
             torch.cat([p.zero for p in parts]),
-            group_size,
+            parts[0].group_size,
         )
-    if kernel.bits == 8 and all(isinstance(p, Int8Weight) for p in parts):
+    if all(isinstance(p, Int8Weight) for p in parts):
         return Int8Weight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
     return torch.cat([p if isinstance(p, torch.Tensor) else p.dequantize() for p in parts]).float()
 
@@ -62,15 +62,15 @@ def _bias(parts: dict[str, Tensor], names: tuple[str, ...], rows: list[int]) -> 
     )
 
 
-def _build_layer(parts: dict[str, Tensor], kernel: Kernel, group_size: int, index: int) -> QuantizedProjections:
+def _build_layer(parts: dict[str, Tensor], choice: KernelChoice, index: int) -> QuantizedProjections:
     def make(names: tuple[str, ...]) -> object:
         weights = [parts[f"{n}.weight"] for n in names]
         rows = [w.shape[0] if isinstance(w, torch.Tensor) else w.q.shape[0] for w in weights]
         for n, w in zip(names, weights):
             shape = tuple(w.shape if isinstance(w, torch.Tensor) else w.q.shape)
-            if kernel.bits == 4:
-                check_group_size(shape, group_size, f"model.layers.{index}.{n}_proj.weight")
-        return kernel.make(_cat(weights, kernel, group_size), _bias(parts, names, rows), group_size)
+            if 4 in (choice.kernel.bits, choice.small.bits if choice.small else 0):
+                check_group_size(shape, choice.group_size, f"model.layers.{index}.{n}_proj.weight")
+        return choice.make(_cat(weights), _bias(parts, names, rows))
 
     return QuantizedProjections(make(("q", "k", "v")), make(("o",)), make(("gate", "up")), make(("down",)))
 
@@ -101,9 +101,8 @@ def build_quantized(
     cpu_paths: CpuPaths,
 ) -> LlamaForCausalLM:
     """The model over ``tensors`` (Hugging Face names) with projections on ``choice``'s kernel."""
-    kernel, group = choice.kernel, choice.group_size
     projection = ProjectionChoice(
-        device="cpu", dtype="float32", packed=False, reason=choice.reason, quantization=f"int{kernel.bits}"
+        device="cpu", dtype="float32", packed=False, reason=choice.reason, quantization=choice.label
     )
     model = LlamaForCausalLM(config, dtype=torch.float32, device="cpu", cpu_paths=cpu_paths, quantization=projection)
     pending: dict[int, dict[str, Tensor]] = {}
@@ -119,7 +118,7 @@ def build_quantized(
             parts = pending.setdefault(index, {})
             parts[f"{match.group(3)}.{match.group(4)}"] = tensor
             if all(f"{p}.weight" in parts for p in _PARTS):
-                layers[index] = _build_layer(pending.pop(index), kernel, group, index)
+                layers[index] = _build_layer(pending.pop(index), choice, index)
             continue
         if name == "lm_head.weight" and not config.tie_word_embeddings:
             head = tensor  # kept compressed (below): the model has no float parameter for it
@@ -136,7 +135,7 @@ def build_quantized(
     if model.required_weight_names() - loaded:
         raise ModelLoadError(f"{source}: missing weights {sorted(model.required_weight_names() - loaded)[:8]}")
     assert head is not None
-    head_linear = _head_kernel(cpu_paths, kernel).make(head, None, group)
+    head_linear = _head_kernel(cpu_paths, choice.kernel).make(head, None, choice.group_size)
     model.set_quantized([layers[i] for i in range(config.num_hidden_layers)], head_linear)
     return model
 
