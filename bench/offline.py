@@ -167,6 +167,10 @@ def add_bench_offline_parser(bench_commands) -> None:
     p.add_argument("--device", default="cpu", help="every contender's: cpu, cuda, cuda:1")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument(
+        "--quantization", default="auto", choices=["auto", "none", "int8", "int4"], help="trioserve's weights (docs/api.md)"
+    )
+    p.add_argument("--quantization-group-size", type=int, default=32)
     p.add_argument("--result-json", type=Path, default=None)
     p.set_defaults(func=run_bench_offline)
 
@@ -187,7 +191,13 @@ def _run_bench_offline(args: argparse.Namespace) -> int:
     from trioserve.engine.engine_core import EngineCore
     from trioserve.engine.loader import load_model
 
-    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    loaded = load_model(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        quantization=args.quantization,
+        quantization_group_size=args.quantization_group_size,
+    )
     config_fields = dict(
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -75,15 +75,15 @@ def test_gguf_reader_maps_names_unpermutes_q_and_names_an_unsupported_tensor(tmp
     import gguf
 
     rng = np.random.default_rng(1)
-    q = rng.standard_normal((8, 32)).astype(np.float32)
+    q = rng.standard_normal((12, 32)).astype(np.float32)
     norm = rng.standard_normal(32).astype(np.float32)
     path = tmp_path / "m.gguf"
     _write_gguf(path, {"blk.0.attn_q.weight": (q, gguf.GGMLQuantizationType.Q4_1), "blk.0.attn_norm.weight": (norm, None)})
-    got = dict(gguf_weights.read_tensors(path, num_heads=2, num_kv_heads=1))
+    got = dict(gguf_weights.read_tensors(path, num_heads=2, num_kv_heads=1))  # heads of 6 rows
     assert set(got) == {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.input_layernorm.weight"}
-    # llama.cpp's row order for 2 heads of 4: (0, 2, 1, 3) within each head.
+    # llama.cpp stores a head's rows (0 1 2 | 3 4 5) as (0 3 1 4 2 5); Hugging Face's order is back.
     stored = gguf.quants.dequantize(gguf.quants.quantize(q, gguf.GGMLQuantizationType.Q4_1), gguf.GGMLQuantizationType.Q4_1)
-    order = [0, 2, 1, 3, 4, 6, 5, 7]
+    order = [0, 2, 4, 1, 3, 5, 6, 8, 10, 7, 9, 11]
     assert torch.equal(got["model.layers.0.self_attn.q_proj.weight"].dequantize(), torch.from_numpy(stored[order]))
     assert torch.equal(got["model.layers.0.input_layernorm.weight"], torch.from_numpy(norm))
 

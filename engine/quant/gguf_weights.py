@@ -95,7 +95,9 @@ def _unpermute(weight: torch.Tensor | Int4Weight, heads: int) -> torch.Tensor | 
 
     def rows(t: torch.Tensor) -> torch.Tensor:
         n = t.shape[0]
-        return t.reshape(heads, 2, n // heads // 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+        # llama.cpp stores each head's rows (2, half) as (half, 2): read the
+        # stored rows as (half, 2) and put them back as (2, half).
+        return t.reshape(heads, n // heads // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
 
     if isinstance(weight, Int4Weight):
         return Int4Weight(rows(weight.q), rows(weight.scale), rows(weight.zero), weight.group_size)
