@@ -34,7 +34,6 @@ import torch.nn.functional as F
 from . import onednn
 from .errors import CpuCapabilityError
 from .quant import int4_pack as quant_int4_pack
-from .quant import int8_dynamic as quant_int8_dynamic
 from .quant import int8_pack as quant_int8_pack
 
 ASSUME_ENV = "TRIOSERVE_CPU_ASSUME"
@@ -143,13 +142,6 @@ PROBES: tuple[Probe, ...] = (
         requirement="AVX-512 BW/VL/DQ or AVX-NE-CONVERT",
     ),
     # Compressed-weight kernels (engine/quant/choose.py picks among them by measurement).
-    Probe(
-        "quant_int8_dynamic",
-        "fbgemm int8 dynamic linear",
-        quant_int8_dynamic.trial,
-        needs="avx2",
-        requirement="AVX2 (fbgemm)",
-    ),
     Probe("quant_int4_pack_bfloat16", "ATen 4-bit packed linear in bfloat16", functools.partial(quant_int4_pack.trial, torch.bfloat16)),
     Probe("quant_int8_pack_bfloat16", "ATen int8 packed linear in bfloat16", functools.partial(quant_int8_pack.trial, torch.bfloat16)),
     Probe(matmul_path(torch.float32), "float32 matmul", functools.partial(_matmul_trial, torch.float32)),

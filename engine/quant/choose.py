@@ -6,9 +6,7 @@ turn it off like any other path. Among those that work here and store the
 scheme asked for (4 or 8 bits), ``choose_kernel`` times one decoder layer's
 projections at 1 row (a one-stream decode step) and at 32 rows (a batched
 one) on random weights, a few milliseconds in all, and keeps the fastest
-sum. Which one wins depends on the CPU: on an AVX-512 machine with BF16
-ATen's 4-bit kernel in bfloat16 is the fastest at one row and fbgemm's int8
-at 32; on AVX2 only fbgemm is fast (docs/benchmarks.md).
+sum. Which one wins depends on the CPU (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -21,7 +19,7 @@ import torch
 
 from ..capability import CpuPaths
 from ..errors import CpuCapabilityError
-from . import int4_pack, int8_dynamic, int8_pack
+from . import int4_pack, int8_pack
 from .row_split import RowSplitLinear
 from .rtn import Int4Weight, Int8Weight, quantize_int4, quantize_int8
 
@@ -54,8 +52,12 @@ class Kernel:
         return self.build(weight, bias)
 
 
+# fbgemm's int8 dynamic linear (int8_dynamic.py) is the fastest from a few
+# rows up, but it rounds each call's activations to 7 bits with one scale
+# for the whole call, and the default model's perplexity went from 23.2 to
+# 38.6 with it (docs/benchmarks.md): it is measured by
+# scripts/bench_qlinear.py, not chosen.
 KERNELS: tuple[Kernel, ...] = (
-    Kernel("quant_int8_dynamic", 8, "int8 per channel, fbgemm linear_dynamic", int8_dynamic.Int8DynamicLinear.from_rtn),
     Kernel(
         "quant_int4_pack_bfloat16",
         4,
