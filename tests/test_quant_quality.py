@@ -33,9 +33,8 @@ def reference(default_loaded):
 
 
 @pytest.mark.slow
-@pytest.mark.cpu_paths
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_compressed_default_model_keeps_perplexity_and_greedy_choices(reference, scheme, cpu_paths):
+def test_compressed_default_model_keeps_perplexity_and_greedy_choices(reference, scheme):
     ids, ref_logits, ref_greedy = reference
     loaded = load_model(None, quantization=scheme)
     assert loaded.projection_choice.quantization == scheme
