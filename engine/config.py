@@ -286,6 +286,15 @@ class EngineConfig:
     distributed_timeout: float = attrs.field(default=120.0, validator=optional_positive_finite)
     # Plugins to load by entry-point name (engine/plugins.py; --plugins).
     plugins: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    # Compressed weights (engine/quant, docs/api.md): "auto" keeps a GGUF's
+    # quantized matrices compressed on CPU (float32 activations) and loads
+    # float checkpoints as they are; "int8" / "int4" quantize any checkpoint
+    # round-to-nearest (per channel; in groups of quantization_group_size
+    # inputs), once, cached; "none" is the dequantized float path, the
+    # default until the compressed one measures faster in the engine as well
+    # as in the kernels (docs/benchmarks.md, "Compressed weights").
+    quantization: str = attrs.field(default="none", validator=attrs.validators.in_(("auto", "none", "int8", "int4")))
+    quantization_group_size: int = attrs.field(default=32, validator=positive)
 
     def __attrs_post_init__(self) -> None:
         if self.tensor_parallel_size % self.nnodes:

@@ -187,7 +187,13 @@ class EngineCore:
 
             loaded = start_tensor_parallel(config)
         else:
-            loaded = load_model(config.model, dtype=config.dtype, device=config.device)
+            loaded = load_model(
+                config.model,
+                dtype=config.dtype,
+                device=config.device,
+                quantization=config.quantization,
+                quantization_group_size=config.quantization_group_size,
+            )
         return cls(loaded, config, own_pool=own_pool)
 
     def new_block_manager(self) -> BlockManager:

@@ -22,9 +22,10 @@ import attrs
 import torch
 
 from . import gguf_cache
+from .quant import load as quant_load
 from .capability import CpuPaths
 from .config import ModelConfig
-from .errors import ModelLoadError
+from .errors import CpuCapabilityError, ModelLoadError
 from .gguf_cache import Progress
 from .model import LlamaForCausalLM, ProjectionChoice, choose_projections
 from .tokenizer import eos_token_ids, load_tokenizer
@@ -145,6 +146,8 @@ def load_model(
     device: str | None = None,
     cache_dir: Path | None = None,
     cpu_paths: CpuPaths | None = None,
+    quantization: str = "none",
+    quantization_group_size: int = 32,
 ) -> LoadedModel:
     """Load ``model``: ``None`` or ``"SmolLM2-135M-Instruct"`` for the default,
     a checkpoint folder, or a ``.gguf`` file (converted once into
@@ -154,20 +157,47 @@ def load_model(
     what this machine runs; the model picks its path from it, and the
     choice is logged once.
 
+    ``quantization`` (``engine/quant``): ``"auto"`` keeps a GGUF's
+    quantized matrices compressed where this machine runs a compressed
+    kernel (CPU, float32) and loads float checkpoints as they are;
+    ``"int8"`` / ``"int4"`` compress any checkpoint (round to nearest, per
+    channel or in groups of ``quantization_group_size``); ``"none"``
+    dequantizes a GGUF to float as before.
+
     Raises ``ModelLoadError`` naming the file or field at fault, and its
-    ``CpuCapabilityError`` for a dtype this CPU cannot run, before anything
-    is read.
+    ``CpuCapabilityError`` for a dtype or quantization this CPU cannot run,
+    before anything is read.
     """
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     cpu_paths = _check_cpu(torch_device, torch_dtype, cpu_paths)
     folder, name = resolve_checkpoint(model, cache_dir)
     model_config = read_model_config(folder)
+    compressed = quant_load.wanted(
+        quantization, is_gguf=source.is_file(), device=torch_device, dtype=torch_dtype
+    )
+    choice = None
+    if compressed:
+        try:
+            choice = quant_load.quantization_choice(
+                cpu_paths, torch_device, torch_dtype, quantization, model_config, quantization_group_size
+            )
+        except CpuCapabilityError as exc:
+            if quantization != "auto":
+                raise
+            logger.warning("%s: compressed weights unavailable, dequantizing to float: %s", name, exc)
     # The tokenizer (mostly Python, and transformers' import) loads while the
     # weight copies, which release the GIL, run.
     with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
         tokenizer_future = pool.submit(load_tokenizer, folder)
-        loaded = load_checkpoint(folder, model_config, dtype=torch_dtype, device=torch_device, cpu_paths=cpu_paths)
+        if choice is None:
+            loaded = load_checkpoint(
+                folder, model_config, dtype=torch_dtype, device=torch_device, cpu_paths=cpu_paths
+            )
+        elif source.is_file():
+            loaded = quant_load.load_gguf_quantized(source, model_config, choice, cpu_paths)
+        else:
+            loaded = quant_load.load_safetensors_quantized(folder, model_config, choice, cpu_paths, cache_dir)
         tokenizer_error = tokenizer_future.exception()
     if tokenizer_error is not None:
         # Drop the model before raising: the traceback keeps this frame alive.
