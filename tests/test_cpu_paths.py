@@ -198,7 +198,7 @@ def test_generate_in_bfloat16_runs_on_the_path_this_cpu_has(cpu_paths):
     assert choice.packed is cpu_paths.available("onednn_packed_bfloat16")
     # Logged once; a warning where the CPU made the model fall back.
     level = "WARNING" if choice.fallback else "INFO"
-    assert result.stderr.count(f"{level} trioserve.engine.loader: {MODEL}: {choice}\n") == 1
+    assert result.stderr.count(f"{level} [-] trioserve.engine.loader: {MODEL}: {choice}\n") == 1  # no request: id "-"
 
 
 @pytest.mark.slow
