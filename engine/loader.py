@@ -171,7 +171,8 @@ def load_model(
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     cpu_paths = _check_cpu(torch_device, torch_dtype, cpu_paths)
-    folder, name = resolve_checkpoint(model, cache_dir)
+    source, name = resolve_source(model)
+    folder = gguf_cache.ensure_converted(source, cache_dir) if source.is_file() else source
     model_config = read_model_config(folder)
     compressed = quant_load.wanted(
         quantization, is_gguf=source.is_file(), device=torch_device, dtype=torch_dtype
@@ -279,6 +280,16 @@ def _check_cpu(device: torch.device, dtype: torch.dtype, cpu_paths: CpuPaths | N
 def resolve_checkpoint(model: str | None, cache_dir: Path | None = None) -> tuple[Path, str]:
     """The checkpoint folder ``model`` names (see ``load_model``; a GGUF file
     is converted once into ``cache_dir``) and the model's name."""
+    source, name = resolve_source(model)
+    if source.is_file():
+        return gguf_cache.ensure_converted(source, cache_dir), name
+    return source, name
+
+
+def resolve_source(model: str | None) -> tuple[Path, str]:
+    """What ``model`` names as it is on disk: a checkpoint folder or a
+    ``.gguf`` file (a folder holding just one is taken as that file), and
+    the model's name."""
     if model is None or model.lower() == DEFAULT_MODEL_NAME.lower():
         source, name = default_model_path(), DEFAULT_MODEL_NAME
     else:
@@ -294,10 +305,8 @@ def resolve_checkpoint(model: str | None, cache_dir: Path | None = None) -> tupl
         ggufs = sorted(source.glob("*.gguf"))
         if len(ggufs) == 1:
             source = ggufs[0]
-    if source.is_file():
-        if source.suffix.lower() != ".gguf":
-            raise ModelLoadError(f"{source}: expected a checkpoint folder or a .gguf file")
-        return gguf_cache.ensure_converted(source, cache_dir), name
+    if source.is_file() and source.suffix.lower() != ".gguf":
+        raise ModelLoadError(f"{source}: expected a checkpoint folder or a .gguf file")
     return source, name
 
 
