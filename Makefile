@@ -9,3 +9,10 @@ serve: setup
 
 test: setup
 	.venv/bin/python -m pytest
+
+# Regenerate rpc/'s gRPC code from proto/trioserve.proto (the generated files
+# are committed, so installing needs no protoc; tests/test_grpc.py checks
+# they match the proto).
+.PHONY: proto
+proto:
+	.venv/bin/python -m trioserve.rpc.codegen

@@ -225,7 +225,13 @@ def _build_core(
         # The replica's worker process loads the weights and holds the KV cache.
         return worker_core(replica_config, shared, worker_model)
     if shared is None:
-        loaded = load_model(replica_config.model, dtype=replica_config.dtype, device=replica_config.device)
+        loaded = load_model(
+            replica_config.model,
+            dtype=replica_config.dtype,
+            device=replica_config.device,
+            quantization=replica_config.quantization,
+            quantization_group_size=replica_config.quantization_group_size,
+        )
     else:
         loaded = shared
     return EngineCore(loaded, replica_config, own_pool=False)
@@ -262,7 +268,15 @@ async def open_replicated_engine(
         in_process = config.worker_mode == "process" and executor is None
         if loaded is None and not on_cuda and not in_process:
             loaded = await run_in_step_thread(
-                threads[0], functools.partial(load_model, config.model, dtype=config.dtype, device=config.device)
+                threads[0],
+                functools.partial(
+                    load_model,
+                    config.model,
+                    dtype=config.dtype,
+                    device=config.device,
+                    quantization=config.quantization,
+                    quantization_group_size=config.quantization_group_size,
+                ),
             )
         cores: list[EngineCore | None] = [None] * len(placements)
 

@@ -41,6 +41,7 @@ from trioserve.engine.new_request import NewRequest
 from trioserve.engine.step_thread import StepThreadClosed, StepThreadDied
 from trioserve.engine.model_runner import RunnerOutput
 from trioserve.engine.outputs import RequestOutput
+from trioserve.engine.plugins import PluginError
 from trioserve.engine.scheduler import SchedulerOutput
 from trioserve.engine.sequence import FinishReason
 
@@ -405,11 +406,15 @@ class SchedulerActor:
             route = self._routes.get(request_id)
             if route is None:
                 continue
-            if isinstance(error, GrammarError):
-                public, code = str(error), "structured_output_failed"
+            if isinstance(error, PluginError):  # a logits processor
+                public, code, detail = str(error), "plugin_error", error.detail
+            elif isinstance(error, GrammarError):
+                public, code, detail = str(error), "structured_output_failed", str(error)
             else:
-                public, code = f"the detokenizer failed on this request's output ({type(error).__name__})", "detokenizer_failed"
-            failure = RequestFailed(f"{public}: {error}", request_id=request_id, code=code, public_message=public)
+                public = f"the detokenizer failed on this request's output ({type(error).__name__})"
+                code = "detokenizer_failed"
+                detail = str(error)
+            failure = RequestFailed(f"{public}: {detail}", request_id=request_id, code=code, public_message=public)
             failure.__cause__ = error
             self._fail(route, failure)
             self._release_needed = True

@@ -191,6 +191,10 @@ def add_bench_offline_parser(bench_commands) -> None:
     p.add_argument(
         "--tensor-parallel-size", type=int, default=1, help="the engine's ranks (docs/deployment.md; default: 1)"
     )
+    p.add_argument(
+        "--quantization", default="none", choices=["auto", "none", "int8", "int4"], help="trioserve's weights (docs/api.md)"
+    )
+    p.add_argument("--quantization-group-size", type=int, default=32)
     p.add_argument("--result-json", type=Path, default=None)
     from trioserve.web.engine_options import add_speculative_options
 
@@ -226,6 +230,8 @@ def _run_bench_offline(args: argparse.Namespace) -> int:
         device=args.device,
         tensor_parallel_size=args.tensor_parallel_size,
         model=args.model,
+        quantization=args.quantization,
+        quantization_group_size=args.quantization_group_size,
     )
     from trioserve.web.engine_options import speculative_fields
 
@@ -237,7 +243,13 @@ def _run_bench_offline(args: argparse.Namespace) -> int:
         # One group for every engine of the run (each sizes the ranks' KV pools anew).
         loaded = start_tensor_parallel(config)
     else:
-        loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+        loaded = load_model(
+            args.model,
+            dtype=args.dtype,
+            device=args.device,
+            quantization=args.quantization,
+            quantization_group_size=args.quantization_group_size,
+        )
     prompts = make_prompts(args.num_prompts, args.input_len, loaded.model_config.vocab_size, args.seed)
     gflops = measure_matmul_gflops(loaded.dtype, loaded.device)
     print(f"{args.dtype} matmul: {gflops:.1f} GFLOP/s ({torch.get_num_threads()} threads)", file=sys.stderr)

@@ -33,6 +33,8 @@ import torch.nn.functional as F
 
 from . import onednn
 from .errors import CpuCapabilityError
+from .quant import int4_pack as quant_int4_pack
+from .quant import int8_pack as quant_int8_pack
 
 ASSUME_ENV = "TRIOSERVE_CPU_ASSUME"
 # Lowest first; the names are ATEN_CPU_CAPABILITY's.
@@ -139,6 +141,9 @@ PROBES: tuple[Probe, ...] = (
         needs="avx512",
         requirement="AVX-512 BW/VL/DQ or AVX-NE-CONVERT",
     ),
+    # Compressed-weight kernels (engine/quant/choose.py picks among them by measurement).
+    Probe("quant_int4_pack_bfloat16", "ATen 4-bit packed linear in bfloat16", functools.partial(quant_int4_pack.trial, torch.bfloat16)),
+    Probe("quant_int8_pack_bfloat16", "ATen int8 packed linear in bfloat16", functools.partial(quant_int8_pack.trial, torch.bfloat16)),
     Probe(matmul_path(torch.float32), "float32 matmul", functools.partial(_matmul_trial, torch.float32)),
     Probe(matmul_path(torch.bfloat16), "bfloat16 matmul", functools.partial(_matmul_trial, torch.bfloat16)),
     Probe(matmul_path(torch.float16), "float16 matmul", functools.partial(_matmul_trial, torch.float16)),

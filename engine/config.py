@@ -297,6 +297,17 @@ class EngineConfig:
     num_speculative_tokens: int = attrs.field(default=4, validator=integer_at_least(1))
     speculative_max_ngram: int = attrs.field(default=4, validator=integer_at_least(1))
     speculative_min_ngram: int = attrs.field(default=1, validator=integer_at_least(1))
+    # Plugins to load by entry-point name (engine/plugins.py; --plugins).
+    plugins: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    # Compressed weights (engine/quant, docs/api.md): "auto" keeps a GGUF's
+    # quantized matrices compressed on CPU (float32 activations) and loads
+    # float checkpoints as they are; "int8" / "int4" quantize any checkpoint
+    # round-to-nearest (per channel; in groups of quantization_group_size
+    # inputs), once, cached; "none" is the dequantized float path, the
+    # default until the compressed one measures faster in the engine as well
+    # as in the kernels (docs/benchmarks.md, "Compressed weights").
+    quantization: str = attrs.field(default="none", validator=attrs.validators.in_(("auto", "none", "int8", "int4")))
+    quantization_group_size: int = attrs.field(default=32, validator=positive)
 
     def __attrs_post_init__(self) -> None:
         if self.speculative_min_ngram > self.speculative_max_ngram:

@@ -28,10 +28,12 @@ from .kv_cache import KVCache, kv_bytes_per_block
 from .loader import LoadedModel, load_model
 from .model_runner import ModelRunner, RunnerOutput
 from .outputs import RequestOutput, RequestTimes
+from .plugins import PluginError, Plugins
 from .new_request import NewRequest, check_priority, check_request_id
 from .sampler import Sampler
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerOutput
+from .scheduling_policy import scheduling_policy
 from .sequence import FinishReason, Request, RequestStatus
 from .speculative import speculative_proposer
 from .tokenizer import apply_chat_template, check_text
@@ -75,9 +77,15 @@ def kv_cache_num_blocks(config: EngineConfig, loaded: LoadedModel) -> int:
     return int(num_blocks)
 
 
-def build_runner(loaded: LoadedModel, config: EngineConfig, num_blocks: int) -> ModelRunner:
+def build_runner(
+    loaded: LoadedModel, config: EngineConfig, num_blocks: int, plugins: Plugins | None = None
+) -> ModelRunner:
     """The model runner of ``loaded``: a KV cache of ``num_blocks`` blocks,
-    a sampler, and (with ``config.warm_up``) the CPU kernels built."""
+    a sampler with the logits processors of ``plugins`` (else of the
+    plugins ``config`` names: a worker process loads them itself), and
+    (with ``config.warm_up``) the CPU kernels built."""
+    if plugins is None:
+        plugins = Plugins.load(config.plugins)
     kv_cache = KVCache.allocate(
         loaded.model.config,  # the model's own: under tensor parallelism, one rank's KV heads
         num_blocks=num_blocks,
@@ -88,7 +96,7 @@ def build_runner(loaded: LoadedModel, config: EngineConfig, num_blocks: int) -> 
     runner = ModelRunner(
         model=loaded.model,
         kv_cache=kv_cache,
-        sampler=Sampler(loaded.model_config.vocab_size, loaded.device),
+        sampler=Sampler(loaded.model_config.vocab_size, loaded.device, logits_processors=plugins.logits_processors),
         device=loaded.device,
     )
     if config.warm_up:
@@ -135,6 +143,8 @@ class EngineCore:
         # pool lives with an allocator actor (``new_block_manager``) and
         # every change reaches it as a ``KVBatch`` with the next step.
         self.block_manager: BlockManager | None = self.new_block_manager() if own_pool else None
+        # Plugins by entry-point name; an unknown one stops here (engine/plugins.py).
+        self.plugins = Plugins.load(config.plugins)
         self.scheduler = Scheduler(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -143,8 +153,9 @@ class EngineCore:
             block_size=config.block_size,
             aging_interval=config.priority_aging_steps,
             proposer=speculative_proposer(config),
+            policy=scheduling_policy(self.plugins, config),
         )
-        self.runner: ModelRunner | TPRunner | None = build_runner(loaded, config, num_blocks) if runner else None
+        self.runner: ModelRunner | TPRunner | None = build_runner(loaded, config, num_blocks, self.plugins) if runner else None
         self.kv_cache: KVCache | None = None if self.runner is None else self.runner.kv_cache
         if self.runner is not None and config.tensor_parallel_size > 1:
             from .tp_runner import tensor_parallel_runner  # torch.distributed only when asked for
@@ -161,7 +172,7 @@ class EngineCore:
         self.num_tokenizer_errors = 0
         self.num_detokenizer_errors = 0
         self.last_fault: Fault | None = None
-        self._failures: dict[str, Exception] = {}  # request id -> the detokenizer's error
+        self._failures: dict[str, Exception] = {}  # request id -> the detokenizer's (or grammar's) error
         # Structured output: compiled grammars (cached) and each constrained
         # sequence's matcher; _grammar_dead holds sequences ended because
         # their grammar allowed no token, whose token this step is dropped.
@@ -178,7 +189,13 @@ class EngineCore:
 
             loaded = start_tensor_parallel(config)
         else:
-            loaded = load_model(config.model, dtype=config.dtype, device=config.device)
+            loaded = load_model(
+                config.model,
+                dtype=config.dtype,
+                device=config.device,
+                quantization=config.quantization,
+                quantization_group_size=config.quantization_group_size,
+            )
         return cls(loaded, config, own_pool=own_pool)
 
     def new_block_manager(self) -> BlockManager:
@@ -245,6 +262,8 @@ class EngineCore:
         if params.structured_output is not None:
             # A dict hit when Engine.prepare compiled it in a worker thread.
             self.grammars.compiler.compile(params.structured_output)
+        if params.logits_processors:
+            self.plugins.check_logits_processors(params.logits_processors)
         prompt_ids = self.tokenize(prompt)
         self.scheduler.check_fits(len(prompt_ids))
         return NewRequest(request_id, tuple(prompt_ids), params, priority)
@@ -463,6 +482,9 @@ class EngineCore:
             completion = self._completions.get(request_id)
             if completion is None or request_id in dead:
                 continue
+            if request_id in output.failed:
+                self._plugin_failed(completion, output.failed[request_id])
+                continue
             if completion.first_token is None:
                 completion.first_token = now
             token_ids = (token_id,)
@@ -525,6 +547,14 @@ class EngineCore:
         log.warning("request %s: %s", completion.parent_id, message)
         self._failures[completion.parent_id] = exc
 
+    def _plugin_failed(self, completion: _Completion, error: PluginError) -> None:
+        """A logits processor raised on this sequence: fail its request
+        (as a detokenizer failure does; ``take_failures`` hands it on)."""
+        if completion.parent_id in self._failures:
+            return
+        log.warning("request %s: %s", completion.parent_id, error)
+        self._failures[completion.parent_id] = error
+
     def _end_failed(self) -> None:
         """End every completion of the requests whose detokenizer failed:
         unfinished ones with ``ERROR`` (their final outputs come with the
@@ -540,9 +570,10 @@ class EngineCore:
                 self._forget(completion)
 
     def take_failures(self) -> dict[str, Exception]:
-        """The requests whose detokenizer failed since the last call, with
-        the detokenizer's exception. Each is ended with ``ERROR`` already
-        (its output stops there); its caller should be told."""
+        """The requests whose detokenizer (or logits processor, a
+        ``PluginError``) failed since the last call, with its exception.
+        Each is ended with ``ERROR`` already (its output stops there); its
+        caller should be told."""
         failures, self._failures = self._failures, {}
         return failures
 

@@ -166,16 +166,16 @@ class GrammarMatchers:
         import xgrammar
 
         bitmask = xgrammar.allocate_token_bitmask(len(rows), self.compiler.vocab_size)
-        dead = []
         for index, row in enumerate(rows):
             self._matchers[row.request_id].fill_next_token_bitmask(bitmask, index)
             for token_id in row.banned:
                 bit = torch.tensor(1, dtype=torch.int32) << (token_id % 32)  # bit 31 wraps to int32's sign
                 bitmask[index, token_id // 32] &= ~bit
-            if not bool(bitmask[index].any()):
-                dead.append(row.request_id)
-                bitmask[index] = -1
-        return TokenMask(request_ids=tuple(row.request_id for row in rows), bitmask=bitmask), dead
+        empty = (~bitmask.any(dim=1)).nonzero().flatten().tolist()  # one check for the batch
+        for index in empty:
+            bitmask[index] = -1
+        mask = TokenMask(request_ids=tuple(row.request_id for row in rows), bitmask=bitmask)
+        return mask, [rows[index].request_id for index in empty]
 
     def accept(self, request_id: str, token_id: int) -> bool:
         """Advance ``request_id`` by its sampled token; False if its grammar

@@ -22,9 +22,10 @@ import attrs
 import torch
 
 from . import gguf_cache
+from .quant import load as quant_load
 from .capability import CpuPaths
 from .config import ModelConfig
-from .errors import ModelLoadError
+from .errors import CpuCapabilityError, ModelLoadError
 from .gguf_cache import Progress
 from .model import LlamaForCausalLM, ProjectionChoice, choose_projections
 from .tokenizer import eos_token_ids, load_tokenizer
@@ -145,6 +146,8 @@ def load_model(
     device: str | None = None,
     cache_dir: Path | None = None,
     cpu_paths: CpuPaths | None = None,
+    quantization: str = "none",
+    quantization_group_size: int = 32,
 ) -> LoadedModel:
     """Load ``model``: ``None`` or ``"SmolLM2-135M-Instruct"`` for the default,
     a checkpoint folder, or a ``.gguf`` file (converted once into
@@ -154,20 +157,48 @@ def load_model(
     what this machine runs; the model picks its path from it, and the
     choice is logged once.
 
+    ``quantization`` (``engine/quant``): ``"auto"`` keeps a GGUF's
+    quantized matrices compressed where this machine runs a compressed
+    kernel (CPU, float32) and loads float checkpoints as they are;
+    ``"int8"`` / ``"int4"`` compress any checkpoint (round to nearest, per
+    channel or in groups of ``quantization_group_size``); ``"none"``
+    dequantizes a GGUF to float as before.
+
     Raises ``ModelLoadError`` naming the file or field at fault, and its
-    ``CpuCapabilityError`` for a dtype this CPU cannot run, before anything
-    is read.
+    ``CpuCapabilityError`` for a dtype or quantization this CPU cannot run,
+    before anything is read.
     """
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     cpu_paths = _check_cpu(torch_device, torch_dtype, cpu_paths)
-    folder, name = resolve_checkpoint(model, cache_dir)
+    source, name = resolve_source(model)
+    folder = gguf_cache.ensure_converted(source, cache_dir) if source.is_file() else source
     model_config = read_model_config(folder)
+    compressed = quant_load.wanted(
+        quantization, is_gguf=source.is_file(), device=torch_device, dtype=torch_dtype
+    )
+    choice = None
+    if compressed:
+        try:
+            choice = quant_load.quantization_choice(
+                cpu_paths, torch_device, torch_dtype, quantization, model_config, quantization_group_size
+            )
+        except CpuCapabilityError as exc:
+            if quantization != "auto":
+                raise
+            logger.warning("%s: compressed weights unavailable, dequantizing to float: %s", name, exc)
     # The tokenizer (mostly Python, and transformers' import) loads while the
     # weight copies, which release the GIL, run.
     with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
         tokenizer_future = pool.submit(load_tokenizer, folder)
-        loaded = load_checkpoint(folder, model_config, dtype=torch_dtype, device=torch_device, cpu_paths=cpu_paths)
+        if choice is None:
+            loaded = load_checkpoint(
+                folder, model_config, dtype=torch_dtype, device=torch_device, cpu_paths=cpu_paths
+            )
+        elif source.is_file():
+            loaded = quant_load.load_gguf_quantized(source, model_config, choice, cpu_paths)
+        else:
+            loaded = quant_load.load_safetensors_quantized(folder, model_config, choice, cpu_paths, cache_dir)
         tokenizer_error = tokenizer_future.exception()
     if tokenizer_error is not None:
         # Drop the model before raising: the traceback keeps this frame alive.
@@ -249,6 +280,16 @@ def _check_cpu(device: torch.device, dtype: torch.dtype, cpu_paths: CpuPaths | N
 def resolve_checkpoint(model: str | None, cache_dir: Path | None = None) -> tuple[Path, str]:
     """The checkpoint folder ``model`` names (see ``load_model``; a GGUF file
     is converted once into ``cache_dir``) and the model's name."""
+    source, name = resolve_source(model)
+    if source.is_file():
+        return gguf_cache.ensure_converted(source, cache_dir), name
+    return source, name
+
+
+def resolve_source(model: str | None) -> tuple[Path, str]:
+    """What ``model`` names as it is on disk: a checkpoint folder or a
+    ``.gguf`` file (a folder holding just one is taken as that file), and
+    the model's name."""
     if model is None or model.lower() == DEFAULT_MODEL_NAME.lower():
         source, name = default_model_path(), DEFAULT_MODEL_NAME
     else:
@@ -264,10 +305,8 @@ def resolve_checkpoint(model: str | None, cache_dir: Path | None = None) -> tupl
         ggufs = sorted(source.glob("*.gguf"))
         if len(ggufs) == 1:
             source = ggufs[0]
-    if source.is_file():
-        if source.suffix.lower() != ".gguf":
-            raise ModelLoadError(f"{source}: expected a checkpoint folder or a .gguf file")
-        return gguf_cache.ensure_converted(source, cache_dir), name
+    if source.is_file() and source.suffix.lower() != ".gguf":
+        raise ModelLoadError(f"{source}: expected a checkpoint folder or a .gguf file")
     return source, name
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import attrs
 import torch
@@ -32,6 +32,7 @@ from .config import ModelConfig
 from .errors import CpuCapabilityError, ModelLoadError
 from .forward_batch import ForwardBatch
 from .kv_cache import KVCache
+from .quant.projections import QuantizedProjections
 from .rotary import RotaryEmbedding, apply_rotary
 
 # Checkpoint buffers derived from the config, never weights we load.
@@ -55,6 +56,7 @@ class ProjectionChoice:
     packed: bool
     reason: str
     fallback: bool = False
+    quantization: str | None = None  # e.g. "int4": compressed projections (engine/quant)
 
     def as_json(self) -> dict[str, object]:
         return {
@@ -63,11 +65,14 @@ class ProjectionChoice:
             "projections": "packed" if self.packed else "plain",
             "fallback": self.fallback,
             "reason": self.reason,
+            "quantization": self.quantization,
         }
 
     @property
     def summary(self) -> str:
         """The choice without the reason, e.g. ``bfloat16 on cpu, plain projections``."""
+        if self.quantization is not None:
+            return f"{self.dtype} on {self.device}, {self.quantization} projections"
         return f"{self.dtype} on {self.device}, {'packed' if self.packed else 'plain'} projections"
 
     def __str__(self) -> str:
@@ -165,13 +170,15 @@ class PackedProjections:
         return onednn.linear_binary(hidden, self.down_weight, None, "add", residual)
 
 
-Projections = PlainProjections | PackedProjections
+Projections = PlainProjections | PackedProjections | QuantizedProjections
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm attention and SwiGLU MLP blocks with residuals."""
 
-    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device | str):
+    def __init__(
+        self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device | str, float_projections: bool = True
+    ):
         super().__init__()
         hidden, hd = config.hidden_size, config.head_dim
         self.num_heads = config.num_attention_heads
@@ -181,15 +188,18 @@ class DecoderLayer(nn.Module):
         self.scale = hd**-0.5
         qkv_out = (self.num_heads + 2 * self.num_kv_heads) * hd
         self.input_layernorm = _param(hidden, dtype=dtype, device=device)
-        self.qkv_proj = _param(qkv_out, hidden, dtype=dtype, device=device)
+        # Without float projections (a quantized model) the four matrices
+        # live only in the kernels' compressed layouts (engine/quant).
+        proj = _param if float_projections else lambda *shape, **kw: None
+        self.qkv_proj = proj(qkv_out, hidden, dtype=dtype, device=device)
         self.qkv_bias = _param(qkv_out, dtype=dtype, device=device) if config.attention_bias else None
-        self.o_proj = _param(hidden, self.num_heads * hd, dtype=dtype, device=device)
+        self.o_proj = proj(hidden, self.num_heads * hd, dtype=dtype, device=device)
         # Llama's attention_bias also covers o_proj; Qwen2's covers q/k/v only.
         has_o_bias = config.attention_bias and config.architecture == "LlamaForCausalLM"
         self.o_bias = _param(hidden, dtype=dtype, device=device) if has_o_bias else None
         self.post_attention_layernorm = _param(hidden, dtype=dtype, device=device)
-        self.gate_up_proj = _param(2 * config.intermediate_size, hidden, dtype=dtype, device=device)
-        self.down_proj = _param(hidden, config.intermediate_size, dtype=dtype, device=device)
+        self.gate_up_proj = proj(2 * config.intermediate_size, hidden, dtype=dtype, device=device)
+        self.down_proj = proj(hidden, config.intermediate_size, dtype=dtype, device=device)
 
     def forward(
         self,
@@ -244,6 +254,7 @@ class _Made:
     lm_head: torch.Tensor
     packed: bool
     where: tuple[torch.device, torch.dtype]
+    head: Callable[[torch.Tensor], torch.Tensor] | None = None  # a compressed LM head
 
 
 class LlamaForCausalLM(nn.Module):
@@ -272,6 +283,7 @@ class LlamaForCausalLM(nn.Module):
         device: torch.device | str = "cpu",
         pack_weights: bool | None = None,
         cpu_paths: CpuPaths | None = None,
+        quantization: ProjectionChoice | None = None,
     ):
         super().__init__()
         self.config = config
@@ -281,17 +293,23 @@ class LlamaForCausalLM(nn.Module):
         if cpu_paths is not None and torch.device(device).type == "cpu":
             cpu_paths.require_dtype(dtype)
         self.cpu_paths = cpu_paths
-        self.projection_choice = choose_projections(device, dtype, cpu_paths, pack_weights)
+        # ``quantization``: the projections are compressed, given by
+        # ``set_quantized`` (engine/quant/load.py), and have no float parameters.
+        self.projection_choice = quantization or choose_projections(device, dtype, cpu_paths, pack_weights)
         self.pack_weights = self.projection_choice.packed
         self._made: _Made | None = None
+        self._quantized: _Made | None = None
         self._pack_lock = threading.Lock()
         self.embed_tokens = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, dtype=dtype, device=device, float_projections=quantization is None)
+            for _ in range(config.num_hidden_layers)
         )
         self.norm = _param(config.hidden_size, dtype=dtype, device=device)
         if config.tie_word_embeddings:
             self.lm_head = self.embed_tokens
+        elif quantization is not None:
+            self.lm_head = None  # compressed, given by set_quantized
         else:
             self.lm_head = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.rotary = RotaryEmbedding(config, dtype=dtype, device=device)
@@ -322,6 +340,8 @@ class LlamaForCausalLM(nn.Module):
 
     def lm_logits(self, hidden: torch.Tensor, made: _Made) -> torch.Tensor:
         """Float32 logits of the final-normed ``hidden`` rows."""
+        if made.head is not None:
+            return made.head(hidden).float()
         if made.packed:
             return onednn.linear(hidden, made.lm_head, None, "none").float()
         return F.linear(hidden, made.lm_head).float()
@@ -330,6 +350,8 @@ class LlamaForCausalLM(nn.Module):
         """Each layer's projections and the LM head weight, packed when
         ``pack_weights``; made once, and again after ``load_weights`` or a
         move to another device or dtype."""
+        if self._quantized is not None:
+            return self._quantized
         where = (self.embed_tokens.device, self.embed_tokens.dtype)
         made = self._made
         if made is not None and made.where == where:
@@ -367,6 +389,15 @@ class LlamaForCausalLM(nn.Module):
                     onednn.linear(x, made.lm_head, None, "none")
                     calls += 1
         return calls
+
+    def set_quantized(
+        self, layers: list[QuantizedProjections], head: Callable[[torch.Tensor], torch.Tensor] | None
+    ) -> None:
+        """Run on compressed projections (one per layer) and, when ``head``
+        is given, a compressed LM head; else the LM head is ``F.linear``."""
+        assert self.projection_choice.quantization is not None and len(layers) == len(self.layers)
+        where = (self.embed_tokens.device, self.embed_tokens.dtype)
+        self._quantized = _Made(list(layers), self.lm_head, False, where, head)
 
     def _can_pack(self, device: torch.device, dtype: torch.dtype) -> bool:
         # After a move (``.to``): pack only where that path works too.
@@ -423,8 +454,14 @@ class LlamaForCausalLM(nn.Module):
             "model.norm.weight": (self.norm, None, None),
             "lm_head.weight": (self.lm_head, None, None),
         }
+        if self.lm_head is None:
+            del targets["lm_head.weight"]
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
+            if layer.qkv_proj is None:  # quantized: the projections load through engine/quant
+                targets[f"{p}input_layernorm.weight"] = (layer.input_layernorm, None, None)
+                targets[f"{p}post_attention_layernorm.weight"] = (layer.post_attention_layernorm, None, None)
+                continue
             qkv = {"q": (0, q_rows), "k": (q_rows, q_rows + kv_rows), "v": (q_rows + kv_rows, q_rows + 2 * kv_rows)}
             for n, (a, b) in qkv.items():
                 targets[f"{p}self_attn.{n}_proj.weight"] = (layer.qkv_proj, a, b)

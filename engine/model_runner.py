@@ -11,6 +11,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .forward_batch import ForwardBatch, SeqChunk
 from .kv_cache import KVCache
+from .plugins import PluginError
 from .sampler import Sampler, TokenLogprobs
 from .step_plan import StepPlan
 
@@ -29,6 +30,8 @@ class RunnerOutput:
     # A speculating chunk's tokens after its sampled one: the accepted
     # proposals after the first, then the corrected or bonus token.
     extra_tokens: Mapping[str, tuple[int, ...]] = attrs.field(factory=dict)
+    # Sequences whose logits processor (a plugin) raised: their requests fail.
+    failed: Mapping[str, PluginError] = attrs.field(factory=dict)
 
 
 @attrs.define
@@ -72,7 +75,7 @@ class ModelRunner:
                 return self._sample_speculating(plan, logits)
         ids = [row.request_id for row in rows]
         logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs) if lp is not None}
-        return RunnerOutput(sampled=dict(zip(ids, result.token_ids)), logprobs=logprobs)
+        return RunnerOutput(sampled=dict(zip(ids, result.token_ids)), logprobs=logprobs, failed=result.failed)
 
     def _sample_speculating(self, plan: StepPlan, logits: torch.Tensor) -> RunnerOutput:
         # Plain rows are sampled together as usual; each speculating chunk
@@ -94,12 +97,14 @@ class ModelRunner:
                 plain_index.append(offset)
             offset += n
         logprobs = {}
+        failed: dict[str, PluginError] = {}
         if plain_rows:
             result = self.sampler.sample(logits[plain_index], plain_rows, plan.token_mask)
             ids = [row.request_id for row in plain_rows]
             sampled.update(zip(ids, result.token_ids))
             logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs) if lp is not None}
-        return RunnerOutput(sampled=sampled, logprobs=logprobs, extra_tokens=extra)
+            failed = dict(result.failed)
+        return RunnerOutput(sampled=sampled, logprobs=logprobs, extra_tokens=extra, failed=failed)
 
     def forward(self, plan: StepPlan) -> torch.Tensor:
         """Run the model over ``plan``'s chunks (not empty), writing their

@@ -19,12 +19,14 @@ above), as vLLM reports them by default.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import attrs
 import torch
 
 from .grammar import unpack_bitmask
+from .plugins import PluginError
 from .sampling_params import SamplingParams
 from .speculative import verify_greedy, verify_sampled
 from .step_plan import SamplingRow, TokenMask
@@ -47,10 +49,13 @@ class TokenLogprobs:
 
 @attrs.frozen
 class SamplerOutput:
-    """One token per row of the batch, and its logprobs where asked for."""
+    """One token per row of the batch, and its logprobs where asked for.
+    ``failed``: the sequences whose logits processor raised (their token was
+    drawn without it; the engine fails their requests)."""
 
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
+    failed: dict[str, PluginError] = attrs.field(factory=dict)
 
 
 def apply_top_k_top_p_min_p(
@@ -190,19 +195,29 @@ class Sampler:
     them when the sequence ends.
     """
 
-    def __init__(self, vocab_size: int, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+        *,
+        logits_processors: Mapping[str, Callable[..., Any]] | None = None,
+    ) -> None:
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self._generators: dict[str, torch.Generator] = {}
         self._prompts: dict[str, torch.Tensor] = {}
+        # Logits-processor plugins by name, and each sequence's instances.
+        self._processor_factories = dict(logits_processors or {})
+        self._processors: dict[str, list[tuple[str, Callable[..., Any]]]] = {}
 
     def forget(self, request_ids: Sequence[str]) -> None:
         """Drop the per-sequence state of ended sequences."""
         for request_id in request_ids:
             self._generators.pop(request_id, None)
             self._prompts.pop(request_id, None)
+            self._processors.pop(request_id, None)
 
     @property
     def num_sequences(self) -> int:
@@ -247,6 +262,9 @@ class Sampler:
         # Columns past the vocabulary (a padded LM head) are never sampled.
         logits = logits[:, : self.vocab_size].to(device=self.device, dtype=torch.float32)
         params = [row.params for row in rows]
+        failed: dict[str, PluginError] = {}
+        if any(p.logits_processors for p in params):
+            logits = self._run_processors(logits, rows, failed)
         want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits[want_logprobs], dim=-1) if want_logprobs else None
 
@@ -265,7 +283,36 @@ class Sampler:
         logprobs: list[TokenLogprobs | None] = [None] * len(rows)
         if raw_logprobs is not None:
             self._fill_logprobs(logprobs, raw_logprobs, want_logprobs, token_ids, params)
-        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs, failed=failed)
+
+    def _run_processors(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], failed: dict[str, PluginError]
+    ) -> torch.Tensor:
+        """Apply each row's logits processors (plugins) to a copy of its
+        logits, in the order the request names them. One that raises fails
+        only its sequence: its row is left as the model made it."""
+        logits = logits.clone()
+        for i, row in enumerate(rows):
+            if not row.params.logits_processors:
+                continue
+            name = "?"
+            try:
+                processors = self._processors.get(row.request_id)
+                if processors is None:
+                    processors = []
+                    for spec in row.params.logits_processors:
+                        name = spec.name
+                        processors.append((name, self._processor_factories[name](dict(spec.args))))
+                    self._processors[row.request_id] = processors
+                out = logits[i]
+                for name, processor in processors:
+                    out = processor(row.output_token_ids, out)
+                    if not isinstance(out, torch.Tensor) or out.shape != logits[i].shape:
+                        raise TypeError(f"it must return a tensor of shape {list(logits[i].shape)}")
+                logits[i] = out
+            except Exception as exc:
+                failed[row.request_id] = PluginError.from_exception(name, "logits processor", exc)
+        return logits
 
     def _bias_mask_penalise(
         self, logits: torch.Tensor, rows: Sequence[SamplingRow], params: list[SamplingParams]

@@ -39,6 +39,56 @@ def _as_bias(value: Any) -> tuple[tuple[int, float], ...]:
         raise InvalidRequestError("logit_bias must map token ids to numbers", field="logit_bias") from None
 
 
+@attrs.frozen
+class LogitsProcessorSpec:
+    """A logits processor a request asks for: a loaded plugin's name and
+    the arguments its factory gets (a picklable value, as the step plan
+    carries it; ``engine/plugins.py``)."""
+
+    name: str
+    args: tuple[tuple[str, Any], ...] = ()
+
+
+def _as_processor_specs(value: Any) -> tuple[LogitsProcessorSpec, ...]:
+    """``["name", {"name": ..., "args": {...}}, ...]`` (or specs) as specs."""
+    if value is None:
+        return ()
+    if isinstance(value, str | dict) or not isinstance(value, list | tuple):
+        raise InvalidRequestError(
+            "logits_processors must be a list of names or {\"name\", \"args\"} objects", field="logits_processors"
+        )
+    specs = []
+    for item in value:
+        if isinstance(item, LogitsProcessorSpec):
+            specs.append(item)
+        elif isinstance(item, str) and item:
+            specs.append(LogitsProcessorSpec(item))
+        elif isinstance(item, dict) and isinstance(item.get("name"), str) and isinstance(item.get("args", {}), dict):
+            if set(item) - {"name", "args"}:
+                raise InvalidRequestError(
+                    f"logits_processors items take only name and args, got {sorted(item)}", field="logits_processors"
+                )
+            args = item.get("args", {})
+            if not all(isinstance(k, str) for k in args):
+                raise InvalidRequestError("logits_processors args must have string keys", field="logits_processors")
+            specs.append(LogitsProcessorSpec(item["name"], tuple(sorted((k, _frozen(v)) for k, v in args.items()))))
+        else:
+            raise InvalidRequestError(
+                f"logits_processors items must be names or {{\"name\", \"args\"}} objects, got {item!r}",
+                field="logits_processors",
+            )
+    return tuple(specs)
+
+
+def _frozen(value: Any) -> Any:
+    # JSON arrays as tuples, so the params stay hashable values.
+    if isinstance(value, list | tuple):
+        return tuple(_frozen(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((str(k), _frozen(v)) for k, v in value.items()))
+    return value
+
+
 _NUMBER_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
@@ -74,6 +124,8 @@ class SamplingParams:
     # Structured output: the output follows this schema, regex, choice or
     # grammar (a token mask each step; see engine/grammar.py).
     structured_output: StructuredOutput | None = None
+    # Plugins (engine/plugins.py) run in the sampler, by name.
+    logits_processors: tuple[LogitsProcessorSpec, ...] = attrs.field(default=(), converter=_as_processor_specs)
 
     def __attrs_post_init__(self) -> None:
         # Types first, so a wrong one is named rather than a TypeError below.

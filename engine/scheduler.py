@@ -68,6 +68,7 @@ from .block_manager import BlockManager
 from .block_tables import BlockTables
 from .errors import InvalidRequestError, RequestTooLongError
 from .kv_batch import KVAllocation, KVBatch, KVBudget, KVCommit, KVResult
+from .plugins import PriorityPolicy, SchedulingPolicy
 from .sequence import FinishReason, Request, RequestStatus
 from .speculative import NgramProposer, may_speculate
 from .step_plan import SamplingRow, ScheduledChunk, StepPlan
@@ -153,6 +154,9 @@ class Scheduler:
     _drafts: dict[str, tuple[int, ...]] = attrs.field(init=False, factory=dict)  # planned this step
     _num_draft_tokens: int = attrs.field(init=False, default=0)
     _num_accepted_tokens: int = attrs.field(init=False, default=0)
+    # The order of waiting requests and the choice of victims (engine/plugins.py);
+    # None: the built-in PriorityPolicy with aging_interval.
+    policy: SchedulingPolicy | None = attrs.field(default=None, kw_only=True)
     _requests: dict[str, Request] = attrs.field(init=False, factory=dict)  # unfinished
     _waiting: list[Request] = attrs.field(init=False, factory=list)  # sorted by _key
     _running: list[Request] = attrs.field(init=False, factory=list)
@@ -184,6 +188,8 @@ class Scheduler:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.aging_interval is not None and self.aging_interval <= 0:
             raise ValueError(f"aging_interval must be > 0 or None, got {self.aging_interval!r}")
+        if self.policy is None:
+            self.policy = PriorityPolicy(self.aging_interval)
         self._budget = KVBudget(
             num_blocks=self.num_blocks,
             num_free_blocks=self.num_blocks,
@@ -311,7 +317,7 @@ class Scheduler:
         Must be followed by ``finalize`` with the pool's answer."""
         self._check_not_in_flight()
         self._num_steps += 1
-        if self.aging_interval:
+        if self.aging_interval or not isinstance(self.policy, PriorityPolicy):
             self._waiting.sort(key=self._key)  # effective priorities moved on
         commits, frees, num_freed = self._release_pending()
         step = _StepBudget(tokens=self.max_num_batched_tokens, free_blocks=self._budget.num_free_blocks + num_freed)
@@ -362,8 +368,9 @@ class Scheduler:
             if needed > step.free_blocks:
                 # Preempt strictly lower priorities, lowest first, if
                 # preempting all of them would make room.
-                level = self._key(request)[0]
-                victims = sorted((r for r in self._running if self._key(r)[0] > level), key=self._key, reverse=True)
+                key = self._key(request)
+                outranked = (r for r in self._running if self.policy.outranks(key, self._key(r)))
+                victims = sorted(outranked, key=self._key, reverse=True)
                 reclaimable = sum(
                     self._tables.sole_blocks(v.request_id) + step.planned.get(v.request_id, (0, 0))[1] for v in victims
                 )
@@ -580,14 +587,12 @@ class Scheduler:
         self._pause_commits, self._pause_frees = [], []
         return commits, frees, num_freed
 
-    def _key(self, request: Request) -> tuple[int, int]:
-        """(effective priority, arrival): lower runs first and is preempted
-        last. Aging takes one level off per ``aging_interval`` steps since
-        admission."""
-        if not self.aging_interval:
-            return (request.priority, request.arrival_index)
+    def _key(self, request: Request) -> tuple[float, ...]:
+        """The policy's key: lower runs first and is preempted last. The
+        built-in one is (effective priority, arrival), aging taking one level
+        off per ``aging_interval`` steps since admission."""
         age = self._num_steps - self._admitted_step.get(request.request_id, self._num_steps)
-        return (request.priority - age // self.aging_interval, request.arrival_index)
+        return self.policy.key(request, age)
 
     def _reset_for_recompute(self, request: Request) -> None:
         """A preempted request: no blocks, nothing computed, output kept."""

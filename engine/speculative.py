@@ -89,6 +89,7 @@ def may_speculate(params: SamplingParams, num_output_tokens: int) -> bool:
     proposal this step (see the module's docstring for why not)."""
     return (
         params.structured_output is None
+        and not params.logits_processors  # they run in sample(), which a proposal's verification bypasses
         and params.logprobs is None
         and not params.has_penalties
         and num_output_tokens >= max(1, params.min_tokens)

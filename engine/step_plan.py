@@ -52,7 +52,7 @@ class SamplingRow:
             params=params,
             eos_token_ids=tuple(eos_token_ids),
             num_output_tokens=len(output_token_ids),
-            output_token_ids=tuple(output_token_ids) if params.has_penalties else (),
+            output_token_ids=tuple(output_token_ids) if params.has_penalties or params.logits_processors else (),
             prompt_token_ids=tuple(prompt_token_ids) if params.repetition_penalty != 1.0 else (),
         )
 

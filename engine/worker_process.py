@@ -153,7 +153,13 @@ def _build(spec: WorkerSpec) -> Any:
 
         torch.set_num_threads(config.num_threads)
     if spec.model is None:
-        loaded = load_model(config.model, dtype=config.dtype, device=config.device)
+        loaded = load_model(
+            config.model,
+            dtype=config.dtype,
+            device=config.device,
+            quantization=config.quantization,
+            quantization_group_size=config.quantization_group_size,
+        )
     else:
         loaded = spec.model()
     return build_runner(loaded, config, spec.num_blocks)

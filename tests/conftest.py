@@ -68,8 +68,8 @@ def cpu_paths(pytestconfig) -> CpuPaths:
 
 @pytest.fixture(scope="session")
 def default_loaded() -> LoadedModel:
-    """The default model, float32 on TEST_DEVICE (CPU unless TRIOSERVE_TEST_DEVICE says otherwise)."""
-    return load_model(None, dtype="float32", device=TEST_DEVICE)
+    """The default model, dequantized to float32 on TEST_DEVICE (CPU unless TRIOSERVE_TEST_DEVICE says otherwise)."""
+    return load_model(None, dtype="float32", device=TEST_DEVICE, quantization="none")
 
 
 @pytest.fixture(scope="session", autouse=True)

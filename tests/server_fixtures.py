@@ -44,10 +44,16 @@ def server_config(*, engine: dict[str, Any] | None = None, **server: Any) -> Ser
 class Server:
     url: str
     app: QuartTrio
+    token: trio.lowlevel.TrioToken | None = None  # the server's trio loop
 
     @property
     def host(self):
         return app_host(self.app)
+
+    def run_sync(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` on the server's trio loop, from another thread
+        (``engine.statistics()`` of a server in a thread, say)."""
+        return trio.from_thread.run_sync(fn, *args, trio_token=self.token)
 
 
 @asynccontextmanager
@@ -64,7 +70,7 @@ async def serving(app: QuartTrio, *, wait_ready: bool = True, **hypercorn_option
             with trio.fail_after(STARTUP_TIMEOUT):
                 await app_host(app).wait_ready()
         try:
-            yield Server(binds[0], app)
+            yield Server(binds[0], app, trio.lowlevel.current_trio_token())
         finally:
             stop.set()
 

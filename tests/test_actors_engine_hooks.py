@@ -4,8 +4,10 @@ priority preemption by arrivals, and aging against starvation."""
 from __future__ import annotations
 
 import pytest
+
 from factories import FakeRunner, make_request, make_scheduler, next_token, run_to_completion, step
 
+from trioserve.engine.plugins import PriorityPolicy
 from trioserve.engine.scheduler import Scheduler
 from trioserve.engine.sequence import FinishReason, RequestStatus
 
@@ -135,6 +137,7 @@ def _starve(aging_interval: int | None, steps: int) -> int | None:
     step; return the step it first runs at (None: never)."""
     scheduler, bm = make_scheduler(max_num_seqs=1, num_blocks=32)
     scheduler.aging_interval = aging_interval
+    scheduler.policy = PriorityPolicy(aging_interval)  # the built-in policy ages by its own interval
     runner = FakeRunner(4)
     scheduler.add_request(make_request("busy", prompt_len=4, max_tokens=1, priority=0))
     scheduler.add_request(make_request("low", prompt_len=4, max_tokens=1, priority=5))
@@ -159,6 +162,7 @@ def test_aging_lets_a_low_priority_request_run():
 def test_an_aged_running_request_is_not_preempted_by_newer_arrivals_of_its_old_level():
     scheduler, bm = make_scheduler(num_blocks=6, block_size=4, max_num_seqs=4)
     scheduler.aging_interval = 1
+    scheduler.policy = PriorityPolicy(1)
     runner = FakeRunner(4)
     scheduler.add_request(make_request("old", prompt_len=8, max_tokens=20, priority=2))
     for _ in range(4):

@@ -365,7 +365,7 @@ def default_cache(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TRIOSERVE_CACHE", str(cache))
         mp.setattr(gguf_cache, "convert_gguf", counting)
-        loaded = load_model()
+        loaded = load_model(quantization="none")  # the dequantized path
         yield cache, loaded, calls
 
 

@@ -12,6 +12,7 @@ configured by ``TRIOSERVE_*`` environment variables::
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from quart_trio import QuartTrio
 
@@ -20,11 +21,17 @@ from trioserve.engine.loader import LoadedModel
 from . import routes
 from .asgi import TrioserveApp
 from .host import EXTENSION, ModelHost
+from .plugins import PLUGINS_EXTENSION, ServerPlugins
 from .serve_options import server_config_from_env
 from .settings import ServerConfig
 from .tracing import Tracing
 from .tracing import register as register_tracing
 
+if TYPE_CHECKING:
+    from trioserve.rpc.service import GrpcService
+
+# The key of the gRPC service in ``app.extensions``.
+GRPC_EXTENSION = "trioserve.grpc"
 # Seconds past ``shutdown_timeout`` that the engines get to abort what is
 # left and close, before quart cancels the serving nursery.
 SHUTDOWN_MARGIN = 10.0
@@ -47,7 +54,10 @@ def create_app(
         config = server_config_from_env()
     if isinstance(loaded, LoadedModel):
         loaded = {config.model_names[0]: loaded}
+    # Plugins load before any model, so an unknown name stops startup at once.
+    plugins = ServerPlugins.load(config.engine.plugins)
     host = ModelHost(config, dict(loaded or {}))
+    plugins.register_metrics(host.metrics.registry)
     app = TrioserveApp(__name__)
     app.config.update(
         # A stream lasts as long as its generation; quart would cut any
@@ -62,11 +72,15 @@ def create_app(
         tracing = Tracing.from_endpoint(config.otlp_traces_endpoint)
     if tracing is not None:
         register_tracing(app, tracing)  # before the routes' hooks: refusals get spans too
+    app.extensions[PLUGINS_EXTENSION] = plugins
     routes.register(app)
+    grpc_service = _grpc_service(app, host)
 
     @app.before_serving
     async def start_engines() -> None:
         await app.nursery.start(host.run)
+        if grpc_service is not None:
+            await app.nursery.start(grpc_service.run)
 
     @app.after_serving
     async def stop_engines() -> None:
@@ -74,8 +88,29 @@ def create_app(
         await host.wait_stopped()
         if tracing is not None:
             await tracing.shutdown()  # the drained requests' spans go out too
+        if grpc_service is not None:
+            await grpc_service.wait_stopped()
 
     return app
+
+
+def _grpc_service(app: QuartTrio, host: ModelHost) -> GrpcService | None:
+    """The gRPC service ``host.config`` asks for (``grpc_port``), kept in ``app.extensions``."""
+    if host.config.grpc_port is None:
+        return None
+    from trioserve.rpc.service import GrpcService, bind_address
+
+    service = GrpcService(
+        host, bind_address(host.config.grpc_host, host.config.grpc_port), plugins=app.extensions[PLUGINS_EXTENSION]
+    )
+    app.extensions[GRPC_EXTENSION] = service
+    return service
+
+
+def app_grpc(app: QuartTrio) -> GrpcService | None:
+    """The gRPC service of an app made by ``create_app`` (None without ``grpc_port``);
+    its ``port`` is the bound one once serving."""
+    return app.extensions.get(GRPC_EXTENSION)
 
 
 def app_host(app: QuartTrio) -> ModelHost:

@@ -33,12 +33,14 @@ from trioserve.actors.errors import RequestDropped, RequestFailed
 from trioserve.actors.request import final_output
 from trioserve.engine.errors import TrioserveError
 from trioserve.engine.outputs import RequestOutput
+from trioserve.engine.plugins import RequestContext
 
 from .body import request_json
 from . import request_ids, tracing
 from .completion_bodies import ChatCompletionStream, CompletionStream, OutputAccumulator
 from .errors import ApiError, RequestTimeout, from_exception
 from .host import current_host
+from .plugins import current_plugins
 from .protocol import ChatCompletionRequest, CompletionRequest, effective_timeout, parse_timeout_header
 from .responses import json_response
 from .served import ServedModel
@@ -80,7 +82,13 @@ async def create_chat_completion() -> Response:
 async def _generate(kind: type[CompletionRequest] | type[ChatCompletionRequest], *, chat: bool) -> Response:
     arrival = trio.current_time()
     host = current_host()
-    parsed = kind.from_json(request_json())
+    plugins = current_plugins()
+    endpoint = "chat.completions" if chat else "completions"
+    body = request_json()
+    if isinstance(body, dict):  # anything else the parser refuses below
+        model = body.get("model") if isinstance(body.get("model"), str) else None
+        body = plugins.preprocess(body, RequestContext(endpoint, model))
+    parsed = kind.from_json(body)
     served = host.get(parsed.model)
     g.model_name = served.name  # rejections from here on count against this model
     log_requests = host.config.log_requests
@@ -104,6 +112,7 @@ async def _generate(kind: type[CompletionRequest] | type[ChatCompletionRequest],
     except Exception as exc:
         raise _refusal(translate(exc, log_requests=log_requests), chat) from None
     stream = tracing.follow(stream, parsed.params, parsed.model, served.name)  # itself when tracing is off
+    stream = plugins.postprocessed(stream, RequestContext(endpoint, served.name, stream.request_id, body), parsed.params.n)
     texts = served.texts if parsed.params.logprobs is not None else None
     if parsed.stream:
         first = None

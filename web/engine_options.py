@@ -58,6 +58,21 @@ def add_engine_options(parser: argparse.ArgumentParser, *, several_models: bool 
         help="run the model step on a thread of this process, or in a worker process that is restarted "
         "if it dies, its requests recomputed (default: thread)",
     )
+    # Compressed weights (engine/quant).
+    add(
+        "--quantization",
+        default="none",
+        choices=["auto", "none", "int8", "int4"],
+        help="weights kept compressed: auto keeps a GGUF's quantized matrices compressed on CPU and "
+        "loads float checkpoints as they are; int8 (per channel) / int4 (in groups) quantize any checkpoint "
+        "round-to-nearest once, cached in $TRIOSERVE_CACHE; none dequantizes to float (default: none)",
+    )
+    add(
+        "--quantization-group-size",
+        type=int,
+        default=32,
+        help="inputs per int4 scale; must divide every projection's input size (default: 32)",
+    )
     actions += add_tensor_parallel_options(parser)
     actions += add_speculative_options(parser)
     return actions
@@ -151,6 +166,8 @@ def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConf
         worker_mode=args.worker_mode,
         **tensor_parallel_fields(args),
         **speculative_fields(args),
+        quantization=args.quantization,
+        quantization_group_size=args.quantization_group_size,
     )
     fields.update(overrides)
     config = EngineConfig(**fields)

@@ -22,6 +22,7 @@ from trioserve.actors.errors import (
     RequestShed,
 )
 from trioserve.engine.errors import InvalidRequestError, RequestTooLongError
+from trioserve.engine.plugins import PluginError
 
 
 class ApiError(Exception):
@@ -192,6 +193,8 @@ def from_exception(exc: BaseException) -> ApiError:
     """
     if isinstance(exc, ApiError):
         return exc
+    if isinstance(exc, PluginError):  # a plugin failed on this request (web/plugins.py)
+        return ApiError(500, str(exc), type="server_error", code="plugin_error")
     if isinstance(exc, RequestTooLongError):
         # The engine's message states the limit (max_model_len or KV pool).
         return InvalidRequest(str(exc), param=exc.field or "prompt", code="context_length_exceeded")

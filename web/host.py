@@ -118,6 +118,10 @@ class ModelHost:
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
 
+    async def wait_draining(self) -> None:
+        """Return once ``begin_drain`` has been called (the gRPC health service's cue)."""
+        await self._drain_requested.wait()
+
     def begin_drain(self) -> None:
         """Stop taking requests; in-flight ones get ``shutdown_timeout`` seconds."""
         if self.state in (HostState.LOADING, HostState.READY):

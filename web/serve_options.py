@@ -119,7 +119,25 @@ def _add_serve_options(parser: argparse.ArgumentParser) -> list[argparse.Action]
         f"on a fresh step thread and /health reports it; 0 turns the watchdog off (default: {DEFAULT_WATCHDOG_TIMEOUT:g})",
     )
     actions += add_engine_options(parser, several_models=True)
+    add(
+        "--plugins",
+        type=_names,
+        default=(),
+        help="plugins to load, by entry-point name, comma-separated (docs/api.md, 'Plugins'); "
+        "an unknown name stops startup (default: none)",
+    )
+    add(
+        "--grpc-port",
+        type=int,
+        default=None,
+        help="also serve the gRPC API (proto/trioserve.proto) and grpc.health.v1 on --host at this port; "
+        "0 picks a free one (default: no gRPC)",
+    )
     return actions
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in text.split(",") if name.strip())
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -134,6 +152,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_queued_tokens=args.max_queued_tokens,
         **overload_config_from_args(args),
         watchdog_timeout=args.watchdog_timeout or None,  # 0: off
+        plugins=args.plugins,
     )
     return ServerConfig(
         engine=engine,
@@ -149,6 +168,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         log_requests=args.log_requests,
         access_log=args.access_log,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
+        grpc_port=args.grpc_port,
+        grpc_host=args.host,
     )
 
 

@@ -80,6 +80,11 @@ def _optional_traces_url(instance: object, attribute: attrs.Attribute, value: st
         traces_url(value)  # raises ValueError naming the field
 
 
+def _optional_port(instance: object, attribute: attrs.Attribute, value: int | None) -> None:
+    if value is not None and not (isinstance(value, int) and 0 <= value <= 65535):
+        raise ValueError(f"{attribute.name} must be a port number in [0, 65535], got {value!r}")
+
+
 @attrs.frozen(kw_only=True)
 class ServerConfig:
     """Everything ``create_app`` needs.
@@ -119,6 +124,10 @@ class ServerConfig:
     # OTLP collector for request spans (web/tracing.py); None: off unless
     # OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is set.
     otlp_traces_endpoint: str | None = attrs.field(default=None, validator=_optional_traces_url)
+    # gRPC (rpc/, docs/api.md "gRPC"): served on grpc_host:grpc_port beside
+    # the HTTP server when grpc_port is set (0 picks a free port).
+    grpc_port: int | None = attrs.field(default=None, validator=_optional_port)
+    grpc_host: str = "127.0.0.1"
 
     @property
     def model_names(self) -> tuple[str, ...]:

@@ -186,7 +186,15 @@ _BAD = {
     "echo": st.one_of(st.just(True), SMALL_TEXT, st.integers(1, 5), st.just([])),
     "suffix": st.one_of(SMALL_TEXT.filter(bool), INTS, st.just([])),
     "best_of": st.one_of(SMALL_TEXT, st.just(1.0), st.just(True), st.just([])),
-    "response_format": st.one_of(SMALL_TEXT, INTS, st.just([]), st.just({}), st.just({"type": "json_object"})),
+    "response_format": st.one_of(
+        SMALL_TEXT,
+        INTS,
+        st.just([]),
+        st.just({}),
+        st.just({"type": "xml"}),
+        st.just({"type": "json_schema"}),
+        st.just({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}),
+    ),
     "tools": st.one_of(SMALL_TEXT.filter(bool), st.integers(1, 5), st.just([{"type": "function"}]), st.just({"a": 1})),
 }
 # Values of the right type, any size: a 2xx or a 4xx.
@@ -205,7 +213,7 @@ _ANY = {
     "echo": st.just(False),
     "suffix": st.just(""),
     "best_of": st.just(1),
-    "response_format": st.just({"type": "text"}),
+    "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
     "tools": st.sampled_from([[], None]),
 }
 
@@ -298,14 +306,17 @@ def field_cases(draw: st.DrawFn) -> Case:
     # them, or one whose meaning depends on them.
     changed = names + ([unknown] if unknown is not None else [])
     fields = tuple(changed) + tuple(related for name in changed for related in _RELATED.get(name, ()))
+    unknown_model = "model" in names and "model" not in wrong and body.get("model") != MODEL
     return _sized(
         Case(
             "POST",
             path,
             encode(body),
             dict(AUTH, **{"Content-Type": "application/json"}),
-            error=bool(wrong),
-            status=400 if wrong else None,
+            # An unknown model is a 404, or a 400 when a field is checked
+            # before the model is looked up (the parse), or after (token ids).
+            error=bool(wrong) or unknown_model,
+            status=400 if wrong and not unknown_model else None,
             fields=fields,
             may_time_out="timeout" in body,
             note=f"fields {names}, wrong: {wrong}",

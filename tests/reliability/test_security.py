@@ -39,7 +39,7 @@ PROTECTED = [
     ("POST", "/detokenize"),
 ]
 UNKNOWN = [
-    ("GET", "/"),
+    ("GET", "/index.html"),
     ("GET", "/admin"),
     ("GET", "/v1/nothing"),
     ("POST", "/v1/embeddings"),
@@ -68,7 +68,7 @@ def assert_error(response: httpx.Response, status: int, code: str | None) -> dic
 
 
 def test_the_open_paths_are_the_documented_ones():
-    assert routes.OPEN_PATHS == {"/health", "/metrics", "/version"}
+    assert routes.OPEN_PATHS == {"/health", "/metrics", "/version", "/", "/chat"}
 
 
 async def test_api_key_is_required_on_every_route_but_the_open_ones():

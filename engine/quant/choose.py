@@ -1,0 +1,179 @@
+"""Which compressed-weight kernel a model runs, by capability and a measurement.
+
+Each kernel (``KERNELS``) is a capability path with a trial
+(``capability.PROBES``), so ``TRIOSERVE_CPU_ASSUME`` and the library caps
+turn it off like any other path. Among those that work here and store the
+scheme asked for (4 or 8 bits), ``choose_kernel`` times one decoder layer's
+projections at 1 row (a one-stream decode step) and at 32 rows (a batched
+one) on random weights, a few milliseconds in all, and keeps the fastest
+sum. Which one wins depends on the CPU (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import attrs
+import torch
+
+from ..capability import CpuPaths
+from ..errors import CpuCapabilityError
+from . import int4_pack, int8_pack
+from .row_split import RowSplitLinear
+from .rtn import Int4Weight, Int8Weight, quantize_int4, quantize_int8
+
+Linear = Callable[[torch.Tensor], torch.Tensor]
+# The schemes a user asks for: "int8" and "int4" quantize float checkpoints;
+# "auto" keeps a GGUF's own bits (4-bit tensors stay 4-bit where a 4-bit
+# kernel is the fastest here, else become int8 per channel).
+SCHEMES = ("int8", "int4", "auto")
+# Rows a kernel is timed at: a one-stream decode step, small and larger batches.
+MEASURE_ROWS = (1, 4, 16, 32)
+
+
+@attrs.frozen
+class Kernel:
+    """A linear kernel over one compressed format; ``build(weight, bias)``
+    makes a callable linear from an ``Int8Weight`` or ``Int4Weight``."""
+
+    name: str
+    bits: int
+    what: str
+    build: Callable[[Int8Weight | Int4Weight, torch.Tensor | None], Linear]
+
+    def make(self, weight: torch.Tensor | Int8Weight | Int4Weight, bias: torch.Tensor | None, group_size: int) -> Linear:
+        """The linear for ``weight``: taken as it is when in this kernel's
+        format, else requantized into it (one more rounding)."""
+        want = Int4Weight if self.bits == 4 else Int8Weight
+        if not isinstance(weight, want):
+            dense = weight if isinstance(weight, torch.Tensor) else weight.dequantize()
+            weight = quantize_int4(dense, group_size) if self.bits == 4 else quantize_int8(dense)
+        return self.build(weight, bias)
+
+
+# fbgemm's int8 dynamic linear (int8_dynamic.py) is the fastest from a few
+# rows up, but it rounds each call's activations to 7 bits with one scale
+# for the whole call, and the default model's perplexity went from 23.2 to
+# 38.6 with it (docs/benchmarks.md): it is measured by
+# scripts/bench_qlinear.py, not chosen.
+KERNELS: tuple[Kernel, ...] = (
+    Kernel(
+        "quant_int4_pack_bfloat16",
+        4,
+        "4-bit groups, _weight_int4pack_mm in bfloat16",
+        lambda w, b: int4_pack.Int4PackLinear.from_rtn(w, b, torch.bfloat16),
+    ),
+    Kernel(
+        "quant_int8_pack_bfloat16",
+        8,
+        "int8 per channel, _weight_int8pack_mm in bfloat16",
+        lambda w, b: int8_pack.Int8PackLinear.from_rtn(w, b, torch.bfloat16),
+    ),
+)
+
+
+@attrs.frozen
+class KernelChoice:
+    """The kernel a model runs and why: ``timings`` holds each candidate's
+    milliseconds at ``MEASURE_ROWS``. With ``small``, calls of at most
+    ``max_small_rows`` rows run on that kernel instead (``row_split``)."""
+
+    kernel: Kernel
+    scheme: str
+    group_size: int
+    timings: tuple[tuple[str, tuple[float, ...]], ...]
+    small: Kernel | None = None
+    max_small_rows: int = 0
+
+    @property
+    def label(self) -> str:
+        """The formats the weights are held in, e.g. ``int8`` or ``int4+int8``."""
+        if self.small is None:
+            return f"int{self.kernel.bits}"
+        return f"int{self.small.bits}+int{self.kernel.bits}"
+
+    def make(self, weight: torch.Tensor | Int8Weight | Int4Weight, bias: torch.Tensor | None) -> Linear:
+        """The linear for ``weight`` on this choice's kernel(s)."""
+        large = self.kernel.make(weight, bias, self.group_size)
+        if self.small is None:
+            return large
+        return RowSplitLinear(self.small.make(weight, bias, self.group_size), large, self.max_small_rows)
+
+    @property
+    def reason(self) -> str:
+        shown = "; ".join(
+            f"{name} {' / '.join(f'{ms:.2f}' for ms in times)} ms" for name, times in self.timings
+        )
+        rows = "/".join(str(r) for r in MEASURE_ROWS)
+        what = self.kernel.what
+        if self.small is not None:
+            what = f"{self.small.what} up to {self.max_small_rows} rows, {what} above"
+        return f"{what} (one layer at {rows} rows: {shown})"
+
+
+def candidates(cpu_paths: CpuPaths, scheme: str) -> list[Kernel]:
+    """The kernels that work here and fit ``scheme``; ``CpuCapabilityError``
+    listing what the machine runs when there are none."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"quantization {scheme!r} is not one of {', '.join(SCHEMES)}")
+    known = {p.name for p in cpu_paths.paths}
+    usable = [k for k in KERNELS if k.name in known and cpu_paths.available(k.name)]
+    fits = [k for k in usable if scheme == "auto" or k.bits == int(scheme.removeprefix("int"))]
+    if not fits:
+        runs = sorted({f"int{k.bits}" for k in usable})
+        why = "; ".join(cpu_paths.status(k.name).reason for k in KERNELS if k.name in known)
+        raise CpuCapabilityError(
+            f"quantization {scheme} cannot run on this CPU ({why}); this machine runs "
+            f"{', '.join(runs + ['none']) if runs else 'only none'}"
+        )
+    return fits
+
+
+def measure(
+    kernels: Sequence[Kernel], shapes: Sequence[tuple[int, int]], group_size: int, repeat: int = 5
+) -> dict[str, tuple[float, ...]]:
+    """Best-of-``repeat`` milliseconds of each kernel over ``shapes`` at each
+    of ``MEASURE_ROWS``. The kernels take turns within each round, so a
+    burst of load from other processes hits them alike."""
+    gen = torch.Generator().manual_seed(0)
+    weights = [(torch.randn(out, k, generator=gen) * 0.05, k) for out, k in shapes]
+    built = {kernel.name: [(kernel.make(w, None, group_size), k) for w, k in weights] for kernel in kernels}
+    best: dict[str, list[float]] = {name: [] for name in built}
+    with torch.inference_mode():
+        for rows in MEASURE_ROWS:
+            xs = {k: torch.randn(rows, k, generator=gen) for _, k in weights}
+            times = {name: float("inf") for name in built}
+            for _ in range(repeat + 1):  # the first round builds caches
+                for name, linears in built.items():
+                    start = time.perf_counter()
+                    for f, k in linears:
+                        f(xs[k])
+                    times[name] = min(times[name], time.perf_counter() - start)
+            for name, t in times.items():
+                best[name].append(t * 1e3)
+    return {name: tuple(t) for name, t in best.items()}
+
+
+def choose_kernel(
+    cpu_paths: CpuPaths, scheme: str, shapes: Sequence[tuple[int, int]], group_size: int = 32
+) -> KernelChoice:
+    """The fastest kernel here for ``scheme`` over one layer's ``shapes``
+    (``[(out, in), ...]``); a lone candidate is taken without timing."""
+    fits = candidates(cpu_paths, scheme)
+    if scheme == "auto" and any(k % group_size for _, k in shapes):
+        # Groups that do not tile the inputs: only the per-channel kernels fit.
+        fits = [k for k in fits if k.bits == 8] or fits
+    timings = measure(fits, shapes, group_size) if len(fits) > 1 else {}
+    best = min(fits, key=lambda k: sum(timings.get(k.name, ())))
+    choice = KernelChoice(best, scheme, group_size, tuple(timings.items()))
+    if scheme != "auto" or not timings:
+        return choice
+    # "auto" may hold the weights twice: the fastest kernel at one row for
+    # the rows where it wins, the fastest at the most rows above that.
+    by_rows = {rows: min(fits, key=lambda k: timings[k.name][i]) for i, rows in enumerate(MEASURE_ROWS)}
+    small, large = by_rows[MEASURE_ROWS[0]], by_rows[MEASURE_ROWS[-1]]
+    if small is large:
+        return attrs.evolve(choice, kernel=large)
+    wins = [r for i, r in enumerate(MEASURE_ROWS) if timings[small.name][i] < timings[large.name][i]]
+    return attrs.evolve(choice, kernel=large, small=small, max_small_rows=max(wins))

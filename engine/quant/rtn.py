@@ -1,0 +1,68 @@
+"""Weight-only round-to-nearest formats, the values every kernel starts from.
+
+``Int8Weight``: symmetric int8 per output channel, ``w = q * scale``.
+``Int4Weight``: 4 bits per weight in groups along the input dimension,
+``w = (q - 8) * scale + zero`` with ``q`` in 0..15: the convention of torch's
+packed int4 kernel, and exactly GGUF's Q4_0 (``zero = 0``) and Q4_1
+(``zero = m + 8 d``).
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+
+@attrs.frozen
+class Int8Weight:
+    """``q`` int8 ``[out, in]``, ``scale`` float32 ``[out]``."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        return self.q.float() * self.scale[:, None]
+
+
+@attrs.frozen
+class Int4Weight:
+    """``q`` uint8 ``[out, in]`` holding 0..15; ``scale`` and ``zero``
+    float32 ``[out, in // group_size]``."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    group_size: int
+
+    def dequantize(self) -> torch.Tensor:
+        out, k = self.q.shape
+        groups = (self.q.float() - 8).view(out, k // self.group_size, self.group_size)
+        return (groups * self.scale[..., None] + self.zero[..., None]).view(out, k)
+
+
+def check_group_size(shape: tuple[int, ...], group_size: int, name: str = "weight") -> None:
+    """Raise ``ValueError`` unless ``group_size`` divides ``name``'s input dimension."""
+    if group_size <= 0 or shape[-1] % group_size:
+        raise ValueError(
+            f"quantization group size {group_size} does not divide {name}'s input dimension {shape[-1]} "
+            f"(shape {tuple(shape)}); pick a divisor such as 32 or 64"
+        )
+
+
+def quantize_int8(weight: torch.Tensor) -> Int8Weight:
+    """Symmetric per-channel int8 of a float ``[out, in]`` weight."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return Int8Weight(q, scale)
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int, name: str = "weight") -> Int4Weight:
+    """Asymmetric 4-bit of a float ``[out, in]`` weight in groups of ``group_size`` inputs."""
+    check_group_size(tuple(weight.shape), group_size, name)
+    out, k = weight.shape
+    w = weight.float().view(out, k // group_size, group_size)
+    low, high = w.amin(dim=-1), w.amax(dim=-1)
+    scale = ((high - low) / 15).clamp(min=1e-12)
+    q = torch.round((w - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
+    return Int4Weight(q.view(out, k), scale, low + 8 * scale, group_size)

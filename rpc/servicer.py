@@ -1,0 +1,149 @@
+"""The ``trioserve.v1.Generation`` service: its handlers run on the gRPC
+server's asyncio loop and do their work in trio through a ``TrioPortal``.
+
+``Generate`` does what ``POST /v1/completions`` does (web/completions.py):
+it validates the request with the engine's own validators, queues it with
+``generate_nowait`` (so every refusal is a status before any response) and
+streams its deltas. The call's deadline (``context.time_remaining()``),
+capped by ``--max-request-time``, becomes the request's ``deadline``, less
+``DEADLINE_MARGIN`` so the final ``deadline`` delta can still reach the
+client. When the call is cancelled, or its deadline passes on the client's
+side first, grpcio cancels the handler; the portal cancels the trio task,
+whose ``finally`` closes the request's stream: the engine aborts it at its
+next step boundary and frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import trio
+
+from trioserve.engine.errors import InvalidRequestError
+from trioserve.engine.plugins import RequestContext
+from trioserve.web.completions import translate
+from trioserve.web.errors import ApiError, InvalidRequest, from_exception
+from trioserve.web.host import ModelHost
+from trioserve.web.plugins import ServerPlugins
+
+from . import messages
+from . import trioserve_pb2 as pb
+from . import trioserve_pb2_grpc as pb_grpc
+from .portal import Emit, PortalClosed, TrioPortal
+
+log = logging.getLogger(__name__)
+
+# Seconds taken off a call's deadline for the engine's, so that a request
+# ended by its deadline sends its final delta before the client gives up.
+DEADLINE_MARGIN = 0.05
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    """Serves ``host``'s models; every engine call goes through ``portal``.
+    The output post-processors of ``plugins`` apply to ``Generate``'s
+    deltas as over HTTP (the request pre-processors see HTTP bodies only)."""
+
+    def __init__(self, host: ModelHost, portal: TrioPortal, plugins: ServerPlugins | None = None) -> None:
+        self.host = host
+        self.portal = portal
+        self.plugins = plugins or ServerPlugins()
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        remaining = context.time_remaining()
+        try:
+            async for output in self.portal.iterate(self._generate, request, remaining):
+                yield messages.response(output)
+        except Exception as exc:
+            await _abort(context, exc)
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        try:
+            return await self.portal.run(self._abort, request)
+        except Exception as exc:
+            await _abort(context, exc)
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        try:
+            return await self.portal.run(self._tokenize, request)
+        except Exception as exc:
+            await _abort(context, exc)
+
+    async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
+        try:
+            return await self.portal.run(self._list_models)
+        except Exception as exc:
+            await _abort(context, exc)
+
+    # -- in trio -------------------------------------------------------------------
+
+    async def _generate(self, emit: Emit, request: pb.GenerateRequest, remaining: float | None) -> None:
+        arrival = trio.current_time()
+        served = self.host.get(request.model or None)
+        log_requests = self.host.config.log_requests
+        try:
+            params = messages.sampling_params(request.params)
+            prompt = messages.prompt(request)
+        except InvalidRequestError as exc:
+            raise InvalidRequest(str(exc), param=exc.field) from None
+        timeout = self.host.config.max_request_time
+        if remaining is not None:
+            remaining = max(remaining - DEADLINE_MARGIN, 0.0)
+            timeout = remaining if timeout is None else min(timeout, remaining)
+        try:
+            stream = served.engine.generate_nowait(
+                prompt,
+                params,
+                request_id=request.request_id or None,
+                priority=request.priority,
+                deadline=None if timeout is None else arrival + timeout,
+            )
+        except Exception as exc:
+            raise translate(exc, log_requests=log_requests) from None
+        context = RequestContext("grpc.generate", served.name, stream.request_id)
+        stream = self.plugins.postprocessed(stream, context, params.n)
+        try:
+            async for output in stream:
+                served.observe(output, params.n)
+                await emit(output)
+        except Exception as exc:  # RequestDropped, RequestFailed, ...: a status, as before any output
+            raise translate(exc, log_requests=log_requests) from None
+        finally:
+            stream.close()
+            served.metrics.forget(stream.request_id)
+
+    async def _abort(self, request: pb.AbortRequest) -> pb.AbortResponse:
+        served = self.host.get(request.model or None)
+        return pb.AbortResponse(aborted=served.engine.abort(request.request_id))
+
+    async def _tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
+        served = self.host.get(request.model or None)
+        ids = served.engine.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
+        return pb.TokenizeResponse(token_ids=list(ids), max_model_len=served.max_model_len)
+
+    async def _list_models(self) -> pb.ListModelsResponse:
+        self.host.raise_unless_ready()
+        models = []
+        for name in self.host.config.model_names:
+            served = self.host.models[name]
+            models.append(
+                pb.ModelInfo(
+                    name=name,
+                    max_model_len=served.max_model_len,
+                    vocab_size=served.engine.model_config.vocab_size,
+                    created=served.created,
+                )
+            )
+        return pb.ListModelsResponse(models=models)
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> Any:
+    """End the call with the status for ``exc`` (raises, as ``context.abort`` does)."""
+    if isinstance(exc, PortalClosed):
+        await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+    error = exc if isinstance(exc, ApiError) else from_exception(exc)
+    if not isinstance(exc, ApiError):
+        log.error("gRPC call failed: %s: %s", type(exc).__name__, exc)
+    await context.abort(messages.status_of(error), error.message, messages.trailing_metadata(error))

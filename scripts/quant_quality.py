@@ -1,0 +1,53 @@
+"""Quality of the compressed paths on the default model: perplexity over
+tests/data/quality_text.txt, the largest logit difference from the float32
+path (which dequantizes the same GGUF exactly), and greedy agreement over
+4 x 64 tokens (teacher-forced on float32's continuation, and free-running).
+
+    .venv/bin/python scripts/quant_quality.py
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from trioserve.engine.loader import load_model
+from trioserve.testing.quality import greedy_tokens, perplexity, prompt_logits
+
+TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "quality_text.txt"
+PROMPTS = (
+    "The history of the lighthouse begins",
+    "Write a short poem about the sea at night.",
+    "List three uses of copper and explain each.",
+    "def fibonacci(n):",
+)
+
+
+def main() -> None:
+    torch.set_num_threads(2)
+    models = {q: load_model(None, quantization=q) for q in ("none", "int8", "int4")}
+    ids = models["none"].tokenizer(TEXT.read_text())["input_ids"]
+    ref = prompt_logits(models["none"].model, ids)
+    ref_greedy = {p: greedy_tokens(models["none"].model, models["none"].tokenizer(p)["input_ids"], 64) for p in PROMPTS}
+    print(f"{len(ids)} tokens; float32 perplexity {perplexity(ref, ids):.4f}")
+    for q in ("int8", "int4"):
+        loaded = models[q]
+        logits = prompt_logits(loaded.model, ids)
+        ppl = perplexity(logits, ids)
+        free = forced = 0
+        for p, want in ref_greedy.items():
+            prompt = loaded.tokenizer(p)["input_ids"]
+            got = greedy_tokens(loaded.model, prompt, 64)
+            free += sum(a == b for a, b in zip(got, want))
+            teacher = prompt_logits(loaded.model, prompt + want)[len(prompt) - 1 : -1].argmax(-1).tolist()
+            forced += sum(a == b for a, b in zip(teacher, want))
+        print(
+            f"{q}: {loaded.projection_choice.summary}; perplexity {ppl:.4f} ({ppl / perplexity(ref, ids) - 1:+.2%}); "
+            f"max |logit - float32| {(logits - ref).abs().max().item():.4f} (float32 logits span "
+            f"{ref.abs().max().item():.1f}); greedy agreement teacher-forced {forced}/256, free-running {free}/256"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""Compressed weights (engine/quant): formats, GGUF decoding, kernels, the
+chooser, and loading a float checkpoint quantized (cached) or refused."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from trioserve.engine import capability
+from trioserve.engine.capability import CpuPaths
+from trioserve.engine.errors import CpuCapabilityError, ModelLoadError
+from trioserve.engine.loader import load_model
+from trioserve.engine.quant import choose, gguf_weights, rtn, rtn_cache
+from trioserve.engine.quant.load import wanted
+from trioserve.testing.quality import prompt_logits
+
+from test_loader import make_checkpoint, write_tokenizer
+
+QUANT_PATHS = [k.name for k in choose.KERNELS]
+
+
+def test_rtn_int8_round_trip_is_within_half_a_step():
+    w = torch.randn(40, 64)
+    q = rtn.quantize_int8(w)
+    assert q.q.dtype == torch.int8
+    assert ((q.dequantize() - w).abs() <= q.scale[:, None] / 2 + 1e-6).all()
+
+
+def test_rtn_int4_round_trip_is_within_half_a_step_and_checks_group_size():
+    w = torch.randn(8, 96)
+    q = rtn.quantize_int4(w, 32)
+    assert int(q.q.max()) <= 15 and q.scale.shape == (8, 3)
+    step = q.scale.repeat_interleave(32, dim=1)
+    assert ((q.dequantize() - w).abs() <= step / 2 + 1e-5).all()
+    with pytest.raises(ValueError, match=r"group size 64 does not divide blk\.w's input dimension 96"):
+        rtn.quantize_int4(w, 64, "blk.w")
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_decode_exactly_like_the_reference(kind):
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    data = np.random.default_rng(0).standard_normal((6, 64)).astype(np.float32)
+    blocks = gguf.quants.quantize(data, qtype)
+    reference = torch.from_numpy(gguf.quants.dequantize(blocks, qtype))
+    if kind == "Q8_0":
+        got = gguf_weights.decode_q8_0(blocks)
+    else:
+        got = gguf_weights.decode_q4(kind, blocks).dequantize()
+    assert torch.equal(got, reference)
+
+
+def _write_gguf(path: Path, tensors: dict[str, tuple[np.ndarray, object]]) -> None:
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for name, (array, qtype) in tensors.items():
+        if qtype is None:
+            writer.add_tensor(name, array)
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_reader_maps_names_unpermutes_q_and_names_an_unsupported_tensor(tmp_path):
+    import gguf
+
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((12, 32)).astype(np.float32)
+    norm = rng.standard_normal(32).astype(np.float32)
+    path = tmp_path / "m.gguf"
+    _write_gguf(path, {"blk.0.attn_q.weight": (q, gguf.GGMLQuantizationType.Q4_1), "blk.0.attn_norm.weight": (norm, None)})
+    got = dict(gguf_weights.read_tensors(path, num_heads=2, num_kv_heads=1))  # heads of 6 rows
+    assert set(got) == {"model.layers.0.self_attn.q_proj.weight", "model.layers.0.input_layernorm.weight"}
+    # llama.cpp stores a head's rows (0 1 2 | 3 4 5) as (0 3 1 4 2 5); Hugging Face's order is back.
+    stored = gguf.quants.dequantize(gguf.quants.quantize(q, gguf.GGMLQuantizationType.Q4_1), gguf.GGMLQuantizationType.Q4_1)
+    order = [0, 2, 4, 1, 3, 5, 6, 8, 10, 7, 9, 11]
+    assert torch.equal(got["model.layers.0.self_attn.q_proj.weight"].dequantize(), torch.from_numpy(stored[order]))
+    assert torch.equal(got["model.layers.0.input_layernorm.weight"], torch.from_numpy(norm))
+
+    bad = tmp_path / "bad.gguf"
+    _write_gguf(bad, {"blk.0.ffn_up.weight": (q, gguf.GGMLQuantizationType.Q5_0)})
+    with pytest.raises(ModelLoadError, match=r"tensor 'blk\.0\.ffn_up\.weight' has GGUF type Q5_0.*--quantization none"):
+        list(gguf_weights.read_tensors(bad, num_heads=2, num_kv_heads=1))
+
+
+@pytest.mark.cpu_paths
+def test_every_kernel_that_runs_here_matches_the_dequantized_weights(cpu_paths):
+    """Each kernel whose trial passed (under the forced-AVX2 pass, what is
+    left) against F.linear over the weights it holds; the chooser picks one
+    of them, and a kernel that is off is never chosen."""
+    usable = [k for k in choose.KERNELS if cpu_paths.available(k.name)]
+    assert usable, cpu_paths.describe()
+    gen = torch.Generator().manual_seed(0)
+    w, bias, x = torch.randn(48, 64, generator=gen), torch.randn(48, generator=gen), torch.randn(5, 64, generator=gen)
+    for kernel in usable:
+        held = rtn.quantize_int4(w, 32) if kernel.bits == 4 else rtn.quantize_int8(w)
+        want = F.linear(x, held.dequantize(), bias)
+        got = kernel.make(held, bias, 32)(x)
+        # fbgemm rounds activations to 7 bits, the bfloat16 kernels to 8.
+        assert (got - want).abs().max() <= 0.02 * want.abs().max(), kernel.name
+    picked = choose.choose_kernel(cpu_paths, "auto", [(48, 64), (64, 32)])
+    assert picked.kernel in usable
+    assert all(name in {k.name for k in usable} for name, _ in picked.timings)
+
+
+def test_a_quantization_no_kernel_runs_is_refused_with_what_the_machine_runs():
+    probes = [p for p in capability.PROBES if p.name != "quant_int4_pack_bfloat16"]
+    paths = CpuPaths.detect(probes=probes)
+    with pytest.raises(CpuCapabilityError, match=r"quantization int4 cannot run on this CPU.*runs int8, none"):
+        choose.candidates(paths, "int4")
+    none = CpuPaths.detect(probes=[p for p in capability.PROBES if p.name not in QUANT_PATHS])
+    with pytest.raises(CpuCapabilityError, match="this machine runs only none"):
+        choose.candidates(none, "auto")
+
+
+def test_auto_compresses_a_gguf_on_cpu_float32_only():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert wanted("auto", is_gguf=True, device=cpu, dtype=torch.float32)
+    assert not wanted("auto", is_gguf=False, device=cpu, dtype=torch.float32)
+    assert not wanted("auto", is_gguf=True, device=cuda, dtype=torch.bfloat16)
+    assert not wanted("none", is_gguf=True, device=cpu, dtype=torch.float32)
+    assert wanted("int4", is_gguf=False, device=cpu, dtype=torch.float32)
+
+
+def _checkpoint(folder: Path) -> None:
+    """A tiny random Llama whose projections all take multiples of 32 inputs, untied."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, eos_token_id=2, bos_token_id=1,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(str(folder))
+    write_tokenizer(folder)
+
+
+@pytest.mark.parametrize(("scheme", "group"), [("int8", 32), ("int4", 32)])
+def test_a_float_checkpoint_quantizes_once_into_the_cache(tmp_path, scheme, group):
+    folder = tmp_path / "ckpt"
+    _checkpoint(folder)
+    cache = tmp_path / "cache"
+    ids = [1, 5, 9, 3, 7, 11, 4, 8]
+    float_model = load_model(str(folder), quantization="none")
+    quant = load_model(str(folder), quantization=scheme, quantization_group_size=group, cache_dir=cache)
+    assert quant.projection_choice.quantization == scheme
+    assert not any(p.numel() > 64 * 64 and "embed" not in n for n, p in quant.model.named_parameters())
+    entries = list(cache.iterdir())
+    assert len(entries) == 1 and (entries[0] / rtn_cache.FILE).is_file()
+    stamp = os.stat(entries[0] / rtn_cache.FILE).st_mtime_ns
+    again = load_model(str(folder), quantization=scheme, quantization_group_size=group, cache_dir=cache)
+    assert list(cache.iterdir()) == entries and os.stat(entries[0] / rtn_cache.FILE).st_mtime_ns == stamp
+    ref, got, got_again = (prompt_logits(m.model, ids) for m in (float_model, quant, again))
+    assert torch.equal(got, got_again)
+    assert (got - ref).abs().max() <= (0.05 if scheme == "int8" else 0.25) * ref.abs().max()
+
+
+def test_a_group_size_that_does_not_divide_a_dimension_is_refused_at_load(tmp_path):
+    folder = tmp_path / "ckpt"
+    make_checkpoint(folder)  # hidden 32, intermediate 48
+    with pytest.raises(ValueError, match=r"group size 32 does not divide down projection's input dimension 48"):
+        load_model(str(folder), quantization="int4", quantization_group_size=32, cache_dir=tmp_path / "c")
+    with pytest.raises(ValueError, match=r"group size 16: the 4-bit kernel runs groups of 32, 64, 128, 256 only"):
+        load_model(str(folder), quantization="int4", quantization_group_size=16, cache_dir=tmp_path / "c")
+
+
+@pytest.mark.cpu_paths
+def test_a_row_split_sends_each_call_to_its_kernel_by_rows(cpu_paths):
+    usable = [k for k in choose.KERNELS if cpu_paths.available(k.name)]
+    small, large = usable[-1], usable[0]
+    choice = choose.KernelChoice(large, "auto", 32, (), small=small, max_small_rows=2)
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 64, generator=gen)
+    split = choice.make(w, None)
+    one, many = small.make(w, None, 32), large.make(w, None, 32)
+    for rows, want in ((1, one), (2, one), (3, many), (40, many)):
+        x = torch.randn(rows, 64, generator=gen)
+        assert torch.equal(split(x), want(x))
+    assert choice.label == f"int{small.bits}+int{large.bits}"
