@@ -129,6 +129,12 @@ def init_group(rendezvous: Rendezvous, rank: int) -> None:
             timeout=datetime.timedelta(seconds=left),
         )
     except (RuntimeError, ValueError, OSError) as exc:  # DistNetworkError / DistStoreError are RuntimeErrors
+        if not dist.is_initialized():
+            # A failed rendezvous has used up a group name: torch numbers the
+            # default group by a count it resets only when a default group is
+            # destroyed, so this process's next attempt would name its group
+            # unlike the other ranks' and wait for them forever.
+            dist.distributed_c10d._world.group_count = 0
         raise DistributedError(
             f"rank {rank} of {rendezvous.world_size}: the rendezvous at {host}:{port} failed within "
             f"{rendezvous.timeout:g} s ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
