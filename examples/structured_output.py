@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field
 class City(BaseModel):
     name: str = Field(max_length=30)
     country: str = Field(max_length=30)
-    population: int = Field(ge=0)
+    population: int = Field(ge=0, le=100_000_000)  # bounded: a small model may run on with digits
 
 
 def main() -> None:
@@ -32,7 +32,7 @@ def main() -> None:
     ask = [{"role": "user", "content": "Describe Paris."}]
 
     # 1. A Pydantic model: the client sends its JSON schema and parses the answer.
-    completion = client.chat.completions.parse(model=model, messages=ask, response_format=City, max_tokens=100, temperature=0)
+    completion = client.chat.completions.parse(model=model, messages=ask, response_format=City, max_tokens=120, temperature=0)
     print("parse():", repr(completion.choices[0].message.parsed))
 
     # 2. A JSON schema of your own (strings bounded, so a small model ends them).
