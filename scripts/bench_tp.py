@@ -8,9 +8,13 @@ at once (each a list: 1 and 32 by default) of ``--input-len`` prompt
 tokens and ``--output-len`` generated tokens, EOS ignored. Rank 0's time
 inside its collectives (the all-reduces after o_proj and down_proj, the
 embedding's all-reduce, the logits' gather) is read from its timers
-around them; it includes any wait for a slower rank.
+around them; it includes any wait for a slower rank. With
+``--profile-steps K`` the same is read a second way, from torch's profiler:
+K decode steps at each concurrency run under ``torch.profiler`` on rank 0,
+and the time of its collective events (``gloo:all_reduce`` and the like,
+which torch records itself) is summed per step.
 
-    .venv/bin/python scripts/bench_tp.py --tp 2 --threads 2
+    .venv/bin/python scripts/bench_tp.py --tp 2 --threads 2 --profile-steps 16
 """
 
 from __future__ import annotations
@@ -74,6 +78,46 @@ def run(core, prompts: list[list[int]], output_len: int, tp_runner) -> dict:
     }
 
 
+def profile_collectives(core, prompts: list[list[int]], steps: int) -> dict:
+    """Median per decode step of rank 0's collective time as torch's profiler
+    records it, over ``steps`` decode steps after the prompts' prefill."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from trioserve.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        core.add_request(f"p{i}", ids, params)
+    # Prefill first, outside the profile.
+    plan = core.schedule()
+    while plan.chunks and not all(c.num_tokens == 1 for c in plan.chunks):
+        core.process_output(plan, core.execute(plan))
+        plan = core.schedule()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for step in range(steps):
+            if not plan.chunks:
+                break
+            with record_function(f"decode_step_{step}"):
+                core.process_output(plan, core.execute(plan))
+            plan = core.schedule()
+    while core.has_unfinished():
+        core.process_output(plan, core.execute(plan))
+        plan = core.schedule()
+    steps_ms: list[float] = []
+    collective_us: dict[str, float] = {}
+    for event in prof.events():
+        if event.name.startswith("decode_step_"):
+            steps_ms.append(event.cpu_time_total / 1000)
+        elif any(word in event.name for word in ("all_reduce", "allreduce", "all_gather", "allgather", "gather")):
+            collective_us[event.name] = collective_us.get(event.name, 0.0) + event.cpu_time_total
+    n = max(1, len(steps_ms))
+    return {
+        "profiled_steps": len(steps_ms),
+        "step_ms": statistics.median(steps_ms) if steps_ms else 0.0,
+        "collectives_ms_per_step": {name: us / 1000 / n for name, us in sorted(collective_us.items())},
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tp", type=int, default=2)
@@ -86,6 +130,7 @@ def main() -> int:
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--intermediate", type=int, default=1536)
+    parser.add_argument("--profile-steps", type=int, default=0, help="also profile this many decode steps (TP > 1)")
     args = parser.parse_args()
 
     from trioserve.engine.config import EngineConfig
@@ -99,6 +144,7 @@ def main() -> int:
     most = max(args.concurrency)
     prompts = [torch.randint(100, 49000, (args.input_len,), generator=gen).tolist() for _ in range(most)]
     results = []
+    profiles = []
     for tp in (1, args.tp):
         threads = args.threads if tp == 1 else max(1, args.threads // tp)
         config = EngineConfig(
@@ -114,6 +160,10 @@ def main() -> int:
                     r = thread.call(run, core, prompts[:c], args.output_len, tp_runner)
                     results.append((tp, threads, c, r))
                     print(f"TP={tp} ({threads} thread(s) per rank) concurrency {c}: {r}", file=sys.stderr)
+                if tp_runner is not None and args.profile_steps:
+                    for c in args.concurrency:
+                        p = thread.call(profile_collectives, core, prompts[:c], args.profile_steps)
+                        profiles.append((tp, c, p))
             finally:
                 thread.call(core.close)
     print(f"\nmodel: Llama {args.layers} layers, hidden {args.hidden}, {args.heads} heads / {args.kv_heads} KV heads, "
@@ -122,6 +172,15 @@ def main() -> int:
     for tp, threads, c, r in results:
         print(f"{tp:>3} {threads:>8} {c:>5} {r['tokens_per_s']:>10.1f} {r['decode_step_ms']:>15.1f} "
               f"{r['collective_ms']:>20.1f} {r['collective_calls']:>10}")  # fmt: skip
+    for tp, c, p in profiles:
+        # c10d::* is the op's dispatch, gloo:*/nccl:* the collective's work
+        # (with any wait for the other rank): count the work, once.
+        work = {k: v for k, v in p["collectives_ms_per_step"].items() if k.startswith(("gloo:", "nccl:"))}
+        total = sum((work or p["collectives_ms_per_step"]).values())
+        print(f"\nprofile, TP={tp}, concurrency {c}: {p['profiled_steps']} decode steps, step {p['step_ms']:.1f} ms "
+              f"(median), collectives' work {total:.1f} ms per step (mean):")  # fmt: skip
+        for name, ms in p["collectives_ms_per_step"].items():
+            print(f"  {name:<40} {ms:8.2f} ms/step")
     return 0
 
 

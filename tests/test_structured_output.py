@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from conftest import make_core
 from trioserve.engine.errors import InvalidRequestError
-from trioserve.engine.grammar import GrammarCompiler, GrammarError, unpack_bitmask
+from trioserve.engine.grammar import GrammarCompiler, GrammarError, GrammarMatchers, MaskRequest, unpack_bitmask
 from trioserve.engine.sampler import Sampler
 from trioserve.engine.sampling_params import SamplingParams
 from trioserve.engine.sequence import FinishReason
@@ -76,6 +76,29 @@ def test_unpack_bitmask_reads_bit_j_of_word_w_as_token_32w_plus_j(words, vocab):
     allowed = unpack_bitmask(bitmask, vocab)[0].tolist()
     expected = [bool((words[t // 32] >> (t % 32)) & 1) for t in range(vocab)]
     assert allowed == expected
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.sets(st.integers(0, VOCAB_SIZE - 1), max_size=6))
+def test_fill_bans_exactly_the_banned_tokens_beside_the_grammar(compiler, banned):
+    import xgrammar
+
+    constraint = StructuredOutput.json_object()
+    matchers = GrammarMatchers(compiler)
+    matchers.add("a", constraint)
+    matchers.add("b", constraint)
+    banned = banned | {31, 63}  # bit 31 is int32's sign bit
+    mask, dead = matchers.fill([MaskRequest("a"), MaskRequest("b", tuple(sorted(banned)))])
+    # The grammar's own mask, through xgrammar's own allocation.
+    reference = xgrammar.allocate_token_bitmask(1, VOCAB_SIZE)
+    xgrammar.GrammarMatcher(compiler.compile(constraint)).fill_next_token_bitmask(reference, 0)
+    grammar = unpack_bitmask(reference, VOCAB_SIZE)[0]
+    allowed = unpack_bitmask(mask.bitmask, VOCAB_SIZE)
+    assert dead == [] and mask.request_ids == ("a", "b")
+    assert torch.equal(allowed[0], grammar)
+    expected = grammar.clone()
+    expected[sorted(banned)] = False
+    assert torch.equal(allowed[1], expected)
 
 
 def _row(request_id, **params):
