@@ -4,7 +4,7 @@ constrained by a mid-size JSON schema against the same run unconstrained;
 the mask time per step (all constrained rows of a step, in one batch) and
 the compile time of the schema.
 
-    python scripts/bench_structured.py [--requests 32] [--max-tokens 64] [--c1-requests 3]
+    python scripts/bench_structured.py [--requests 32] [--max-tokens 64] [--c1-requests 3] [--rounds 4]
 
 Unconstrained requests use ``ignore_eos`` and constrained ones are asked for
 a long enough schema, so both runs decode about ``--max-tokens`` per request.
@@ -109,13 +109,32 @@ async def main(args):
         print(f"engine up; tokenizer info {tokenizer_s:.2f} s, compile {compile_ms:.1f} ms", flush=True)
         await engine.prepare(constrained)
         await _run(engine, free, 4, 4)  # warm-up
-        results = {}
-        for concurrency, requests in ((1, args.c1_requests), (32, args.requests)):
-            for name, params in (("free", free), ("json", constrained)):
-                masks.clear()
-                results[(concurrency, name)] = await _run(engine, params, concurrency, requests) + (list(masks),)
-                print(f"c={concurrency} {name}: done", flush=True)
+        rounds = []
+        for round_index in range(args.rounds):
+            results = {}
+            for concurrency, requests in ((1, args.c1_requests), (32, args.requests)):
+                # Free first in even rounds, constrained first in odd ones.
+                order = (("free", free), ("json", constrained))
+                for name, params in order if round_index % 2 == 0 else order[::-1]:
+                    masks.clear()
+                    results[(concurrency, name)] = await _run(engine, params, concurrency, requests) + (list(masks),)
+                    print(f"round {round_index} c={concurrency} {name}: done", flush=True)
+            rounds.append(results)
     print(f"tokenizer info for xgrammar: {tokenizer_s:.2f} s once; schema compile {compile_ms:.1f} ms cold, {cached_us:.0f} us cached")
+    for round_index, results in enumerate(rounds):
+        print(f"round {round_index}:")
+        _report(results)
+    if len(rounds) > 1:
+        for concurrency in (1, 32):
+            tpot = [r[(concurrency, "json")][0] / r[(concurrency, "free")][0] for r in rounds]
+            rate = [r[(concurrency, "json")][1] / r[(concurrency, "free")][1] for r in rounds]
+            print(
+                f"c={concurrency}, {len(rounds)} rounds: json/free TPOT ratio median {statistics.median(tpot):.3f} "
+                f"(each {', '.join(f'{x:.3f}' for x in tpot)}); throughput ratio median {statistics.median(rate):.3f}"
+            )
+
+
+def _report(results) -> None:
     for concurrency in (1, 32):
         free_r, json_r = results[(concurrency, "free")], results[(concurrency, "json")]
         line = (
@@ -136,4 +155,5 @@ if __name__ == "__main__":
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--c1-requests", type=int, default=3, help="requests run one at a time for TPOT at concurrency 1")
+    parser.add_argument("--rounds", type=int, default=1, help="alternate free and constrained runs this many times")
     trio.run(main, parser.parse_args())
