@@ -323,3 +323,21 @@ def test_default_model_greedy_output_identical_at_three_ranks():
 
     expected = run(EngineCore.from_config(EngineConfig(**fields)))
     assert run(EngineCore.from_config(EngineConfig(**fields, tensor_parallel_size=3))) == expected
+
+
+def test_the_worker_takes_its_machine_and_master_from_launcher_variables(monkeypatch):
+    from trioserve.web.cli import build_parser
+
+    for name in ("NODE_RANK", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(SystemExit):  # no index anywhere: --node-rank is required
+        build_parser().parse_args(["worker", "--tensor-parallel-size", "2", "--nnodes", "2"])
+    monkeypatch.setenv("GROUP_RANK", "1")  # torchrun's name for the machine's index
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29555")
+    args = build_parser().parse_args(["worker", "--tensor-parallel-size", "2", "--nnodes", "2"])
+    assert (args.node_rank, args.master_addr, args.master_port) == (1, "10.0.0.1", 29555)
+    monkeypatch.setenv("NODE_RANK", "2")
+    args = build_parser().parse_args(["worker", "--tensor-parallel-size", "3", "--nnodes", "3", "--node-rank", "1"])
+    assert args.node_rank == 1  # the flag wins over the environment
+    assert build_parser().parse_args(["worker", "--tensor-parallel-size", "3", "--nnodes", "3"]).node_rank == 2

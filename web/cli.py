@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Any
 
@@ -111,7 +112,16 @@ def build_parser() -> argparse.ArgumentParser:
         "from node 0; the checkpoint must be at the same path here.",
     )
     add_tensor_parallel_options(worker)
-    worker.add_argument("--node-rank", type=int, required=True, help="this machine's index, 1 .. nnodes-1")
+    # torchrun calls a machine's index GROUP_RANK; launchers such as SLURM
+    # scripts and Kubernetes indexed jobs commonly export NODE_RANK.
+    node_rank = os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", ""))
+    worker.add_argument(
+        "--node-rank",
+        type=int,
+        required=not node_rank.isdigit(),
+        default=int(node_rank) if node_rank.isdigit() else None,
+        help="this machine's index, 1 .. nnodes-1 (default: $NODE_RANK, else torchrun's $GROUP_RANK)",
+    )
     worker.add_argument("--num-threads", type=int, default=None, help="torch threads per rank (default: cores / ranks)")
     worker.add_argument("--device", default=None, help="cpu or cuda, as on node 0 (default: cuda when present)")
     worker.set_defaults(func=cmd_worker)
