@@ -41,7 +41,7 @@ from trioserve.engine.config import EngineConfig
 from trioserve.engine.engine_core import EngineCore
 from trioserve.engine.faults import Fault
 from trioserve.engine.kv_batch import KVResult
-from trioserve.engine.loader import LoadedModel, load_model
+from trioserve.engine.loader import LoadedModel, load_model_for
 from trioserve.engine.placement import ParallelConfigError, PinnedStepThread, ReplicaPlacement, plan_replicas
 
 from .admission import AdmissionQueue
@@ -225,13 +225,7 @@ def _build_core(
         # The replica's worker process loads the weights and holds the KV cache.
         return worker_core(replica_config, shared, worker_model)
     if shared is None:
-        loaded = load_model(
-            replica_config.model,
-            dtype=replica_config.dtype,
-            device=replica_config.device,
-            quantization=replica_config.quantization,
-            quantization_group_size=replica_config.quantization_group_size,
-        )
+        loaded = load_model_for(replica_config)
     else:
         loaded = shared
     return EngineCore(loaded, replica_config, own_pool=False)
@@ -267,17 +261,7 @@ async def open_replicated_engine(
     try:
         in_process = config.worker_mode == "process" and executor is None
         if loaded is None and not on_cuda and not in_process:
-            loaded = await run_in_step_thread(
-                threads[0],
-                functools.partial(
-                    load_model,
-                    config.model,
-                    dtype=config.dtype,
-                    device=config.device,
-                    quantization=config.quantization,
-                    quantization_group_size=config.quantization_group_size,
-                ),
-            )
+            loaded = await run_in_step_thread(threads[0], load_model_for, config)
         cores: list[EngineCore | None] = [None] * len(placements)
 
         async def build(index: int) -> None:

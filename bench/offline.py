@@ -220,7 +220,7 @@ def _run_bench_offline(args: argparse.Namespace) -> int:
 
     from trioserve.engine.config import EngineConfig
     from trioserve.engine.engine_core import EngineCore
-    from trioserve.engine.loader import load_model
+    from trioserve.engine.loader import load_model_for
 
     config_fields = dict(
         max_num_seqs=args.max_num_seqs,
@@ -243,13 +243,7 @@ def _run_bench_offline(args: argparse.Namespace) -> int:
         # One group for every engine of the run (each sizes the ranks' KV pools anew).
         loaded = start_tensor_parallel(config)
     else:
-        loaded = load_model(
-            args.model,
-            dtype=args.dtype,
-            device=args.device,
-            quantization=args.quantization,
-            quantization_group_size=args.quantization_group_size,
-        )
+        loaded = load_model_for(config)
     prompts = make_prompts(args.num_prompts, args.input_len, loaded.model_config.vocab_size, args.seed)
     gflops = measure_matmul_gflops(loaded.dtype, loaded.device)
     print(f"{args.dtype} matmul: {gflops:.1f} GFLOP/s ({torch.get_num_threads()} threads)", file=sys.stderr)

@@ -25,7 +25,7 @@ from .errors import InvalidRequestError, TokenizerError
 from .faults import Fault
 from .grammar import GrammarCompiler, GrammarError, GrammarMatchers, MaskRequest
 from .kv_cache import KVCache, kv_bytes_per_block
-from .loader import LoadedModel, load_model
+from .loader import LoadedModel, load_model_for
 from .model_runner import ModelRunner, RunnerOutput
 from .outputs import RequestOutput, RequestTimes
 from .plugins import PluginError, Plugins
@@ -189,13 +189,7 @@ class EngineCore:
 
             loaded = start_tensor_parallel(config)
         else:
-            loaded = load_model(
-                config.model,
-                dtype=config.dtype,
-                device=config.device,
-                quantization=config.quantization,
-                quantization_group_size=config.quantization_group_size,
-            )
+            loaded = load_model_for(config)
         return cls(loaded, config, own_pool=own_pool)
 
     def new_block_manager(self) -> BlockManager:

@@ -24,7 +24,7 @@ import torch
 from . import gguf_cache
 from .quant import load as quant_load
 from .capability import CpuPaths
-from .config import ModelConfig
+from .config import EngineConfig, ModelConfig
 from .errors import CpuCapabilityError, ModelLoadError
 from .gguf_cache import Progress
 from .model import LlamaForCausalLM, ProjectionChoice, choose_projections
@@ -137,6 +137,18 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     elif isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in _DTYPES:
         return _DTYPES[dtype.lower().removeprefix("torch.")]
     raise ModelLoadError(f"dtype {dtype!r} is not supported; use float32, bfloat16 or float16")
+
+
+def load_model_for(config: EngineConfig) -> LoadedModel:
+    """``load_model`` with the model, dtype, device and quantization an
+    engine's configuration names."""
+    return load_model(
+        config.model,
+        dtype=config.dtype,
+        device=config.device,
+        quantization=config.quantization,
+        quantization_group_size=config.quantization_group_size,
+    )
 
 
 def load_model(

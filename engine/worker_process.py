@@ -36,7 +36,7 @@ from typing import Any
 import attrs
 
 from .config import EngineConfig
-from .loader import LoadedModel, load_model
+from .loader import LoadedModel, load_model_for
 from .step_plan import StepPlan
 
 log = logging.getLogger(__name__)
@@ -153,13 +153,7 @@ def _build(spec: WorkerSpec) -> Any:
 
         torch.set_num_threads(config.num_threads)
     if spec.model is None:
-        loaded = load_model(
-            config.model,
-            dtype=config.dtype,
-            device=config.device,
-            quantization=config.quantization,
-            quantization_group_size=config.quantization_group_size,
-        )
+        loaded = load_model_for(config)
     else:
         loaded = spec.model()
     return build_runner(loaded, config, spec.num_blocks)
