@@ -24,44 +24,56 @@ import trio
 from .messages import AddRequest
 
 
-class AdmissionQueue:
-    """Requests queued for the scheduler (one receiver: its admission loop)."""
+class BoundedSenders:
+    """The senders' side of an admission bound of ``max_requests`` queued
+    requests and, optionally, ``max_tokens`` queued prompt tokens: waiting
+    for room first come first served, and the figures of the bound.
 
-    def __init__(
-        self, max_requests: int, max_tokens: int | None = None, *, on_room: Callable[[], None] | None = None
-    ) -> None:
+    A subclass keeps the queue: it says how much is queued
+    (``num_queued``, ``num_queued_tokens``), puts a message in (``_put``),
+    checks it may (``_check_open``), says when waiting must stop
+    (``_stopped``), and unparks ``_room`` whenever room may have been made.
+    """
+
+    def __init__(self, max_requests: int, max_tokens: int | None) -> None:
         if max_requests < 1:
             raise ValueError("max_requests must be >= 1")
         if max_tokens is not None and max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
         self.max_requests = max_requests
         self.max_tokens = max_tokens
-        self._queue: collections.deque[AddRequest] = collections.deque()
         self._fifo = trio.Lock()  # senders waiting for room, in order; the holder waits on _room
         self._room = trio.lowlevel.ParkingLot()
-        self._items = trio.lowlevel.ParkingLot()  # the receiver, waiting for a message
-        self._tokens = 0
         self._closed = False  # no more sends
-        self._receiver_closed = False
-        # Called whenever room may have been made (a take, the receiver
-        # closing): the replicated queue in front of several (replicas.py)
-        # wakes its own waiting senders with it.
-        self._on_room = on_room
 
-    def _fits(self, num_tokens: int) -> bool:
-        if len(self._queue) >= self.max_requests:
-            return False
-        return self.max_tokens is None or self._tokens == 0 or self._tokens + num_tokens <= self.max_tokens
+    @property
+    def num_queued(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def num_queued_tokens(self) -> int:
+        raise NotImplementedError
+
+    def _put(self, message: AddRequest) -> None:
+        raise NotImplementedError
 
     def _check_open(self) -> None:
         if self._closed:
             raise trio.ClosedResourceError("the admission queue is closed")
-        if self._receiver_closed:
-            raise trio.BrokenResourceError("the scheduler has stopped taking requests")
 
-    # -- senders ----------------------------------------------------------------
+    def _stopped(self) -> bool:
+        """Waiting for room is over: the caller's ``_put`` raises why."""
+        return self._closed
+
+    def _fits(self, num_tokens: int) -> bool:
+        if self.num_queued >= self.max_requests:
+            return False
+        tokens = self.num_queued_tokens
+        return self.max_tokens is None or tokens == 0 or tokens + num_tokens <= self.max_tokens
 
     async def send(self, message: AddRequest) -> None:
+        """Queue ``message`` once there is room under both bounds and every
+        sender that came first has queued."""
         await trio.lowlevel.checkpoint_if_cancelled()
         try:
             self.send_nowait(message)  # room, and nobody waiting before us
@@ -71,15 +83,65 @@ class AdmissionQueue:
             await trio.lowlevel.cancel_shielded_checkpoint()
             return
         async with self._fifo:
-            while not self._closed and not self._receiver_closed and not self._fits(message.num_tokens):
+            while not self._stopped() and not self._fits(message.num_tokens):
                 await self._room.park()
             self._put(message)
 
     def send_nowait(self, message: AddRequest) -> None:
+        """Queue ``message`` now, or raise ``trio.WouldBlock`` when a bound is
+        full or other senders are already waiting."""
         self._check_open()
         if self._fifo.locked() or not self._fits(message.num_tokens):
             raise trio.WouldBlock
         self._put(message)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def num_waiting_to_send(self) -> int:
+        # The lock's holder waits for room; the others wait for the lock.
+        return self._fifo.statistics().tasks_waiting + (1 if self._fifo.locked() else 0)
+
+    @property
+    def pressure(self) -> float:
+        """How full the queue is, in [0, 1]: the larger of its request and
+        token fills, and 1 while callers wait for room (the degradation
+        policy's measure, see ``DegradationPolicy``)."""
+        if self._fifo.locked():
+            return 1.0
+        fill = self.num_queued / self.max_requests
+        if self.max_tokens is not None:
+            fill = max(fill, self.num_queued_tokens / self.max_tokens)
+        return min(1.0, fill)
+
+
+class AdmissionQueue(BoundedSenders):
+    """Requests queued for the scheduler (one receiver: its admission loop)."""
+
+    def __init__(
+        self, max_requests: int, max_tokens: int | None = None, *, on_room: Callable[[], None] | None = None
+    ) -> None:
+        super().__init__(max_requests, max_tokens)
+        self._queue: collections.deque[AddRequest] = collections.deque()
+        self._items = trio.lowlevel.ParkingLot()  # the receiver, waiting for a message
+        self._tokens = 0
+        self._receiver_closed = False
+        # Called whenever room may have been made (a take, the receiver
+        # closing): the replicated queue in front of several (replicas.py)
+        # wakes its own waiting senders with it.
+        self._on_room = on_room
+
+    def _check_open(self) -> None:
+        super()._check_open()
+        if self._receiver_closed:
+            raise trio.BrokenResourceError("the scheduler has stopped taking requests")
+
+    def _stopped(self) -> bool:
+        return self._closed or self._receiver_closed
+
+    # -- senders ----------------------------------------------------------------
 
     def displace_nowait(self, message: AddRequest) -> AddRequest:
         """Queue ``message`` in place of the queued request of the lowest
@@ -177,10 +239,6 @@ class AdmissionQueue:
     # -- figures ----------------------------------------------------------------
 
     @property
-    def closed(self) -> bool:
-        return self._closed
-
-    @property
     def num_queued(self) -> int:
         return len(self._queue)
 
@@ -189,23 +247,6 @@ class AdmissionQueue:
         return self._tokens
 
     @property
-    def num_waiting_to_send(self) -> int:
-        # The lock's holder waits for room; the others wait for the lock.
-        return self._fifo.statistics().tasks_waiting + (1 if self._fifo.locked() else 0)
-
-    @property
     def receiver_parked(self) -> bool:
         """The receiver waits in ``receive`` for a message."""
         return self._items.statistics().tasks_waiting > 0
-
-    @property
-    def pressure(self) -> float:
-        """How full the queue is, in [0, 1]: the larger of its request and
-        token fills, and 1 while callers wait for room (the degradation
-        policy's measure, see ``DegradationPolicy``)."""
-        if self._fifo.locked():
-            return 1.0
-        fill = len(self._queue) / self.max_requests
-        if self.max_tokens is not None:
-            fill = max(fill, self._tokens / self.max_tokens)
-        return min(1.0, fill)

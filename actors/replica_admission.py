@@ -11,14 +11,14 @@ from typing import Any
 import attrs
 import trio
 
-from .admission import AdmissionQueue
+from .admission import AdmissionQueue, BoundedSenders
 from .messages import Abort, AbortAll, AddRequest, Resume
 from .router import ReplicaRouter
 
 __all__ = ["ReplicaControl", "ReplicatedAdmission"]
 
 
-class ReplicatedAdmission:
+class ReplicatedAdmission(BoundedSenders):
     """The admission queue of a replicated engine: the one bound over every
     replica's queue, and the routing of each request into one of them.
 
@@ -36,52 +36,14 @@ class ReplicatedAdmission:
         router: ReplicaRouter,
         kv_usage: Callable[[], Sequence[float]],
     ) -> None:
-        if max_requests < 1:
-            raise ValueError("max_requests must be >= 1")
-        if max_tokens is not None and max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
-        self.max_requests = max_requests
-        self.max_tokens = max_tokens
+        super().__init__(max_requests, max_tokens)
         self._router = router
         self._kv_usage = kv_usage
-        self._fifo = trio.Lock()  # senders waiting for room, in order; the holder waits on _room
-        self._room = trio.lowlevel.ParkingLot()
-        self._closed = False
         # Each queue may hold the whole bound: this object keeps their sum under it.
         self.queues = tuple(
             AdmissionQueue(max_requests, max_tokens, on_room=self._room.unpark_all)
             for _ in range(router.num_replicas)
         )
-
-    def _fits(self, num_tokens: int) -> bool:
-        if self.num_queued >= self.max_requests:
-            return False
-        tokens = self.num_queued_tokens
-        return self.max_tokens is None or tokens == 0 or tokens + num_tokens <= self.max_tokens
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise trio.ClosedResourceError("the admission queue is closed")
-
-    async def send(self, message: AddRequest) -> None:
-        await trio.lowlevel.checkpoint_if_cancelled()
-        try:
-            self.send_nowait(message)
-        except trio.WouldBlock:
-            pass
-        else:
-            await trio.lowlevel.cancel_shielded_checkpoint()
-            return
-        async with self._fifo:
-            while not self._closed and not self._fits(message.num_tokens):
-                await self._room.park()
-            self._put(message)
-
-    def send_nowait(self, message: AddRequest) -> None:
-        self._check_open()
-        if self._fifo.locked() or not self._fits(message.num_tokens):
-            raise trio.WouldBlock
-        self._put(message)
 
     def _put(self, message: AddRequest) -> None:
         self._check_open()
@@ -123,30 +85,12 @@ class ReplicatedAdmission:
         self._room.unpark_all()
 
     @property
-    def closed(self) -> bool:
-        return self._closed
-
-    @property
     def num_queued(self) -> int:
         return sum(queue.num_queued for queue in self.queues)
 
     @property
     def num_queued_tokens(self) -> int:
         return sum(queue.num_queued_tokens for queue in self.queues)
-
-    @property
-    def num_waiting_to_send(self) -> int:
-        return self._fifo.statistics().tasks_waiting + (1 if self._fifo.locked() else 0)
-
-    @property
-    def pressure(self) -> float:
-        """As ``AdmissionQueue.pressure``, of the bound over all replicas."""
-        if self._fifo.locked():
-            return 1.0
-        fill = self.num_queued / self.max_requests
-        if self.max_tokens is not None:
-            fill = max(fill, self.num_queued_tokens / self.max_tokens)
-        return min(1.0, fill)
 
 
 @attrs.define(eq=False)
