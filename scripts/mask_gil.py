@@ -4,9 +4,15 @@ beside the model's forward? Measured with the default model's tokenizer:
 1. one fill of ``--rows`` rows (each at a different point of a JSON
    document of a mid-size schema), alone, median of ``--repeat``;
 2. a pure-Python loop's rate while another thread fills masks back to back,
-   against its rate alone: a fill that held the GIL would take the loop's
-   share of it (the rate would fall by the fill's share of the time);
-3. fills in a thread while torch runs matmuls in this one (a stand-in for
+   against its rate alone, beside the same for two controls in that other
+   thread: a pure-Python loop (holds the GIL: the rate about halves) and
+   torch matmuls (release it: the rate stays, cores allowing). The GIL's
+   switch interval is set to 0.1 ms so a waiting thread gets it quickly;
+3. the same loop's progress during one long call into xgrammar (compiling
+   the schema, uncached: tens of milliseconds in one call through the same
+   tvm_ffi binding as a fill): near none if the call held the GIL (C code
+   cannot be preempted), about its rate alone if it releases it;
+4. fills in a thread while torch runs matmuls in this one (a stand-in for
    the forward), both timed against each alone.
 
     python scripts/mask_gil.py [--rows 32] [--repeat 50] [--seconds 2]
@@ -17,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import threading
 import time
 
@@ -91,18 +98,44 @@ def main(args: argparse.Namespace) -> None:
         alone.append(time.perf_counter() - start)
     print(f"fill of {args.rows} rows alone: median {statistics.median(alone) * 1e3:.3f} ms")
 
-    base = _loop_rate(args.seconds)
-    stop = threading.Event()
-    thread, times = _in_thread(fill.run, stop)
-    busy = _loop_rate(args.seconds)
-    stop.set()
-    thread.join()
-    print(
-        f"python loop: {base:,.0f}/s alone, {busy:,.0f}/s while another thread fills ({len(times)} fills, "
-        f"median {statistics.median(times) * 1e3:.3f} ms): {busy / base:.2f} of its rate"
-    )
-
+    sys.setswitchinterval(1e-4)
     a, b = torch.randn(256, 2048), torch.randn(2048, 2048)
+    spin = lambda: _loop_rate(0.001)  # noqa: E731
+    base = _loop_rate(args.seconds)
+    for name, work in (("fills", fill.run), ("a Python loop (control)", spin), ("torch matmuls (control)", lambda: a @ b)):
+        stop = threading.Event()
+        thread, times = _in_thread(work, stop)
+        busy = _loop_rate(args.seconds)
+        stop.set()
+        thread.join()
+        print(
+            f"python loop beside {name}: {busy / base:.2f} of its rate alone ({base:,.0f}/s); "
+            f"the other thread did {len(times)} calls, median {statistics.median(times) * 1e3:.3f} ms"
+        )
+    sys.setswitchinterval(0.005)
+
+    compiler = GrammarCompiler(tokenizer(), VOCAB_SIZE, (0,))
+    compiler.compile(StructuredOutput.regex("warm"))  # the tokenizer table, once
+    counts: list[int] = []
+    stop = threading.Event()
+
+    def count() -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+        counts.append(n)
+
+    probe = threading.Thread(target=count)
+    start = time.perf_counter()
+    probe.start()
+    compiler._backend().compile_json_schema(json.dumps(SCHEMA), any_whitespace=False)
+    stop.set()
+    seconds = time.perf_counter() - start
+    probe.join()
+    print(
+        f"python loop during one {seconds * 1e3:.1f} ms compile call: {counts[0] / seconds:,.0f}/s, "
+        f"{counts[0] / seconds / base:.2f} of its rate alone"
+    )
 
     def matmuls() -> float:
         start = time.perf_counter()

@@ -21,8 +21,8 @@ import trio.testing
 from actor_fixtures import assert_clean, tiny_loaded
 from trioserve import testing
 from trioserve.actors import open_engine
-from trioserve.actors.executor import FakeExecutor, ModelExecutor
-from trioserve.actors.messages import RunStep, StepDone, StepMask
+from trioserve.actors.executor import FakeExecutor, MaskNotSent, ModelExecutor
+from trioserve.actors.messages import RunStep, StepDone, StepFailed, StepMask
 from trioserve.engine.engine_core import build_runner
 from trioserve.engine.grammar import GrammarCompiler, MaskFill, MaskRequest
 from trioserve.engine.sampling_params import SamplingParams
@@ -68,6 +68,17 @@ async def test_the_fake_step_waits_for_a_mask_that_comes_after_its_plan(autojump
             reply = await replies.receive()
     assert isinstance(reply, StepDone) and reply.output.sampled == {"r": ONLY}
     assert len(fake.masks) == 1 and fake.plans[0].token_mask is None
+
+
+async def test_a_step_whose_mask_never_comes_fails_and_the_executor_ends(autojump_clock):
+    fake = FakeExecutor(vocab_size=VOCAB_SIZE, block_size=BLOCK_SIZE, step_time=1.0)
+    replies_send, replies = trio.open_memory_channel(1)
+    async with trio.open_nursery() as nursery:
+        inbox = await nursery.start(fake.run, replies_send)
+        await inbox.send(RunStep(1, _plan()))
+        await inbox.aclose()  # the scheduler is gone before the mask
+        reply = await replies.receive()
+    assert isinstance(reply, StepFailed) and isinstance(reply.error, MaskNotSent)
 
 
 async def test_the_step_threads_forward_runs_before_the_mask_exists():
