@@ -22,6 +22,11 @@ Faults (docs/reliability.md):
   running and is replaced; one found closed or dead before a step is
   replaced and the step runs on the new thread, so no request is affected.
 
+A plan that ``awaits_mask`` (structured output: docs/architecture.md) is
+followed in the inbox by its ``StepMask``: the step's forward starts at
+once, and the actor hands the step the mask when it arrives; the step
+samples with it.
+
 ``FakeExecutor`` awaits ``trio.sleep`` instead of computing and answers
 deterministic tokens, so tests can drive the engine, its faults included,
 on trio's ``autojump_clock`` (a worker thread would make virtual time jump
@@ -31,6 +36,7 @@ while it runs).
 from __future__ import annotations
 
 import abc
+import concurrent.futures
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -40,23 +46,35 @@ import outcome
 import trio
 
 from trioserve.engine.faults import Fault
-from trioserve.engine.model_runner import RunnerOutput
-from trioserve.engine.step_plan import ScheduledChunk, StepPlan
+from trioserve.engine.grammar import unpack_bitmask
+from trioserve.engine.model_runner import RunnerOutput, StepLogits
+from trioserve.engine.step_plan import ScheduledChunk, StepPlan, TokenMask
 from trioserve.engine.step_thread import StepThread, StepThreadClosed, StepThreadDied
 
 from .errors import StepHung
-from .messages import RunStep, StepDone, StepFailed
+from .messages import RunStep, StepDone, StepFailed, StepMask
 from .statistics import ExecutorStatistics
 from .step_calls import run_in_step_thread
 
 log = logging.getLogger(__name__)
 
-# One step in flight: the scheduler plans the next step from this one's tokens.
+# One step in flight: the scheduler plans the next step from this one's tokens
+# (and the step's StepMask, when it has one, waits here while it computes).
 INBOX_CAPACITY = 1
+
+Masks = trio.MemoryReceiveChannel[TokenMask]
+
+
+class MaskNotSent(RuntimeError):
+    """The scheduler's end closed before the step's mask came (shutdown)."""
 
 
 class Runner(Protocol):
     def execute(self, plan: StepPlan) -> RunnerOutput: ...
+
+    def forward_step(self, plan: StepPlan) -> StepLogits: ...
+
+    def sample_step(self, step: StepLogits, token_mask: TokenMask | None) -> RunnerOutput: ...
 
 
 class Executor(abc.ABC):
@@ -79,6 +97,7 @@ class Executor(abc.ABC):
         self._in_flight = False
         self._last_fault: Fault | None = None
         self._steps: trio.Nursery | None = None
+        self._inbox: trio.MemoryReceiveChannel[RunStep | StepMask] | None = None
         # The cancel scopes of hung steps that have not returned yet.
         self._hung: set[trio.CancelScope] = set()
 
@@ -86,11 +105,12 @@ class Executor(abc.ABC):
         self,
         replies: trio.MemorySendChannel[StepDone | StepFailed],
         *,
-        task_status: trio.TaskStatus[trio.MemorySendChannel[RunStep]] = trio.TASK_STATUS_IGNORED,
+        task_status: trio.TaskStatus[trio.MemorySendChannel[RunStep | StepMask]] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Answer each ``RunStep`` on ``replies``; return when the scheduler
         closes the inbox (without waiting for hung steps)."""
-        inbox_send, inbox = trio.open_memory_channel[RunStep](INBOX_CAPACITY)
+        inbox_send, inbox = trio.open_memory_channel[RunStep | StepMask](INBOX_CAPACITY)
+        self._inbox = inbox  # a step that awaits its mask takes it from here
         # The channels close last, once the error (if any) is ready to
         # leave: the scheduler then finds the engine cancelled, not a
         # vanished executor.
@@ -101,6 +121,10 @@ class Executor(abc.ABC):
                     try:
                         task_status.started(inbox_send)
                         async for message in inbox:
+                            if isinstance(message, StepMask):
+                                # Its step hung past the watchdog before it came.
+                                log.warning("the mask of step %d came after its step was given up", message.step_id)
+                                continue
                             await replies.send(await self._step(message))
                     finally:
                         # Every step is answered or hung by now: stop waiting for the hung.
@@ -115,7 +139,7 @@ class Executor(abc.ABC):
                 raise
 
     async def _step(self, message: RunStep) -> StepDone | StepFailed:
-        assert self._steps is not None
+        assert self._steps is not None and self._inbox is not None
         self._in_flight = True
         start = trio.current_time()
         returned = trio.Event()
@@ -123,11 +147,19 @@ class Executor(abc.ABC):
         # Shielded: a step is not abandoned when the engine is cancelled,
         # only by the watchdog (which cancels this scope).
         scope = trio.CancelScope(shield=True)
+        masks_send: trio.MemorySendChannel[TokenMask] | None = None
+        masks: Masks | None = None
+        if message.plan.awaits_mask:
+            masks_send, masks = trio.open_memory_channel[TokenMask](1)
 
         async def run_step() -> None:
             with scope:
                 try:
-                    result.append(outcome.Value(await self.execute(message.plan)))
+                    if masks is None:
+                        output = await self.execute(message.plan)
+                    else:
+                        output = await self.execute(message.plan, masks)
+                    result.append(outcome.Value(output))
                 except Exception as exc:
                     result.append(outcome.Error(exc))
             if scope in self._hung:
@@ -138,6 +170,8 @@ class Executor(abc.ABC):
         self._steps.start_soon(run_step)
         with trio.CancelScope(shield=True):
             with trio.move_on_after(math.inf if self.watchdog_timeout is None else self.watchdog_timeout):
+                if masks_send is not None:
+                    await self._pass_mask(self._inbox, message.step_id, masks_send)
                 await returned.wait()
         self._in_flight = False
         seconds = self._account(start)
@@ -158,6 +192,25 @@ class Executor(abc.ABC):
             return StepFailed(message.step_id, error, seconds)
         return StepDone(message.step_id, result[0].unwrap(), seconds)
 
+    @staticmethod
+    async def _pass_mask(
+        inbox: trio.MemoryReceiveChannel[RunStep | StepMask], step_id: int, masks: trio.MemorySendChannel[TokenMask]
+    ) -> None:
+        """Hand the running step its mask: the scheduler's next message.
+        Closing ``masks`` without one tells the step it never comes."""
+        with masks:
+            try:
+                message = await inbox.receive()
+            except (trio.EndOfChannel, trio.ClosedResourceError):
+                return
+            assert isinstance(message, StepMask) and message.step_id == step_id, (
+                f"step {step_id} awaits its mask, got {type(message).__name__}"
+            )
+            try:
+                masks.send_nowait(message.mask)
+            except trio.BrokenResourceError:
+                pass  # the step failed before it needed the mask
+
     def _account(self, start: float) -> float:
         seconds = trio.current_time() - start
         self._num_steps += 1
@@ -170,9 +223,14 @@ class Executor(abc.ABC):
         log.error("%s", message, exc_info=error)
 
     @abc.abstractmethod
-    async def execute(self, plan: StepPlan) -> RunnerOutput:
+    async def execute(self, plan: StepPlan, masks: Masks | None = None) -> RunnerOutput:
         """Run one step and return its sampled tokens. A cancel (only ever
-        the watchdog's, at shutdown, for a hung step) must return promptly."""
+        the watchdog's, at shutdown, for a hung step) must return promptly.
+
+        ``masks`` is given when the plan ``awaits_mask``: its one value is
+        the step's ``TokenMask``, which comes while the step computes; the
+        forward must not wait for it, the sampling must. Its end without a
+        value (``MaskNotSent``) means the scheduler is gone."""
 
     def step_hung(self) -> None:
         """The step in flight hung past the watchdog and is left behind:
@@ -222,12 +280,26 @@ class ModelExecutor(Executor):
             if self._owns_thread:
                 self.step_thread.close()  # no step is in flight: they are not cancellable
 
-    async def execute(self, plan: StepPlan) -> RunnerOutput:
+    async def execute(self, plan: StepPlan, masks: Masks | None = None) -> RunnerOutput:
         if not self.step_thread.usable:
             # Closed or dead between steps: this step has not run, so it
             # runs on a fresh thread and no request notices.
             self._replace_thread(f"the step thread was found {'dead' if not self.step_thread.alive else 'closed'}")
-        return await run_in_step_thread(self.step_thread, self.runner.execute, plan, abandon_on_cancel=True)
+        if masks is None:
+            return await run_in_step_thread(self.step_thread, self.runner.execute, plan, abandon_on_cancel=True)
+        # The forward starts now; the sampling queues behind it on the same
+        # thread as soon as the mask is here (usually before the forward ends).
+        with masks:
+            forward = self.step_thread.submit(self.runner.forward_step, plan)
+            try:
+                token_mask = await masks.receive()
+            except trio.EndOfChannel:
+                # The forward writes the KV cache: let it finish before leaving.
+                await run_in_step_thread(self.step_thread, _wait, forward, abandon_on_cancel=True)
+                raise MaskNotSent("the scheduler ended before the step's token mask came") from None
+        return await run_in_step_thread(
+            self.step_thread, _sample_after, self.runner, forward, token_mask, abandon_on_cancel=True
+        )
 
     def step_hung(self) -> None:
         self.step_thread.abandon()
@@ -245,6 +317,16 @@ class ModelExecutor(Executor):
         self._owns_thread = True
         self._num_restarts += 1
         log.warning("%s; the next steps run on a new step thread", why)
+
+
+def _wait(forward: concurrent.futures.Future[StepLogits]) -> None:
+    forward.exception()
+
+
+def _sample_after(runner: Runner, forward: concurrent.futures.Future[StepLogits], token_mask: TokenMask) -> RunnerOutput:
+    # Queued behind the forward on the step thread, so it is done by now;
+    # its error, if it raised, is this step's.
+    return runner.sample_step(forward.result(), token_mask)
 
 
 def fake_token(context: Sequence[int], vocab_size: int) -> int:
@@ -268,6 +350,12 @@ class FakeExecutor(Executor):
     plan)`` may return an exception to raise from that step; ``delay(
     step_index, plan)`` may return extra seconds that step takes (past the
     watchdog: a hung step).
+
+    A structured output's mask is honoured as a sampler would: a row's
+    token is the first allowed one at or after ``token(...)`` (wrapping
+    around the vocabulary). A plan that ``awaits_mask`` sleeps its step
+    time first (the forward), then waits for the mask; ``masks`` records
+    each mask received that way.
     """
 
     def __init__(
@@ -283,6 +371,7 @@ class FakeExecutor(Executor):
         watchdog_timeout: float | None = None,
     ) -> None:
         super().__init__(watchdog_timeout=watchdog_timeout)
+        self.vocab_size = vocab_size
         self.block_size = block_size
         self.step_time = step_time
         self.token_time = token_time
@@ -292,6 +381,7 @@ class FakeExecutor(Executor):
         self._index = 0
         self._slots: dict[int, int] = {}  # slot -> token id written there
         self.plans: list[StepPlan] = []  # every plan run, for tests
+        self.masks: list[TokenMask] = []  # every mask that came after its plan, for tests
 
     @classmethod
     def for_core(cls, core: Any, **kwargs: Any) -> FakeExecutor:
@@ -301,11 +391,19 @@ class FakeExecutor(Executor):
     def _slot(self, block_ids: Sequence[int], position: int) -> int:
         return block_ids[position // self.block_size] * self.block_size + position % self.block_size
 
-    async def execute(self, plan: StepPlan) -> RunnerOutput:
+    async def execute(self, plan: StepPlan, masks: Masks | None = None) -> RunnerOutput:
         index, self._index = self._index, self._index + 1
         self.plans.append(plan)
         extra = 0.0 if self._delay is None else self._delay(index, plan)
         await trio.sleep(self.step_time + self.token_time * plan.num_batched_tokens + extra)
+        token_mask = plan.token_mask
+        if masks is not None:
+            with masks:
+                try:
+                    token_mask = await masks.receive()
+                except trio.EndOfChannel:
+                    raise MaskNotSent("the scheduler ended before the step's token mask came") from None
+            self.masks.append(token_mask)
         if self._fail is not None and (error := self._fail(index, plan)) is not None:
             raise error
         for chunk in plan.chunks:
@@ -324,7 +422,15 @@ class FakeExecutor(Executor):
                         break
                     context.append(draft)
                     tokens.append(self._token(chunk, context))
+                if token_mask is not None and chunk.request_id in token_mask.request_ids:
+                    tokens[0] = self._allowed(token_mask, chunk.request_id, tokens[0])
                 sampled[chunk.request_id] = tokens[0]
                 if chunk.num_draft_tokens:
                     extra[chunk.request_id] = tuple(tokens[1:])
         return RunnerOutput(sampled=sampled, logprobs={}, extra_tokens=extra)
+
+    def _allowed(self, token_mask: TokenMask, request_id: str, token_id: int) -> int:
+        """The first token ``token_mask`` allows ``request_id`` at or after ``token_id``, wrapping."""
+        row = token_mask.request_ids.index(request_id)
+        allowed = unpack_bitmask(token_mask.bitmask[row : row + 1], self.vocab_size)[0].nonzero().flatten().tolist()
+        return next((t for t in allowed if t >= token_id), allowed[0])

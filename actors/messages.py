@@ -8,8 +8,9 @@ Who sends what to whom (see docs/architecture.md for capacities):
 - scheduler -> request actor, the request's output channel:
   ``RequestOutput`` (the engine core's value), ``Paused``, ``Failed``.
 - scheduler -> allocator: ``Allocate``; allocator -> scheduler: ``KVResult``.
-- scheduler -> executor: ``RunStep``; executor -> scheduler: ``StepDone`` or
-  ``StepFailed`` (a step that raised, or hung past the watchdog).
+- scheduler -> executor: ``RunStep``, then ``StepMask`` when its plan
+  ``awaits_mask``; executor -> scheduler: ``StepDone`` or ``StepFailed`` (a
+  step that raised, or hung past the watchdog).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import trio
 from trioserve.engine.kv_batch import KVBatch
 from trioserve.engine.model_runner import RunnerOutput
 from trioserve.engine.sampling_params import SamplingParams
-from trioserve.engine.step_plan import StepPlan
+from trioserve.engine.step_plan import StepPlan, TokenMask
 from trioserve.engine.sequence import FinishReason
 
 
@@ -112,6 +113,16 @@ class RunStep:
 
     step_id: int
     plan: StepPlan
+
+
+@attrs.frozen
+class StepMask:
+    """The allowed tokens of step ``step_id``'s constrained rows: the next
+    message after a ``RunStep`` whose plan ``awaits_mask``. The scheduler
+    fills it while the step's forward runs; the step samples once it has it."""
+
+    step_id: int
+    mask: TokenMask
 
 
 @attrs.frozen

@@ -5,7 +5,10 @@ does (``RunStep`` in, ``StepDone`` / ``StepFailed`` out); only where the step
 runs differs. The worker (``trioserve.engine.worker_process``) is started
 with ``torch.multiprocessing``'s spawn context and loads the weights itself;
 plans go to it and outputs come back as length-prefixed pickles over a
-socket pair, which trio reads without blocking the event loop.
+socket pair, which trio reads without blocking the event loop. A plan that
+``awaits_mask`` is followed by its ``TokenMask`` once the scheduler has
+filled it: the worker runs the forward meanwhile and reads the mask before
+it samples.
 
 Faults (docs/reliability.md, "Worker processes"):
 
@@ -61,7 +64,7 @@ from trioserve.engine.worker_process import (
 )
 
 from .errors import WorkerLost, WorkerUnavailable
-from .executor import Executor
+from .executor import Executor, MaskNotSent, Masks
 from .messages import StepDone, StepFailed
 from .statistics import ExecutorStatistics
 
@@ -307,7 +310,7 @@ class ProcessExecutor(Executor):
 
     # -- steps -------------------------------------------------------------------------
 
-    async def execute(self, plan: StepPlan) -> RunnerOutput:
+    async def execute(self, plan: StepPlan, masks: Masks | None = None) -> RunnerOutput:
         while (worker := self._worker) is None:
             if self.state is WorkerState.FAILED or self._stopping:
                 raise WorkerUnavailable(
@@ -319,6 +322,15 @@ class ProcessExecutor(Executor):
             raise WorkerLost(f"the worker process was restarted after it died ({self._last_exit}); its KV cache is gone")
         try:
             await worker.link.send(plan)
+            if masks is not None:
+                # The worker runs the forward meanwhile, then reads the mask.
+                with masks:
+                    try:
+                        token_mask = await masks.receive()
+                    except trio.EndOfChannel:
+                        # Shutdown: the stop message comes next, and the worker takes it in the mask's place.
+                        raise MaskNotSent("the scheduler ended before the step's token mask came") from None
+                await worker.link.send(token_mask)
             reply = await worker.link.receive()
         except (EOFError, trio.BrokenResourceError, trio.ClosedResourceError, ConnectionError):
             if self._known_generation == worker.generation:

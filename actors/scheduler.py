@@ -12,9 +12,11 @@ nursery:
   them; they are applied at the next step boundary;
 - the *step loop*: apply control, expired deadlines and queue deadlines,
   plan the step with one allocator round trip (``propose`` -> ``Allocate``
-  -> ``finalize``), hand it to the executor, and while it computes deliver
-  the previous step's outputs; then post-process the result (and, with
-  adaptive concurrency, feed the step's timing to the running limit).
+  -> ``finalize``), hand it to the executor, and while it computes fill the
+  structured-output mask of its constrained rows (in a worker thread; it
+  follows the plan as a ``StepMask``) and deliver the previous step's
+  outputs; then post-process the result (and, with adaptive concurrency,
+  feed the step's timing to the running limit).
 
 While a step runs in the executor's thread the other two loops keep going:
 requests are admitted into the core (validated, given detokenizers and
@@ -35,7 +37,7 @@ import trio
 
 from trioserve.engine.engine_core import EngineCore
 from trioserve.engine.errors import InvalidRequestError
-from trioserve.engine.grammar import GrammarError
+from trioserve.engine.grammar import GrammarError, MaskFill
 from trioserve.engine.kv_batch import KVBatch, KVResult
 from trioserve.engine.new_request import NewRequest
 from trioserve.engine.step_thread import StepThreadClosed, StepThreadDied
@@ -50,7 +52,7 @@ from .concurrency import AdaptiveConcurrency
 from .deadlines import Deadlines
 from .delivery import Delivery, Route, outcome_of
 from .errors import QueueTimeout, RequestFailed, StepHung, WorkerLost, WorkerUnavailable
-from .messages import Abort, AbortAll, AddRequest, Allocate, Failed, Resume, RunStep, StepDone, StepFailed
+from .messages import Abort, AbortAll, AddRequest, Allocate, Failed, Resume, RunStep, StepDone, StepFailed, StepMask
 from .request import final_output
 from .statistics import RateMeter, SchedulerActorStatistics
 
@@ -135,7 +137,7 @@ class SchedulerActor:
         *,
         allocator: trio.MemorySendChannel[Allocate],
         kv_results: trio.MemoryReceiveChannel[KVResult],
-        executor: trio.MemorySendChannel[RunStep],
+        executor: trio.MemorySendChannel[RunStep | StepMask],
         step_results: trio.MemoryReceiveChannel[StepDone | StepFailed],
         task_status: trio.TaskStatus[trio.MemorySendChannel[Any]] = trio.TASK_STATUS_IGNORED,
     ) -> None:
@@ -205,7 +207,7 @@ class SchedulerActor:
         self,
         allocator: trio.MemorySendChannel[Allocate],
         kv_results: trio.MemoryReceiveChannel[KVResult],
-        executor: trio.MemorySendChannel[RunStep],
+        executor: trio.MemorySendChannel[RunStep | StepMask],
         step_results: trio.MemoryReceiveChannel[StepDone | StepFailed],
     ) -> None:
         pending: list[RequestOutput] = []  # the last step's outputs, delivered during the next
@@ -220,11 +222,16 @@ class SchedulerActor:
                     self.concurrency.idle()
                 await self._wait_for_news()
                 continue
-            plan = await self._plan(allocator, kv_results)
+            plan, fill = await self._plan(allocator, kv_results)
             if plan.chunks:
                 self._num_steps += 1
                 try:
                     await executor.send(RunStep(self._num_steps, plan.plan))
+                    if fill is not None:
+                        # The forward does not need the mask, only the sampling:
+                        # filled beside it, off the event loop.
+                        filled = await trio.to_thread.run_sync(fill.run)
+                        await executor.send(StepMask(self._num_steps, self.core.mask_filled(filled)))
                     self._deliver_all(pending)
                     reply = await step_results.receive()
                 except (trio.EndOfChannel, trio.BrokenResourceError):
@@ -272,7 +279,9 @@ class SchedulerActor:
 
     async def _plan(
         self, allocator: trio.MemorySendChannel[Allocate], kv_results: trio.MemoryReceiveChannel[KVResult]
-    ) -> SchedulerOutput:
+    ) -> tuple[SchedulerOutput, MaskFill | None]:
+        """The next step's plan, and the fill of its constrained rows' mask
+        (None if it has none: then the plan does not await one)."""
         scheduler = self.core.scheduler
         batch = scheduler.propose()
         self._release_needed = False
@@ -285,12 +294,15 @@ class SchedulerActor:
                 await self._lost("allocator")
         else:
             result = KVResult(block_tables=(), num_cached_tokens=(), budget=scheduler.statistics().kv)
-        # Constrained rows' allowed tokens, for all of them at once (a fraction
-        # of a millisecond for 32 rows; docs/benchmarks.md).
-        plan = self.core.attach_masks(scheduler.finalize(batch, result))
+        plan = scheduler.finalize(batch, result)
+        # Constrained rows' allowed tokens, for all of them at once: filled
+        # while the step runs (the step loop), so the plan goes without.
+        fill = self.core.mask_fill(plan)
+        if fill is not None:
+            plan = attrs.evolve(plan, plan=attrs.evolve(plan.plan, awaits_mask=True))
         if self._has_room():
             self._room.set()
-        return plan
+        return plan, fill
 
     def _process(self, plan: SchedulerOutput, reply: StepDone | StepFailed) -> list[RequestOutput]:
         if isinstance(reply, StepFailed) and isinstance(reply.error, WorkerLost):

@@ -23,6 +23,9 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DEFAULT_WATCHDOG_TIMEOUT = 300.0
 DEFAULT_MAX_BUFFERED_OUTPUTS = 64
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
+# Compiled grammars kept for structured output: a mid-size JSON schema's
+# takes a few hundred KB (docs/api.md), so the cache stays in tens of MB.
+DEFAULT_GRAMMAR_CACHE_SIZE = 128
 
 
 def _required(hf: dict[str, Any], key: str, source: str) -> Any:
@@ -308,6 +311,10 @@ class EngineConfig:
     # as in the kernels (docs/benchmarks.md, "Compressed weights").
     quantization: str = attrs.field(default="none", validator=attrs.validators.in_(("auto", "none", "int8", "int4")))
     quantization_group_size: int = attrs.field(default=32, validator=positive)
+    # Structured output (engine/grammar.py): compiled grammars kept, least
+    # recently used evicted first; one compile per distinct schema, regex or
+    # grammar while it stays in (--grammar-cache-size).
+    grammar_cache_size: int = attrs.field(default=DEFAULT_GRAMMAR_CACHE_SIZE, validator=integer_at_least(1))
 
     def __attrs_post_init__(self) -> None:
         if self.speculative_min_ngram > self.speculative_max_ngram:

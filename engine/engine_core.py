@@ -23,7 +23,7 @@ from .config import EngineConfig
 from .detokenizer import DetokenizerDelta, IncrementalDetokenizer
 from .errors import InvalidRequestError, TokenizerError
 from .faults import Fault
-from .grammar import GrammarCompiler, GrammarError, GrammarMatchers, MaskRequest
+from .grammar import FilledMask, GrammarCompiler, GrammarError, GrammarMatchers, MaskFill, MaskRequest
 from .kv_cache import KVCache, kv_bytes_per_block
 from .loader import LoadedModel, load_model_for
 from .model_runner import ModelRunner, RunnerOutput
@@ -36,6 +36,7 @@ from .scheduler import Scheduler, SchedulerOutput
 from .scheduling_policy import scheduling_policy
 from .sequence import FinishReason, Request, RequestStatus
 from .speculative import speculative_proposer
+from .step_plan import TokenMask
 from .tokenizer import apply_chat_template, check_text
 
 if TYPE_CHECKING:
@@ -177,7 +178,12 @@ class EngineCore:
         # sequence's matcher; _grammar_dead holds sequences ended because
         # their grammar allowed no token, whose token this step is dropped.
         self.grammars = GrammarMatchers(
-            GrammarCompiler(loaded.tokenizer, loaded.model_config.vocab_size, tuple(loaded.model_config.eos_token_ids))
+            GrammarCompiler(
+                loaded.tokenizer,
+                loaded.model_config.vocab_size,
+                tuple(loaded.model_config.eos_token_ids),
+                cache_size=config.grammar_cache_size,
+            )
         )
         self._grammar_dead: set[str] = set()
 
@@ -401,11 +407,22 @@ class EngineCore:
 
     def attach_masks(self, plan: SchedulerOutput) -> SchedulerOutput:
         """``plan`` with the allowed-token bitmask of every constrained row
-        that samples this step, filled in one batch. A row whose grammar
-        allows no token (with ``min_tokens`` still banning EOS, say) ends its
-        request with a ``GrammarError`` now: its token this step is dropped."""
-        if not len(self.grammars):
+        that samples this step, filled here and now in one batch (the
+        offline ``step()``; the actors fill it while the forward runs:
+        ``mask_fill``). A row whose grammar allows no token (with
+        ``min_tokens`` still banning EOS, say) ends its request with a
+        ``GrammarError`` now: its token this step is dropped."""
+        fill = self.mask_fill(plan)
+        if fill is None:
             return plan
+        return attrs.evolve(plan, plan=attrs.evolve(plan.plan, token_mask=self.mask_filled(fill.run())))
+
+    def mask_fill(self, plan: SchedulerOutput) -> MaskFill | None:
+        """The mask work of ``plan``'s constrained rows that sample this
+        step, to run on any thread (``MaskFill.run``, then ``mask_filled``);
+        None when no row of the plan is constrained."""
+        if not len(self.grammars):
+            return None
         rows = []
         for chunk in plan.chunks:
             row = chunk.sampling
@@ -415,12 +432,14 @@ class EngineCore:
             if row.num_output_tokens < row.params.min_tokens:
                 banned = (*row.eos_token_ids, *row.params.stop_token_ids)
             rows.append(MaskRequest(chunk.request_id, banned))
-        if not rows:
-            return plan
-        mask, dead = self.grammars.fill(rows)
-        for request_id in dead:
-            self._grammar_failed(request_id, "its grammar allows no token at this point of the output")
-        return attrs.evolve(plan, plan=attrs.evolve(plan.plan, token_mask=mask))
+        return self.grammars.prepare(rows) if rows else None
+
+    def mask_filled(self, filled: FilledMask) -> TokenMask:
+        """End the requests of the rows ``filled`` found dead (a
+        ``GrammarError``; their token this step is dropped) and return its mask."""
+        for request_id, why in filled.dead:
+            self._grammar_failed(request_id, why)
+        return filled.mask
 
     def _grammar_failed(self, request_id: str, why: str) -> None:
         completion = self._completions.get(request_id)

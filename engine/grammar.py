@@ -5,8 +5,14 @@ the model's vocabulary, once per (kind, spec): compiling a mid-size JSON
 schema takes tens of milliseconds, so callers in the event loop run it in a
 worker thread (``Engine.prepare``) and later lookups are a dict hit.
 ``GrammarMatchers`` keeps one matcher per constrained sequence (its position
-in the grammar, advanced with each token the sequence accepts) and fills the
-allowed-token bitmask of every constrained row of a step in one batch.
+in the grammar, advanced with each token the sequence accepts) and prepares
+the fill of a step's allowed-token bitmask for every constrained row at once
+(``MaskFill``): a value that runs on any thread, so the actors fill it while
+the step's forward computes (docs/architecture.md).
+
+The cache holds at most ``cache_size`` compiled grammars, least recently
+used first out (``EngineConfig.grammar_cache_size``); xgrammar's own cache
+is off, so that bound is the only one.
 
 Why xgrammar rather than llguidance: measured on this machine with the
 default model's tokenizer (``scripts/grammar_backends.py``), a mask for 32
@@ -16,6 +22,7 @@ docs/api.md.
 
 from __future__ import annotations
 
+import collections
 import json
 import re
 import threading
@@ -26,9 +33,11 @@ import attrs
 import numpy
 import torch
 
+from .config import DEFAULT_GRAMMAR_CACHE_SIZE
 from .errors import InvalidRequestError, TrioserveError
 from .step_plan import TokenMask
 from .structured_output import CHOICE, GRAMMAR, JSON_OBJECT, JSON_SCHEMA, REGEX, StructuredOutput
+from .validators import integer_at_least
 
 # Any JSON object, whatever its properties (xgrammar's strict mode would
 # otherwise read an object schema without "properties" as "{}" only).
@@ -51,19 +60,23 @@ def _first_line(exc: BaseException) -> str:
 
 @attrs.define(eq=False)
 class GrammarCompiler:
-    """Compiles constraints for one tokenizer, caching them by (kind, spec).
+    """Compiles constraints for one tokenizer, caching the last
+    ``cache_size`` used by (kind, spec).
 
     Thread-safe: ``compile`` may run in several worker threads at once.
     ``tokenizer`` is a Hugging Face tokenizer; ``vocab_size`` is the model's
-    (its logits' width), ``stop_token_ids`` the model's EOS ids.
+    (its logits' width), ``stop_token_ids`` the model's EOS ids. A grammar
+    evicted from the cache stays alive in the matchers that use it; the
+    next request with it compiles it again.
     """
 
     tokenizer: Any
     vocab_size: int
     stop_token_ids: tuple[int, ...]
+    cache_size: int = attrs.field(default=DEFAULT_GRAMMAR_CACHE_SIZE, kw_only=True, validator=integer_at_least(1))
     _lock: threading.Lock = attrs.field(init=False, factory=threading.Lock)
     _compiler: Any = attrs.field(init=False, default=None)
-    _cache: dict[tuple[str, Any], Any] = attrs.field(init=False, factory=dict)
+    _cache: collections.OrderedDict[tuple[str, Any], Any] = attrs.field(init=False, factory=collections.OrderedDict)
 
     def _backend(self) -> Any:
         with self._lock:
@@ -75,17 +88,30 @@ class GrammarCompiler:
                 )
                 # Compilation runs in the caller's thread (a worker thread of
                 # the event loop's): two threads at most on a small machine.
-                self._compiler = xgrammar.GrammarCompiler(info, max_threads=2)
+                # Its own cache is off: this one, bounded, is the cache.
+                self._compiler = xgrammar.GrammarCompiler(info, max_threads=2, cache_enabled=False)
             return self._compiler
 
     def cached(self, constraint: StructuredOutput) -> Any | None:
-        """The compiled grammar of ``constraint`` if it was compiled before."""
-        return self._cache.get(constraint.key)
+        """The compiled grammar of ``constraint`` if it is in the cache
+        (which counts as a use)."""
+        with self._lock:
+            compiled = self._cache.get(constraint.key)
+            if compiled is not None:
+                self._cache.move_to_end(constraint.key)
+            return compiled
+
+    def _store(self, key: tuple[str, Any], compiled: Any) -> None:
+        with self._lock:
+            self._cache[key] = compiled
+            self._cache.move_to_end(key)
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
 
     def compile(self, constraint: StructuredOutput) -> Any:
         """The compiled grammar of ``constraint``; raises ``InvalidRequestError``
         naming ``constraint.field`` if its schema, regex or grammar is unusable."""
-        compiled = self._cache.get(constraint.key)
+        compiled = self.cached(constraint)
         if compiled is not None:
             return compiled
         compiler = self._backend()
@@ -109,11 +135,12 @@ class GrammarCompiler:
             raise InvalidRequestError(
                 f"{constraint.field} is not a usable {what}: {_first_line(exc)}", field=constraint.field
             ) from None
-        self._cache[constraint.key] = compiled
+        self._store(constraint.key, compiled)
         return compiled
 
     @property
     def num_cached(self) -> int:
+        """Compiled grammars in the cache (at most ``cache_size``)."""
         return len(self._cache)
 
 
@@ -132,6 +159,62 @@ class MaskRequest:
 
     request_id: str
     banned: tuple[int, ...] = ()
+
+
+@attrs.frozen
+class FilledMask:
+    """A step's filled bitmask, and its rows that end there: ``dead`` holds
+    (sequence id, why) for each row whose grammar allows no token (its row
+    allows every token: the caller ends it before its token counts)."""
+
+    mask: TokenMask
+    dead: tuple[tuple[str, str], ...] = ()
+
+
+_NO_TOKEN = "its grammar allows no token at this point of the output"
+
+
+@attrs.frozen(eq=False)
+class MaskFill:
+    """One step's mask work, ready to run on any thread: the matcher of each
+    row (only read: filling does not move a matcher) and its banned tokens.
+
+    ``run`` releases the GIL while xgrammar fills a row, so it computes
+    beside the model's forward (docs/architecture.md). Nothing may advance
+    these matchers until it returns: the scheduler accepts a step's tokens
+    only after that step, and the step cannot sample before its mask.
+    """
+
+    rows: tuple[MaskRequest, ...]
+    matchers: tuple[Any, ...]
+    vocab_size: int
+
+    def run(self) -> FilledMask:
+        """The bitmask of every row in one [len(rows), words] tensor. Never
+        raises: if xgrammar fails, every row is dead with the error's name."""
+        # Whole-tensor work here is numpy's, not torch's: this runs beside the
+        # step thread, and a torch op over a [32, 1536] mask is big enough
+        # for torch to open a second OpenMP team in this thread, whose
+        # spinning threads then take the cores from the step's team (+35%
+        # TPOT at 32 constrained rows, docs/benchmarks.md).
+        bitmask = torch.empty(len(self.rows), (self.vocab_size + 31) // 32, dtype=torch.int32)
+        words = bitmask.numpy()
+        words.fill(-1)
+        try:
+            for index, (row, matcher) in enumerate(zip(self.rows, self.matchers)):
+                matcher.fill_next_token_bitmask(bitmask, index)
+                for token_id in row.banned:
+                    # bit 31 is int32's sign bit: clear it through the unsigned view
+                    words.view(numpy.uint32)[index, token_id // 32] &= ~numpy.uint32(1 << (token_id % 32))
+            empty = numpy.flatnonzero(~words.any(axis=1)).tolist()  # one check for the batch
+            for index in empty:
+                words[index] = -1
+            dead = tuple((self.rows[index].request_id, _NO_TOKEN) for index in empty)
+        except Exception as exc:  # a bug in the grammar engine fails its rows, not the engine
+            words.fill(-1)
+            dead = tuple((row.request_id, f"filling its allowed tokens failed ({type(exc).__name__})") for row in self.rows)
+        mask = TokenMask(request_ids=tuple(row.request_id for row in self.rows), bitmask=bitmask)
+        return FilledMask(mask, dead)
 
 
 @attrs.define(eq=False)
@@ -160,29 +243,14 @@ class GrammarMatchers:
     def __len__(self) -> int:
         return len(self._matchers)
 
-    def fill(self, rows: Sequence[MaskRequest]) -> tuple[TokenMask, list[str]]:
-        """The bitmask of every row, in one [len(rows), words] tensor, and
-        the ids of the rows whose grammar allows no token at all (their row
-        allows every token: the caller ends them before their token counts)."""
-        # Whole-tensor work here is numpy's, not torch's: this runs beside the
-        # step thread, and a torch op over a [32, 1536] mask is big enough
-        # for torch to open a second OpenMP team in this thread, whose
-        # spinning threads then take the cores from the step's team (+35%
-        # TPOT at 32 constrained rows, docs/benchmarks.md).
-        words = (self.compiler.vocab_size + 31) // 32
-        bitmask = torch.empty(len(rows), words, dtype=torch.int32)
-        view = bitmask.numpy()
-        view.fill(-1)
-        for index, row in enumerate(rows):
-            self._matchers[row.request_id].fill_next_token_bitmask(bitmask, index)
-            for token_id in row.banned:
-                # bit 31 is int32's sign bit: clear it through the unsigned view
-                view.view(numpy.uint32)[index, token_id // 32] &= ~numpy.uint32(1 << (token_id % 32))
-        empty = numpy.flatnonzero(~view.any(axis=1)).tolist()  # one check for the batch
-        for index in empty:
-            view[index] = -1
-        mask = TokenMask(request_ids=tuple(row.request_id for row in rows), bitmask=bitmask)
-        return mask, [rows[index].request_id for index in empty]
+    def prepare(self, rows: Sequence[MaskRequest]) -> MaskFill:
+        """The fill of ``rows``' bitmask, to run now or on another thread."""
+        matchers = tuple(self._matchers[row.request_id] for row in rows)
+        return MaskFill(tuple(rows), matchers, self.compiler.vocab_size)
+
+    def fill(self, rows: Sequence[MaskRequest]) -> FilledMask:
+        """``prepare(rows).run()``: the bitmask of every row, here and now."""
+        return self.prepare(rows).run()
 
     def accept(self, request_id: str, token_id: int) -> bool:
         """Advance ``request_id`` by its sampled token; False if its grammar

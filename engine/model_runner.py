@@ -13,7 +13,7 @@ from .forward_batch import ForwardBatch, SeqChunk
 from .kv_cache import KVCache
 from .plugins import PluginError
 from .sampler import Sampler, TokenLogprobs
-from .step_plan import StepPlan
+from .step_plan import StepPlan, TokenMask
 
 # cuDNN's attention (torch's first choice for bf16 on Hopper) builds a plan
 # for each new shape, and a decode step's context lengths change every step:
@@ -32,6 +32,16 @@ class RunnerOutput:
     extra_tokens: Mapping[str, tuple[int, ...]] = attrs.field(factory=dict)
     # Sequences whose logits processor (a plugin) raised: their requests fail.
     failed: Mapping[str, PluginError] = attrs.field(factory=dict)
+
+
+@attrs.frozen(eq=False)
+class StepLogits:
+    """A step whose forward has run: its plan and the logits of its sampling
+    chunks (None when it had no chunks). Lives on the step's thread (or in
+    the worker process) between ``forward_step`` and ``sample_step``."""
+
+    plan: StepPlan
+    logits: torch.Tensor | None
 
 
 @attrs.define
@@ -61,23 +71,36 @@ class ModelRunner:
 
     def execute(self, plan: StepPlan) -> RunnerOutput:
         """Run the forward for every chunk of ``plan`` and sample for those that end their known tokens."""
+        assert not plan.awaits_mask, "a plan awaiting its mask runs as forward_step, then sample_step"
+        return self.sample_step(self.forward_step(plan), plan.token_mask)
+
+    def forward_step(self, plan: StepPlan) -> StepLogits:
+        """The first half of ``execute``: drop the released sequences' state
+        and run the forward (writing the chunks' keys and values). A plan
+        that ``awaits_mask`` runs this while its mask is filled, then
+        ``sample_step`` with the mask."""
         self.sampler.forget(plan.released)
         if not plan.chunks:
-            return RunnerOutput(sampled={}, logprobs={})
-        rows = [chunk.sampling for chunk in plan.chunks if chunk.sampling is not None]
+            return StepLogits(plan, None)
         with torch.inference_mode(), self._attention_backends():
-            logits = self.forward(plan)
-            if not rows:
-                return RunnerOutput(sampled={}, logprobs={})
-            if not any(chunk.num_draft_tokens for chunk in plan.chunks):
-                result = self.sampler.sample(logits, rows, plan.token_mask)
-            else:
-                return self._sample_speculating(plan, logits)
+            return StepLogits(plan, self.forward(plan))
+
+    def sample_step(self, step: StepLogits, token_mask: TokenMask | None) -> RunnerOutput:
+        """The second half of ``execute``: sample the step's tokens, the rows
+        ``token_mask`` lists limited to their allowed tokens."""
+        plan = step.plan
+        rows = [chunk.sampling for chunk in plan.chunks if chunk.sampling is not None]
+        if step.logits is None or not rows:
+            return RunnerOutput(sampled={}, logprobs={})
+        with torch.inference_mode():
+            if any(chunk.num_draft_tokens for chunk in plan.chunks):
+                return self._sample_speculating(plan, step.logits, token_mask)
+            result = self.sampler.sample(step.logits, rows, token_mask)
         ids = [row.request_id for row in rows]
         logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs) if lp is not None}
         return RunnerOutput(sampled=dict(zip(ids, result.token_ids)), logprobs=logprobs, failed=result.failed)
 
-    def _sample_speculating(self, plan: StepPlan, logits: torch.Tensor) -> RunnerOutput:
+    def _sample_speculating(self, plan: StepPlan, logits: torch.Tensor, token_mask: TokenMask | None) -> RunnerOutput:
         # Plain rows are sampled together as usual; each speculating chunk
         # verifies its proposal on its own rows of logits.
         plain_rows, plain_index = [], []
@@ -99,7 +122,7 @@ class ModelRunner:
         logprobs = {}
         failed: dict[str, PluginError] = {}
         if plain_rows:
-            result = self.sampler.sample(logits[plain_index], plain_rows, plan.token_mask)
+            result = self.sampler.sample(logits[plain_index], plain_rows, token_mask)
             ids = [row.request_id for row in plain_rows]
             sampled.update(zip(ids, result.token_ids))
             logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs) if lp is not None}

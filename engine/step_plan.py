@@ -121,11 +121,21 @@ class StepPlan:
     sequences ended since the runner's last step (``released``), whose
     per-sequence sampling state it may drop before running the chunks (an
     id may come back in a chunk of the same plan as a new request), and the
-    allowed tokens of its constrained rows (``token_mask``)."""
+    allowed tokens of its constrained rows (``token_mask``).
+
+    ``awaits_mask``: the plan has constrained rows whose mask is still being
+    filled; it follows the plan as a message of its own, and the runner
+    runs the forward meanwhile and samples once it has it
+    (``ModelRunner.forward_step`` / ``sample_step``). ``token_mask`` is then
+    None."""
 
     chunks: tuple[ScheduledChunk, ...]
     released: tuple[str, ...] = ()
     token_mask: TokenMask | None = None  # structured output's allowed tokens
+    awaits_mask: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        assert not (self.awaits_mask and self.token_mask is not None), "a plan awaits its mask or carries it, not both"
 
     @property
     def num_batched_tokens(self) -> int:

@@ -43,9 +43,9 @@ from .config import EngineConfig
 from .distributed import DistributedError, Rendezvous, backend_for, close_group, free_port, init_group, wait_reachable
 from .kv_cache import KVCache, kv_bytes_per_block
 from .loader import LoadedModel, read_model_config, resolve_checkpoint, resolve_device, resolve_dtype
-from .model_runner import ModelRunner, RunnerOutput
+from .model_runner import ModelRunner, RunnerOutput, StepLogits
 from .sampler import Sampler
-from .step_plan import StepPlan
+from .step_plan import StepPlan, TokenMask
 from .tensor_parallel import TPLlamaForCausalLM, TPShard, check_tensor_parallel, load_shard
 from .tokenizer import eos_token_ids, load_tokenizer
 
@@ -211,10 +211,19 @@ class TPRunner:
         return self.inner.model  # type: ignore[return-value]
 
     def execute(self, plan: StepPlan) -> RunnerOutput:
+        assert not plan.awaits_mask, "a plan awaiting its mask runs as forward_step, then sample_step"
+        return self.sample_step(self.forward_step(plan), plan.token_mask)
+
+    def forward_step(self, plan: StepPlan) -> StepLogits:
+        """Every rank's forward of ``plan``; the logits gather on rank 0."""
         if not dist.is_initialized():
             raise DistributedError("the tensor-parallel group is closed")
         _broadcast(plan)
-        return self.inner.execute(plan)
+        return self.inner.forward_step(plan)
+
+    def sample_step(self, step: StepLogits, token_mask: TokenMask | None) -> RunnerOutput:
+        """Rank 0 alone samples (a structured output's mask reaches only it)."""
+        return self.inner.sample_step(step, token_mask)
 
     def logits(self, plan: StepPlan) -> torch.Tensor:
         """The gathered logits of ``plan``'s sampling chunks, without

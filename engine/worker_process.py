@@ -9,7 +9,9 @@ answers step plans until it is told to stop.
 
 The protocol is the executor's own, serialised: each frame is an 8-byte
 big-endian length and a pickle. In: ``StepPlan`` values (immutable, made to
-travel) and a final ``StopWorker`` (the poison pill). Out: one
+travel), each plan that ``awaits_mask`` followed by its ``TokenMask`` (read
+after the forward, which runs while the server fills it), and a final
+``StopWorker`` (the poison pill, also taken in a mask's place). Out: one
 ``WorkerReady`` once the runner is built (or a ``WorkerStartFailed``), then
 for each plan its ``RunnerOutput`` or a ``WorkerStepError``.
 
@@ -37,7 +39,7 @@ import attrs
 
 from .config import EngineConfig
 from .loader import LoadedModel, load_model_for
-from .step_plan import StepPlan
+from .step_plan import StepPlan, TokenMask
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +161,25 @@ def _build(spec: WorkerSpec) -> Any:
     return build_runner(loaded, config, spec.num_blocks)
 
 
+def _masked_step(runner: Any, plan: StepPlan, sock: socket.socket) -> Any:
+    """Run ``plan``'s forward, then read its mask (the next frame: the
+    server filled it meanwhile) and sample; None if ``StopWorker`` came
+    instead. The mask is read even when the forward raised, so the next
+    frame is a plan again."""
+    try:
+        step = runner.forward_step(plan)
+        error = None
+    except Exception as exc:
+        step, error = None, exc
+    mask = recv_frame(sock)
+    if isinstance(mask, StopWorker):
+        return None
+    assert isinstance(mask, TokenMask), f"unexpected message {type(mask).__name__}"
+    if error is not None:
+        raise error
+    return runner.sample_step(step, mask)
+
+
 def worker_main(spec: WorkerSpec, sock: socket.socket) -> None:
     """The worker process: build the runner, then run each plan received on
     ``sock`` until ``StopWorker`` or the end of the stream."""
@@ -184,7 +205,14 @@ def worker_main(spec: WorkerSpec, sock: socket.socket) -> None:
                 return
             assert isinstance(message, StepPlan), f"unexpected message {type(message).__name__}"
             try:
-                reply: Any = runner.execute(message)
+                if message.awaits_mask:
+                    reply: Any = _masked_step(runner, message, sock)
+                    if reply is None:
+                        return  # told to stop instead of sent the mask
+                else:
+                    reply = runner.execute(message)
+            except (EOFError, ConnectionError):
+                return  # the server closed its end (or died) before the mask
             except Exception as exc:
                 reply = WorkerStepError(portable(exc), traceback.format_exc())
             try:

@@ -4,21 +4,28 @@ constrained by a mid-size JSON schema against the same run unconstrained;
 the mask time per step (all constrained rows of a step, in one batch) and
 the compile time of the schema.
 
-    python scripts/bench_structured.py [--requests 32] [--max-tokens 64] [--c1-requests 3] [--rounds 4]
+    python scripts/bench_structured.py [--requests 32] [--max-tokens 64] [--c1-requests 3]
+        [--masks overlapped|sequential|both] [--rounds 4]
 
 Unconstrained requests use ``ignore_eos`` and constrained ones are asked for
 a long enough schema, so both runs decode about ``--max-tokens`` per request.
+
+``--masks``: ``overlapped`` (the engine's way) fills a step's mask in a
+worker thread while the step's forward runs; ``sequential`` fills it in the
+scheduler before the plan goes out, as the engine did at first; ``both``
+runs the constrained runs both ways, side by side in one process.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import statistics
 import time
 
 import attrs
 import trio
+
+from trioserve.engine.grammar import FilledMask, MaskFill
 
 from trioserve.actors.engine import open_engine
 from trioserve.engine.config import EngineConfig
@@ -75,6 +82,48 @@ async def _run(engine, params, concurrency, requests):
     return statistics.median(gaps) * 1000, sum(counts) / elapsed, sum(counts)
 
 
+@attrs.frozen(eq=False)
+class _TimedFill:
+    """A ``MaskFill`` that records (rows, seconds) of its run."""
+
+    fill: MaskFill
+    record: list
+
+    def run(self) -> FilledMask:
+        start = time.perf_counter()
+        out = self.fill.run()
+        self.record.append((len(self.fill.rows), time.perf_counter() - start))
+        return out
+
+
+def _time_masks(engine, masks: list, mode: str) -> None:
+    """Record every step's mask fill. ``overlapped``: the engine's way;
+    ``sequential``: filled in the event loop before the plan goes out (the
+    scheduler actor's plan step, wrapped)."""
+    core, actor = engine.core, engine._scheduler
+    actor.__dict__.pop("_plan", None)
+    core.__dict__.pop("mask_fill", None)
+    mask_fill = core.mask_fill
+
+    def timed_fill(plan):
+        fill = mask_fill(plan)
+        return None if fill is None else _TimedFill(fill, masks)
+
+    core.mask_fill = timed_fill
+    if mode == "overlapped":
+        return
+    plan_step = actor._plan
+
+    async def plan_with_masks(allocator, kv_results):
+        plan, fill = await plan_step(allocator, kv_results)
+        if fill is None:
+            return plan, None
+        step = attrs.evolve(plan.plan, awaits_mask=False, token_mask=core.mask_filled(fill.run()))
+        return attrs.evolve(plan, plan=step), None
+
+    actor._plan = plan_with_masks
+
+
 async def main(args):
     schema = StructuredOutput.json_schema(SCHEMA)
     free = SamplingParams(temperature=0.7, max_tokens=args.max_tokens, ignore_eos=True)
@@ -95,17 +144,7 @@ async def main(args):
         cached_us = (time.perf_counter() - start) * 1e6
 
         masks: list[tuple[int, float]] = []
-        attach = core.attach_masks
-
-        @functools.wraps(attach)
-        def timed(plan):
-            start = time.perf_counter()
-            out = attach(plan)
-            if out.plan.token_mask is not None:
-                masks.append((len(out.plan.token_mask.request_ids), time.perf_counter() - start))
-            return out
-
-        core.attach_masks = timed
+        modes = ("overlapped", "sequential") if args.masks == "both" else (args.masks,)
         print(f"engine up; tokenizer info {tokenizer_s:.2f} s, compile {compile_ms:.1f} ms", flush=True)
         await engine.prepare(constrained)
         await _run(engine, free, 4, 4)  # warm-up
@@ -113,9 +152,10 @@ async def main(args):
         for round_index in range(args.rounds):
             results = {}
             for concurrency, requests in ((1, args.c1_requests), (32, args.requests)):
-                # Free first in even rounds, constrained first in odd ones.
-                order = (("free", free), ("json", constrained))
-                for name, params in order if round_index % 2 == 0 else order[::-1]:
+                runs = [("free", free, modes[0])] + [(f"json {mode}", constrained, mode) for mode in modes]
+                # Free first in even rounds, last in odd ones: drift between runs cancels out.
+                for name, params, mode in runs if round_index % 2 == 0 else runs[::-1]:
+                    _time_masks(engine, masks, mode)
                     masks.clear()
                     results[(concurrency, name)] = await _run(engine, params, concurrency, requests) + (list(masks),)
                     print(f"round {round_index} c={concurrency} {name}: done", flush=True)
@@ -123,31 +163,36 @@ async def main(args):
     print(f"tokenizer info for xgrammar: {tokenizer_s:.2f} s once; schema compile {compile_ms:.1f} ms cold, {cached_us:.0f} us cached")
     for round_index, results in enumerate(rounds):
         print(f"round {round_index}:")
-        _report(results)
+        _report(results, modes)
     if len(rounds) > 1:
         for concurrency in (1, 32):
-            tpot = [r[(concurrency, "json")][0] / r[(concurrency, "free")][0] for r in rounds]
-            rate = [r[(concurrency, "json")][1] / r[(concurrency, "free")][1] for r in rounds]
-            print(
-                f"c={concurrency}, {len(rounds)} rounds: json/free TPOT ratio median {statistics.median(tpot):.3f} "
-                f"(each {', '.join(f'{x:.3f}' for x in tpot)}); throughput ratio median {statistics.median(rate):.3f}"
-            )
+            for mode in modes:
+                name = f"json {mode}"
+                tpot = [r[(concurrency, name)][0] / r[(concurrency, "free")][0] for r in rounds]
+                rate = [r[(concurrency, name)][1] / r[(concurrency, "free")][1] for r in rounds]
+                print(
+                    f"c={concurrency} masks {mode}, {len(rounds)} rounds: constrained/free TPOT median "
+                    f"{statistics.median(tpot):.3f} (each {', '.join(f'{x:.3f}' for x in tpot)}); "
+                    f"throughput median {statistics.median(rate):.3f} (each {', '.join(f'{x:.3f}' for x in rate)})"
+                )
 
 
-def _report(results) -> None:
+def _report(results, modes) -> None:
     for concurrency in (1, 32):
-        free_r, json_r = results[(concurrency, "free")], results[(concurrency, "json")]
-        line = (
-            f"c={concurrency}: TPOT median free {free_r[0]:.1f} ms, json {json_r[0]:.1f} ms ({json_r[0] / free_r[0] - 1:+.1%}); "
-            f"output tok/s free {free_r[1]:.1f}, json {json_r[1]:.1f} ({json_r[1] / free_r[1] - 1:+.1%}); "
-            f"tokens free {free_r[2]}, json {json_r[2]}"
-        )
-        mask_times = json_r[3]
-        if mask_times:
-            per_step = [t * 1000 for _, t in mask_times]
-            rows = statistics.mean(n for n, _ in mask_times)
-            line += f"; mask per step median {statistics.median(per_step):.2f} ms (mean {rows:.1f} rows)"
-        print(line)
+        free_r = results[(concurrency, "free")]
+        for mode in modes:
+            json_r = results[(concurrency, f"json {mode}")]
+            line = (
+                f"c={concurrency} masks {mode}: TPOT median free {free_r[0]:.1f} ms, json {json_r[0]:.1f} ms "
+                f"({json_r[0] / free_r[0] - 1:+.1%}); output tok/s free {free_r[1]:.1f}, json {json_r[1]:.1f} "
+                f"({json_r[1] / free_r[1] - 1:+.1%}); tokens free {free_r[2]}, json {json_r[2]}"
+            )
+            mask_times = json_r[3]
+            if mask_times:
+                per_step = [t * 1000 for _, t in mask_times]
+                rows = statistics.mean(n for n, _ in mask_times)
+                line += f"; mask per step median {statistics.median(per_step):.2f} ms (mean {rows:.1f} rows)"
+            print(line)
 
 
 if __name__ == "__main__":
@@ -155,5 +200,12 @@ if __name__ == "__main__":
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--c1-requests", type=int, default=3, help="requests run one at a time for TPOT at concurrency 1")
-    parser.add_argument("--rounds", type=int, default=1, help="alternate free and constrained runs this many times")
+    parser.add_argument(
+        "--masks",
+        choices=["overlapped", "sequential", "both"],
+        default="overlapped",
+        help="fill each step's mask beside its forward (the engine's way), before the plan goes out, or both "
+        "side by side (default: overlapped)",
+    )
+    parser.add_argument("--rounds", type=int, default=1, help="repeat the runs this many times, alternating their order")
     trio.run(main, parser.parse_args())

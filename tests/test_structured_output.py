@@ -88,13 +88,14 @@ def test_fill_bans_exactly_the_banned_tokens_beside_the_grammar(compiler, banned
     matchers.add("a", constraint)
     matchers.add("b", constraint)
     banned = banned | {31, 63}  # bit 31 is int32's sign bit
-    mask, dead = matchers.fill([MaskRequest("a"), MaskRequest("b", tuple(sorted(banned)))])
+    filled = matchers.fill([MaskRequest("a"), MaskRequest("b", tuple(sorted(banned)))])
+    mask, dead = filled.mask, filled.dead
     # The grammar's own mask, through xgrammar's own allocation.
     reference = xgrammar.allocate_token_bitmask(1, VOCAB_SIZE)
     xgrammar.GrammarMatcher(compiler.compile(constraint)).fill_next_token_bitmask(reference, 0)
     grammar = unpack_bitmask(reference, VOCAB_SIZE)[0]
     allowed = unpack_bitmask(mask.bitmask, VOCAB_SIZE)
-    assert dead == [] and mask.request_ids == ("a", "b")
+    assert dead == () and mask.request_ids == ("a", "b")
     assert torch.equal(allowed[0], grammar)
     expected = grammar.clone()
     expected[sorted(banned)] = False

@@ -19,6 +19,7 @@ model's test (slow). What they check:
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
 import time
@@ -37,6 +38,7 @@ from trioserve.engine.config import EngineConfig
 from trioserve.engine.distributed import DistributedError, free_port
 from trioserve.engine.engine_core import EngineCore
 from trioserve.engine.sampling_params import SamplingParams
+from trioserve.engine.structured_output import StructuredOutput
 from trioserve.engine.tensor_parallel import TPShard, check_tensor_parallel
 from trioserve.engine.loader import read_model_config, resolve_checkpoint
 from trioserve.testing.tiny_model import tokenizer
@@ -175,6 +177,38 @@ def test_open_engine_greedy_matches_one_rank_and_stops_its_ranks(checkpoints):
     assert len(ranks) == 1
     gone, alive = psutil.wait_procs(ranks, timeout=15)
     assert not alive
+
+
+def test_structured_output_is_masked_on_rank_zero_beside_the_forward(checkpoints):
+    """A constrained request through the actors on TP=2 (its mask filled
+    while every rank runs the forward; rank 0 samples with it) gets the
+    tokens the offline TP=1 engine gives (the mask filled before the step)."""
+    path = checkpoints["llama"]
+    params = SamplingParams(temperature=0.0, max_tokens=8, structured_output=StructuredOutput.regex("[a-c]{2,6}"))
+    prompts = _prompts(203)
+    one = EngineCore.from_config(_config(path))
+    expected: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    for i, ids in enumerate(prompts):
+        one.add_request(f"r{i}", ids, params)
+    while one.has_unfinished():
+        for o in one.step():
+            expected[o.request_id] += o.new_token_ids
+
+    async def main() -> dict[str, list[int]]:
+        got: dict[str, list[int]] = {}
+        async with open_engine(_config(path, tensor_parallel_size=2)) as engine:
+
+            async def run(i: int, ids: list[int]) -> None:
+                got[f"r{i}"] = [t async for o in engine.generate(ids, params, request_id=f"r{i}") for t in o.new_token_ids]
+
+            async with trio.open_nursery() as nursery:
+                for i, ids in enumerate(prompts):
+                    nursery.start_soon(run, i, ids)
+        return got
+
+    assert trio.run(main) == expected
+    for tokens in expected.values():
+        assert re.fullmatch("[a-c]{2,6}", one.tokenizer.decode(tokens, skip_special_tokens=True))
 
 
 def test_serve_tensor_parallel_and_sigkill_leaves_no_rank(checkpoints, tmp_path):

@@ -13,7 +13,7 @@ from trioserve.engine.structured_output import StructuredOutput
 from trioserve.testing.tiny_model import tokenizer
 from trioserve.web.errors import ApiError
 from trioserve.web.protocol import ChatCompletionRequest, CompletionRequest
-from trioserve.web.tools import StreamedCalls, ToolChoice, parse_tool_calls, render_prompt, tool_choice
+from trioserve.web.tools import ToolChoice, parse_tool_calls, render_prompt, tool_choice
 
 WEATHER = {
     "type": "function",
@@ -145,24 +145,6 @@ def test_required_and_named_outputs_parse_as_one_call():
     assert calls[0]["function"] == {"name": "get_time", "arguments": "{}"}
     _, calls = parse_tool_calls('{"city": "Rome"}', _tools(name="get_weather"))
     assert calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
-
-
-def test_streamed_text_is_held_back_only_where_a_call_may_start():
-    stream = StreamedCalls(_tools())
-    assert stream.feed("Hello") == "Hello"
-    assert stream.feed(" there <tool") == " there "
-    assert stream.feed('_call>{"name": "get_time", ') == ""
-    assert stream.feed('"arguments": {}}</tool_call>') == ""
-    rest, calls = stream.finish()
-    assert rest == "" and calls[0]["function"]["name"] == "get_time"
-    plain = StreamedCalls(_tools())
-    assert plain.feed("a <") == "a "
-    assert plain.feed("b") == "<b"
-    assert plain.finish() == ("", [])
-    named = StreamedCalls(_tools(name="get_weather"))
-    assert named.feed('{"city": ') == ""
-    named.feed('"Lima"}')
-    assert named.finish()[1][0]["function"]["arguments"] == '{"city": "Lima"}'
 
 
 def test_tool_choice_none_offers_no_tools():

@@ -24,7 +24,8 @@ import attrs
 from trioserve.engine.sequence import FinishReason
 
 from .logprobs import TokenTexts, chat_logprobs, completion_logprobs
-from .tools import StreamedCalls, ToolChoice, parse_tool_calls
+from .tool_stream import StreamedCalls
+from .tools import ToolChoice, parse_tool_calls
 
 if TYPE_CHECKING:
     from trioserve.engine.outputs import RequestOutput
@@ -209,24 +210,21 @@ class ChatCompletionStream:
         return chunks
 
     def _tool_chunks(self, output: RequestOutput, logprobs: Any) -> list[dict[str, Any]]:
-        # Text that may be a tool call is held back; the calls go out in one
-        # delta each when the choice ends (index, id, name and arguments).
+        # A call's first delta (index, id, type, name) goes once its name is
+        # known, then its arguments as they come (web/tool_stream.py).
         assert self.tools is not None
         calls_state = self._calls.setdefault(output.index, StreamedCalls(self.tools))
-        text = calls_state.feed(output.text_delta)
-        calls: list[dict[str, Any]] = []
+        piece = calls_state.feed(output.text_delta)
         if output.finish_reason is not None:
-            rest, calls = calls_state.finish()
-            text += rest
+            piece += calls_state.finish()
         chunks = []
-        if text or logprobs is not None:
-            chunks.append(self._chunk([self._choice(output.index, {"content": text}, logprobs)]))
-        if calls:
-            delta = {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
-            chunks.append(self._chunk([self._choice(output.index, delta)]))
+        if piece.content or logprobs is not None:
+            chunks.append(self._chunk([self._choice(output.index, {"content": piece.content}, logprobs)]))
+        if piece.tool_calls:
+            chunks.append(self._chunk([self._choice(output.index, {"tool_calls": list(piece.tool_calls)})]))
         if output.finish_reason is not None:
             final = self._choice(output.index, {}, None, output)
-            if calls and output.finish_reason is FinishReason.STOP:
+            if calls_state.num_calls and output.finish_reason is FinishReason.STOP:
                 final["finish_reason"] = "tool_calls"
             chunks.append(self._chunk([final]))
         return chunks

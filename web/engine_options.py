@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from trioserve.engine.config import DegradationPolicy, EngineConfig
+from trioserve.engine.config import DEFAULT_GRAMMAR_CACHE_SIZE, DegradationPolicy, EngineConfig
 from trioserve.engine.placement import plan_replicas
 
 from .option_types import count, fraction_or_off, parse_memory, recording, seconds
@@ -75,6 +75,7 @@ def add_engine_options(parser: argparse.ArgumentParser, *, several_models: bool 
     )
     actions += add_tensor_parallel_options(parser)
     actions += add_speculative_options(parser)
+    actions += add_structured_output_options(parser)
     return actions
 
 
@@ -148,6 +149,26 @@ def speculative_fields(args: argparse.Namespace) -> dict:
     )
 
 
+def add_structured_output_options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """Structured output and tool calling (engine/grammar.py). Returns the options added."""
+    group = parser.add_argument_group("structured output")
+    actions: list[argparse.Action] = []
+    add = recording(group, actions)
+    add(
+        "--grammar-cache-size",
+        type=count,
+        default=DEFAULT_GRAMMAR_CACHE_SIZE,
+        help="compiled grammars (JSON schemas, regexes, grammars, tool schemas) kept for reuse, least recently "
+        f"used evicted first; a request whose grammar was evicted compiles it again (default: {DEFAULT_GRAMMAR_CACHE_SIZE})",
+    )
+    return actions
+
+
+def structured_output_fields(args: argparse.Namespace) -> dict:
+    """The ``EngineConfig`` fields that ``add_structured_output_options`` set."""
+    return dict(grammar_cache_size=args.grammar_cache_size)
+
+
 def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConfig:
     """The ``EngineConfig`` that ``add_engine_options``'s values describe;
     ``overrides`` replace fields or set others."""
@@ -168,6 +189,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConf
         **speculative_fields(args),
         quantization=args.quantization,
         quantization_group_size=args.quantization_group_size,
+        **structured_output_fields(args),
     )
     fields.update(overrides)
     config = EngineConfig(**fields)

@@ -9,6 +9,7 @@ The model calls a tool by writing ``<tool_call>{"name": ..., "arguments":
 ...}</tool_call>``. With ``tool_choice: "required"`` the output is
 constrained to one ``{"name", "arguments"}`` object of a listed tool, and
 with a named function to that function's arguments, so both always parse.
+A streamed response reads the calls as they are generated: web/tool_stream.py.
 """
 
 from __future__ import annotations
@@ -230,40 +231,3 @@ def parse_tool_calls(text: str, tools: ToolChoice) -> tuple[str | None, list[dic
         return text or None, []
     content = text[: text.find(OPEN_TAG)].strip()
     return content or None, calls
-
-
-@attrs.define
-class StreamedCalls:
-    """One streamed choice's text, held back from ``delta.content`` once it
-    may be a tool call; ``finish`` parses what was held."""
-
-    tools: ToolChoice
-    _text: list[str] = attrs.field(factory=list)
-    _sent: int = 0
-
-    def feed(self, delta: str) -> str:
-        """The part of the text so far that can go out as content now."""
-        self._text.append(delta)
-        if self.tools.mode != "auto":
-            return ""
-        text = "".join(self._text)
-        start = text.find(OPEN_TAG)
-        if start < 0:
-            # Hold back a tail that could be the start of the tag.
-            start = len(text)
-            for size in range(min(len(OPEN_TAG) - 1, len(text)), 0, -1):
-                if OPEN_TAG.startswith(text[-size:]):
-                    start = len(text) - size
-                    break
-        out = text[self._sent : max(start, self._sent)]
-        self._sent = max(start, self._sent)
-        return out
-
-    def finish(self) -> tuple[str, list[dict[str, Any]]]:
-        """The content not sent yet, and the calls."""
-        text = "".join(self._text)
-        content, calls = parse_tool_calls(text, self.tools)
-        if not calls:
-            return text[self._sent :], []
-        rest = (content or "")[self._sent :] if self.tools.mode == "auto" else ""
-        return rest, calls
