@@ -37,7 +37,7 @@ import time
 def _child(quantization: str, tokens: int, profile: bool) -> dict:
     import torch
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(int(os.environ.get("TRIOSERVE_BENCH_THREADS", "2")))
     from trioserve.engine.attention import AttentionMetadata
     from trioserve.engine.config import EngineConfig
     from trioserve.engine.engine_core import EngineCore
@@ -67,8 +67,9 @@ def _child(quantization: str, tokens: int, profile: bool) -> dict:
     core.schedule = timed("schedule", core.schedule)
     core.process_output = timed("process_output", core.process_output)
     runner = core.runner
-    runner.forward = timed("forward", runner.forward)
-    runner.sampler.sample = timed("sample", runner.sampler.sample)
+    # Slotted attrs classes: wrapped on the class (this process only).
+    type(runner).forward = timed("forward", type(runner).forward)
+    type(runner.sampler).sample = timed("sample", type(runner.sampler).sample)
     model.lm_logits = timed("lm_head", model.lm_logits)
     model.embed = timed("embed", model.embed)
     model.rotary.cos_sin = timed("rotary_table", model.rotary.cos_sin)
@@ -162,12 +163,15 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64, help="decode steps measured per run")
     parser.add_argument("--profile", action="store_true", help="add torch.profiler's op table (one round)")
     parser.add_argument("--top", type=int, default=14, help="ops shown per profile")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         q, tokens, profile = args.child
         print(json.dumps(_child(q, int(tokens), profile == "1")))
         return
+    # The children read it (a loaded machine stalls 2-thread OpenMP regions: 1 avoids that).
+    os.environ["TRIOSERVE_BENCH_THREADS"] = str(args.threads)
     trees = [("current", None)] + [tuple(c.split("=", 1)) for c in args.code]
     results: dict[tuple[str, str], list[dict]] = {}
     for round_ in range(args.rounds):
@@ -182,6 +186,7 @@ def main() -> None:
                 if out.returncode:
                     sys.exit(f"{label} {q} failed:\n{out.stderr[-3000:]}")
                 results.setdefault((label, q), []).append(json.loads(out.stdout.strip().splitlines()[-1]))
+                print(label, q, out.stdout.strip().splitlines()[-1], file=sys.stderr, flush=True)
     keys = list(results)
     names = ["step", "schedule", "forward", "batch_tensors", "attention_plan", "embed", "rotary_table", "layers",
              "lm_head", "sample", "process_output", "rest"]

@@ -11,8 +11,8 @@ on one thread with 2 torch threads:
   decodes, and the output tokens per second that gives;
 - resident memory after loading, and at the end.
 
-``auto-compressed`` is ``auto`` without the dense many-rows kernels
-(``choose.LARGE_ROW_KERNELS``): compressed weights only.
+``--threads 1`` where the machine is busy: a 2-thread OpenMP region waits
+for a descheduled thread (several ms per matmul under load).
 
     .venv/bin/python scripts/quant_decode.py --rounds 2
     .venv/bin/python scripts/quant_decode.py --quantization none auto --streams 32 --tokens 64
@@ -36,17 +36,13 @@ def _rss_mib() -> float:
 def _child(quantization: str, tokens: int, streams: int) -> dict:
     import torch
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(int(os.environ.get("TRIOSERVE_BENCH_THREADS", "2")))
     from trioserve.engine.config import EngineConfig
     from trioserve.engine.engine_core import EngineCore
     from trioserve.engine.loader import load_model
-    from trioserve.engine.quant import choose
     from trioserve.engine.sampling_params import SamplingParams
 
     q = quantization
-    if q == "auto-compressed":
-        choose.LARGE_ROW_KERNELS = ()  # this process only: "auto" among the compressed kernels
-        q = "auto"
     start = time.perf_counter()
     loaded = load_model(None, quantization=q)
     load_s = time.perf_counter() - start
@@ -97,17 +93,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument(
-        "--quantization", nargs="+", default=["none", "auto", "auto-compressed", "int8", "int4"],
-        help="values of --quantization, and auto-compressed (see above)",
+        "--quantization", nargs="+", default=["none", "auto", "int8", "int4"],
+        help="values of --quantization to compare",
     )
     parser.add_argument("--tokens", type=int, default=64, help="greedy tokens per stream")
     parser.add_argument("--streams", type=int, default=32, help="streams of the batched measurement (1: skip it)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         q, tokens, streams = args.child
         print(json.dumps(_child(q, int(tokens), int(streams))))
         return
+    # The children read it (a loaded machine stalls 2-thread OpenMP regions: 1 avoids that).
+    os.environ["TRIOSERVE_BENCH_THREADS"] = str(args.threads)
     results: dict[str, list[dict]] = {q: [] for q in args.quantization}
     for _ in range(args.rounds):
         for q in args.quantization:

@@ -109,10 +109,8 @@ def test_every_kernel_that_runs_here_matches_the_dequantized_weights(cpu_paths):
         # fbgemm rounds activations to 7 bits, the bfloat16 kernels to 8.
         assert (got - want).abs().max() <= 0.02 * want.abs().max(), kernel.name
     picked = choose.choose_kernel(cpu_paths, "auto", [(48, 64), (64, 32)])
-    large_only = [k for k in choose.LARGE_ROW_KERNELS if cpu_paths.available(k.name)]
-    assert (picked.small or picked.kernel) in usable
-    assert picked.kernel in usable + large_only
-    assert all(name in {k.name for k in usable + large_only} for name, _ in picked.timings)
+    assert picked.kernel in usable
+    assert all(name in {k.name for k in usable} for name, _ in picked.timings)
 
 
 def test_a_quantization_no_kernel_runs_is_refused_with_what_the_machine_runs():
@@ -189,60 +187,3 @@ def test_a_row_split_sends_each_call_to_its_kernel_by_rows(cpu_paths):
         x = torch.randn(rows, 64, generator=gen)
         assert torch.equal(split(x), want(x))
     assert choice.label == f"int{small.bits}+int{large.bits}"
-
-
-@pytest.mark.cpu_paths
-def test_a_dense_kernel_takes_only_the_many_rows_side_of_a_split(cpu_paths):
-    """The bfloat16 copy on oneDNN (where this CPU runs it: not under the
-    forced-AVX2 pass) matches the weights it expands, and the chooser never
-    makes it a model's only kernel, whatever the timings say."""
-    gen = torch.Generator().manual_seed(1)
-    w, x = torch.randn(48, 64, generator=gen), torch.randn(3, 64, generator=gen)
-    held = rtn.quantize_int4(w, 32)
-    for kernel in choose.LARGE_ROW_KERNELS:
-        if not cpu_paths.available(kernel.name):
-            continue
-        want = F.linear(x, held.dequantize())
-        got = kernel.make(held, None, 32)(x)
-        assert (got - want).abs().max() <= 0.02 * want.abs().max(), kernel.name
-    slow = {k.name: (1.0, 1.0, 1.0, 9.0) for k in choose.KERNELS}
-    fast = {k.name: (5.0, 1.0, 1.0, 1.0) for k in choose.LARGE_ROW_KERNELS}
-    original = choose.measure
-    try:
-        choose.measure = lambda kernels, *args, **kw: {k.name: {**slow, **fast}[k.name] for k in kernels}
-        picked = choose.choose_kernel(cpu_paths, "auto", [(48, 64)])
-        only_int8 = choose.choose_kernel(cpu_paths, "int8", [(48, 64)])
-    finally:
-        choose.measure = original
-    dense = [k for k in choose.LARGE_ROW_KERNELS if cpu_paths.available(k.name)]
-    if dense:  # the dense kernel wins at 32 rows only: it takes rows past 1
-        assert picked.kernel in dense and picked.small.bits < 16 and picked.max_small_rows == 1
-    else:
-        assert picked.kernel.bits < 16 and (picked.small is None or picked.small.bits < 16)
-    assert only_int8.small is None and only_int8.kernel.bits == 8
-
-
-@pytest.mark.cpu_paths
-def test_compressed_projections_add_the_bare_products_to_the_same_bits(cpu_paths):
-    """o_add and mlp_add on the kernels' bfloat16 products are bit for bit
-    what converting each product to float32 first gives, for every kernel
-    and a row split of two; a linear with a bias keeps the converting path."""
-    from trioserve.engine.quant.projections import QuantizedProjections
-
-    usable = [k for k in (*choose.KERNELS, *choose.LARGE_ROW_KERNELS) if cpu_paths.available(k.name)]
-    gen = torch.Generator().manual_seed(2)
-    weights = {name: torch.randn(shape, generator=gen) for name, shape in
-               {"qkv": (96, 64), "o": (64, 64), "gate_up": (192, 64), "down": (64, 96)}.items()}
-    makers = [lambda w, b, k=k: k.make(w, b, 32) for k in usable]
-    makers.append(lambda w, b: choose.KernelChoice(usable[0], "auto", 32, (), small=usable[-1], max_small_rows=2).make(w, b))
-    for make in makers:
-        linears = {n: make(w, None) for n, w in weights.items()}
-        proj = QuantizedProjections(linears["qkv"], linears["o"], linears["gate_up"], linears["down"])
-        assert proj.bare
-        for rows in (1, 5):
-            x, attn, residual = (torch.randn(rows, 64, generator=gen) for _ in range(3))
-            assert torch.equal(proj.o_add(attn, residual), linears["o"](attn).add_(residual))
-            gate, up = linears["gate_up"](x).chunk(2, dim=-1)
-            assert torch.equal(proj.mlp_add(x, residual), linears["down"](F.silu(gate).mul_(up)).add_(residual))
-    biased = make(weights["o"], torch.randn(64, generator=gen))
-    assert not QuantizedProjections(linears["qkv"], biased, linears["gate_up"], linears["down"]).bare

@@ -19,7 +19,7 @@ import torch
 
 from ..capability import CpuPaths
 from ..errors import CpuCapabilityError
-from . import dense_bf16, int4_pack, int8_pack
+from . import int4_pack, int8_pack
 from .row_split import RowSplitLinear
 from .rtn import Int4Weight, Int8Weight, quantize_int4, quantize_int8
 
@@ -46,9 +46,7 @@ class Kernel:
         """The linear for ``weight``: taken as it is when in this kernel's
         format, else requantized into it (one more rounding)."""
         want = Int4Weight if self.bits == 4 else Int8Weight
-        if self.bits == 16:
-            pass  # a dense kernel expands whatever it is given
-        elif not isinstance(weight, want):
+        if not isinstance(weight, want):
             dense = weight if isinstance(weight, torch.Tensor) else weight.dequantize()
             weight = quantize_int4(dense, group_size) if self.bits == 4 else quantize_int8(dense)
         return self.build(weight, bias)
@@ -75,19 +73,6 @@ KERNELS: tuple[Kernel, ...] = (
 )
 
 
-# Kernels that take only the many-rows side of an "auto" row split, where
-# they beat every compressed kernel at the most rows measured: not
-# compression (dense_bf16.py), so never the only kernel of a model.
-LARGE_ROW_KERNELS: tuple[Kernel, ...] = (
-    Kernel(
-        "onednn_packed_bfloat16",
-        16,
-        "bfloat16 copy on oneDNN",
-        dense_bf16.DenseBf16Linear.from_weight,
-    ),
-)
-
-
 @attrs.frozen
 class KernelChoice:
     """The kernel a model runs and why: ``timings`` holds each candidate's
@@ -104,12 +89,9 @@ class KernelChoice:
     @property
     def label(self) -> str:
         """The formats the weights are held in, e.g. ``int8`` or ``int4+int8``."""
-        def name(kernel: Kernel) -> str:
-            return "bf16" if kernel.bits == 16 else f"int{kernel.bits}"
-
         if self.small is None:
-            return name(self.kernel)
-        return f"{name(self.small)}+{name(self.kernel)}"
+            return f"int{self.kernel.bits}"
+        return f"int{self.small.bits}+int{self.kernel.bits}"
 
     def make(self, weight: torch.Tensor | Int8Weight | Int4Weight, bias: torch.Tensor | None) -> Linear:
         """The linear for ``weight`` on this choice's kernel(s)."""
@@ -174,39 +156,24 @@ def measure(
 
 
 def choose_kernel(
-    cpu_paths: CpuPaths,
-    scheme: str,
-    shapes: Sequence[tuple[int, int]],
-    group_size: int = 32,
-    *,
-    large_row_kernels: bool = True,
+    cpu_paths: CpuPaths, scheme: str, shapes: Sequence[tuple[int, int]], group_size: int = 32
 ) -> KernelChoice:
     """The fastest kernel here for ``scheme`` over one layer's ``shapes``
-    (``[(out, in), ...]``); a lone candidate is taken without timing.
-    ``large_row_kernels``: "auto" may also time ``LARGE_ROW_KERNELS`` for
-    the many-rows side of a split."""
+    (``[(out, in), ...]``); a lone candidate is taken without timing."""
     fits = candidates(cpu_paths, scheme)
     if scheme == "auto" and any(k % group_size for _, k in shapes):
         # Groups that do not tile the inputs: only the per-channel kernels fit.
         fits = [k for k in fits if k.bits == 8] or fits
-    large_only: list[Kernel] = []
-    if scheme == "auto" and large_row_kernels:
-        large_only = [k for k in LARGE_ROW_KERNELS if _available(cpu_paths, k.name)]
-    timed = fits + large_only
-    timings = measure(timed, shapes, group_size) if len(timed) > 1 else {}
+    timings = measure(fits, shapes, group_size) if len(fits) > 1 else {}
     best = min(fits, key=lambda k: sum(timings.get(k.name, ())))
     choice = KernelChoice(best, scheme, group_size, tuple(timings.items()))
     if scheme != "auto" or not timings:
         return choice
-    # "auto" may hold the weights twice: the fastest compressed kernel at one
-    # row for the rows where it wins, the fastest at the most rows above that.
-    small = min(fits, key=lambda k: timings[k.name][0])
-    large = min(timed, key=lambda k: timings[k.name][-1])
+    # "auto" may hold the weights twice: the fastest kernel at one row for
+    # the rows where it wins, the fastest at the most rows above that.
+    by_rows = {rows: min(fits, key=lambda k: timings[k.name][i]) for i, rows in enumerate(MEASURE_ROWS)}
+    small, large = by_rows[MEASURE_ROWS[0]], by_rows[MEASURE_ROWS[-1]]
     if small is large:
         return attrs.evolve(choice, kernel=large)
     wins = [r for i, r in enumerate(MEASURE_ROWS) if timings[small.name][i] < timings[large.name][i]]
     return attrs.evolve(choice, kernel=large, small=small, max_small_rows=max(wins))
-
-
-def _available(cpu_paths: CpuPaths, name: str) -> bool:
-    return name in {p.name for p in cpu_paths.paths} and cpu_paths.available(name)

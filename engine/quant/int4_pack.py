@@ -48,12 +48,9 @@ class Int4PackLinear:
     def nbytes(self) -> int:
         return self.packed.numel() + self.scales_and_zeros.nbytes
 
-    def mm(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W.T`` without the bias, in ``act_dtype`` (no conversion back)."""
-        return torch._weight_int4pack_mm_for_cpu(x.to(self.act_dtype), self.packed, self.group_size, self.scales_and_zeros)
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.mm(x).to(x.dtype)
+        x_in = x.to(self.act_dtype)
+        y = torch._weight_int4pack_mm_for_cpu(x_in, self.packed, self.group_size, self.scales_and_zeros).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
 

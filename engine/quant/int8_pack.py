@@ -37,12 +37,8 @@ class Int8PackLinear:
     def nbytes(self) -> int:
         return self.q.numel() + self.scale.nbytes
 
-    def mm(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W.T`` without the bias, in ``act_dtype`` (no conversion back)."""
-        return torch._weight_int8pack_mm(x.to(self.act_dtype), self.q, self.scale)
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.mm(x).to(x.dtype)
+        y = torch._weight_int8pack_mm(x.to(self.act_dtype), self.q, self.scale).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
 

@@ -21,9 +21,8 @@ from ..config import ModelConfig
 from ..errors import CpuCapabilityError, ModelLoadError
 from ..model import LlamaForCausalLM, ProjectionChoice
 from . import gguf_weights, int4_pack, rtn_cache
-from .choose import KernelChoice, Linear, candidates, choose_kernel
+from .choose import Kernel, KernelChoice, choose_kernel
 from .projections import QuantizedProjections
-from .row_split import RowSplitLinear
 from .rtn import Int4Weight, Int8Weight, check_group_size
 
 logger = logging.getLogger(__name__)
@@ -136,19 +135,19 @@ def build_quantized(
     if model.required_weight_names() - loaded:
         raise ModelLoadError(f"{source}: missing weights {sorted(model.required_weight_names() - loaded)[:8]}")
     assert head is not None
-    model.set_quantized([layers[i] for i in range(config.num_hidden_layers)], _head_linear(cpu_paths, choice, head))
+    head_linear = _head_kernel(cpu_paths, choice.kernel).make(head, None, choice.group_size)
+    model.set_quantized([layers[i] for i in range(config.num_hidden_layers)], head_linear)
     return model
 
 
-def _head_linear(cpu_paths: CpuPaths, choice: KernelChoice, head: Tensor) -> Linear:
+def _head_kernel(cpu_paths: CpuPaths, kernel: Kernel) -> Kernel:
     # The LM head is a fifth of the weights a decode step streams; int8 per
-    # channel keeps it close to its float values (a 4-bit head moves logits
-    # more). Where the layers' many-rows side is a dense kernel, the head's is too.
-    int8 = choice.kernel if choice.kernel.bits == 8 else candidates(cpu_paths, "int8")[0]
-    linear = int8.make(head, None, choice.group_size)
-    if choice.kernel.bits == 16:
-        return RowSplitLinear(linear, choice.kernel.make(head, None, choice.group_size), choice.max_small_rows)
-    return linear
+    # channel keeps it close to its float values (a 4-bit head moves logits more).
+    if kernel.bits == 8:
+        return kernel
+    from .choose import candidates
+
+    return candidates(cpu_paths, "int8")[0]
 
 
 def load_gguf_quantized(

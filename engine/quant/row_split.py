@@ -26,7 +26,3 @@ class RowSplitLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.small(x) if x.shape[0] <= self.max_small_rows else self.large(x)
-
-    def mm(self, x: torch.Tensor) -> torch.Tensor:
-        """The chosen kernel's ``mm`` (its product in its own dtype, no bias)."""
-        return (self.small if x.shape[0] <= self.max_small_rows else self.large).mm(x)  # type: ignore[attr-defined]
