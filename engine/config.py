@@ -307,8 +307,8 @@ class EngineConfig:
     # float checkpoints as they are; "int8" / "int4" quantize any checkpoint
     # round-to-nearest (per channel; in groups of quantization_group_size
     # inputs), once, cached; "none" is the dequantized float path, the
-    # default until the compressed one measures faster in the engine as well
-    # as in the kernels (docs/benchmarks.md, "Compressed weights").
+    # default: compressed is 3-5x faster for one stream but 1.5-1.8x slower
+    # at 32 (docs/benchmarks.md, "A lean decode step for one stream").
     quantization: str = attrs.field(default="none", validator=attrs.validators.in_(("auto", "none", "int8", "int4")))
     quantization_group_size: int = attrs.field(default=32, validator=positive)
     # Structured output (engine/grammar.py): compiled grammars kept, least

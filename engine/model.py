@@ -185,6 +185,7 @@ class DecoderLayer(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = hd
         self.eps = config.rms_norm_eps
+        self.norm_shape = (hidden,)
         self.scale = hd**-0.5
         qkv_out = (self.num_heads + 2 * self.num_kv_heads) * hd
         self.input_layernorm = _param(hidden, dtype=dtype, device=device)
@@ -214,18 +215,19 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """Return the residual stream after this layer's attention and MLP
         blocks; ``projections`` is ``self.projections(...)``."""
-        x = F.rms_norm(residual, (residual.shape[-1],), self.input_layernorm, self.eps)
+        norm_shape, eps, heads, head_dim = self.norm_shape, self.eps, self.num_heads, self.head_dim
+        x = F.rms_norm(residual, norm_shape, self.input_layernorm, eps)
         qkv = projections.qkv(x)
         tokens = qkv.shape[0]
-        q_and_k = self.num_heads + self.num_kv_heads
+        q_and_k = heads + self.num_kv_heads
         # Rotate q and k together: one rotary op per layer.
-        qk = apply_rotary(qkv[:, : q_and_k * self.head_dim].view(tokens, q_and_k, self.head_dim), cos, sin)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = qkv[:, q_and_k * self.head_dim :].view(tokens, self.num_kv_heads, self.head_dim)
+        qk = apply_rotary(qkv[:, : q_and_k * head_dim].view(tokens, q_and_k, head_dim), cos, sin)
+        q, k = qk[:, :heads], qk[:, heads:]
+        v = qkv[:, q_and_k * head_dim :].view(tokens, self.num_kv_heads, head_dim)
         write_kv(k, v, key_cache, value_cache, slot_mapping)
         attn = paged_attention(q, k, v, key_cache, value_cache, meta, scale=self.scale)
         residual = projections.o_add(attn, residual)
-        x = F.rms_norm(residual, (residual.shape[-1],), self.post_attention_layernorm, self.eps)
+        x = F.rms_norm(residual, norm_shape, self.post_attention_layernorm, eps)
         return projections.mlp_add(x, residual)
 
     def projections(self, pack: bool) -> Projections:
@@ -325,10 +327,13 @@ class LlamaForCausalLM(nn.Module):
         meta = AttentionMetadata.build(batch, kv_cache)
         cos, sin = self.rotary.cos_sin(batch.positions)
         hidden = self.embed(batch.input_ids)
-        for i, layer in enumerate(self.layers):
-            hidden = layer(
-                hidden, made.layers[i], cos, sin, kv_cache.key[i], kv_cache.value[i], batch.slot_mapping, meta
-            )
+        # ``forward`` directly, not through nn.Module's call (hook checks),
+        # and each layer's pools from one unbind: a one-stream decode step
+        # is bound by such per-layer overheads (docs/benchmarks.md, "A lean
+        # decode step").
+        slots = batch.slot_mapping
+        for layer, projections, keys, values in zip(self.layers, made.layers, kv_cache.key, kv_cache.value):
+            hidden = layer.forward(hidden, projections, cos, sin, keys, values, slots, meta)
         hidden = hidden.index_select(0, batch.logits_indices)
         hidden = F.rms_norm(hidden, (hidden.shape[-1],), self.norm, self.config.rms_norm_eps)
         return self.lm_logits(hidden, made)

@@ -3,11 +3,12 @@ tests/data/quality_text.txt, the largest logit difference from the float32
 path (which dequantizes the same GGUF exactly), and greedy agreement over
 4 x 64 tokens (teacher-forced on float32's continuation, and free-running).
 
-    .venv/bin/python scripts/quant_quality.py
+    .venv/bin/python scripts/quant_quality.py [--quantization int8 int4 auto]
 """
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import torch
@@ -25,14 +26,18 @@ PROMPTS = (
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quantization", nargs="+", default=["int8", "int4"], help="compressed paths to compare")
+    args = parser.parse_args()
     torch.set_num_threads(2)
-    models = {q: load_model(None, quantization=q) for q in ("none", "int8", "int4")}
-    ids = models["none"].tokenizer(TEXT.read_text())["input_ids"]
-    ref = prompt_logits(models["none"].model, ids)
-    ref_greedy = {p: greedy_tokens(models["none"].model, models["none"].tokenizer(p)["input_ids"], 64) for p in PROMPTS}
+    reference = load_model(None, quantization="none")
+    ids = reference.tokenizer(TEXT.read_text())["input_ids"]
+    ref = prompt_logits(reference.model, ids)
+    ref_greedy = {p: greedy_tokens(reference.model, reference.tokenizer(p)["input_ids"], 64) for p in PROMPTS}
+    del reference  # one model at a time
     print(f"{len(ids)} tokens; float32 perplexity {perplexity(ref, ids):.4f}")
-    for q in ("int8", "int4"):
-        loaded = models[q]
+    for q in args.quantization:
+        loaded = load_model(None, quantization=q)
         logits = prompt_logits(loaded.model, ids)
         ppl = perplexity(logits, ids)
         free = forced = 0
