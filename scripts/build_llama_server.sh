@@ -68,6 +68,8 @@ if [ "$(cat "$src/.extracted-from" 2>/dev/null)" != "$sum" ]; then
     echo "extracting $top/vendor/llama.cpp into $src"
     find "$src" -mindepth 1 -delete
     nice -n "$niceness" tar xzf "$sdist" -C "$src" --strip-components=3 "$top/vendor/llama.cpp"
+    # A submodule's .git file pointing into llama-cpp-python's missing .git: git would only complain.
+    [ -f "$src/.git" ] && rm "$src/.git"
     # The sdist has no .git: the llama.cpp commit is in llama-cpp-python's changelog.
     tar xzOf "$sdist" "$top/CHANGELOG.md" \
         | awk -v v="${top#llama_cpp_python-}" '$0 == "## [" v "]" {on=1; next} /^## \[/ {on=0}

@@ -100,14 +100,14 @@ def _fake_proc(root: Path, pid: int, ppid: int, name: str, rss_kb: int, hwm_kb: 
 def test_memory_of_a_process_tree(tmp_path):
     _fake_proc(tmp_path, 10, 1, "trioserve", 1000, 1500)
     _fake_proc(tmp_path, 11, 10, "a (b) c", 200, 300)  # a name with spaces and parentheses
-    _fake_proc(tmp_path, 12, 11, "grandchild", 50, 60)
+    _fake_proc(tmp_path, 12, 11, "grandchild", 150, 160)
     _fake_proc(tmp_path, 13, 1, "someone else", 7000, 7000)
     (tmp_path / "self").mkdir()
     assert sorted(process_tree(10, tmp_path)) == [10, 11, 12]
     memory = tree_memory(10, tmp_path)
-    assert (memory.rss, memory.hwm, memory.processes) == (1250 * 1024, 1860 * 1024, 3)
-    assert (memory.rss_anon, memory.rss_file) == (950 * 1024, 300 * 1024)
-    assert tree_memory(11, tmp_path).rss == 250 * 1024
+    assert (memory.rss, memory.hwm, memory.processes) == (1350 * 1024, 1960 * 1024, 3)
+    assert (memory.rss_anon, memory.rss_file) == (1050 * 1024, 300 * 1024)
+    assert tree_memory(11, tmp_path).rss == 350 * 1024
     with pytest.raises(ProcessLookupError):
         tree_memory(99, tmp_path)
 
