@@ -358,7 +358,7 @@ def plot_comparison(document: Mapping, path: str | Path) -> Path:
         (tpot, [_figure(s, low, "median_tpot_ms") for s in servers], f"TPOT p50 at concurrency {low}",
          "ms per output token (lower is better)", "{:.1f}"),
         (throughput, [_figure(s, high, "output_throughput") for s in servers], f"Output throughput at concurrency {high}",
-         "tokens/s (higher is better)", "{:.0f}"),
+         "tokens/s (higher is better)", "{:.1f}"),
     )  # fmt: skip
     for ax, values, title, ylabel, fmt in panels:
         heights = [0.0 if v is None else v for v in values]
