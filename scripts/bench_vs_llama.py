@@ -81,6 +81,17 @@ def _concurrencies(text: str) -> list[int]:
     return values
 
 
+def _counts(text: str) -> list[int]:
+    """Positive integers in the order given: ``4,32``."""
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers like 4,32, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1 like 4,32, got {text!r}")
+    return values
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -107,8 +118,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       help="bench serve --max-concurrency values; the highest is both servers' slot count")
     load.add_argument("--input-len", type=_positive_int, default=128)
     load.add_argument("--output-len", type=_positive_int, default=128)
-    load.add_argument("--num-prompts", type=_positive_int, default=None,
-                      help="timed requests per concurrency (default: max(16, 2 x concurrency))")
+    load.add_argument("--num-prompts", type=_counts, default=None, metavar="N[,N...]",
+                      help="timed requests per concurrency: one value for all, or one per --concurrency value "
+                           "(default: max(16, 2 x concurrency))")
     load.add_argument("--num-warmups", type=int, default=2, help="untimed requests before each timed run")
     load.add_argument("--memory-after", type=_positive_int, default=500,
                       help="requests a server has served (all runs included) when its memory is read")
@@ -129,6 +141,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(str(exc))
     if args.num_warmups < 0:
         p.error("--num-warmups must be >= 0")
+    if args.num_prompts and len(args.num_prompts) not in (1, len(args.concurrency)):
+        p.error(f"--num-prompts takes one value or one per --concurrency value ({len(args.concurrency)})")
     return args
 
 
@@ -168,6 +182,14 @@ def _stop_session(proc: subprocess.Popen) -> None:
     # Children that outlived the leader are still in its process group.
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _prompts_at(num_prompts: list[int] | None, index: int, concurrency: int) -> int:
+    """The timed requests of the ``index``-th concurrency: ``--num-prompts``'
+    value for it (or its only value), else max(16, 2 x concurrency)."""
+    if not num_prompts:
+        return max(16, 2 * concurrency)
+    return num_prompts[index] if len(num_prompts) > 1 else num_prompts[0]
 
 
 def bench(url: str, model: Path, out: Path, *, concurrency: int, num_prompts: int, warmups: int, input_len: int,
@@ -230,8 +252,8 @@ def measure(contender: Contender, args: argparse.Namespace, layout: Layout, mode
                   f"with {counted['usage_completion_tokens']} (usage) / {counted['logprob_tokens']} (logprobs)",
                   file=sys.stderr, flush=True)  # fmt: skip
         served = 1
-        for concurrency in args.concurrency:
-            prompts = args.num_prompts or max(16, 2 * concurrency)
+        for index, concurrency in enumerate(args.concurrency):
+            prompts = _prompts_at(args.num_prompts, index, concurrency)
             run = bench(url, model, args.out / f"{contender.slug}-c{concurrency}.json", concurrency=concurrency,
                         num_prompts=prompts, warmups=args.num_warmups, input_len=args.input_len,
                         output_len=args.output_len, seed=args.seed + concurrency)  # fmt: skip

@@ -207,6 +207,19 @@ def test_the_script_refuses_unknown_configurations(capsys):
     assert "unknown fp8" in capsys.readouterr().err
 
 
+def test_num_prompts_is_one_value_or_one_per_concurrency(capsys):
+    script = load_script()
+    args = script.parse_args(["--concurrency", "1,32", "--num-prompts", "4,32"])
+    assert [script._prompts_at(args.num_prompts, i, c) for i, c in enumerate(args.concurrency)] == [4, 32]
+    args = script.parse_args(["--concurrency", "1,32", "--num-prompts", "8"])
+    assert [script._prompts_at(args.num_prompts, i, c) for i, c in enumerate(args.concurrency)] == [8, 8]
+    args = script.parse_args(["--concurrency", "1,32"])
+    assert [script._prompts_at(args.num_prompts, i, c) for i, c in enumerate(args.concurrency)] == [16, 64]
+    with pytest.raises(SystemExit):
+        script.parse_args(["--concurrency", "1,32", "--num-prompts", "4,8,16"])
+    assert "one per --concurrency value (2)" in capsys.readouterr().err
+
+
 def test_plot_needs_a_finished_server(tmp_path):
     failed = {"info": DOCUMENT["info"], "servers": [DOCUMENT["servers"][2]]}
     with pytest.raises(ValueError, match="nothing to plot"):
