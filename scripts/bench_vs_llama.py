@@ -1,0 +1,376 @@
+"""trioserve against llama.cpp's llama-server, side by side in one run (issue #13).
+
+    .venv/bin/python scripts/bench_vs_llama.py --llama-server /path/to/llama-server \\
+        --out bench-vs-llama --plot docs/images/vs_llama.png
+
+For each configuration in turn (trioserve with each ``--trioserve-quantization``,
+then llama-server), it starts the server on a free 127.0.0.1 port, on the
+same GGUF file (the default model unless ``--model``), with as many slots as
+the highest concurrency, the same context per slot and the same threads;
+sends one non-streamed request to count the tokens it really produces with
+``ignore_eos``; runs ``trioserve bench serve`` at each ``--concurrency``
+(random prompts of ``--input-len`` tokens, ``--output-len`` out, greedy,
+``ignore_eos``; the same prompts for every server); sends more requests
+until the server has served ``--memory-after`` and reads the resident
+memory of its process tree from /proc; and stops it, also when something
+fails. Only one server runs at a time. It writes ``results.json`` and
+``results.md`` (the tables) into ``--out``, and the plot with ``--plot``.
+``--from-json`` redraws the tables and the plot from an earlier run.
+
+Build llama-server with scripts/build_llama_server.sh. Flags after
+``--trioserve-args=`` / ``--llama-args=`` (one quoted string each) go to
+every trioserve / the llama-server command line unchanged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+from trioserve.bench.process import free_port
+from trioserve.bench.vs_llama import (
+    LLAMA_SERVER,
+    Contender,
+    Layout,
+    format_tables,
+    llama_server_command,
+    logprob_token_count,
+    parse_quantizations,
+    plot_comparison,
+    run_summary,
+    tree_memory,
+    trioserve_command,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent / "trioserve"
+
+
+class ServerFailed(RuntimeError):
+    """A server exited, or did not become ready, or a run against it failed."""
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _concurrencies(text: str) -> list[int]:
+    try:
+        values = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers like 1,32, got {text!r}") from None
+    if not values or values[0] < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1 like 1,32, got {text!r}")
+    return values
+
+
+def _counts(text: str) -> list[int]:
+    """Positive integers in the order given: ``4,32``."""
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers like 4,32, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1 like 4,32, got {text!r}")
+    return values
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    who = p.add_argument_group("servers")
+    who.add_argument("--trioserve-quantization", default="none,int8,int4", metavar="none,int8,int4",
+                     help="trioserve configurations to run, by --quantization (auto, none, int8, int4); "
+                          "'' runs none (default: none,int8,int4)")  # fmt: skip
+    who.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER") or shutil.which("llama-server"),
+                     help="the llama-server binary (default: $LLAMA_SERVER, else llama-server on PATH)")
+    who.add_argument("--no-llama-server", action="store_true", help="run the trioserve configurations only")
+    who.add_argument("--model", default=None, help="GGUF file both serve (default: the default model's)")
+    who.add_argument("--trioserve-args", default="", metavar="'FLAGS'",
+                     help="more flags for every trioserve serve, one string: --trioserve-args='--dtype bfloat16'")
+    who.add_argument("--llama-args", default="", metavar="'FLAGS'",
+                     help="more flags for llama-server, one string: --llama-args='--cache-ram 0'")
+    who.add_argument("--ctx-per-slot", type=_positive_int, default=512,
+                     help="context per sequence: trioserve --max-model-len; llama-server -c is this times the "
+                          "slots (default: 512)")  # fmt: skip
+    who.add_argument("--threads", type=_positive_int, default=2, help="trioserve --num-threads, llama-server -t/-tb")
+    who.add_argument("--ready-timeout", type=float, default=600.0, help="seconds a server may take to start")
+
+    load = p.add_argument_group("workload")
+    load.add_argument("--concurrency", type=_concurrencies, default=[1, 32], metavar="1,32",
+                      help="bench serve --max-concurrency values; the highest is both servers' slot count")
+    load.add_argument("--input-len", type=_positive_int, default=128)
+    load.add_argument("--output-len", type=_positive_int, default=128)
+    load.add_argument("--num-prompts", type=_counts, default=None, metavar="N[,N...]",
+                      help="timed requests per concurrency: one value for all, or one per --concurrency value "
+                           "(default: max(16, 2 x concurrency))")
+    load.add_argument("--num-warmups", type=int, default=2, help="untimed requests before each timed run")
+    load.add_argument("--memory-after", type=_positive_int, default=500,
+                      help="requests a server has served (all runs included) when its memory is read")
+    load.add_argument("--memory-input-len", type=_positive_int, default=128,
+                      help="prompt tokens of the requests sent to reach --memory-after")
+    load.add_argument("--memory-output-len", type=_positive_int, default=16,
+                      help="output tokens of the requests sent to reach --memory-after")
+    load.add_argument("--seed", type=int, default=0, help="prompts (the same for every server)")
+
+    out = p.add_argument_group("output")
+    out.add_argument("--out", type=Path, default=Path("bench-vs-llama"), help="folder for JSON, tables and logs")
+    out.add_argument("--plot", type=Path, default=None, help="write the plot here (PNG; needs the plot extra)")
+    out.add_argument("--from-json", type=Path, default=None, help="only redraw tables and plot from this results.json")
+    args = p.parse_args(argv)
+    try:
+        args.quantizations = parse_quantizations(args.trioserve_quantization)
+    except ValueError as exc:
+        p.error(str(exc))
+    if args.num_warmups < 0:
+        p.error("--num-warmups must be >= 0")
+    if args.num_prompts and len(args.num_prompts) not in (1, len(args.concurrency)):
+        p.error(f"--num-prompts takes one value or one per --concurrency value ({len(args.concurrency)})")
+    return args
+
+
+@contextlib.contextmanager
+def running(command: list[str], url: str, log: Path, ready_timeout: float) -> Iterator[subprocess.Popen]:
+    """Run ``command`` in a session of its own, output in ``log``; yield it
+    once ``url``/health answers 200, and stop the whole session (SIGTERM,
+    then SIGKILL after 30 s) when the block ends, on an error too."""
+    with open(log, "w") as output:
+        print("$", shlex.join(command), flush=True)
+        proc = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + ready_timeout
+            while True:
+                if proc.poll() is not None:
+                    raise ServerFailed(f"{Path(command[0]).name} exited with {proc.returncode}; see {log}")
+                with contextlib.suppress(httpx.TransportError):
+                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                        break
+                if time.monotonic() > deadline:
+                    raise ServerFailed(f"{Path(command[0]).name} not ready after {ready_timeout:g} s; see {log}")
+                time.sleep(0.5)  # a script polling a child process, not a test
+            yield proc
+        finally:
+            _stop_session(proc)
+
+
+def _stop_session(proc: subprocess.Popen) -> None:
+    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)  # the server and anything it started
+        try:
+            proc.wait(timeout=wait)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    # Children that outlived the leader are still in its process group.
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _prompts_at(num_prompts: list[int] | None, index: int, concurrency: int) -> int:
+    """The timed requests of the ``index``-th concurrency: ``--num-prompts``'
+    value for it (or its only value), else max(16, 2 x concurrency)."""
+    if not num_prompts:
+        return max(16, 2 * concurrency)
+    return num_prompts[index] if len(num_prompts) > 1 else num_prompts[0]
+
+
+def bench(url: str, model: Path, out: Path, *, concurrency: int, num_prompts: int, warmups: int, input_len: int,
+          output_len: int, seed: int) -> dict:  # fmt: skip
+    """One ``trioserve bench serve`` run; its JSON result (per-request lists included)."""
+    command = [
+        str(BIN), "bench", "serve", "--base-url", url, "--tokenizer", str(model), "--dataset", "random",
+        "--input-len", str(input_len), "--output-len", str(output_len), "--ignore-eos", "--seed", str(seed),
+        "--max-concurrency", str(concurrency), "--num-prompts", str(num_prompts), "--num-warmups", str(warmups),
+        "--result-json", str(out), "--save-detailed", "--no-progress",
+    ]  # fmt: skip
+    print("$", shlex.join(command[1:]), flush=True)
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise ServerFailed(f"bench serve exited with {done.returncode}: {done.stderr.strip()[-500:]}")
+    return json.loads(out.read_text())
+
+
+def count_tokens(url: str, prompt: str, output_len: int) -> dict:
+    """Send one non-streamed greedy request with ``ignore_eos`` and
+    ``logprobs``: how many tokens the server says it produced, and how many
+    it gave logprobs for."""
+    served = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    body = {"model": served, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
+            "ignore_eos": True, "logprobs": 1}  # fmt: skip
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=600)
+    if response.status_code != 200:
+        raise ServerFailed(f"the token-count request got HTTP {response.status_code}: {response.text[:300]}")
+    data = response.json()
+    choice = data["choices"][0]
+    return {
+        "asked": output_len,
+        "usage_completion_tokens": (data.get("usage") or {}).get("completion_tokens"),
+        "usage_prompt_tokens": (data.get("usage") or {}).get("prompt_tokens"),
+        "logprob_tokens": logprob_token_count(data),
+        "finish_reason": choice.get("finish_reason"),
+        "text": choice.get("text"),
+    }
+
+
+def measure(contender: Contender, args: argparse.Namespace, layout: Layout, model: Path, prompt: str) -> dict:
+    """Start one server, run every part against it, stop it."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    if contender.kind == LLAMA_SERVER:
+        command = llama_server_command(args.llama_server, model, contender, layout, port)
+    else:
+        command = trioserve_command(BIN, contender, layout, port)
+        if args.model is not None:
+            command += ["--model", str(model)]
+    result: dict = {"label": contender.label, "kind": contender.kind, "quantization": contender.quantization,
+                    "command": command, "loadavg_before": os.getloadavg(), "runs": {}}  # fmt: skip
+    started = time.monotonic()
+    with running(command, url, args.out / f"{contender.slug}.log", args.ready_timeout) as proc:
+        result["ready_s"] = time.monotonic() - started
+        memory = {"ready": tree_memory(proc.pid).to_json()}
+        result["token_count"] = counted = count_tokens(url, prompt, args.output_len)
+        if not counted["usage_completion_tokens"] == counted["logprob_tokens"] == args.output_len:
+            print(f"warning: {contender.label} answered a request for {args.output_len} tokens with ignore_eos "
+                  f"with {counted['usage_completion_tokens']} (usage) / {counted['logprob_tokens']} (logprobs)",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        served = 1
+        for index, concurrency in enumerate(args.concurrency):
+            prompts = _prompts_at(args.num_prompts, index, concurrency)
+            run = bench(url, model, args.out / f"{contender.slug}-c{concurrency}.json", concurrency=concurrency,
+                        num_prompts=prompts, warmups=args.num_warmups, input_len=args.input_len,
+                        output_len=args.output_len, seed=args.seed + concurrency)  # fmt: skip
+            result["runs"][str(concurrency)] = summary = run_summary(run, args.output_len)
+            if not summary["tokens"]["exact"]:
+                print(f"warning: {contender.label} at concurrency {concurrency} produced {summary['tokens']} "
+                      f"tokens per request, not {args.output_len}", file=sys.stderr, flush=True)  # fmt: skip
+            served += prompts + args.num_warmups
+            memory[f"after_c{concurrency}"] = tree_memory(proc.pid).to_json()
+        if args.memory_after > served:
+            bench(url, model, args.out / f"{contender.slug}-memory.json", concurrency=layout.slots,
+                  num_prompts=args.memory_after - served, warmups=0, input_len=args.memory_input_len,
+                  output_len=args.memory_output_len, seed=args.seed + 2000)  # fmt: skip
+            served = args.memory_after
+        memory["after"] = tree_memory(proc.pid).to_json()
+        memory["requests"] = served
+        result["memory"] = memory
+    result["loadavg_after"] = os.getloadavg()
+    return result
+
+
+def _version(command: list[str]) -> str:
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"unknown ({exc})"
+    return (done.stdout + done.stderr).strip()
+
+
+def _cpu() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    return platform.processor()
+
+
+def write_outputs(document: dict, out: Path, plot: Path | None) -> None:
+    (out / "results.json").write_text(json.dumps(document, indent=2) + "\n")
+    (out / "results.md").write_text(format_tables(document))
+    if plot is not None:
+        print(f"plot written to {plot_comparison(document, plot)}", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.from_json is not None:
+        document = json.loads(args.from_json.read_text())
+        args.out.mkdir(parents=True, exist_ok=True)
+        write_outputs(document, args.out, args.plot)
+        print(format_tables(document))
+        return 0
+    if args.plot is not None:
+        from trioserve.bench.plot import require_matplotlib
+
+        require_matplotlib()  # fail before the runs, not after them
+    from trioserve.engine.loader import DEFAULT_MODEL_NAME, default_model_path
+
+    model = Path(args.model) if args.model else default_model_path()
+    contenders = [Contender.trioserve(q, shlex.split(args.trioserve_args)) for q in args.quantizations]
+    llama_version = None
+    if not args.no_llama_server:
+        if not args.llama_server or not os.access(args.llama_server, os.X_OK):
+            sys.exit(f"bench_vs_llama: no llama-server binary ({args.llama_server!r}): build it with "
+                     "scripts/build_llama_server.sh and pass --llama-server PATH, or give --no-llama-server")  # fmt: skip
+        contenders.append(Contender.llama_server(model, shlex.split(args.llama_args)))
+        llama_version = _version([args.llama_server, "--version"])
+    if not contenders:
+        sys.exit("bench_vs_llama: nothing to run")
+    # SIGTERM/SIGHUP unwind like Ctrl-C, so the running server is stopped.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
+
+    from trioserve.bench.datasets import load_tokenizer, random_dataset
+
+    # The prompt of the token-count request (the runs' own come from bench serve).
+    prompt = random_dataset(load_tokenizer(model), num_prompts=1, input_len=args.input_len,
+                            output_len=args.output_len, seed=args.seed + 1000)[0].prompt  # fmt: skip
+    layout = Layout(slots=max(args.concurrency), ctx_per_slot=args.ctx_per_slot, threads=args.threads)
+    args.out.mkdir(parents=True, exist_ok=True)
+    document = {
+        "info": {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "model": str(model),
+            "model_name": model.stem if args.model else DEFAULT_MODEL_NAME,
+            "input_len": args.input_len,
+            "output_len": args.output_len,
+            "concurrency": args.concurrency,
+            "num_prompts": args.num_prompts,
+            "num_warmups": args.num_warmups,
+            "slots": layout.slots,
+            "ctx_per_slot": layout.ctx_per_slot,
+            "threads": layout.threads,
+            "memory_after_requests": args.memory_after,
+            "memory_request": [args.memory_input_len, args.memory_output_len],
+            "seed": args.seed,
+            "trioserve_commit": _version(["git", "-C", str(ROOT), "describe", "--always", "--dirty"]),
+            "llama_server_version": llama_version,
+            "cpu": _cpu(),
+            "cpus": os.cpu_count(),
+            "argv": sys.argv,
+        },
+        "servers": [],
+    }
+    for contender in contenders:
+        print(f"== {contender.label}", flush=True)
+        try:
+            document["servers"].append(measure(contender, args, layout, model, prompt))
+        except (ServerFailed, OSError, httpx.HTTPError, ValueError, KeyError) as exc:
+            print(f"{contender.label}: {exc}", file=sys.stderr, flush=True)
+            document["servers"].append({"label": contender.label, "kind": contender.kind,
+                                        "quantization": contender.quantization, "error": str(exc)})  # fmt: skip
+        write_outputs(document, args.out, None)  # what is done survives a later failure
+    write_outputs(document, args.out, args.plot)
+    print(format_tables(document))
+    return 1 if any(s.get("error") for s in document["servers"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
