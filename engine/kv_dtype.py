@@ -10,7 +10,8 @@ anything is computed.
 
 - a model in a 16-bit dtype keeps it (nothing to convert), and so does any
   model on CUDA;
-- a float32 model on CPU takes the first of ``CPU_PREFERENCE`` whose
+- a float32 model on CPU takes the first of ``CPU_PREFERENCE`` (float16,
+  then bfloat16) whose
   capability path (``kv_cache_<dtype>`` in ``capability.PROBES``: a write
   into a paged pool, a gather and an attention over it, checked against
   float32) works here and whose measured read of one decode layer costs at
@@ -45,13 +46,16 @@ if TYPE_CHECKING:
 
 # The dtypes a cache may hold, by the names users give them.
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "fp8": FP8}
-# What "auto" tries for a float32 model on CPU, best first: bfloat16 has
-# float32's range (no key can saturate), float16 three more bits of
-# mantissa. Measured on the default model (docs/benchmarks.md, "KV cache dtype").
-CPU_PREFERENCE = (torch.bfloat16, torch.float16)
+# What "auto" tries for a float32 model on CPU, best first. float16 keeps
+# three more bits of mantissa than bfloat16: on the default model its cache
+# gave float32's greedy tokens exactly over the reference prompts, where
+# bfloat16's drifted on one of four (docs/benchmarks.md, "KV cache dtype");
+# it saturates at 65504 (kv_cache.to_cache), far above any key or value
+# these models compute. bfloat16, with float32's range, is the next choice.
+CPU_PREFERENCE = (torch.float16, torch.bfloat16)
 # A 16-bit cache is taken while its read costs at most this many times the
-# float32 read: the conversion is one extra pass over what attention reads,
-# about free where it is vectorized; a scalar one costs several times more.
+# float32 read: the conversion is one more pass over what attention reads,
+# and a build whose conversions are not vectorized costs several times more.
 MAX_SLOWDOWN = 2.0
 # The measured read: this many decode rows of this many context tokens.
 MEASURE_ROWS = 16

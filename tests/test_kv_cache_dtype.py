@@ -28,10 +28,12 @@ from trioserve.engine.capability import ASSUME_ENV, PROBES, CpuPaths, Probe
 from trioserve.engine.config import EngineConfig
 from trioserve.engine.engine_core import EngineCore, build_runner
 from trioserve.engine.errors import CpuCapabilityError
+from trioserve.engine.forward_batch import ForwardBatch, SeqChunk
 from trioserve.engine.kv_budget import CPU_MEMORY_FRACTION, available_memory, plan_pool
 from trioserve.engine.kv_cache import FP8, KVCache, from_cache, kv_bytes_per_block, storage_dtype, to_cache
 from trioserve.engine.kv_dtype import CPU_PREFERENCE, DTYPES, MAX_SLOWDOWN, choose_kv_dtype, kv_path, refuse_before_load, trial
 from trioserve.engine.sampling_params import SamplingParams
+from trioserve.engine.tokenizer import apply_chat_template
 from trioserve.testing import engine_config
 from trioserve.testing.tiny_model import BLOCK_SIZE, _tiny_weights, tiny_model_config, tiny_worker_model
 
@@ -91,18 +93,18 @@ def test_an_fp8_pool_is_held_as_bytes_and_saturates():
 
 @pytest.mark.parametrize("name", NARROW)
 def test_prefix_caching_preemption_chunked_prefill_and_speculation_decode_the_same(name):
-    # 24 blocks for 8 requests of ~70 tokens: preemption; 32 tokens a step:
+    # 16 blocks for 8 requests of ~60 tokens: preemption; 32 tokens a step:
     # chunked prefill; a shared 2-block prefix: prefix-cache hits; ngram
     # proposals verified over the cache. Against a plain run over a cache of
     # the same dtype (one prefill, no sharing, room for all): attention
     # always sees keys and values as the cache holds them, so how a prompt
     # is chunked, cached or recomputed changes nothing.
     shared = "the quick brown fox jumps over the lazy dog " * 4
-    requests = {f"r{i}": (shared + text, greedy(40)) for i, text in enumerate(prompts(8))}
+    requests = {f"r{i}": (shared + text, greedy(24)) for i, text in enumerate(prompts(8))}
     plain = dict(num_blocks=400, max_num_batched_tokens=1024, enable_prefix_caching=False, kv_cache_dtype=name)
     want, none_cached = run(EngineCore(tiny_loaded(), engine_config(**plain)), requests)
-    core = EngineCore(tiny_loaded(), engine_config(num_blocks=24, max_num_batched_tokens=32, speculative="ngram", kv_cache_dtype=name))
-    assert core.kv_cache.dtype == DTYPES[name] and core.num_blocks == 24
+    core = EngineCore(tiny_loaded(), engine_config(num_blocks=16, max_num_batched_tokens=32, speculative="ngram", kv_cache_dtype=name))
+    assert core.kv_cache.dtype == DTYPES[name] and core.num_blocks == 16
     got, cached = run(core, requests)
     assert got == want
     stats = core.scheduler.statistics()
@@ -148,17 +150,39 @@ QUESTIONS = (
 )
 
 
+def top1_along(loaded, prompt: list[int], continuation: list[int], dtype: torch.dtype) -> list[int]:
+    """The model's top-1 token at each position of ``continuation`` after
+    ``prompt``, in one forward over a cache of ``dtype`` (teacher-forced:
+    attention sees the cache's rounding, as in decode)."""
+    ids = prompt + continuation
+    blocks = -(-len(ids) // BLOCK_SIZE)
+    cache = KVCache.allocate(loaded.model.config, num_blocks=blocks + 1, block_size=BLOCK_SIZE, dtype=dtype, device="cpu")
+    batch = ForwardBatch.build([SeqChunk(ids, 0, list(range(1, blocks + 1)), num_logits=len(ids))], block_size=BLOCK_SIZE, device="cpu")
+    with torch.inference_mode():
+        logits = loaded.model(batch, cache)
+    return logits[len(prompt) - 1 : -1].argmax(-1).tolist()
+
+
 @pytest.mark.slow
-def test_greedy_outputs_of_the_default_model_equal_the_float32_caches(default_loaded):
-    """4 chat prompts x 64 greedy tokens (min_tokens keeps them going past
-    EOS), batched, over float32, bfloat16 and float16 caches."""
-    requests = {
-        f"q{i}": ([{"role": "user", "content": q}], SamplingParams(temperature=0.0, max_tokens=64, min_tokens=64))
-        for i, q in enumerate(QUESTIONS)
-    }
-    outputs = {name: run(make_core(default_loaded, kv_cache_dtype=name), requests)[0] for name in ["float32", *NARROW]}
-    for name in NARROW:
-        assert outputs[name] == outputs["float32"], name
+def test_greedy_outputs_of_the_default_model_with_a_16_bit_cache(default_loaded):
+    """4 chat prompts x 64 greedy tokens, batched (min_tokens keeps them
+    going past EOS). A float16 cache (auto's first choice on CPU) gives
+    float32's tokens exactly. A bfloat16 cache's greedy run drifts from
+    token 31 of one prompt (measured, docs/benchmarks.md), so it is held to
+    a bound instead: its top-1 along float32's tokens agrees at >= 95% of
+    the 256 positions (measured 253; float32's own one-forward top-1 agrees
+    at 254, the rest being near-ties that summation order decides)."""
+    prompts = {f"q{i}": apply_chat_template(default_loaded.tokenizer, [{"role": "user", "content": q}]) for i, q in enumerate(QUESTIONS)}
+    params = SamplingParams(temperature=0.0, max_tokens=64, min_tokens=64)
+    requests = {rid: (ids, params) for rid, ids in prompts.items()}
+    want = run(make_core(default_loaded, kv_cache_dtype="float32"), requests)[0]
+    assert run(make_core(default_loaded, kv_cache_dtype="float16"), requests)[0] == want
+    agree = sum(
+        sum(a == b for a, b in zip(top1_along(default_loaded, prompts[rid], want[rid], BF16), want[rid], strict=True))
+        for rid in want
+    )
+    print(f"bfloat16 cache: top-1 agrees with float32's greedy tokens at {agree} of 256 positions")
+    assert agree >= 0.95 * 256, agree
 
 
 # -- auto --------------------------------------------------------------------------
@@ -173,14 +197,15 @@ def choose(asked: str, cpu_paths: CpuPaths, **kw) -> torch.dtype:
 def test_auto_falls_back_by_level_and_by_measurement():
     top, avx2, default = (CpuPaths.detect(assume=level) for level in ("avx512", "avx2", "default"))
     fast = {F32: 1.0, BF16: 1.2, F16: 1.1}
-    assert choose("auto", top, timings=fast) == BF16
-    # AVX2 has F16C but no bfloat16 conversion: float16.
-    assert choose("auto", avx2, timings=fast) == F16
+    assert choose("auto", top, timings=fast) == F16
+    assert choose("auto", avx2, timings=fast) == F16  # F16C comes with AVX2
     # Below AVX2 neither converts in hardware: float32, with nothing measured.
     plain = choose_kv_dtype("auto", model_dtype=F32, device="cpu", cpu_paths=default, config=tiny_model_config())
     assert plain.dtype == F32 and "off by TRIOSERVE_CPU_ASSUME=default" in plain.reason
     # A conversion measured slow is passed over; all slow: float32.
-    assert choose("auto", top, timings={F32: 1.0, BF16: 2.5, F16: 1.5}) == F16
+    f16_slow = {F32: 1.0, BF16: 1.5, F16: MAX_SLOWDOWN + 0.5}
+    assert choose("auto", top, timings=f16_slow) == BF16
+    assert choose("auto", avx2, timings=f16_slow) == F32  # bfloat16 is off at AVX2
     slow = {F32: 1.0, BF16: MAX_SLOWDOWN + 0.5, F16: MAX_SLOWDOWN + 0.5}
     fallback = choose_kv_dtype("auto", model_dtype=F32, device="cpu", cpu_paths=top, config=tiny_model_config(), timings=slow)
     assert fallback.dtype == F32 and "slower than float32" in fallback.reason
@@ -196,10 +221,10 @@ def test_auto_measures_on_this_cpu_and_never_takes_a_path_that_is_off(cpu_paths)
     choice = choose_kv_dtype("auto", model_dtype=F32, device="cpu", cpu_paths=cpu_paths, config=tiny_model_config())
     usable = [d for d in CPU_PREFERENCE if cpu_paths.available(kv_path(d))]
     assert choice.dtype in (*usable, F32)
-    if usable:
-        assert "ms" in choice.reason  # measured
     if choice.dtype != F32:
-        assert choice.dtype == usable[0] or "read at" in choice.reason
+        assert "read at" in choice.reason and "ms" in choice.reason  # measured, and why it passed
+    elif usable:
+        assert "slower than float32" in choice.reason
 
 
 @pytest.mark.cpu_paths
@@ -210,6 +235,7 @@ def test_an_engine_under_forced_avx2_takes_float16_or_float32(monkeypatch):
     loaded = attrs.evolve(tiny_loaded(), model=model)
     core = EngineCore(loaded, engine_config())
     assert core.kv_dtype.dtype in (F16, F32) and core.kv_cache.dtype == core.kv_dtype.dtype
+    assert (core.kv_dtype.dtype == F16) == ("read at" in core.kv_dtype.reason)
     # It runs as an engine asked for that dtype does.
     requests = {f"r{i}": (text, greedy(16)) for i, text in enumerate(prompts(4))}
     asked = EngineCore(tiny_loaded(), engine_config(kv_cache_dtype=core.kv_dtype.name))
