@@ -233,7 +233,7 @@ def test_an_engine_under_forced_avx2_takes_float16_or_float32(monkeypatch):
     model = _tiny_weights(tiny_model_config(), torch.device("cpu"))  # the same seeded weights, built under the switch
     assert not model.cpu_paths.available(kv_path(BF16))
     loaded = attrs.evolve(tiny_loaded(), model=model)
-    core = EngineCore(loaded, engine_config())
+    core = EngineCore(loaded, engine_config(kv_cache_dtype="auto"))
     assert core.kv_dtype.dtype in (F16, F32) and core.kv_cache.dtype == core.kv_dtype.dtype
     assert (core.kv_dtype.dtype == F16) == ("read at" in core.kv_dtype.reason)
     # It runs as an engine asked for that dtype does.
@@ -288,7 +288,7 @@ def test_the_cli_refuses_fp8_on_cpu_in_one_line():
 
 
 async def test_a_worker_process_stores_the_dtype_the_server_sized_the_pool_for():
-    core = EngineCore(tiny_loaded(), engine_config(), own_pool=False, runner=False)
+    core = EngineCore(tiny_loaded(), engine_config(kv_cache_dtype="auto"), own_pool=False, runner=False)
     executor = process_executor(core, core.config, tiny_worker_model)
     assert executor.spec.config.kv_cache_dtype == core.kv_dtype.name != "auto"
     runner = build_runner(tiny_worker_model(), executor.spec.config, core.num_blocks)
@@ -299,7 +299,7 @@ async def test_a_worker_process_stores_the_dtype_the_server_sized_the_pool_for()
 def test_the_suites_small_engines_get_what_they_ask_for():
     # No kv_cache_memory: the tiny engines of the suite size their pools
     # from max_num_seqs x max_model_len, not from the host's memory.
-    core = EngineCore(tiny_loaded(), engine_config())
+    core = EngineCore(tiny_loaded(), engine_config(kv_cache_dtype="auto"))
     config = core.config
     assert core.num_blocks == config.max_num_seqs * config.blocks_per_sequence(core.model_config)
     assert core.kv_pool.nbytes == core.kv_cache.nbytes < 64 << 20
