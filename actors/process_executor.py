@@ -389,6 +389,8 @@ def process_executor(
 ) -> ProcessExecutor:
     """The executor of ``core`` with its worker built from ``config``,
     pinned to ``cpus`` when given (a data-parallel replica's share)."""
+    # The worker stores the cache in the dtype chosen here, which the pool was sized for.
+    config = attrs.evolve(config, kv_cache_dtype=core.kv_dtype.name)
     spec = WorkerSpec(config=config, num_blocks=core.num_blocks, parent_pid=os.getpid(), model=worker_model, cpus=cpus)
     return ProcessExecutor(
         spec,

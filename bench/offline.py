@@ -195,6 +195,12 @@ def add_bench_offline_parser(bench_commands) -> None:
         "--quantization", default="none", choices=["auto", "none", "int8", "int4"], help="trioserve's weights (docs/api.md)"
     )
     p.add_argument("--quantization-group-size", type=int, default=32)
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "float32", "float16", "bfloat16", "fp8"],
+        help="trioserve's KV cache (docs/api.md; default: auto)",
+    )
     p.add_argument("--result-json", type=Path, default=None)
     from trioserve.web.engine_options import add_speculative_options
 
@@ -232,6 +238,7 @@ def _run_bench_offline(args: argparse.Namespace) -> int:
         model=args.model,
         quantization=args.quantization,
         quantization_group_size=args.quantization_group_size,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     from trioserve.web.engine_options import speculative_fields
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from .forward_batch import ForwardBatch
-from .kv_cache import KVCache
+from .kv_cache import KVCache, as_stored, from_cache, to_cache
 
 # Gathered keys plus values per decode chunk on CPU: within the last-level
 # cache, so attention reads what the gather just wrote from cache, not DRAM.
@@ -218,8 +218,9 @@ def write_kv(
     """Store ``key``/``value`` (``[T, kv_heads, head_dim]``) at ``slot_mapping``
     in one layer's ``[num_blocks, block_size, kv_heads, head_dim]`` pools."""
     kv_heads, head_dim = key_cache.shape[-2:]
-    key_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    value_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    # Rounded into the cache's dtype where it is narrower (kv_cache.py).
+    key_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, to_cache(key, key_cache.dtype))
+    value_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, to_cache(value, value_cache.dtype))
 
 
 def paged_attention(
@@ -253,11 +254,14 @@ def paged_attention(
         # [qlen, heads, d] -> [kv_heads, group, qlen, d]: a view, no copy.
         q = query[p.token_start : p.token_end].view(qlen, kv_heads, group, head_dim).permute(1, 2, 0, 3)
         if p.context_blocks is None:
-            k = key[p.token_start : p.token_end]
-            v = value[p.token_start : p.token_end]
+            # As the cache holds them (rounded, in a narrower cache), so that
+            # how a prompt is chunked or cached does not change what it sees.
+            k = as_stored(key[p.token_start : p.token_end], key_cache.dtype)
+            v = as_stored(value[p.token_start : p.token_end], value_cache.dtype)
         else:
             k = key_cache.index_select(0, p.context_blocks).view(-1, kv_heads, head_dim)[: p.context_len]
             v = value_cache.index_select(0, p.context_blocks).view(-1, kv_heads, head_dim)[: p.context_len]
+            k, v = from_cache(k, query.dtype), from_cache(v, query.dtype)
         # Each KV head broadcast over its group with a stride-0 view: GQA
         # without copying keys and values per query head.
         shape = (kv_heads, group, k.shape[0], head_dim)
@@ -291,6 +295,7 @@ def _decode(
         # [rows, span, kv_heads, d] -> [rows, kv_heads, context_len, d], a view.
         k = k.view(rows, -1, kv_heads, head_dim)[:, : c.context_len].transpose(1, 2)
         v = v.view(rows, -1, kv_heads, head_dim)[:, : c.context_len].transpose(1, 2)
+        k, v = from_cache(k, query.dtype), from_cache(v, query.dtype)  # a narrower cache, widened
         outs.append(F.scaled_dot_product_attention(query[c.start : c.end], k, v, attn_mask=c.mask, scale=scale))
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     # CUDA's SDPA kernels may return a permuted layout: reshape copies only then.

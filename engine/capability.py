@@ -31,7 +31,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from . import onednn
+from . import kv_dtype, onednn
 from .errors import CpuCapabilityError
 from .quant import int4_pack as quant_int4_pack
 from .quant import int8_pack as quant_int8_pack
@@ -144,6 +144,22 @@ PROBES: tuple[Probe, ...] = (
     # Compressed-weight kernels (engine/quant/choose.py picks among them by measurement).
     Probe("quant_int4_pack_bfloat16", "ATen 4-bit packed linear in bfloat16", functools.partial(quant_int4_pack.trial, torch.bfloat16)),
     Probe("quant_int8_pack_bfloat16", "ATen int8 packed linear in bfloat16", functools.partial(quant_int8_pack.trial, torch.bfloat16)),
+    # A KV cache narrower than the model (engine/kv_dtype.py chooses among
+    # them by measurement); each needs the level that converts it in hardware.
+    Probe(
+        kv_dtype.kv_path(torch.bfloat16),
+        "bfloat16 KV cache under a float32 model",
+        functools.partial(kv_dtype.trial, torch.bfloat16),
+        needs="avx512",
+        requirement="AVX-512 BF16 or AVX-NE-CONVERT to convert bfloat16 in hardware",
+    ),
+    Probe(
+        kv_dtype.kv_path(torch.float16),
+        "float16 KV cache under a float32 model",
+        functools.partial(kv_dtype.trial, torch.float16),
+        needs="avx2",
+        requirement="F16C, which comes with AVX2, to convert float16 in hardware",
+    ),
     Probe(matmul_path(torch.float32), "float32 matmul", functools.partial(_matmul_trial, torch.float32)),
     Probe(matmul_path(torch.bfloat16), "bfloat16 matmul", functools.partial(_matmul_trial, torch.bfloat16)),
     Probe(matmul_path(torch.float16), "float16 matmul", functools.partial(_matmul_trial, torch.float16)),

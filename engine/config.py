@@ -159,11 +159,18 @@ def _kv_cache_memory(instance: Any, attribute: attrs.Attribute, value: Any) -> N
 
 
 WORKER_MODES = ("thread", "process")
+# What the KV cache may store (engine/kv_dtype.py); "fp8" is e4m3, on CUDA only.
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "fp8")
 
 
 def _worker_mode(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if value not in WORKER_MODES:
         raise ValueError(f"worker_mode must be one of {', '.join(map(repr, WORKER_MODES))}, got {value!r}")
+
+
+def _kv_cache_dtype(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}, got {value!r}")
 
 
 def _speculative(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -217,10 +224,12 @@ class EngineConfig:
 
     ``kv_cache_memory`` is the KV pool's budget: an ``int`` is bytes, a
     ``float`` in (0, 1] a fraction of the device's free memory at start.
-    ``None`` picks a default: 1 GiB on CPU (the host's free memory is shared
-    with everything else, so a fraction of it would be a poor guess) and 0.8
-    of free memory on CUDA, as vLLM does. The pool never needs to be larger
-    than ``max_num_seqs`` full contexts, so it is capped at that.
+    ``None`` picks a default (engine/kv_budget.py): on CPU what is asked,
+    ``max_num_seqs`` full contexts at ``kv_cache_dtype``'s bytes per token,
+    capped at 4 GiB and a quarter of the host's available memory (shared with
+    everything else) and never below one full context; 0.8 of free memory
+    on CUDA, as vLLM does. The pool never needs to be larger than
+    ``max_num_seqs`` full contexts, so it is capped at that.
     """
 
     model: str | None = None  # a name, a checkpoint folder or a .gguf file; None is the default model
@@ -316,7 +325,19 @@ class EngineConfig:
     # grammar while it stays in (--grammar-cache-size).
     grammar_cache_size: int = attrs.field(default=DEFAULT_GRAMMAR_CACHE_SIZE, validator=integer_at_least(1))
 
+    # What the KV cache stores (engine/kv_dtype.py): "auto" is a 16-bit
+    # dtype on CPU where its conversions work and measure fast here (else
+    # float32), and the model's dtype on CUDA; "fp8" (e4m3, saturating) runs
+    # on CUDA only. Keys and values are computed in the model's dtype and
+    # rounded into the cache's; a 16-bit cache holds twice the tokens of a
+    # float32 one in the same bytes.
+    kv_cache_dtype: str = attrs.field(default="auto", validator=_kv_cache_dtype)
+
     def __attrs_post_init__(self) -> None:
+        if self.kv_cache_dtype == "fp8" and self.device is not None and str(self.device).startswith("cpu"):
+            raise ValueError(
+                "kv_cache_dtype 'fp8' runs on CUDA only, not on device 'cpu'; on CPU use auto, float32, float16 or bfloat16"
+            )
         if self.speculative_min_ngram > self.speculative_max_ngram:
             raise ValueError(
                 f"speculative_min_ngram ({self.speculative_min_ngram}) must be <= "

@@ -10,7 +10,6 @@ them in a row for offline use and tests.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -24,8 +23,10 @@ from .detokenizer import DetokenizerDelta, IncrementalDetokenizer
 from .errors import InvalidRequestError, TokenizerError
 from .faults import Fault
 from .grammar import FilledMask, GrammarCompiler, GrammarError, GrammarMatchers, MaskFill, MaskRequest
+from .kv_budget import KVPoolPlan, available_memory, plan_pool
 from .kv_cache import KVCache, kv_bytes_per_block
-from .loader import LoadedModel, load_model_for
+from .kv_dtype import KVDtypeChoice, choose_kv_dtype, refuse_before_load
+from .loader import LoadedModel, load_model_for, resolve_device
 from .model_runner import ModelRunner, RunnerOutput
 from .outputs import RequestOutput, RequestTimes
 from .plugins import PluginError, Plugins
@@ -44,54 +45,73 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-CPU_DEFAULT_KV_BYTES = 1 << 30
-CUDA_DEFAULT_KV_FRACTION = 0.8
-
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
 
 
-def kv_cache_num_blocks(config: EngineConfig, loaded: LoadedModel) -> int:
-    """How many KV blocks the pool gets from ``config.kv_cache_memory`` (see EngineConfig)."""
+def kv_dtype_choice(config: EngineConfig, loaded: LoadedModel) -> KVDtypeChoice:
+    """The dtype the KV cache stores for ``config.kv_cache_dtype`` (engine/kv_dtype.py)."""
+    return choose_kv_dtype(
+        config.kv_cache_dtype,
+        model_dtype=loaded.dtype,
+        device=loaded.device,
+        cpu_paths=loaded.cpu_paths,
+        config=loaded.model.config,  # under tensor parallelism, one rank's KV heads
+    )
+
+
+def kv_pool_plan(config: EngineConfig, loaded: LoadedModel, kv_dtype: KVDtypeChoice) -> KVPoolPlan:
+    """The KV pool's size from ``config.kv_cache_memory`` (engine/kv_budget.py)."""
     # The model's own config: under tensor parallelism, one rank's KV heads.
-    per_block = kv_bytes_per_block(loaded.model.config, config.block_size, loaded.dtype)
+    per_block = kv_bytes_per_block(loaded.model.config, config.block_size, kv_dtype.dtype)
     budget = config.kv_cache_memory
-    if budget is None:
-        budget = CUDA_DEFAULT_KV_FRACTION if loaded.device.type == "cuda" else CPU_DEFAULT_KV_BYTES
-    if isinstance(budget, float):
+    free = 0
+    if not isinstance(budget, int):  # a fraction, or a default that depends on what is free
         if loaded.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(loaded.device)
         else:
-            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        budget = int(free * budget)
-    wanted = config.max_num_seqs * config.blocks_per_sequence(loaded.model_config)
-    num_blocks = min(budget // per_block, wanted)
-    if num_blocks < config.blocks_per_sequence(loaded.model_config):
+            free = available_memory()
+    per_sequence = config.blocks_per_sequence(loaded.model_config)
+    plan = plan_pool(
+        budget,
+        device_type=loaded.device.type,
+        free_memory=free,
+        bytes_per_block=per_block,
+        block_size=config.block_size,
+        blocks_per_sequence=per_sequence,
+        max_num_seqs=config.max_num_seqs,
+        dtype=kv_dtype.name,
+    )
+    if plan.num_blocks < per_sequence:
         # A pool smaller than one full context could refuse requests the
         # model accepts; say so instead of failing later.
         log.warning(
-            "KV pool of %d blocks holds less than one max_model_len context (%d blocks)",
-            num_blocks,
-            config.blocks_per_sequence(loaded.model_config),
+            "KV pool of %d blocks holds less than one max_model_len context (%d blocks)", plan.num_blocks, per_sequence
         )
-    if num_blocks < 1:
-        raise ValueError(f"kv_cache_memory ({config.kv_cache_memory!r}) is smaller than one KV block ({per_block} bytes)")
-    return int(num_blocks)
+    return plan
 
 
 def build_runner(
-    loaded: LoadedModel, config: EngineConfig, num_blocks: int, plugins: Plugins | None = None
+    loaded: LoadedModel,
+    config: EngineConfig,
+    num_blocks: int,
+    plugins: Plugins | None = None,
+    kv_dtype: KVDtypeChoice | None = None,
 ) -> ModelRunner:
-    """The model runner of ``loaded``: a KV cache of ``num_blocks`` blocks,
-    a sampler with the logits processors of ``plugins`` (else of the
-    plugins ``config`` names: a worker process loads them itself), and
-    (with ``config.warm_up``) the CPU kernels built."""
+    """The model runner of ``loaded``: a KV cache of ``num_blocks`` blocks
+    in ``kv_dtype`` (else chosen from ``config.kv_cache_dtype``: a worker
+    process is given the server's choice by name), a sampler with the
+    logits processors of ``plugins`` (else of the plugins ``config`` names:
+    a worker process loads them itself), and (with ``config.warm_up``) the
+    CPU kernels built."""
     if plugins is None:
         plugins = Plugins.load(config.plugins)
+    if kv_dtype is None:
+        kv_dtype = kv_dtype_choice(config, loaded)
     kv_cache = KVCache.allocate(
         loaded.model.config,  # the model's own: under tensor parallelism, one rank's KV heads
         num_blocks=num_blocks,
         block_size=config.block_size,
-        dtype=loaded.dtype,
+        dtype=kv_dtype.dtype,
         device=loaded.device,
     )
     runner = ModelRunner(
@@ -136,7 +156,12 @@ class EngineCore:
         self.max_model_len = config.resolved_max_model_len(loaded.model_config)
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)  # process-wide: the step is the only heavy user
-        num_blocks = kv_cache_num_blocks(config, loaded)
+        # What the KV cache stores and how many blocks it gets, and why
+        # (engine/kv_dtype.py, engine/kv_budget.py; shown in /version).
+        self.kv_dtype = kv_dtype_choice(config, loaded)
+        self.kv_pool = kv_pool_plan(config, loaded, self.kv_dtype)
+        log.info("%s: KV cache in %s; pool of %s", loaded.name, self.kv_dtype, self.kv_pool)
+        num_blocks = self.kv_pool.num_blocks
         self.num_blocks = num_blocks
         # The KV pool, when this core drives it in process (offline use:
         # ``step()``; abort() and process_output() then return finished
@@ -156,7 +181,9 @@ class EngineCore:
             proposer=speculative_proposer(config),
             policy=scheduling_policy(self.plugins, config),
         )
-        self.runner: ModelRunner | TPRunner | None = build_runner(loaded, config, num_blocks, self.plugins) if runner else None
+        self.runner: ModelRunner | TPRunner | None = None
+        if runner:
+            self.runner = build_runner(loaded, config, num_blocks, self.plugins, self.kv_dtype)
         self.kv_cache: KVCache | None = None if self.runner is None else self.runner.kv_cache
         if self.runner is not None and config.tensor_parallel_size > 1:
             from .tp_runner import tensor_parallel_runner  # torch.distributed only when asked for
@@ -190,6 +217,7 @@ class EngineCore:
     @classmethod
     def from_config(cls, config: EngineConfig, *, own_pool: bool = True) -> EngineCore:
         """Load ``config.model`` (the default model when None) and build an engine on it."""
+        refuse_before_load(config.kv_cache_dtype, resolve_device(config.device))
         if config.tensor_parallel_size > 1:
             from .tp_runner import start_tensor_parallel
 

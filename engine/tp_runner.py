@@ -12,7 +12,8 @@ today and a worker process could drive it the same way. The other ranks
 
 - ``LoadShard``: where the checkpoint is and how to load it; each rank reads
   only its slices, all ranks at once;
-- ``AllocateKV``: the pool's size, which rank 0 decides from its budget;
+- ``AllocateKV``: the pool's size and dtype, which rank 0 decides from its
+  budget and ``kv_cache_dtype``;
 - a ``StepPlan``: run the forward (rank 0 alone samples);
 - ``Stop``: leave the group and exit.
 
@@ -42,6 +43,8 @@ import torch.multiprocessing as mp
 from .config import EngineConfig
 from .distributed import DistributedError, Rendezvous, backend_for, close_group, free_port, init_group, wait_reachable
 from .kv_cache import KVCache, kv_bytes_per_block
+from .kv_dtype import DTYPES as KV_DTYPES
+from .kv_dtype import kv_dtype_name
 from .loader import LoadedModel, read_model_config, resolve_checkpoint, resolve_device, resolve_dtype
 from .model_runner import ModelRunner, RunnerOutput, StepLogits
 from .sampler import Sampler
@@ -69,6 +72,7 @@ class LoadShard:
 class AllocateKV:
     num_blocks: int
     block_size: int
+    dtype: str  # as kv_dtype.DTYPES names it: every rank stores what rank 0 chose
 
 
 @attrs.frozen
@@ -145,7 +149,7 @@ def rank_main(spec: RankSpec, parent: Any) -> None:
                 device = model.embed_tokens.device
                 kv = KVCache.allocate(
                     model.config, num_blocks=message.num_blocks, block_size=message.block_size,
-                    dtype=model.dtype, device=device,
+                    dtype=KV_DTYPES[message.dtype], device=device,
                 )  # fmt: skip
                 runner = ModelRunner(model, kv, Sampler(model.config.vocab_size, device), device)
             else:
@@ -332,13 +336,14 @@ def tensor_parallel_runner(runner: ModelRunner) -> TPRunner:
     same number of blocks, and from now on follow its plans."""
     model = runner.model
     assert isinstance(model, TPLlamaForCausalLM)
-    _broadcast(AllocateKV(runner.kv_cache.num_blocks, runner.kv_cache.block_size))
+    kv = runner.kv_cache
+    _broadcast(AllocateKV(kv.num_blocks, kv.block_size, kv_dtype_name(kv.dtype)))
     return TPRunner(runner)
 
 
-def kv_bytes_per_rank_block(loaded: LoadedModel, block_size: int) -> int:
-    """Bytes one block takes on a rank: its KV heads only."""
-    return kv_bytes_per_block(loaded.model.config, block_size, loaded.dtype)
+def kv_bytes_per_rank_block(loaded: LoadedModel, block_size: int, kv_dtype: torch.dtype | None = None) -> int:
+    """Bytes one block takes on a rank: its KV heads only, in ``kv_dtype`` (default: the model's dtype)."""
+    return kv_bytes_per_block(loaded.model.config, block_size, loaded.dtype if kv_dtype is None else kv_dtype)
 
 
 # -- other machines ----------------------------------------------------------------

@@ -15,6 +15,7 @@ import torch
 
 from trioserve.engine.config import EngineConfig, ModelConfig, RopeScaling
 from trioserve.engine.kv_cache import kv_bytes_per_block
+from trioserve.engine.kv_dtype import DTYPES as KV_DTYPES
 from trioserve.engine.loader import LoadedModel, default_model_path
 from trioserve.engine.model import LlamaForCausalLM
 
@@ -112,7 +113,9 @@ def _tiny_loaded(device: torch.device) -> LoadedModel:
 
 def engine_config(*, num_blocks: int | None = None, **overrides: Any) -> EngineConfig:
     """A small engine config for the tiny model; ``num_blocks`` sizes the KV
-    pool exactly, ``overrides`` set any other field."""
+    pool exactly (in the cache dtype of ``kv_cache_dtype``, float32 by
+    default; not "auto", which depends on the machine), ``overrides`` set
+    any other field."""
     fields: dict[str, Any] = dict(
         block_size=BLOCK_SIZE,
         max_model_len=256,
@@ -121,8 +124,17 @@ def engine_config(*, num_blocks: int | None = None, **overrides: Any) -> EngineC
         max_queued_requests=64,
         # Tests build many engines; kernels are built as they are met.
         warm_up=False,
+        # The tiny random model has near-ties between its top logits: a
+        # 16-bit cache rounds keys and values computed with batch-dependent
+        # float noise, and that can flip them, so tests comparing batchings
+        # keep float32 ("auto" is asked for where it is under test).
+        kv_cache_dtype="float32",
     )
     if num_blocks is not None:
-        fields["kv_cache_memory"] = num_blocks * kv_bytes_per_block(tiny_model_config(), BLOCK_SIZE, torch.float32)
+        name = overrides.get("kv_cache_dtype", fields["kv_cache_dtype"])
+        if name not in KV_DTYPES:
+            raise ValueError(f"num_blocks sizes a pool of a given dtype, not kv_cache_dtype={name!r}")
+        fields["kv_cache_dtype"] = name
+        fields["kv_cache_memory"] = num_blocks * kv_bytes_per_block(tiny_model_config(), BLOCK_SIZE, KV_DTYPES[name])
     fields.update(overrides)
     return EngineConfig(**fields)

@@ -221,3 +221,9 @@ async def test_version_and_the_startup_log_show_the_paths(cpu_paths, caplog):
     assert model["reason"].startswith(cpu_paths.status("onednn_packed_bfloat16").reason)
     summary = f"bfloat16 on cpu, {model['projections']} projections"
     assert f"serving {MODEL} (max_model_len 512; {summary})" in caplog.text
+    # The KV cache: a bfloat16 model's own dtype, in the budget the server was given (128 MiB).
+    kv = version["kv_cache"][MODEL]
+    assert kv["dtype"] == "bfloat16" and kv["dtype_reason"] == "the model's dtype (16 bits already)"
+    assert kv["tokens"] == kv["blocks"] * kv["block_size"] and 0 < kv["bytes"] <= 128 << 20
+    assert kv["reason"] == "kv_cache_memory 128.0 MiB"
+    assert f"KV cache in bfloat16 (the model's dtype (16 bits already)); pool of {kv['tokens']} tokens" in caplog.text

@@ -94,8 +94,10 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 
 def _config(path: Path, **fields) -> EngineConfig:
+    # A float32 cache: a 16-bit one rounds keys and values that each rank
+    # computes with its own summation order, which moves logits past 1e-4.
     base = dict(model=str(path), max_model_len=128, max_num_seqs=4, max_num_batched_tokens=24, block_size=4,
-                warm_up=False, kv_cache_memory=1 << 30, num_threads=1)  # fmt: skip
+                warm_up=False, kv_cache_memory=1 << 30, num_threads=1, kv_cache_dtype="float32")  # fmt: skip
     return EngineConfig(**{**base, **fields})
 
 
@@ -345,7 +347,9 @@ CHATS = [
 def test_default_model_greedy_output_identical_at_three_ranks():
     """SmolLM2-135M (9 heads, 3 KV heads) on three ranks: the same greedy
     64 tokens as one rank for four chat prompts."""
-    fields = dict(max_model_len=512, max_num_seqs=4, kv_cache_memory=64 << 20, warm_up=False, num_threads=1)
+    # float32 cache, as in _config: the ranks' own rounding must not decide a near-tie.
+    fields = dict(max_model_len=512, max_num_seqs=4, kv_cache_memory=64 << 20, warm_up=False, num_threads=1,
+                  kv_cache_dtype="float32")  # fmt: skip
     prompts = [[{"role": "user", "content": text}] for text in CHATS]
 
     def run(core: EngineCore) -> list[list[int]]:

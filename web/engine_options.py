@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from trioserve.engine.config import DEFAULT_GRAMMAR_CACHE_SIZE, DegradationPolicy, EngineConfig
+from trioserve.engine.config import DEFAULT_GRAMMAR_CACHE_SIZE, KV_CACHE_DTYPES, DegradationPolicy, EngineConfig
 from trioserve.engine.placement import plan_replicas
 
 from .option_types import count, fraction_or_off, parse_memory, recording, seconds
@@ -37,7 +37,12 @@ def add_engine_options(parser: argparse.ArgumentParser, *, several_models: bool 
     add("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     add("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when present)")
     add("--block-size", type=int, default=16)
-    add("--kv-cache-memory", default=None, help="bytes (e.g. 2G) or a fraction of free memory (e.g. 0.5)")
+    add(
+        "--kv-cache-memory",
+        default=None,
+        help="bytes (e.g. 2G) or a fraction of free memory (e.g. 0.5) (default: on CPU what --max-num-seqs "
+        "contexts take, within a quarter of the available memory and 4 GiB; on CUDA 0.8)",
+    )
     add("--max-model-len", type=int, default=None)
     add("--max-num-seqs", type=int, default=64)
     add("--max-num-batched-tokens", type=int, default=2048)
@@ -72,6 +77,17 @@ def add_engine_options(parser: argparse.ArgumentParser, *, several_models: bool 
         type=int,
         default=32,
         help="inputs per int4 scale; must divide every projection's input size (default: 32)",
+    )
+    # The KV cache's dtype (engine/kv_dtype.py; its pool's size: engine/kv_budget.py).
+    add(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=list(KV_CACHE_DTYPES),
+        help="what the KV cache stores: auto picks a 16-bit dtype on CPU where its conversions work and measure "
+        "fast here (twice the tokens in the same memory), else float32, and the model's dtype on CUDA; "
+        "fp8 (e4m3) runs on CUDA only. Unless --kv-cache-memory is given, the CPU pool is sized for "
+        "--max-num-seqs contexts of --max-model-len tokens in this dtype, within 4 GiB and a quarter of the available "
+        "memory (default: auto)",
     )
     actions += add_tensor_parallel_options(parser)
     actions += add_speculative_options(parser)
@@ -190,6 +206,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConf
         quantization=args.quantization,
         quantization_group_size=args.quantization_group_size,
         **structured_output_fields(args),
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     fields.update(overrides)
     config = EngineConfig(**fields)

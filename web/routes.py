@@ -151,7 +151,17 @@ async def detokenize() -> Response:
 
 
 async def version() -> Response:
-    return json_response({"version": metadata.version("trioserve"), "cpu": cpu_report(current_host())})
+    host = current_host()
+    return json_response({"version": metadata.version("trioserve"), "cpu": cpu_report(host), "kv_cache": kv_report(host)})
+
+
+def kv_report(host: ModelHost) -> dict[str, object]:
+    """Each served model's KV cache: its dtype and pool size, and why (engine/kv_budget.py)."""
+    report = {}
+    for name, served in list(host.models.items()):
+        core = served.engine.core
+        report[name] = {**core.kv_pool.as_json(), "dtype_reason": core.kv_dtype.reason}
+    return report
 
 
 def cpu_report(host: ModelHost) -> dict[str, object] | None:
