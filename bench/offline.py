@@ -192,7 +192,7 @@ def add_bench_offline_parser(bench_commands) -> None:
         "--tensor-parallel-size", type=int, default=1, help="the engine's ranks (docs/deployment.md; default: 1)"
     )
     p.add_argument(
-        "--quantization", default="none", choices=["auto", "none", "int8", "int4"], help="trioserve's weights (docs/api.md)"
+        "--quantization", default="auto", choices=["auto", "none", "int8", "int4"], help="trioserve's weights (docs/api.md)"
     )
     p.add_argument("--quantization-group-size", type=int, default=32)
     p.add_argument(

@@ -347,9 +347,10 @@ CHATS = [
 def test_default_model_greedy_output_identical_at_three_ranks():
     """SmolLM2-135M (9 heads, 3 KV heads) on three ranks: the same greedy
     64 tokens as one rank for four chat prompts."""
-    # float32 cache, as in _config: the ranks' own rounding must not decide a near-tie.
+    # float32 cache, as in _config: the ranks' own rounding must not decide a
+    # near-tie; the float weights the ranks load (a GGUF is dequantized for them).
     fields = dict(max_model_len=512, max_num_seqs=4, kv_cache_memory=64 << 20, warm_up=False, num_threads=1,
-                  kv_cache_dtype="float32")  # fmt: skip
+                  kv_cache_dtype="float32", quantization="none")  # fmt: skip
     prompts = [[{"role": "user", "content": text}] for text in CHATS]
 
     def run(core: EngineCore) -> list[list[int]]:
