@@ -56,6 +56,9 @@ def main() -> int:
     parser.add_argument("--plots", type=Path, default=Path("docs/img"))
     parser.add_argument("--quick", action="store_true", help="small counts, to check the script runs")
     parser.add_argument("--dtype", default=None, help="the engine's weights and KV cache (server and bench offline)")
+    parser.add_argument(
+        "--quantization", default="none", help="the engine's weights (default: none, the float path the suite's figures use)"
+    )
     parser.add_argument("--skip", default="", help="comma list of parts to skip: start,offline,c32,c1,sweep,burst,prefix,memory")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -65,6 +68,7 @@ def main() -> int:
     out_len = 16 if q else 128
     summary: dict = {}
     dtype = ["--dtype", args.dtype] if args.dtype else []
+    dtype += ["--quantization", args.quantization]
 
     if "start" not in skip:
         summary["start"] = measure_start(args.out / "start-cache")
