@@ -46,17 +46,6 @@ class BoundedSenders:
         self._room = trio.lowlevel.ParkingLot()
         self._closed = False  # no more sends
 
-    @property
-    def num_queued(self) -> int:
-        raise NotImplementedError
-
-    @property
-    def num_queued_tokens(self) -> int:
-        raise NotImplementedError
-
-    def _put(self, message: AddRequest) -> None:
-        raise NotImplementedError
-
     def _check_open(self) -> None:
         if self._closed:
             raise trio.ClosedResourceError("the admission queue is closed")

@@ -42,11 +42,10 @@ from trioserve.engine.step_thread import StepThread
 
 from .admission import AdmissionQueue
 from .allocator import AllocatorActor
-from .concurrency import AdaptiveConcurrency
 from .degradation import Degradation
 from .errors import DuplicateRequestError, EngineClosed, EngineOverloaded
-from .executor import Executor, ModelExecutor
-from .process_executor import process_executor, worker_core
+from .executor import Executor
+from .process_executor import engine_executor, worker_core
 from .messages import AbortAll, AddRequest, StepDone, StepFailed
 from .request import RequestActor, RequestStream
 from .request_ids import RequestIds
@@ -387,17 +386,8 @@ async def open_engine(
         core = await run_in_step_thread(step_thread, make_core)
         admission = AdmissionQueue(config.max_queued_requests, config.max_queued_tokens)
         allocator = AllocatorActor(core.new_block_manager())
-        if in_process:
-            executor_actor: Executor = process_executor(core, config, worker_model)
-        elif executor is None:
-            assert core.runner is not None
-            executor_actor = ModelExecutor(core.runner, step_thread, watchdog_timeout=config.watchdog_timeout)
-        else:
-            executor_actor = executor(core)
-        concurrency = None
-        if config.adaptive_concurrency:
-            concurrency = AdaptiveConcurrency(max_limit=config.max_num_seqs, target=config.target_tpot_ms / 1000)
-        scheduler = SchedulerActor(core, admission, concurrency=concurrency)
+        executor_actor = engine_executor(core, config, step_thread, executor=executor, worker_model=worker_model)
+        scheduler = SchedulerActor.from_config(core, admission)
         kv_send, kv_receive = trio.open_memory_channel[KVResult](1)
         step_send, step_receive = trio.open_memory_channel[StepDone | StepFailed](1)
         async with trio.open_nursery() as nursery:

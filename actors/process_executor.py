@@ -52,6 +52,7 @@ from trioserve.engine.engine_core import EngineCore
 from trioserve.engine.loader import LoadedModel, describe_model
 from trioserve.engine.model_runner import RunnerOutput
 from trioserve.engine.step_plan import StepPlan
+from trioserve.engine.step_thread import StepThread
 from trioserve.engine.worker_process import (
     HEADER,
     StopWorker,
@@ -64,7 +65,7 @@ from trioserve.engine.worker_process import (
 )
 
 from .errors import WorkerLost, WorkerUnavailable
-from .executor import Executor, MaskNotSent, Masks
+from .executor import Executor, MaskNotSent, Masks, ModelExecutor
 from .messages import StepDone, StepFailed
 from .statistics import ExecutorStatistics
 
@@ -399,3 +400,23 @@ def process_executor(
         restart_window=config.worker_restart_window,
         stop_timeout=config.shutdown_timeout,
     )
+
+
+def engine_executor(
+    core: EngineCore,
+    config: EngineConfig,
+    step_thread: StepThread,
+    *,
+    executor: Callable[[EngineCore], Executor] | None,
+    worker_model: Callable[[], LoadedModel] | None,
+    cpus: frozenset[int] | None = None,
+) -> Executor:
+    """The executor actor of one engine (or one replica): a worker process
+    when ``config.worker_mode`` is ``process`` and no ``executor`` factory is
+    given, else ``executor(core)``, else the step on ``step_thread``."""
+    if config.worker_mode == "process" and executor is None:
+        return process_executor(core, config, worker_model, cpus=cpus)
+    if executor is not None:
+        return executor(core)
+    assert core.runner is not None
+    return ModelExecutor(core.runner, step_thread, watchdog_timeout=config.watchdog_timeout)

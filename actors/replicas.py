@@ -46,10 +46,9 @@ from trioserve.engine.placement import ParallelConfigError, PinnedStepThread, Re
 
 from .admission import AdmissionQueue
 from .allocator import AllocatorActor
-from .concurrency import AdaptiveConcurrency
 from .engine import Engine
-from .executor import Executor, ModelExecutor
-from .process_executor import process_executor, worker_core
+from .executor import Executor
+from .process_executor import engine_executor, worker_core
 from .messages import StepDone, StepFailed
 from .replica_admission import ReplicaControl, ReplicatedAdmission
 from .request import RequestActor
@@ -292,21 +291,11 @@ async def open_replicated_engine(
         )
         replicas = []
         for placement, core, thread, allocator, queue in zip(placements, built, threads, allocators, admission.queues):
-            if in_process:
-                # Each replica's step in its own worker process, pinned to the replica's cores.
-                executor_actor: Executor = process_executor(
-                    core, placement.engine_config(config), worker_model, cpus=placement.cpus
-                )
-            elif executor is None:
-                # The executor open_engine makes for one engine, on this replica's core and thread.
-                assert core.runner is not None
-                executor_actor = ModelExecutor(core.runner, thread, watchdog_timeout=config.watchdog_timeout)
-            else:
-                executor_actor = executor(core)
-            concurrency = None
-            if config.adaptive_concurrency:
-                concurrency = AdaptiveConcurrency(max_limit=config.max_num_seqs, target=config.target_tpot_ms / 1000)
-            scheduler = SchedulerActor(core, queue, concurrency=concurrency)
+            # A worker process is pinned to the replica's cores; the step thread already is.
+            executor_actor = engine_executor(
+                core, placement.engine_config(config), thread, executor=executor, worker_model=worker_model, cpus=placement.cpus
+            )
+            scheduler = SchedulerActor.from_config(core, queue)
             replicas.append(Replica(placement, core, queue, scheduler, allocator, executor_actor))
 
         async with trio.open_nursery() as nursery:

@@ -86,6 +86,16 @@ class SchedulerActor:
     is paused.
     """
 
+    @classmethod
+    def from_config(cls, core: EngineCore, admission: AdmissionQueue) -> SchedulerActor:
+        """The scheduler actor of ``core``, with adaptive concurrency when
+        its configuration asks for it."""
+        config = core.config
+        concurrency = None
+        if config.adaptive_concurrency:
+            concurrency = AdaptiveConcurrency(max_limit=config.max_num_seqs, target=config.target_tpot_ms / 1000)
+        return cls(core, admission, concurrency=concurrency)
+
     def __init__(
         self,
         core: EngineCore,
