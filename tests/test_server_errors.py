@@ -238,11 +238,11 @@ async def test_draining_answers_503_and_lets_in_flight_finish(default_loaded):
 async def test_health_503_while_loading(default_loaded, monkeypatch):
     release = threading.Event()
 
-    def slow_load(path, **options):
+    def slow_load(config):
         release.wait(timeout=60)
         return default_loaded
 
-    monkeypatch.setattr(engine_core_module, "load_model", slow_load)  # the engine loads through it
+    monkeypatch.setattr(engine_core_module, "load_model_for", slow_load)  # the engine loads through it
     app = create_app(server_config())
     try:
         async with serving(app, wait_ready=False) as running, httpx.AsyncClient(base_url=running.url) as http:
