@@ -59,6 +59,21 @@ async def server_metrics(url: str) -> dict[str, float]:
     return values
 
 
+def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, *, name: str = "the server", see: str = "") -> None:
+    """Return once ``url``/health answers 200; ``ServerStartError`` (naming
+    ``name``, then ``see``) if ``proc`` exits or ``timeout`` seconds pass first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise ServerStartError(f"{name} exited with {proc.returncode}{see}")
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return
+        if time.monotonic() > deadline:
+            raise ServerStartError(f"{name} did not become ready in {timeout:g} s{see}")
+        time.sleep(0.5)  # a script polling a child process, not a test
+
+
 @contextlib.contextmanager
 def serving_process(flags: Sequence[str], log: Path | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
     """``trioserve serve`` (beside this interpreter) with ``flags`` on a free
@@ -74,16 +89,7 @@ def serving_process(flags: Sequence[str], log: Path | None = None) -> Iterator[t
         proc = subprocess.Popen([*command, "--shutdown-timeout", "5", *flags], stdout=output, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + READY_TIMEOUT
-            while True:
-                if proc.poll() is not None:
-                    raise ServerStartError(f"the server exited with {proc.returncode}{see}")
-                with contextlib.suppress(httpx.TransportError):
-                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    raise ServerStartError(f"the server did not become ready in {READY_TIMEOUT:g} s{see}")
-                time.sleep(0.5)  # a script polling a child process, not a test
+            wait_healthy(proc, url, READY_TIMEOUT, see=see)
             yield url, proc
         finally:
             proc.send_signal(signal.SIGTERM)  # nothing, if the block already stopped it

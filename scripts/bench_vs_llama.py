@@ -41,7 +41,7 @@ from pathlib import Path
 
 import httpx
 
-from trioserve.bench.process import free_port
+from trioserve.bench.process import ServerStartError, free_port, wait_healthy
 from trioserve.bench.vs_llama import (
     LLAMA_SERVER,
     Contender,
@@ -155,16 +155,7 @@ def running(command: list[str], url: str, log: Path, ready_timeout: float) -> It
         print("$", shlex.join(command), flush=True)
         proc = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            deadline = time.monotonic() + ready_timeout
-            while True:
-                if proc.poll() is not None:
-                    raise ServerFailed(f"{Path(command[0]).name} exited with {proc.returncode}; see {log}")
-                with contextlib.suppress(httpx.TransportError):
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    raise ServerFailed(f"{Path(command[0]).name} not ready after {ready_timeout:g} s; see {log}")
-                time.sleep(0.5)  # a script polling a child process, not a test
+            wait_healthy(proc, url, ready_timeout, name=Path(command[0]).name, see=f"; see {log}")
             yield proc
         finally:
             _stop_session(proc)
@@ -362,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== {contender.label}", flush=True)
         try:
             document["servers"].append(measure(contender, args, layout, model, prompt))
-        except (ServerFailed, OSError, httpx.HTTPError, ValueError, KeyError) as exc:
+        except (ServerFailed, ServerStartError, OSError, httpx.HTTPError, ValueError, KeyError) as exc:
             print(f"{contender.label}: {exc}", file=sys.stderr, flush=True)
             document["servers"].append({"label": contender.label, "kind": contender.kind,
                                         "quantization": contender.quantization, "error": str(exc)})  # fmt: skip
