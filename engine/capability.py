@@ -33,7 +33,9 @@ import torch.nn.functional as F
 
 from . import kv_dtype, onednn
 from .errors import CpuCapabilityError
+from .quant import int4_native as quant_int4_native
 from .quant import int4_pack as quant_int4_pack
+from .quant import int8_native as quant_int8_native
 from .quant import int8_pack as quant_int8_pack
 
 ASSUME_ENV = "TRIOSERVE_CPU_ASSUME"
@@ -144,6 +146,19 @@ PROBES: tuple[Probe, ...] = (
     # Compressed-weight kernels (engine/quant/choose.py picks among them by measurement).
     Probe("quant_int4_pack_bfloat16", "ATen 4-bit packed linear in bfloat16", functools.partial(quant_int4_pack.trial, torch.bfloat16)),
     Probe("quant_int8_pack_bfloat16", "ATen int8 packed linear in bfloat16", functools.partial(quant_int8_pack.trial, torch.bfloat16)),
+    # Our native kernels (engine/quant/native.py), one variant per ISA; their
+    # trials also fail where scripts/setup.sh could not build them.
+    *(
+        Probe(
+            f"quant_int{bits}_native_{isa}",
+            f"native {'4-bit' if bits == 4 else 'int8'} linear ({isa})",
+            functools.partial(module.trial, isa),
+            needs="default" if isa == "scalar" else isa,
+            requirement={"avx512": "AVX-512 F/BW", "avx2": "AVX2, FMA and F16C", "scalar": None}[isa],
+        )
+        for bits, module in ((4, quant_int4_native), (8, quant_int8_native))
+        for isa in ("avx512", "avx2", "scalar")
+    ),
     # A KV cache narrower than the model (engine/kv_dtype.py chooses among
     # them by measurement); each needs the level that converts it in hardware.
     Probe(

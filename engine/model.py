@@ -32,6 +32,7 @@ from .config import ModelConfig
 from .errors import CpuCapabilityError, ModelLoadError
 from .forward_batch import ForwardBatch
 from .kv_cache import KVCache
+from .quant.native_decode import NativeDecode
 from .quant.projections import QuantizedProjections
 from .rotary import RotaryEmbedding, apply_rotary
 
@@ -257,6 +258,7 @@ class _Made:
     packed: bool
     where: tuple[torch.device, torch.dtype]
     head: Callable[[torch.Tensor], torch.Tensor] | None = None  # a compressed LM head
+    decode: NativeDecode | None = None  # all layers of a decode batch in one native call
 
 
 class LlamaForCausalLM(nn.Module):
@@ -324,16 +326,21 @@ class LlamaForCausalLM(nn.Module):
         one row per entry of ``logits_indices``, in that order.
         """
         made = self._projections()
-        meta = AttentionMetadata.build(batch, kv_cache)
         cos, sin = self.rotary.cos_sin(batch.positions)
         hidden = self.embed(batch.input_ids)
-        # ``forward`` directly, not through nn.Module's call (hook checks),
-        # and each layer's pools from one unbind: a one-stream decode step
-        # is bound by such per-layer overheads (docs/benchmarks.md, "A lean
-        # decode step").
         slots = batch.slot_mapping
-        for layer, projections, keys, values in zip(self.layers, made.layers, kv_cache.key, kv_cache.value):
-            hidden = layer.forward(hidden, projections, cos, sin, keys, values, slots, meta)
+        if made.decode is not None and made.decode.runs(batch.query_lens_cpu, kv_cache.key.dtype):
+            hidden = made.decode(
+                hidden, cos, sin, kv_cache.key, kv_cache.value, slots, batch.block_tables, batch.context_lens
+            )
+        else:
+            meta = AttentionMetadata.build(batch, kv_cache)
+            # ``forward`` directly, not through nn.Module's call (hook
+            # checks), and each layer's pools from one unbind: a one-stream
+            # decode step is bound by such per-layer overheads
+            # (docs/benchmarks.md, "A lean decode step").
+            for layer, projections, keys, values in zip(self.layers, made.layers, kv_cache.key, kv_cache.value):
+                hidden = layer.forward(hidden, projections, cos, sin, keys, values, slots, meta)
         hidden = hidden.index_select(0, batch.logits_indices)
         hidden = F.rms_norm(hidden, (hidden.shape[-1],), self.norm, self.config.rms_norm_eps)
         return self.lm_logits(hidden, made)
@@ -399,10 +406,22 @@ class LlamaForCausalLM(nn.Module):
         self, layers: list[QuantizedProjections], head: Callable[[torch.Tensor], torch.Tensor] | None
     ) -> None:
         """Run on compressed projections (one per layer) and, when ``head``
-        is given, a compressed LM head; else the LM head is ``F.linear``."""
+        is given, a compressed LM head; else the LM head is ``F.linear``.
+        Where the projections run on the native kernels at few rows, decode
+        batches of that many rows run all layers in one native call."""
         assert self.projection_choice.quantization is not None and len(layers) == len(self.layers)
         where = (self.embed_tokens.device, self.embed_tokens.dtype)
-        self._quantized = _Made(list(layers), self.lm_head, False, where, head)
+        c = self.config
+        decode = NativeDecode.build(
+            layers,
+            [layer.input_layernorm for layer in self.layers],
+            [layer.post_attention_layernorm for layer in self.layers],
+            num_heads=c.num_attention_heads,
+            num_kv_heads=c.num_key_value_heads,
+            head_dim=c.head_dim,
+            eps=c.rms_norm_eps,
+        )
+        self._quantized = _Made(list(layers), self.lm_head, False, where, head, decode)
 
     def _can_pack(self, device: torch.device, dtype: torch.dtype) -> bool:
         # After a move (``.to``): pack only where that path works too.

@@ -114,7 +114,8 @@ def test_every_kernel_that_runs_here_matches_the_dequantized_weights(cpu_paths):
 
 
 def test_a_quantization_no_kernel_runs_is_refused_with_what_the_machine_runs():
-    probes = [p for p in capability.PROBES if p.name != "quant_int4_pack_bfloat16"]
+    four_bit = {k.name for k in choose.KERNELS if k.bits == 4}
+    probes = [p for p in capability.PROBES if p.name not in four_bit]
     paths = CpuPaths.detect(probes=probes)
     with pytest.raises(CpuCapabilityError, match=r"quantization int4 cannot run on this CPU.*runs int8, none"):
         choose.candidates(paths, "int4")

@@ -19,7 +19,7 @@ import torch
 
 from ..capability import CpuPaths
 from ..errors import CpuCapabilityError
-from . import int4_pack, int8_pack
+from . import int4_native, int4_pack, int8_native, int8_pack
 from .row_split import RowSplitLinear
 from .rtn import Int4Weight, Int8Weight, quantize_int4, quantize_int8
 
@@ -41,6 +41,9 @@ class Kernel:
     bits: int
     what: str
     build: Callable[[Int8Weight | Int4Weight, torch.Tensor | None], Linear]
+    # Kernels of one family are one kernel compiled for several ISAs, best
+    # first: only the best that works here is a candidate.
+    family: str = ""
 
     def make(self, weight: torch.Tensor | Int8Weight | Int4Weight, bias: torch.Tensor | None, group_size: int) -> Linear:
         """The linear for ``weight``: taken as it is when in this kernel's
@@ -57,7 +60,22 @@ class Kernel:
 # for the whole call, and the default model's perplexity went from 23.2 to
 # 38.6 with it (docs/benchmarks.md): it is measured by
 # scripts/bench_qlinear.py, not chosen.
+def _native(bits: int, isa: str, what: str) -> Kernel:
+    linear = int4_native.Int4NativeLinear if bits == 4 else int8_native.Int8NativeLinear
+    return Kernel(
+        f"quant_int{bits}_native_{isa}",
+        bits,
+        f"{what}, native kernel ({isa}, float32 activations)",
+        lambda w, b: linear.from_rtn(w, b, isa),  # type: ignore[arg-type]
+        family=f"native{bits}",
+    )
+
+
 KERNELS: tuple[Kernel, ...] = (
+    # Ours (csrc/), where scripts/setup.sh built them; the capability probes
+    # fail with the reason where not, and the chooser takes ATen's.
+    *(_native(4, isa, "4-bit groups") for isa in ("avx512", "avx2", "scalar")),
+    *(_native(8, isa, "int8 per channel") for isa in ("avx512", "avx2", "scalar")),
     Kernel(
         "quant_int4_pack_bfloat16",
         4,
@@ -119,6 +137,10 @@ def candidates(cpu_paths: CpuPaths, scheme: str) -> list[Kernel]:
         raise ValueError(f"quantization {scheme!r} is not one of {', '.join(SCHEMES)}")
     known = {p.name for p in cpu_paths.paths}
     usable = [k for k in KERNELS if k.name in known and cpu_paths.available(k.name)]
+    best_of_family: dict[str, Kernel] = {}
+    for k in usable:
+        best_of_family.setdefault(k.family or k.name, k)
+    usable = [k for k in usable if best_of_family[k.family or k.name] is k]
     fits = [k for k in usable if scheme == "auto" or k.bits == int(scheme.removeprefix("int"))]
     if not fits:
         runs = sorted({f"int{k.bits}" for k in usable})

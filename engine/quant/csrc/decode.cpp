@@ -1,0 +1,303 @@
+// A whole decode step's decoder layers in one call: trioserve::decode_layers.
+//
+// At one row a step is some 200 small torch ops per layer besides the
+// matmuls (norms, rotary, the cache write, the gather and attention, the
+// activation); each costs a few microseconds of dispatch and allocation, and
+// over 30 layers they took more time than the weights (docs/benchmarks.md,
+// "A lean decode step"). Here the layer loop runs natively: the projections
+// on the native linears of kernels.h, everything else as plain loops over
+// buffers allocated once per call. Only batches whose every row decodes one
+// token come here (engine/quant/native_decode.py); prefill stays in torch.
+//
+// The math is the model's (engine/model.py DecoderLayer.forward): RMSNorm,
+// fused q/k/v, rotary with the rotate-half tables the model passes in, the
+// new key and value stored into the cache first (rounded as the cache's
+// dtype rounds them, float16 saturating), attention over the cache, o plus
+// residual, RMSNorm, SwiGLU, down plus residual.
+
+#include "kernels.h"
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+using namespace trioserve_native;
+
+inline float widen(float v) { return v; }
+inline float widen(c10::Half v) { return static_cast<float>(v); }
+inline float widen(c10::BFloat16 v) { return static_cast<float>(v); }
+
+namespace scalar_isa {
+using Vec = float;
+constexpr int64_t kWidth = 1;
+inline Vec vzero() { return 0.f; }
+inline Vec vset(float v) { return v; }
+template <typename T>
+inline Vec vload(const T* p) { return widen(*p); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return a * b + c; }
+inline float vsum(Vec v) { return v; }
+inline void vstore(float* p, Vec v) { *p = v; }
+#include "attend.h"
+}  // namespace scalar_isa
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2_isa {
+using Vec = __m256;
+constexpr int64_t kWidth = 8;
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vset(float v) { return _mm256_set1_ps(v); }
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec vload(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline Vec vload(const c10::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(Vec v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+#include "attend.h"
+}  // namespace avx2_isa
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,fma,f16c")
+namespace avx512_isa {
+using Vec = __m512;
+constexpr int64_t kWidth = 16;
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vset(float v) { return _mm512_set1_ps(v); }
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec vload(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline Vec vload(const c10::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+#include "attend.h"
+}  // namespace avx512_isa
+#pragma GCC pop_options
+
+// The weights of one layer, in this order, in the flat list the op takes;
+// an empty tensor is "none" (a bias), or "not int8" (a scale).
+enum Part : int64_t {
+  kInputNorm, kQkv, kQkvScale, kQkvBias, kO, kOScale, kOBias, kPostNorm, kGateUp, kGateUpScale, kDown, kDownScale,
+  kParts
+};
+
+struct Linear {
+  const torch::Tensor& weight;  // uint8 [out, in / 32, 24] 4-bit blocks, or int8 [out, in]
+  const torch::Tensor& scale;
+  const torch::Tensor& bias;
+
+  int64_t out() const { return weight.size(0); }
+
+  void operator()(const float* x, int64_t rows, int64_t k, float* y, int64_t isa) const {
+    if (weight.dim() == 3) q4_matmul(x, rows, k, weight.data_ptr<uint8_t>(), out(), y, isa);
+    else q8_matmul(x, rows, k, weight.data_ptr<int8_t>(), scale.data_ptr<float>(), out(), y, isa);
+    if (bias.numel() == 0) return;
+    const float* b = bias.data_ptr<float>();
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t n = 0; n < out(); ++n) y[r * out() + n] += b[n];
+  }
+};
+
+void check_linear(const torch::Tensor& w, const torch::Tensor& scale, const torch::Tensor& bias, int64_t in,
+                  const char* what) {
+  if (w.dim() == 3) {
+    TORCH_CHECK(w.scalar_type() == at::kByte && w.size(2) == kBlockBytes && w.size(1) * kGroup == in, what,
+                ": 4-bit blocks must be uint8 [out, ", in / kGroup, ", 24]");
+  } else {
+    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.size(1) == in, what, ": int8 weight must be [out, ",
+                in, "]");
+    TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == w.size(0), what, ": scale must be float32 [out]");
+  }
+  TORCH_CHECK(w.is_contiguous() && scale.is_contiguous() && bias.is_contiguous(), what, ": tensors must be contiguous");
+  TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == at::kFloat && bias.numel() == w.size(0)), what,
+              ": bias must be float32 [out]");
+}
+
+void rms_norm(const float* x, const float* weight, int64_t rows, int64_t n, float eps, float* y) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * n;
+    float squares = 0.f;
+    for (int64_t j = 0; j < n; ++j) squares += xr[j] * xr[j];
+    const float inv = 1.f / std::sqrt(squares / float(n) + eps);
+    for (int64_t j = 0; j < n; ++j) y[r * n + j] = xr[j] * inv * weight[j];
+  }
+}
+
+template <typename T>
+T to_cache(float v) {
+  if constexpr (std::is_same_v<T, c10::Half>) {
+    constexpr float kMax = 65504.f;  // saturate, as engine/kv_cache.py's to_cache does
+    return T(std::min(std::max(v, -kMax), kMax));
+  } else {
+    return T(v);
+  }
+}
+
+template <typename T>
+void attend_rows(const float* qkv, int64_t qkv_stride, const T* key, const T* value, const int64_t* tables,
+                 int64_t table_stride, const int64_t* context_lens, int64_t rows, int64_t heads, int64_t kv_heads,
+                 int64_t head_dim, int64_t block_size, float scale, int64_t isa, float* out) {
+  const int64_t group = heads / kv_heads, token_stride = kv_heads * head_dim;
+  at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / heads, h = item % heads, kv = h / group;
+      const int64_t context = context_lens[r];
+      scores.resize(context);
+      const float* q = qkv + r * qkv_stride + h * head_dim;
+      const T* k = key + kv * head_dim;
+      const T* v = value + kv * head_dim;
+      const int64_t* table = tables + r * table_stride;
+      float* o = out + r * heads * head_dim + h * head_dim;
+      if (isa == kAvx512 && head_dim % avx512_isa::kWidth == 0)
+        avx512_isa::attend<T>(q, k, v, table, context, block_size, token_stride, head_dim, scale, scores.data(), o);
+      else if (isa >= kAvx2 && head_dim % avx2_isa::kWidth == 0)
+        avx2_isa::attend<T>(q, k, v, table, context, block_size, token_stride, head_dim, scale, scores.data(), o);
+      else
+        scalar_isa::attend<T>(q, k, v, table, context, block_size, token_stride, head_dim, scale, scores.data(), o);
+    }
+  });
+}
+
+template <typename T>
+torch::Tensor decode_impl(const torch::Tensor& hidden, const std::vector<torch::Tensor>& weights,
+                          const torch::Tensor& key_cache, const torch::Tensor& value_cache, const torch::Tensor& cos,
+                          const torch::Tensor& sin, const torch::Tensor& slots, const torch::Tensor& tables,
+                          const torch::Tensor& context_lens, int64_t heads, int64_t kv_heads, double eps_in,
+                          double scale_in, int64_t isa) {
+  const float eps = float(eps_in), scale = float(scale_in);
+  const int64_t rows = hidden.size(0), dim = hidden.size(1), layers = key_cache.size(0);
+  const int64_t block_size = key_cache.size(2), head_dim = key_cache.size(4);
+  const int64_t half = head_dim / 2, q_width = heads * head_dim, kv_width = kv_heads * head_dim;
+  const int64_t qkv_out = q_width + 2 * kv_width;
+  const int64_t layer_stride = key_cache.stride(0);
+  const int64_t inter = weights[kGateUp].size(0) / 2;
+
+  torch::Tensor residual = hidden.clone();
+  auto buffer = [&](int64_t n) { return torch::empty({rows, n}, hidden.options()); };
+  torch::Tensor x = buffer(dim), qkv = buffer(qkv_out), attn = buffer(q_width), gate_up = buffer(2 * inter);
+  torch::Tensor act = buffer(inter), proj = buffer(dim);
+  float* res = residual.data_ptr<float>();
+  float *xp = x.data_ptr<float>(), *qkvp = qkv.data_ptr<float>(), *attnp = attn.data_ptr<float>();
+  float *gup = gate_up.data_ptr<float>(), *actp = act.data_ptr<float>(), *projp = proj.data_ptr<float>();
+  const float *cosp = cos.data_ptr<float>(), *sinp = sin.data_ptr<float>();
+  const int64_t* slotp = slots.data_ptr<int64_t>();
+  std::vector<float> rotated(head_dim);
+
+  for (int64_t l = 0; l < layers; ++l) {
+    const torch::Tensor* w = weights.data() + l * kParts;
+    rms_norm(res, w[kInputNorm].data_ptr<float>(), rows, dim, eps, xp);
+    Linear{w[kQkv], w[kQkvScale], w[kQkvBias]}(xp, rows, dim, qkvp, isa);
+    T* key = key_cache.data_ptr<T>() + l * layer_stride;
+    T* value = value_cache.data_ptr<T>() + l * layer_stride;
+    for (int64_t r = 0; r < rows; ++r) {
+      float* row = qkvp + r * qkv_out;
+      const float *c = cosp + r * head_dim, *s = sinp + r * head_dim;
+      for (int64_t h = 0; h < heads + kv_heads; ++h) {  // q and k heads: rotate half
+        float* v = row + h * head_dim;
+        for (int64_t i = 0; i < head_dim; ++i) rotated[i] = v[i] * c[i] + v[(i + half) % head_dim] * s[i];
+        std::copy(rotated.begin(), rotated.end(), v);
+      }
+      T* k_slot = key + slotp[r] * kv_width;
+      T* v_slot = value + slotp[r] * kv_width;
+      for (int64_t i = 0; i < kv_width; ++i) {
+        k_slot[i] = to_cache<T>(row[q_width + i]);
+        v_slot[i] = to_cache<T>(row[q_width + kv_width + i]);
+      }
+    }
+    attend_rows<T>(qkvp, qkv_out, key, value, tables.data_ptr<int64_t>(), tables.size(1),
+                   context_lens.data_ptr<int64_t>(), rows, heads, kv_heads, head_dim, block_size, scale, isa, attnp);
+    Linear{w[kO], w[kOScale], w[kOBias]}(attnp, rows, q_width, projp, isa);
+    for (int64_t i = 0; i < rows * dim; ++i) res[i] += projp[i];
+    rms_norm(res, w[kPostNorm].data_ptr<float>(), rows, dim, eps, xp);
+    Linear{w[kGateUp], w[kGateUpScale], torch::Tensor()}(xp, rows, dim, gup, isa);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float *g = gup + r * 2 * inter, *u = g + inter;
+      for (int64_t j = 0; j < inter; ++j) actp[r * inter + j] = g[j] / (1.f + std::exp(-g[j])) * u[j];
+    }
+    Linear{w[kDown], w[kDownScale], torch::Tensor()}(actp, rows, inter, projp, isa);
+    for (int64_t i = 0; i < rows * dim; ++i) res[i] += projp[i];
+  }
+  return residual;
+}
+
+}  // namespace
+
+torch::Tensor decode_layers(const torch::Tensor& hidden, std::vector<torch::Tensor> weights,
+                            const torch::Tensor& key_cache, const torch::Tensor& value_cache, const torch::Tensor& cos,
+                            const torch::Tensor& sin, const torch::Tensor& slots, const torch::Tensor& block_tables,
+                            const torch::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads, double eps,
+                            double scale, int64_t isa) {
+  check_isa(isa);
+  TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.dim() == 2 && hidden.is_contiguous(),
+              "decode_layers: hidden must be contiguous float32 [rows, hidden]");
+  const int64_t rows = hidden.size(0), dim = hidden.size(1);
+  TORCH_CHECK(key_cache.dim() == 5 && key_cache.sizes() == value_cache.sizes() && key_cache.is_contiguous() &&
+                  value_cache.is_contiguous() && key_cache.scalar_type() == value_cache.scalar_type(),
+              "decode_layers: key and value caches must be contiguous [layers, blocks, block_size, kv_heads, head_dim]");
+  const int64_t layers = key_cache.size(0), head_dim = key_cache.size(4);
+  TORCH_CHECK(key_cache.size(3) == num_kv_heads && num_heads % num_kv_heads == 0 && head_dim % 2 == 0,
+              "decode_layers: heads do not match the cache");
+  TORCH_CHECK(int64_t(weights.size()) == layers * kParts, "decode_layers: ", kParts, " weights per layer expected");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && cos.numel() == rows * head_dim &&
+                  sin.scalar_type() == at::kFloat && sin.is_contiguous() && sin.numel() == rows * head_dim,
+              "decode_layers: cos and sin must be contiguous float32 [rows, head_dim]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == rows && context_lens.scalar_type() == at::kLong &&
+                  context_lens.numel() == rows && block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 &&
+                  block_tables.size(0) == rows && slots.is_contiguous() && context_lens.is_contiguous() &&
+                  block_tables.is_contiguous(),
+              "decode_layers: slots, context_lens [rows] and block_tables [rows, blocks] must be contiguous int64");
+  const int64_t block_size = key_cache.size(2), blocks = key_cache.size(1);
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(lens[r] >= 1 && lens[r] <= block_tables.size(1) * block_size, "decode_layers: row ", r,
+                " context ", lens[r], " exceeds its block table");
+    TORCH_CHECK(slot[r] >= 0 && slot[r] < blocks * block_size, "decode_layers: row ", r, " slot out of the cache");
+  }
+  const int64_t q_width = num_heads * head_dim, kv_width = num_kv_heads * head_dim;
+  for (int64_t l = 0; l < layers; ++l) {
+    const torch::Tensor* w = weights.data() + l * kParts;
+    TORCH_CHECK(w[kInputNorm].numel() == dim && w[kPostNorm].numel() == dim, "decode_layers: norm weights");
+    check_linear(w[kQkv], w[kQkvScale], w[kQkvBias], dim, "decode_layers qkv");
+    TORCH_CHECK(w[kQkv].size(0) == q_width + 2 * kv_width, "decode_layers: qkv rows");
+    check_linear(w[kO], w[kOScale], w[kOBias], q_width, "decode_layers o");
+    check_linear(w[kGateUp], w[kGateUpScale], torch::Tensor(), dim, "decode_layers gate_up");
+    check_linear(w[kDown], w[kDownScale], torch::Tensor(), w[kGateUp].size(0) / 2, "decode_layers down");
+    TORCH_CHECK(w[kO].size(0) == dim && w[kDown].size(0) == dim && w[kGateUp].size(0) == weights[kGateUp].size(0),
+                "decode_layers: layer ", l, " shapes");
+  }
+  switch (key_cache.scalar_type()) {
+    case at::kFloat:
+      return decode_impl<float>(hidden, weights, key_cache, value_cache, cos, sin, slots, block_tables, context_lens,
+                                num_heads, num_kv_heads, eps, scale, isa);
+    case at::kHalf:
+      return decode_impl<c10::Half>(hidden, weights, key_cache, value_cache, cos, sin, slots, block_tables,
+                                    context_lens, num_heads, num_kv_heads, eps, scale, isa);
+    case at::kBFloat16:
+      return decode_impl<c10::BFloat16>(hidden, weights, key_cache, value_cache, cos, sin, slots, block_tables,
+                                        context_lens, num_heads, num_kv_heads, eps, scale, isa);
+    default:
+      TORCH_CHECK(false, "decode_layers: a ", key_cache.scalar_type(), " cache is not supported");
+  }
+}
+
+TORCH_LIBRARY_IMPL(trioserve, CPU, m) {
+  m.impl("decode_layers", &decode_layers);
+}

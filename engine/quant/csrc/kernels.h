@@ -1,0 +1,253 @@
+// The row kernels of the native linears; see linear.cpp for what and why.
+
+#pragma once
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace trioserve_native {
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kBlockBytes = 24;
+// Input rows one pass over a weight row serves: more reuse of each decoded
+// weight, while the accumulators still fit in registers.
+constexpr int kMaxRows = 4;
+
+enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+
+inline int64_t supported_isas() {
+  int64_t bits = 1 << kScalar;
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) bits |= 1 << kAvx2;
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) bits |= 1 << kAvx512;
+  return bits;
+}
+
+struct Block {
+  float d;
+  float m;
+  const uint8_t* qs;
+};
+
+inline Block block_at(const uint8_t* p) {
+  Block b;
+  std::memcpy(&b.d, p, 4);
+  std::memcpy(&b.m, p + 4, 4);
+  b.qs = p + 8;
+  return b;
+}
+
+// ---- 4-bit ---------------------------------------------------------------
+
+template <int R>
+void q4_rows_scalar(const float* x, int64_t ldx, const uint8_t* w, int64_t groups, int64_t n0, int64_t n1,
+                    float* y, int64_t ldy) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * groups * kBlockBytes;
+    float acc[R] = {};
+    for (int64_t g = 0; g < groups; ++g) {
+      const Block b = block_at(row + g * kBlockBytes);
+      for (int r = 0; r < R; ++r) {
+        const float* xg = x + r * ldx + g * kGroup;
+        float dot = 0.f, sum = 0.f;
+        for (int j = 0; j < 16; ++j) {
+          dot += float(b.qs[j] & 0xF) * xg[j] + float(b.qs[j] >> 4) * xg[j + 16];
+          sum += xg[j] + xg[j + 16];
+        }
+        acc[r] += b.d * dot + b.m * sum;
+      }
+    }
+    for (int r = 0; r < R; ++r) y[r * ldy + n] = acc[r];
+  }
+}
+
+inline __attribute__((target("avx2,fma"))) float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+template <int R>
+__attribute__((target("avx2,fma"))) void q4_rows_avx2(const float* x, int64_t ldx, const uint8_t* w,
+                                                     int64_t groups, int64_t n0, int64_t n1, float* y,
+                                                     int64_t ldy) {
+  const __m128i low = _mm_set1_epi8(0x0F);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * groups * kBlockBytes;
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* p = row + g * kBlockBytes;
+      const __m256 d = _mm256_broadcast_ss(reinterpret_cast<const float*>(p));
+      const __m256 m = _mm256_broadcast_ss(reinterpret_cast<const float*>(p + 4));
+      const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8));
+      const __m128i lo = _mm_and_si128(qs, low);
+      const __m128i hi = _mm_and_si128(_mm_srli_epi16(qs, 4), low);
+      const __m256 w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), d, m);
+      const __m256 w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), d, m);
+      const __m256 w2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), d, m);
+      const __m256 w3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), d, m);
+      for (int r = 0; r < R; ++r) {
+        const float* xg = x + r * ldx + g * kGroup;
+        acc[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xg), acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xg + 8), acc[r][1]);
+        acc[r][0] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xg + 16), acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xg + 24), acc[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) y[r * ldy + n] = hsum256(_mm256_add_ps(acc[r][0], acc[r][1]));
+  }
+}
+
+template <int R>
+__attribute__((target("avx512f,avx512bw"))) void q4_rows_avx512(const float* x, int64_t ldx, const uint8_t* w,
+                                                               int64_t groups, int64_t n0, int64_t n1, float* y,
+                                                               int64_t ldy) {
+  const __m512i low = _mm512_set1_epi32(0x0F);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * groups * kBlockBytes;
+    __m512 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* p = row + g * kBlockBytes;
+      const __m512 d = _mm512_set1_ps(*reinterpret_cast<const float*>(p));
+      const __m512 m = _mm512_set1_ps(*reinterpret_cast<const float*>(p + 4));
+      const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+      const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low)), d, m);
+      const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d, m);
+      for (int r = 0; r < R; ++r) {
+        const float* xg = x + r * ldx + g * kGroup;
+        acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xg), acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xg + 16), acc[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) y[r * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+  }
+}
+
+// ---- int8 per channel ----------------------------------------------------
+
+template <int R>
+void q8_rows_scalar(const float* x, int64_t ldx, const int8_t* w, const float* scale, int64_t k, int64_t n0,
+                    int64_t n1, float* y, int64_t ldy) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* row = w + n * k;
+    float acc[R] = {};
+    for (int64_t j = 0; j < k; ++j)
+      for (int r = 0; r < R; ++r) acc[r] += float(row[j]) * x[r * ldx + j];
+    for (int r = 0; r < R; ++r) y[r * ldy + n] = acc[r] * scale[n];
+  }
+}
+
+template <int R>
+__attribute__((target("avx2,fma"))) void q8_rows_avx2(const float* x, int64_t ldx, const int8_t* w,
+                                                     const float* scale, int64_t k, int64_t n0, int64_t n1,
+                                                     float* y, int64_t ldy) {
+  const int64_t body = k - k % 16;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* row = w + n * k;
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < body; j += 16) {
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + j));
+      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)));
+      for (int r = 0; r < R; ++r) {
+        acc[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * ldx + j), acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * ldx + j + 8), acc[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      float sum = hsum256(_mm256_add_ps(acc[r][0], acc[r][1]));
+      for (int64_t j = body; j < k; ++j) sum += float(row[j]) * x[r * ldx + j];
+      y[r * ldy + n] = sum * scale[n];
+    }
+  }
+}
+
+template <int R>
+__attribute__((target("avx512f,avx512bw"))) void q8_rows_avx512(const float* x, int64_t ldx, const int8_t* w,
+                                                               const float* scale, int64_t k, int64_t n0,
+                                                               int64_t n1, float* y, int64_t ldy) {
+  const int64_t body = k - k % 32;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int8_t* row = w + n * k;
+    __m512 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < body; j += 32) {
+      const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + j))));
+      const __m512 w1 =
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + j + 16))));
+      for (int r = 0; r < R; ++r) {
+        acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + r * ldx + j), acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + r * ldx + j + 16), acc[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+      for (int64_t j = body; j < k; ++j) sum += float(row[j]) * x[r * ldx + j];
+      y[r * ldy + n] = sum * scale[n];
+    }
+  }
+}
+
+// ---- dispatch ------------------------------------------------------------
+
+inline void check_isa(int64_t isa) {
+  TORCH_CHECK(isa >= kScalar && isa <= kAvx512, "trioserve native linear: unknown isa ", isa);
+  TORCH_CHECK(supported_isas() & (int64_t(1) << isa), "trioserve native linear: this CPU cannot run isa ", isa,
+              isa == kAvx512 ? " (AVX-512 F/BW)" : " (AVX2 and FMA)");
+}
+
+// Runs ``kernel<R>(x_rows, ..., n0, n1, y_rows)`` over all rows of x in
+// chunks of at most kMaxRows, output channels split across torch's threads.
+template <typename Kernel>
+inline void over_rows(int64_t rows, int64_t out, const Kernel& kernel) {
+  // A chunk of output channels per task big enough that a task's weights
+  // (a few KiB a channel) outweigh the cost of handing it out.
+  const int64_t grain = 16;
+  at::parallel_for(0, out, grain, [&](int64_t n0, int64_t n1) {
+    for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
+      switch (std::min<int64_t>(kMaxRows, rows - r0)) {
+        case 1: kernel(std::integral_constant<int, 1>{}, r0, n0, n1); break;
+        case 2: kernel(std::integral_constant<int, 2>{}, r0, n0, n1); break;
+        case 3: kernel(std::integral_constant<int, 3>{}, r0, n0, n1); break;
+        default: kernel(std::integral_constant<int, 4>{}, r0, n0, n1); break;
+      }
+    }
+  });
+}
+
+// y[rows, out] = x[rows, k] @ W.T for W in 4-bit blocks [out, k / 32, 24].
+inline void q4_matmul(const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t out, float* y, int64_t isa) {
+  const int64_t groups = k / kGroup;
+  over_rows(rows, out, [&](auto r_tag, int64_t r0, int64_t n0, int64_t n1) {
+    constexpr int R = decltype(r_tag)::value;
+    const float* xr = x + r0 * k;
+    float* yr = y + r0 * out;
+    if (isa == kAvx512) q4_rows_avx512<R>(xr, k, w, groups, n0, n1, yr, out);
+    else if (isa == kAvx2) q4_rows_avx2<R>(xr, k, w, groups, n0, n1, yr, out);
+    else q4_rows_scalar<R>(xr, k, w, groups, n0, n1, yr, out);
+  });
+}
+
+// y[rows, out] = x[rows, k] @ (q * scale).T for int8 q [out, k] and float32 scale [out].
+inline void q8_matmul(const float* x, int64_t rows, int64_t k, const int8_t* w, const float* scale, int64_t out,
+                      float* y, int64_t isa) {
+  over_rows(rows, out, [&](auto r_tag, int64_t r0, int64_t n0, int64_t n1) {
+    constexpr int R = decltype(r_tag)::value;
+    const float* xr = x + r0 * k;
+    float* yr = y + r0 * out;
+    if (isa == kAvx512) q8_rows_avx512<R>(xr, k, w, scale, k, n0, n1, yr, out);
+    else if (isa == kAvx2) q8_rows_avx2<R>(xr, k, w, scale, k, n0, n1, yr, out);
+    else q8_rows_scalar<R>(xr, k, w, scale, k, n0, n1, yr, out);
+  });
+}
+
+}  // namespace trioserve_native

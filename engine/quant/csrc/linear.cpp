@@ -1,0 +1,70 @@
+// Native linears over compressed weights, with float32 activations:
+//
+//   trioserve::q4_linear(x, blocks, isa)        4-bit groups of 32, w = q * d + m
+//   trioserve::q8_linear(x, q, scale, isa)      int8 per output channel, w = q * scale
+//   trioserve::isas()                           bit i set: ISA i runs on this CPU
+//
+// Why native: ATen's packed 4-bit and int8 kernels stream their weights at
+// 4-5 GB/s on the CPUs we measured, a fifth of what one decode step could
+// reach (docs/benchmarks.md); at one row a step is all weight streaming.
+//
+// No CPU feature is assumed at build time: each ISA variant is compiled for
+// its own target by function attribute, and a call names the variant it
+// wants (0 scalar, 1 AVX2+FMA, 2 AVX-512 F/BW); one the CPU lacks is refused.
+// The Python side (engine/quant/native.py) picks the variant through the
+// capability probes, so TRIOSERVE_CPU_ASSUME can force the lower ones.
+//
+// A 4-bit block is 24 bytes: float32 d, float32 m, then 16 bytes whose low
+// nibbles are the group's elements 0..15 and high nibbles 16..31 (GGUF's
+// Q4_0/Q4_1 order, so its quants copy over unchanged).
+
+#include "kernels.h"
+
+namespace {
+
+using namespace trioserve_native;
+
+torch::Tensor q4_linear(const torch::Tensor& x_in, const torch::Tensor& blocks_in, int64_t isa) {
+  check_isa(isa);
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2, "q4_linear: x must be float32 [rows, in]");
+  TORCH_CHECK(blocks_in.scalar_type() == at::kByte && blocks_in.dim() == 3 && blocks_in.size(2) == kBlockBytes,
+              "q4_linear: blocks must be uint8 [out, in / 32, 24]");
+  TORCH_CHECK(x_in.size(1) == blocks_in.size(1) * kGroup, "q4_linear: x has ", x_in.size(1), " inputs, the weight ",
+              blocks_in.size(1) * kGroup);
+  const torch::Tensor x = x_in.contiguous();
+  const torch::Tensor blocks = blocks_in.contiguous();
+  torch::Tensor y = torch::empty({x.size(0), blocks.size(0)}, x.options());
+  q4_matmul(x.data_ptr<float>(), x.size(0), x.size(1), blocks.data_ptr<uint8_t>(), blocks.size(0), y.data_ptr<float>(), isa);
+  return y;
+}
+
+torch::Tensor q8_linear(const torch::Tensor& x_in, const torch::Tensor& q_in, const torch::Tensor& scale_in,
+                        int64_t isa) {
+  check_isa(isa);
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2, "q8_linear: x must be float32 [rows, in]");
+  TORCH_CHECK(q_in.scalar_type() == at::kChar && q_in.dim() == 2, "q8_linear: q must be int8 [out, in]");
+  TORCH_CHECK(scale_in.scalar_type() == at::kFloat && scale_in.dim() == 1 && scale_in.size(0) == q_in.size(0),
+              "q8_linear: scale must be float32 [out]");
+  TORCH_CHECK(x_in.size(1) == q_in.size(1), "q8_linear: x has ", x_in.size(1), " inputs, the weight ", q_in.size(1));
+  const torch::Tensor x = x_in.contiguous();
+  const torch::Tensor q = q_in.contiguous();
+  const torch::Tensor scale = scale_in.contiguous();
+  torch::Tensor y = torch::empty({x.size(0), q.size(0)}, x.options());
+  q8_matmul(x.data_ptr<float>(), x.size(0), x.size(1), q.data_ptr<int8_t>(), scale.data_ptr<float>(), q.size(0),
+            y.data_ptr<float>(), isa);
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(trioserve, m) {
+  m.def("q4_linear(Tensor x, Tensor blocks, int isa) -> Tensor");
+  m.def("q8_linear(Tensor x, Tensor q, Tensor scale, int isa) -> Tensor");
+  m.def("isas() -> int", &supported_isas);
+  m.def("decode_layers(Tensor hidden, Tensor[] weights, Tensor key_cache, Tensor value_cache, Tensor cos, Tensor sin, Tensor slots, Tensor block_tables, Tensor context_lens, int num_heads, int num_kv_heads, float eps, float scale, int isa) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(trioserve, CPU, m) {
+  m.impl("q4_linear", &q4_linear);
+  m.impl("q8_linear", &q8_linear);
+}

@@ -1,0 +1,71 @@
+"""4-bit groups on the native kernel (``csrc/linear.cpp``, loaded by ``native``).
+
+Each group of 32 weights is one 24-byte block, ``w = q * d + m``: float32
+``d`` and ``m``, then the 32 nibbles in GGUF's Q4 order. That is
+``Int4Weight``'s ``(q - 8) * scale + zero`` with ``d = scale`` and
+``m = zero - 8 * scale``; a larger group is its scale repeated over each 32.
+The activations stay float32, so the result is the dequantized weight's
+matmul up to the order of the sums.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from . import native
+from .rtn import Int4Weight, quantize_int4
+
+GROUP = 32
+BLOCK_BYTES = 24
+
+
+def pack_blocks(weight: Int4Weight) -> torch.Tensor:
+    """``weight`` as the kernel's blocks, uint8 ``[out, in // 32, 24]``."""
+    if weight.group_size % GROUP:
+        raise ValueError(f"quantization group size {weight.group_size}: the native 4-bit kernel needs a multiple of {GROUP}")
+    out, k = weight.q.shape
+    repeat = weight.group_size // GROUP
+    d = weight.scale.float().repeat_interleave(repeat, dim=1)
+    m = weight.zero.float().repeat_interleave(repeat, dim=1) - 8 * d
+    q = weight.q.view(out, k // GROUP, GROUP)
+    blocks = torch.empty(out, k // GROUP, BLOCK_BYTES, dtype=torch.uint8)
+    blocks[..., 0:4] = d.contiguous().view(torch.uint8).view(out, -1, 4)
+    blocks[..., 4:8] = m.contiguous().view(torch.uint8).view(out, -1, 4)
+    blocks[..., 8:] = q[..., :16] | (q[..., 16:] << 4)
+    return blocks
+
+
+@attrs.frozen
+class Int4NativeLinear:
+    """``x @ W.T + bias`` with ``W`` in 4-bit blocks, on one ISA variant of the native kernel."""
+
+    blocks: torch.Tensor
+    bias: torch.Tensor | None
+    in_features: int
+    out_features: int
+    isa: int
+    op: object
+
+    @classmethod
+    def from_rtn(cls, weight: Int4Weight, bias: torch.Tensor | None, isa: str) -> Int4NativeLinear:
+        out, k = weight.q.shape
+        return cls(pack_blocks(weight), bias, k, out, native.ISAS[isa], native.ops().q4_linear)  # type: ignore[attr-defined]
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.op(x, self.blocks, self.isa)  # type: ignore[operator]
+        return y if self.bias is None else y.add_(self.bias)
+
+
+def trial(isa: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The kernel on tiny inputs (5 rows: a chunk of 4 and one more), with its float32 reference (``capability.Probe``)."""
+    gen = torch.Generator().manual_seed(0)
+    x, w, bias = torch.randn(5, 64, generator=gen), torch.randn(40, 64, generator=gen), torch.randn(40, generator=gen)
+    weight = quantize_int4(w, 32)
+    got = Int4NativeLinear.from_rtn(weight, bias, isa)(x)
+    return {f"Int4NativeLinear({isa})": (got, F.linear(x, weight.dequantize(), bias))}

@@ -1,0 +1,57 @@
+"""int8 per channel on the native kernel (``csrc/linear.cpp``, loaded by
+``native``), float32 activations: ``x @ (q * scale).T``, with the scale
+applied once per output after the int8 row's dot product."""
+
+from __future__ import annotations
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from . import native
+from .rtn import Int8Weight, quantize_int8
+
+
+@attrs.frozen
+class Int8NativeLinear:
+    """``x @ W.T + bias`` with ``W = q * scale``, on one ISA variant of the native kernel."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    bias: torch.Tensor | None
+    in_features: int
+    out_features: int
+    isa: int
+    op: object
+
+    @classmethod
+    def from_rtn(cls, weight: Int8Weight, bias: torch.Tensor | None, isa: str) -> Int8NativeLinear:
+        out, k = weight.q.shape
+        # Copies of its own, as for ATen's kernel (int8_pack): a weight read
+        # straight out of a file may live in memory the tensor does not own.
+        return cls(
+            weight.q.contiguous().clone(),
+            weight.scale.float().contiguous(),
+            bias,
+            k,
+            out,
+            native.ISAS[isa],
+            native.ops().q8_linear,  # type: ignore[attr-defined]
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + self.scale.nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.op(x, self.q, self.scale, self.isa)  # type: ignore[operator]
+        return y if self.bias is None else y.add_(self.bias)
+
+
+def trial(isa: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The kernel on tiny inputs (5 rows; 72 inputs, so a tail past the vectors), with its float32 reference."""
+    gen = torch.Generator().manual_seed(0)
+    x, w, bias = torch.randn(5, 72, generator=gen), torch.randn(40, 72, generator=gen), torch.randn(40, generator=gen)
+    weight = quantize_int8(w)
+    got = Int8NativeLinear.from_rtn(weight, bias, isa)(x)
+    return {f"Int8NativeLinear({isa})": (got, F.linear(x, weight.dequantize(), bias))}

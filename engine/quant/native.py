@@ -1,0 +1,135 @@
+"""The native kernels of ``csrc/``: built once, loaded where built.
+
+``scripts/setup.sh`` builds them through ``torch.utils.cpp_extension``
+(``python -m trioserve.engine.quant.native``) into a folder named for the
+source and the torch version, next to the source. Nothing compiles at serve
+time: ``ops`` loads a library built for exactly this source and torch, and
+raises ``NativeUnavailable`` where there is none (no compiler, a failed
+build, a source changed since). The capability probes of the native kernels
+then fail with that reason, and the chooser takes ATen's kernels instead.
+
+The library holds one variant of each kernel per ISA (``ISAS``), compiled by
+function target, so one build runs on any x86-64 CPU; a variant the CPU
+lacks is refused by the library itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+SOURCE_DIR = Path(__file__).parent / "csrc"
+# Compiled; the headers they include count toward a build's identity too.
+SOURCES = ("linear.cpp", "decode.cpp")
+HEADERS = ("kernels.h", "attend.h")
+LIBRARY_NAME = "trioserve_native"
+SWITCH_ENV = "TRIOSERVE_NATIVE_KERNELS"
+CFLAGS = ("-O3", "-fopenmp")
+# The ``isa`` argument of the library's kernels, lowest first.
+ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
+
+
+class NativeUnavailable(RuntimeError):
+    """The native library is not built for this source and torch, or failed to load."""
+
+
+def build_tag() -> str:
+    """What a build depends on: the sources' bytes, the flags and torch's version."""
+    digest = hashlib.sha256()
+    for name in SOURCES + HEADERS:
+        digest.update((SOURCE_DIR / name).read_bytes())
+    digest.update(" ".join(CFLAGS).encode())
+    digest.update(torch.__version__.encode())
+    return digest.hexdigest()[:16]
+
+
+def build_dir() -> Path:
+    return SOURCE_DIR / "build" / build_tag()
+
+
+def library_path() -> Path:
+    return build_dir() / f"{LIBRARY_NAME}.so"
+
+
+def ops(environ: Mapping[str, str] | None = None) -> object:
+    """``torch.ops.trioserve`` with the native kernels loaded; ``NativeUnavailable``
+    where not built, or turned off by ``TRIOSERVE_NATIVE_KERNELS=0`` in ``environ``
+    (default: the process's), which runs ATen's kernels as if they were not."""
+    environ = os.environ if environ is None else environ
+    if environ.get(SWITCH_ENV, "1").strip() == "0":
+        raise NativeUnavailable(f"native kernels turned off by {SWITCH_ENV}=0")
+    namespace = torch.ops.trioserve
+    if _loaded(namespace):
+        return namespace
+    path = library_path()
+    if not path.is_file():
+        raise NativeUnavailable(
+            f"native kernels not built for this source and torch {torch.__version__} "
+            f"(no {path}): run scripts/setup.sh or python -m trioserve.engine.quant.native"
+        )
+    try:
+        torch.ops.load_library(str(path))
+    except OSError as exc:
+        raise NativeUnavailable(f"native kernels at {path} do not load: {exc}") from None
+    return namespace
+
+
+def _loaded(namespace: object) -> bool:
+    try:
+        getattr(namespace, "q4_linear")
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def cpu_isas() -> tuple[str, ...]:
+    """The ISA variants of the library this CPU runs, lowest first."""
+    bits = ops().isas()  # type: ignore[attr-defined]
+    return tuple(name for name, index in ISAS.items() if bits & (1 << index))
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile the library for this source and torch (a minute or so) and return its path."""
+    from torch.utils.cpp_extension import load
+
+    where = build_dir()
+    where.mkdir(parents=True, exist_ok=True)
+    # -O3, no -march: each ISA variant carries its own target (see the
+    # source). -fopenmp makes at::parallel_for split the work: torch's own
+    # OpenMP runtime (libgomp.so.1, which torch loads first) then runs it, one
+    # thread team with torch's, not a second one competing for the cores.
+    load(
+        name=LIBRARY_NAME,
+        sources=[str(SOURCE_DIR / name) for name in SOURCES],
+        build_directory=str(where),
+        extra_cflags=list(CFLAGS),
+        extra_ldflags=["-fopenmp"],
+        is_python_module=False,
+        verbose=verbose,
+    )
+    return library_path()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="only say whether the library is built and loads")
+    parser.add_argument("--verbose", action="store_true", help="show the compiler's commands")
+    args = parser.parse_args(argv)
+    try:
+        path = library_path() if args.check else build(args.verbose)
+        ops()
+    except Exception as exc:  # a failed build leaves ATen's kernels in use: say so, do not crash setup
+        print(f"native kernels unavailable: {type(exc).__name__}: {str(exc).strip().splitlines()[0]}", file=sys.stderr)
+        return 1
+    print(f"native kernels: {path} (this CPU runs {', '.join(cpu_isas())})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

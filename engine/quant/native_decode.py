@@ -1,0 +1,132 @@
+"""A decode step's decoder layers in one native call (``csrc/decode.cpp``).
+
+At one row, a step on compressed weights spent more time in the ~200 small
+torch ops per layer around the matmuls (norms, rotary, the cache write,
+gather and attention, the activation) than in the matmuls themselves
+(docs/benchmarks.md, "A lean decode step"). Where every projection's
+kernel for the batch's row count is a native one, ``NativeDecode`` runs all
+layers of a batch whose rows each decode one token in a single call; any
+other batch (prefill, more rows than the native kernels serve, a cache the
+op does not take) goes through the layers in torch as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from . import native
+from .int4_native import Int4NativeLinear
+from .int8_native import Int8NativeLinear
+from .projections import QuantizedProjections
+from .row_split import RowSplitLinear
+
+# The cache dtypes the op reads and writes.
+CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+NativeLinear = Int4NativeLinear | Int8NativeLinear
+_EMPTY = torch.empty(0)
+
+
+def _native(linear: object) -> tuple[NativeLinear, int] | None:
+    """The native kernel a linear runs at few rows, and up to how many rows; None where it has none."""
+    if isinstance(linear, RowSplitLinear):
+        found = _native(linear.small)
+        return None if found is None else (found[0], min(found[1], linear.max_small_rows))
+    if isinstance(linear, Int4NativeLinear | Int8NativeLinear):
+        return linear, 1 << 30
+    return None
+
+
+def _parts(linear: NativeLinear) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(linear, Int4NativeLinear):
+        return linear.blocks, _EMPTY
+    return linear.q, linear.scale
+
+
+@attrs.frozen
+class NativeDecode:
+    """All decoder layers of a decode-only batch of at most ``max_rows`` rows, natively."""
+
+    weights: tuple[torch.Tensor, ...]  # csrc/decode.cpp's 12 per layer
+    num_heads: int
+    num_kv_heads: int
+    eps: float
+    scale: float
+    isa: int
+    max_rows: int
+    op: object
+
+    @classmethod
+    def build(
+        cls,
+        projections: Sequence[QuantizedProjections],
+        input_norms: Sequence[torch.Tensor],
+        post_norms: Sequence[torch.Tensor],
+        *,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        eps: float,
+    ) -> NativeDecode | None:
+        """The fused step over these layers, or None where a projection has no native kernel."""
+        weights: list[torch.Tensor] = []
+        isas, max_rows = set(), 1 << 30
+        for layer, input_norm, post_norm in zip(projections, input_norms, post_norms, strict=True):
+            found = [_native(getattr(layer, f"{part}_linear")) for part in ("qkv", "o", "gate_up", "down")]
+            if any(f is None for f in found) or any(f[0].bias is not None for f in found[2:]):  # type: ignore[index]
+                return None
+            (qkv, _), (o, _), (gate_up, _), (down, _) = found  # type: ignore[misc]
+            isas |= {f[0].isa for f in found}  # type: ignore[index]
+            max_rows = min([max_rows] + [f[1] for f in found])  # type: ignore[index]
+            weights += [input_norm.detach().float().contiguous(), *_parts(qkv), _bias(qkv)]
+            weights += [*_parts(o), _bias(o), post_norm.detach().float().contiguous(), *_parts(gate_up), *_parts(down)]
+        if len(isas) != 1:
+            return None
+        return cls(
+            tuple(weights), num_heads, num_kv_heads, eps, head_dim**-0.5, isas.pop(), max_rows,
+            native.ops().decode_layers,  # type: ignore[attr-defined]
+        )
+
+    def runs(self, query_lens: Sequence[int], cache_dtype: torch.dtype) -> bool:
+        """Whether a batch of these query lengths, over a cache of ``cache_dtype``, runs here."""
+        return (
+            len(query_lens) <= self.max_rows
+            and cache_dtype in CACHE_DTYPES
+            and all(n == 1 for n in query_lens)
+        )
+
+    def __call__(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slots: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+    ) -> torch.Tensor:
+        """The residual stream after every layer, for ``hidden`` ``[rows, hidden]``; writes each layer's key and value."""
+        rows = hidden.shape[0]
+        return self.op(  # type: ignore[operator]
+            hidden.contiguous(),
+            list(self.weights),
+            key_cache,
+            value_cache,
+            cos.reshape(rows, -1).contiguous(),
+            sin.reshape(rows, -1).contiguous(),
+            slots,
+            block_tables,
+            context_lens,
+            self.num_heads,
+            self.num_kv_heads,
+            self.eps,
+            self.scale,
+            self.isa,
+        )
+
+
+def _bias(linear: NativeLinear) -> torch.Tensor:
+    return _EMPTY if linear.bias is None else linear.bias.float().contiguous()

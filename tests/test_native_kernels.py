@@ -1,0 +1,180 @@
+"""The native kernels (engine/quant/csrc, built by scripts/setup.sh): each
+ISA variant this CPU runs against the dequantized weights, the chooser's
+pick among them, and the fused decode step against the model's own layers.
+
+Where the library is not built, these tests skip with how to build it,
+except under CI=true, where setup.sh must have built it."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import attrs
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trioserve.engine.capability import CpuPaths
+from trioserve.engine.config import ModelConfig
+from trioserve.engine.forward_batch import ForwardBatch, SeqChunk
+from trioserve.engine.kv_cache import KVCache
+from trioserve.engine.quant import choose, int4_native, int8_native, native
+from trioserve.engine.quant.load import load_safetensors_quantized
+from trioserve.engine.quant.rtn import quantize_int4, quantize_int8
+
+from test_quant import _checkpoint
+
+
+@pytest.fixture(scope="module")
+def isas() -> tuple[str, ...]:
+    try:
+        return native.cpu_isas()
+    except native.NativeUnavailable as exc:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"scripts/setup.sh must build the native kernels under CI: {exc}")
+        pytest.skip(str(exc))
+
+
+def test_the_library_is_built_for_this_source_and_runs_scalar_everywhere(isas):
+    assert native.library_path().is_file()
+    assert "scalar" in isas
+    assert native.build_tag() in str(native.library_path())
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 9),
+    out=st.integers(1, 40),
+    groups=st.integers(1, 4),
+    group_size=st.sampled_from([32, 64]),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_each_variant_matches_the_dequantized_weights(isas, rows, out, groups, group_size, bias, seed):
+    """Any row count (chunks of 4 and a remainder), any output count (split
+    over threads), 4-bit groups of 32 or 64 and int8 rows with a tail past
+    the vector width: the float32 matmul of the dequantized weight."""
+    gen = torch.Generator().manual_seed(seed)
+    k = groups * 64
+    x = torch.randn(rows, k, generator=gen)
+    w = torch.randn(out, k, generator=gen)
+    b = torch.randn(out, generator=gen) if bias else None
+    q4, q8 = quantize_int4(w, group_size), quantize_int8(w[:, : k - 8])
+    want4, want8 = F.linear(x, q4.dequantize(), b), F.linear(x[:, : k - 8], q8.dequantize(), b)
+    for isa in isas:
+        got4 = int4_native.Int4NativeLinear.from_rtn(q4, b, isa)(x)
+        got8 = int8_native.Int8NativeLinear.from_rtn(q8, b, isa)(x[:, : k - 8])
+        assert torch.allclose(got4, want4, rtol=1e-4, atol=1e-4 * want4.abs().max().item()), isa
+        assert torch.allclose(got8, want8, rtol=1e-4, atol=1e-4 * want8.abs().max().item()), isa
+
+
+def test_a_variant_the_cpu_lacks_or_a_bad_shape_is_refused(isas):
+    q = quantize_int4(torch.randn(8, 64), 32)
+    linear = int4_native.Int4NativeLinear.from_rtn(q, None, "scalar")
+    with pytest.raises(RuntimeError, match="unknown isa 7"):
+        native.ops().q4_linear(torch.randn(1, 64), linear.blocks, 7)
+    with pytest.raises(RuntimeError, match="x has 32 inputs, the weight 64"):
+        linear(torch.randn(1, 32))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        int4_native.pack_blocks(quantize_int4(torch.randn(8, 64), 16))
+
+
+def test_only_the_best_variant_of_a_family_is_a_candidate():
+    full = CpuPaths.from_environment({})
+    avx2 = CpuPaths.from_environment({"TRIOSERVE_CPU_ASSUME": "avx2"})
+    for paths in (full, avx2):
+        names = [k.name for k in choose.candidates(paths, "auto")]
+        for family in ("native4", "native8"):
+            members = [k.name for k in choose.KERNELS if k.family == family]
+            usable = [m for m in members if paths.available(m)]
+            assert [n for n in names if n in members] == usable[:1]
+    assert not any(n.endswith("_avx512") for n in (k.name for k in choose.candidates(avx2, "auto")))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("native") / "ckpt"
+    _checkpoint(folder)  # hidden 64, 4 heads of 16, 2 KV heads, 2 layers
+    return folder
+
+
+def _native_model(checkpoint, cache_dir, isa: str):
+    config = ModelConfig.from_hf_config(json.loads((checkpoint / "config.json").read_text()))
+    kernel = next(k for k in choose.KERNELS if k.name == f"quant_int4_native_{isa}")
+    choice = choose.KernelChoice(kernel, "int4", 32, ())
+    return load_safetensors_quantized(checkpoint, config, choice, CpuPaths.from_environment({}), cache_dir)
+
+
+def _step(model, cache, chunks):
+    with torch.inference_mode():
+        batch = ForwardBatch.build(chunks, block_size=cache.block_size, device="cpu")
+        return model(batch, cache)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_the_fused_decode_step_computes_what_the_layers_do(isas, checkpoint, tmp_path, cache_dtype):
+    """Three sequences of different lengths over scattered blocks, prefilled
+    alike, then three decode steps: once all layers in one native call,
+    once through the model's layers. Logits and the cache agree; greedy
+    picks are the same."""
+    for isa in isas:
+        model = _native_model(checkpoint, tmp_path, isa)
+        made = model._projections()
+        assert made.decode is not None and made.decode.isa == native.ISAS[isa]
+        layered = attrs.evolve(made, decode=None)
+        rng = random.Random(0)
+        blocks = list(range(1, 40))
+        rng.shuffle(blocks)
+        lengths = (5, 17, 9)
+        tables = [blocks[i * 8 : i * 8 + 8] for i in range(3)]
+        prompts = [[rng.randrange(3, 64) for _ in range(n)] for n in lengths]
+        caches = [KVCache.allocate(model.config, num_blocks=40, block_size=4, dtype=cache_dtype, device="cpu") for _ in range(2)]
+        for cache in caches:
+            _step(model, cache, [SeqChunk(p, 0, t) for p, t in zip(prompts, tables)])
+        tokens = [p[-1] for p in prompts]
+        for step in range(3):
+            chunks = [SeqChunk([tok], n + step, t) for tok, n, t in zip(tokens, lengths, tables)]
+            assert made.decode.runs([1, 1, 1], caches[0].key.dtype)
+            fused = _step(model, caches[0], chunks)
+            model._quantized = layered
+            try:
+                ref = _step(model, caches[1], chunks)
+            finally:
+                model._quantized = made
+            tol = 1e-4 if cache_dtype == torch.float32 else 2e-2
+            assert (fused - ref).abs().max() <= tol * ref.abs().max(), (isa, step)
+            assert torch.equal(fused.argmax(-1), ref.argmax(-1)), (isa, step)
+            for a, b in ((caches[0].key, caches[1].key), (caches[0].value, caches[1].value)):
+                assert (a.float() - b.float()).abs().max() <= tol * b.float().abs().max(), (isa, step)
+            tokens = ref.argmax(-1).tolist()
+
+
+def test_batches_the_fused_step_does_not_take_go_through_the_layers(isas, checkpoint, tmp_path):
+    model = _native_model(checkpoint, tmp_path, isas[-1])
+    decode = model._projections().decode
+    assert decode is not None
+    assert not decode.runs([1, 2], torch.float32)  # a prefill row
+    assert decode.runs([1, 1, 1], torch.float16)
+    assert not attrs.evolve(decode, max_rows=2).runs([1, 1, 1], torch.float32)  # more rows than its kernels serve
+    assert not decode.runs([1], torch.uint8)  # an fp8 pool
+
+
+def test_without_the_library_the_chooser_takes_atens_kernels_and_says_why(isas, checkpoint, monkeypatch, tmp_path):
+    """What a machine where the build failed gets (simulated by the switch,
+    which the probes see the same way): the native paths off with the
+    reason, ATen's 4-bit kernel chosen, and the layers run in torch."""
+    monkeypatch.setenv(native.SWITCH_ENV, "0")
+    paths = CpuPaths.from_environment()
+    for kernel in choose.KERNELS:
+        if kernel.family:
+            assert not paths.available(kernel.name)
+            assert "turned off by TRIOSERVE_NATIVE_KERNELS=0" in paths.status(kernel.name).reason
+    picked = choose.choose_kernel(paths, "int4", [(48, 64), (64, 32)])
+    assert picked.kernel.name == "quant_int4_pack_bfloat16" and picked.small is None
+    config = ModelConfig.from_hf_config(json.loads((checkpoint / "config.json").read_text()))
+    model = load_safetensors_quantized(checkpoint, config, picked, paths, tmp_path / "cache")
+    assert model._projections().decode is None
