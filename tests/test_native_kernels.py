@@ -72,6 +72,21 @@ def test_each_variant_matches_the_dequantized_weights(isas, rows, out, groups, g
         assert torch.allclose(got8, want8, rtol=1e-4, atol=1e-4 * want8.abs().max().item()), isa
 
 
+def test_from_many_rows_a_call_runs_the_gemm_over_the_dequantized_matrix(isas):
+    gen = torch.Generator().manual_seed(1)
+    rows = int4_native.DEQUANTIZE_FROM_ROWS
+    w, b = torch.randn(24, 96, generator=gen), torch.randn(24, generator=gen)
+    q4, q8 = quantize_int4(w, 32), quantize_int8(w)
+    blocks = int4_native.Int4NativeLinear.from_rtn(q4, b, isas[-1]).blocks
+    # q * d + m against (q - 8) * scale + zero: the same values, rounded apart.
+    assert torch.allclose(native.ops().q4_dequantize(blocks), q4.dequantize(), rtol=1e-6, atol=1e-6)
+    for x in (torch.randn(rows - 1, 96, generator=gen), torch.randn(rows + 3, 96, generator=gen)):
+        for linear, held in ((int4_native.Int4NativeLinear, q4), (int8_native.Int8NativeLinear, q8)):
+            want = F.linear(x, held.dequantize(), b)
+            got = linear.from_rtn(held, b, isas[-1])(x)
+            assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item()), (linear, x.shape)
+
+
 def test_a_variant_the_cpu_lacks_or_a_bad_shape_is_refused(isas):
     q = quantize_int4(torch.randn(8, 64), 32)
     linear = int4_native.Int4NativeLinear.from_rtn(q, None, "scalar")

@@ -19,6 +19,12 @@ from .rtn import Int4Weight, quantize_int4
 
 GROUP = 32
 BLOCK_BYTES = 24
+# From this many rows a call dequantizes the matrix (about 0.7 ms a million
+# weights on one thread here) and runs torch's float32 GEMM: the kernel is
+# GEMV-shaped, and from 64-128 rows the GEMM's reuse pays for the
+# conversion; at 512 rows (a prefill chunk) it runs at the float path's
+# speed, 1.8x the kernel's (docs/benchmarks.md, "Native kernels").
+DEQUANTIZE_FROM_ROWS = 128
 
 
 def pack_blocks(weight: Int4Weight) -> torch.Tensor:
@@ -46,19 +52,21 @@ class Int4NativeLinear:
     in_features: int
     out_features: int
     isa: int
-    op: object
+    ops: object  # torch.ops.trioserve, loaded
 
     @classmethod
     def from_rtn(cls, weight: Int4Weight, bias: torch.Tensor | None, isa: str) -> Int4NativeLinear:
         out, k = weight.q.shape
-        return cls(pack_blocks(weight), bias, k, out, native.ISAS[isa], native.ops().q4_linear)  # type: ignore[attr-defined]
+        return cls(pack_blocks(weight), bias, k, out, native.ISAS[isa], native.ops())
 
     @property
     def nbytes(self) -> int:
         return self.blocks.numel()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.op(x, self.blocks, self.isa)  # type: ignore[operator]
+        if x.shape[0] >= DEQUANTIZE_FROM_ROWS:
+            return F.linear(x, self.ops.q4_dequantize(self.blocks), self.bias)  # type: ignore[attr-defined]
+        y = self.ops.q4_linear(x, self.blocks, self.isa)  # type: ignore[attr-defined]
         return y if self.bias is None else y.add_(self.bias)
 
 

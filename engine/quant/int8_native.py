@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from . import native
+from .int4_native import DEQUANTIZE_FROM_ROWS
 from .rtn import Int8Weight, quantize_int8
 
 
@@ -22,7 +23,7 @@ class Int8NativeLinear:
     in_features: int
     out_features: int
     isa: int
-    op: object
+    ops: object  # torch.ops.trioserve, loaded
 
     @classmethod
     def from_rtn(cls, weight: Int8Weight, bias: torch.Tensor | None, isa: str) -> Int8NativeLinear:
@@ -36,7 +37,7 @@ class Int8NativeLinear:
             k,
             out,
             native.ISAS[isa],
-            native.ops().q8_linear,  # type: ignore[attr-defined]
+            native.ops(),
         )
 
     @property
@@ -44,7 +45,9 @@ class Int8NativeLinear:
         return self.q.numel() + self.scale.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.op(x, self.q, self.scale, self.isa)  # type: ignore[operator]
+        if x.shape[0] >= DEQUANTIZE_FROM_ROWS:  # torch's GEMM over the dequantized matrix, as int4_native
+            return F.linear(x, self.q.float().mul_(self.scale[:, None]), self.bias)
+        y = self.ops.q8_linear(x, self.q, self.scale, self.isa)  # type: ignore[attr-defined]
         return y if self.bias is None else y.add_(self.bias)
 
 

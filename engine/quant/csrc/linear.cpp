@@ -55,16 +55,41 @@ torch::Tensor q8_linear(const torch::Tensor& x_in, const torch::Tensor& q_in, co
   return y;
 }
 
+// The float32 weight [out, k] of 4-bit blocks: for many rows, where a GEMM
+// over the plain weight beats the GEMV-shaped kernel, one matrix at a time.
+torch::Tensor q4_dequantize(const torch::Tensor& blocks_in) {
+  TORCH_CHECK(blocks_in.scalar_type() == at::kByte && blocks_in.dim() == 3 && blocks_in.size(2) == kBlockBytes,
+              "q4_dequantize: blocks must be uint8 [out, in / 32, 24]");
+  const torch::Tensor blocks = blocks_in.contiguous();
+  const int64_t out = blocks.size(0), groups = blocks.size(1);
+  torch::Tensor w = torch::empty({out, groups * kGroup}, torch::dtype(torch::kFloat32));
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  float* dst = w.data_ptr<float>();
+  at::parallel_for(0, out * groups, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const Block b = block_at(src + i * kBlockBytes);
+      float* o = dst + i * kGroup;
+      for (int j = 0; j < 16; ++j) {
+        o[j] = float(b.qs[j] & 0xF) * b.d + b.m;
+        o[j + 16] = float(b.qs[j] >> 4) * b.d + b.m;
+      }
+    }
+  });
+  return w;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(trioserve, m) {
   m.def("q4_linear(Tensor x, Tensor blocks, int isa) -> Tensor");
   m.def("q8_linear(Tensor x, Tensor q, Tensor scale, int isa) -> Tensor");
   m.def("isas() -> int", &supported_isas);
+  m.def("q4_dequantize(Tensor blocks) -> Tensor");
   m.def("decode_layers(Tensor hidden, Tensor[] weights, Tensor key_cache, Tensor value_cache, Tensor cos, Tensor sin, Tensor slots, Tensor block_tables, Tensor context_lens, int num_heads, int num_kv_heads, float eps, float scale, int isa) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(trioserve, CPU, m) {
   m.impl("q4_linear", &q4_linear);
   m.impl("q8_linear", &q8_linear);
+  m.impl("q4_dequantize", &q4_dequantize);
 }
