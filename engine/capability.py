@@ -31,7 +31,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from . import kv_dtype, onednn
+from . import kv_dtype, native_attention, onednn
 from .errors import CpuCapabilityError
 from .quant import int4_native as quant_int4_native
 from .quant import int4_pack as quant_int4_pack
@@ -158,6 +158,17 @@ PROBES: tuple[Probe, ...] = (
         )
         for bits, module in ((4, quant_int4_native), (8, quant_int8_native))
         for isa in ("avx512", "avx2", "scalar")
+    ),
+    # Native decode attention (engine/native_attention.py), one variant per ISA.
+    *(
+        Probe(
+            native_attention.path_name(isa),
+            f"native decode attention ({isa})",
+            functools.partial(native_attention.trial, isa),
+            needs="default" if isa == "scalar" else isa,
+            requirement={"avx512": "AVX-512 F/BW", "avx2": "AVX2, FMA and F16C", "scalar": None}[isa],
+        )
+        for isa in native_attention.ISA_ORDER
     ),
     # A KV cache narrower than the model (engine/kv_dtype.py chooses among
     # them by measurement); each needs the level that converts it in hardware.

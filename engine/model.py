@@ -32,6 +32,7 @@ from .config import ModelConfig
 from .errors import CpuCapabilityError, ModelLoadError
 from .forward_batch import ForwardBatch
 from .kv_cache import KVCache
+from .native_attention import BoundAttention, NativeAttention
 from .quant.native_decode import NativeDecode
 from .quant.projections import QuantizedProjections
 from .rotary import RotaryEmbedding, apply_rotary
@@ -212,21 +213,28 @@ class DecoderLayer(nn.Module):
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | None,
+        attend: BoundAttention | None = None,
     ) -> torch.Tensor:
         """Return the residual stream after this layer's attention and MLP
-        blocks; ``projections`` is ``self.projections(...)``."""
+        blocks; ``projections`` is ``self.projections(...)``. With ``attend``
+        (a decode-only batch), rotary, the cache write and attention run
+        natively in one call, and ``meta`` is not needed."""
         norm_shape, eps, heads, head_dim = self.norm_shape, self.eps, self.num_heads, self.head_dim
         x = F.rms_norm(residual, norm_shape, self.input_layernorm, eps)
         qkv = projections.qkv(x)
-        tokens = qkv.shape[0]
-        q_and_k = heads + self.num_kv_heads
-        # Rotate q and k together: one rotary op per layer.
-        qk = apply_rotary(qkv[:, : q_and_k * head_dim].view(tokens, q_and_k, head_dim), cos, sin)
-        q, k = qk[:, :heads], qk[:, heads:]
-        v = qkv[:, q_and_k * head_dim :].view(tokens, self.num_kv_heads, head_dim)
-        write_kv(k, v, key_cache, value_cache, slot_mapping)
-        attn = paged_attention(q, k, v, key_cache, value_cache, meta, scale=self.scale)
+        if attend is not None:
+            attn = attend(qkv, key_cache, value_cache, heads, self.scale)
+        else:
+            assert meta is not None
+            tokens = qkv.shape[0]
+            q_and_k = heads + self.num_kv_heads
+            # Rotate q and k together: one rotary op per layer.
+            qk = apply_rotary(qkv[:, : q_and_k * head_dim].view(tokens, q_and_k, head_dim), cos, sin)
+            q, k = qk[:, :heads], qk[:, heads:]
+            v = qkv[:, q_and_k * head_dim :].view(tokens, self.num_kv_heads, head_dim)
+            write_kv(k, v, key_cache, value_cache, slot_mapping)
+            attn = paged_attention(q, k, v, key_cache, value_cache, meta, scale=self.scale)
         residual = projections.o_add(attn, residual)
         x = F.rms_norm(residual, norm_shape, self.post_attention_layernorm, eps)
         return projections.mlp_add(x, residual)
@@ -317,6 +325,8 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.rotary = RotaryEmbedding(config, dtype=dtype, device=device)
+        # Decode batches attend natively where that path works here (None: in torch).
+        self.native_attention = NativeAttention.choose(cpu_paths, device, dtype)
         self._targets = self._weight_targets()
 
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
@@ -334,13 +344,18 @@ class LlamaForCausalLM(nn.Module):
                 hidden, cos, sin, kv_cache.key, kv_cache.value, slots, batch.block_tables, batch.context_lens
             )
         else:
-            meta = AttentionMetadata.build(batch, kv_cache)
+            attend = meta = None
+            native = self.native_attention
+            if native is not None and native.runs(batch.query_lens_cpu, hidden, kv_cache.key):
+                attend = native.bind(cos, sin, slots, batch.block_tables, batch.context_lens)
+            else:
+                meta = AttentionMetadata.build(batch, kv_cache)
             # ``forward`` directly, not through nn.Module's call (hook
             # checks), and each layer's pools from one unbind: a one-stream
             # decode step is bound by such per-layer overheads
             # (docs/benchmarks.md, "A lean decode step").
             for layer, projections, keys, values in zip(self.layers, made.layers, kv_cache.key, kv_cache.value):
-                hidden = layer.forward(hidden, projections, cos, sin, keys, values, slots, meta)
+                hidden = layer.forward(hidden, projections, cos, sin, keys, values, slots, meta, attend)
         hidden = hidden.index_select(0, batch.logits_indices)
         hidden = F.rms_norm(hidden, (hidden.shape[-1],), self.norm, self.config.rms_norm_eps)
         return self.lm_logits(hidden, made)

@@ -193,3 +193,49 @@ def test_without_the_library_the_chooser_takes_atens_kernels_and_says_why(isas, 
     config = ModelConfig.from_hf_config(json.loads((checkpoint / "config.json").read_text()))
     model = load_safetensors_quantized(checkpoint, config, picked, paths, tmp_path / "cache")
     assert model._projections().decode is None
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_native_decode_attention_computes_what_the_torch_attention_does(isas, checkpoint, cache_dtype):
+    """The float model's decode steps with each native attention variant
+    against the same steps attended in torch: logits and cache agree."""
+    from trioserve.engine.loader import load_model
+    from trioserve.engine.native_attention import NativeAttention
+
+    model = load_model(str(checkpoint), quantization="none").model
+    assert model.native_attention is not None
+    rng = random.Random(1)
+    blocks = list(range(1, 40))
+    rng.shuffle(blocks)
+    lengths = (6, 13, 1)
+    tables = [blocks[i * 8 : i * 8 + 8] for i in range(3)]
+    prompts = [[rng.randrange(3, 64) for _ in range(n)] for n in lengths]
+    for isa in isas:
+        attention = NativeAttention(native.ISAS[isa], native.ops().decode_attention)
+        caches = [KVCache.allocate(model.config, num_blocks=40, block_size=4, dtype=cache_dtype, device="cpu") for _ in range(2)]
+        for cache in caches:
+            _step(model, cache, [SeqChunk(p, 0, t) for p, t in zip(prompts, tables)])
+        tokens = [p[-1] for p in prompts]
+        for step in range(2):
+            chunks = [SeqChunk([tok], n + step, t) for tok, n, t in zip(tokens, lengths, tables)]
+            model.native_attention = attention
+            got = _step(model, caches[0], chunks)
+            model.native_attention = None
+            want = _step(model, caches[1], chunks)
+            tol = 1e-5 if cache_dtype == torch.float32 else 1e-2
+            assert (got - want).abs().max() <= tol * want.abs().max(), (isa, step)
+            for a, b in ((caches[0].key, caches[1].key), (caches[0].value, caches[1].value)):
+                assert (a.float() - b.float()).abs().max() <= tol * b.float().abs().max(), (isa, step)
+            tokens = want.argmax(-1).tolist()
+
+
+def test_native_decode_attention_refuses_a_block_outside_the_pool(isas):
+    from trioserve.engine.native_attention import NativeAttention
+
+    attention = NativeAttention(native.ISAS["scalar"], native.ops().decode_attention)
+    pool = torch.zeros(4, 4, 2, 16)
+    bound = attention.bind(
+        torch.ones(1, 16), torch.zeros(1, 16), torch.tensor([1]), torch.tensor([[9]]), torch.tensor([2])
+    )
+    with pytest.raises(RuntimeError, match="row 0 block 9 out of the cache"):
+        bound(torch.randn(1, 8 * 16), pool, pool.clone(), 4, 0.25)

@@ -175,6 +175,36 @@ void attend_rows(const float* qkv, int64_t qkv_stride, const T* key, const T* va
   });
 }
 
+// Rotary on each row's q and k heads (in place in ``qkv``), the new key and
+// value stored at the row's slot, then attention over the row's context:
+// ``out`` [rows, heads * head_dim]. ``key``/``value`` are one layer's pools.
+template <typename T>
+void attention_step(float* qkv, T* key, T* value, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                    int64_t block_size, const float* cos, const float* sin, const int64_t* slots,
+                    const int64_t* tables, int64_t table_stride, const int64_t* context_lens, float scale,
+                    int64_t isa, float* out) {
+  const int64_t half = head_dim / 2, q_width = heads * head_dim, kv_width = kv_heads * head_dim;
+  const int64_t qkv_out = q_width + 2 * kv_width;
+  std::vector<float> rotated(head_dim);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = qkv + r * qkv_out;
+    const float *c = cos + r * head_dim, *s = sin + r * head_dim;
+    for (int64_t h = 0; h < heads + kv_heads; ++h) {  // q and k heads: rotate half
+      float* v = row + h * head_dim;
+      for (int64_t i = 0; i < head_dim; ++i) rotated[i] = v[i] * c[i] + v[(i + half) % head_dim] * s[i];
+      std::copy(rotated.begin(), rotated.end(), v);
+    }
+    T* k_slot = key + slots[r] * kv_width;
+    T* v_slot = value + slots[r] * kv_width;
+    for (int64_t i = 0; i < kv_width; ++i) {
+      k_slot[i] = to_cache<T>(row[q_width + i]);
+      v_slot[i] = to_cache<T>(row[q_width + kv_width + i]);
+    }
+  }
+  attend_rows<T>(qkv, qkv_out, key, value, tables, table_stride, context_lens, rows, heads, kv_heads, head_dim,
+                 block_size, scale, isa, out);
+}
+
 template <typename T>
 torch::Tensor decode_impl(const torch::Tensor& hidden, const std::vector<torch::Tensor>& weights,
                           const torch::Tensor& key_cache, const torch::Tensor& value_cache, const torch::Tensor& cos,
@@ -184,7 +214,7 @@ torch::Tensor decode_impl(const torch::Tensor& hidden, const std::vector<torch::
   const float eps = float(eps_in), scale = float(scale_in);
   const int64_t rows = hidden.size(0), dim = hidden.size(1), layers = key_cache.size(0);
   const int64_t block_size = key_cache.size(2), head_dim = key_cache.size(4);
-  const int64_t half = head_dim / 2, q_width = heads * head_dim, kv_width = kv_heads * head_dim;
+  const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim;
   const int64_t qkv_out = q_width + 2 * kv_width;
   const int64_t layer_stride = key_cache.stride(0);
   const int64_t inter = weights[kGateUp].size(0) / 2;
@@ -198,31 +228,14 @@ torch::Tensor decode_impl(const torch::Tensor& hidden, const std::vector<torch::
   float *gup = gate_up.data_ptr<float>(), *actp = act.data_ptr<float>(), *projp = proj.data_ptr<float>();
   const float *cosp = cos.data_ptr<float>(), *sinp = sin.data_ptr<float>();
   const int64_t* slotp = slots.data_ptr<int64_t>();
-  std::vector<float> rotated(head_dim);
 
   for (int64_t l = 0; l < layers; ++l) {
     const torch::Tensor* w = weights.data() + l * kParts;
     rms_norm(res, w[kInputNorm].data_ptr<float>(), rows, dim, eps, xp);
     Linear{w[kQkv], w[kQkvScale], w[kQkvBias]}(xp, rows, dim, qkvp, isa);
-    T* key = key_cache.data_ptr<T>() + l * layer_stride;
-    T* value = value_cache.data_ptr<T>() + l * layer_stride;
-    for (int64_t r = 0; r < rows; ++r) {
-      float* row = qkvp + r * qkv_out;
-      const float *c = cosp + r * head_dim, *s = sinp + r * head_dim;
-      for (int64_t h = 0; h < heads + kv_heads; ++h) {  // q and k heads: rotate half
-        float* v = row + h * head_dim;
-        for (int64_t i = 0; i < head_dim; ++i) rotated[i] = v[i] * c[i] + v[(i + half) % head_dim] * s[i];
-        std::copy(rotated.begin(), rotated.end(), v);
-      }
-      T* k_slot = key + slotp[r] * kv_width;
-      T* v_slot = value + slotp[r] * kv_width;
-      for (int64_t i = 0; i < kv_width; ++i) {
-        k_slot[i] = to_cache<T>(row[q_width + i]);
-        v_slot[i] = to_cache<T>(row[q_width + kv_width + i]);
-      }
-    }
-    attend_rows<T>(qkvp, qkv_out, key, value, tables.data_ptr<int64_t>(), tables.size(1),
-                   context_lens.data_ptr<int64_t>(), rows, heads, kv_heads, head_dim, block_size, scale, isa, attnp);
+    attention_step<T>(qkvp, key_cache.data_ptr<T>() + l * layer_stride, value_cache.data_ptr<T>() + l * layer_stride,
+                      rows, heads, kv_heads, head_dim, block_size, cosp, sinp, slotp, tables.data_ptr<int64_t>(),
+                      tables.size(1), context_lens.data_ptr<int64_t>(), scale, isa, attnp);
     Linear{w[kO], w[kOScale], w[kOBias]}(attnp, rows, q_width, projp, isa);
     for (int64_t i = 0; i < rows * dim; ++i) res[i] += projp[i];
     rms_norm(res, w[kPostNorm].data_ptr<float>(), rows, dim, eps, xp);
@@ -235,6 +248,29 @@ torch::Tensor decode_impl(const torch::Tensor& hidden, const std::vector<torch::
     for (int64_t i = 0; i < rows * dim; ++i) res[i] += projp[i];
   }
   return residual;
+}
+
+// The row tensors both ops take, checked against the pools (``blocks`` of
+// ``block_size`` slots): a bad slot or table would write or read out of them.
+void check_rows(int64_t blocks, int64_t block_size, int64_t rows, const torch::Tensor& slots,
+                const torch::Tensor& block_tables, const torch::Tensor& context_lens) {
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == rows && context_lens.scalar_type() == at::kLong &&
+                  context_lens.numel() == rows && block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 &&
+                  block_tables.size(0) == rows && slots.is_contiguous() && context_lens.is_contiguous() &&
+                  block_tables.is_contiguous(),
+              "trioserve decode: slots, context_lens [rows] and block_tables [rows, blocks] must be contiguous int64");
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t* table = block_tables.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(lens[r] >= 1 && lens[r] <= block_tables.size(1) * block_size, "trioserve decode: row ", r,
+                " context ", lens[r], " exceeds its block table");
+    TORCH_CHECK(slot[r] >= 0 && slot[r] < blocks * block_size, "trioserve decode: row ", r, " slot out of the cache");
+    for (int64_t b = 0; b < (lens[r] + block_size - 1) / block_size; ++b) {
+      const int64_t block = table[r * block_tables.size(1) + b];
+      TORCH_CHECK(block >= 0 && block < blocks, "trioserve decode: row ", r, " block ", block, " out of the cache");
+    }
+  }
 }
 
 }  // namespace
@@ -258,19 +294,7 @@ torch::Tensor decode_layers(const torch::Tensor& hidden, std::vector<torch::Tens
   TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && cos.numel() == rows * head_dim &&
                   sin.scalar_type() == at::kFloat && sin.is_contiguous() && sin.numel() == rows * head_dim,
               "decode_layers: cos and sin must be contiguous float32 [rows, head_dim]");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == rows && context_lens.scalar_type() == at::kLong &&
-                  context_lens.numel() == rows && block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 &&
-                  block_tables.size(0) == rows && slots.is_contiguous() && context_lens.is_contiguous() &&
-                  block_tables.is_contiguous(),
-              "decode_layers: slots, context_lens [rows] and block_tables [rows, blocks] must be contiguous int64");
-  const int64_t block_size = key_cache.size(2), blocks = key_cache.size(1);
-  const int64_t* lens = context_lens.data_ptr<int64_t>();
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  for (int64_t r = 0; r < rows; ++r) {
-    TORCH_CHECK(lens[r] >= 1 && lens[r] <= block_tables.size(1) * block_size, "decode_layers: row ", r,
-                " context ", lens[r], " exceeds its block table");
-    TORCH_CHECK(slot[r] >= 0 && slot[r] < blocks * block_size, "decode_layers: row ", r, " slot out of the cache");
-  }
+  check_rows(key_cache.size(1), key_cache.size(2), rows, slots, block_tables, context_lens);
   const int64_t q_width = num_heads * head_dim, kv_width = num_kv_heads * head_dim;
   for (int64_t l = 0; l < layers; ++l) {
     const torch::Tensor* w = weights.data() + l * kParts;
@@ -298,6 +322,46 @@ torch::Tensor decode_layers(const torch::Tensor& hidden, std::vector<torch::Tens
   }
 }
 
+// Rotary, the cache write and paged attention of one layer for a batch of
+// decode rows, between the model's own projections (engine/native_attention.py):
+// returns [rows, heads * head_dim]. ``key_cache``/``value_cache`` are one
+// layer's [blocks, block_size, kv_heads, head_dim] pools.
+torch::Tensor decode_attention(const torch::Tensor& qkv_in, const torch::Tensor& key_cache,
+                               const torch::Tensor& value_cache, const torch::Tensor& cos, const torch::Tensor& sin,
+                               const torch::Tensor& slots, const torch::Tensor& block_tables,
+                               const torch::Tensor& context_lens, int64_t num_heads, double scale, int64_t isa) {
+  check_isa(isa);
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes() && key_cache.is_contiguous() &&
+                  value_cache.is_contiguous() && key_cache.scalar_type() == value_cache.scalar_type(),
+              "decode_attention: key and value pools must be contiguous [blocks, block_size, kv_heads, head_dim]");
+  const int64_t kv_heads = key_cache.size(2), head_dim = key_cache.size(3), rows = qkv_in.size(0);
+  TORCH_CHECK(num_heads % kv_heads == 0 && head_dim % 2 == 0, "decode_attention: heads do not match the cache");
+  TORCH_CHECK(qkv_in.scalar_type() == at::kFloat && qkv_in.dim() == 2 &&
+                  qkv_in.size(1) == (num_heads + 2 * kv_heads) * head_dim,
+              "decode_attention: qkv must be float32 [rows, (heads + 2 kv_heads) * head_dim]");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && cos.numel() == rows * head_dim &&
+                  sin.scalar_type() == at::kFloat && sin.is_contiguous() && sin.numel() == rows * head_dim,
+              "decode_attention: cos and sin must be contiguous float32 [rows, head_dim]");
+  check_rows(key_cache.size(0), key_cache.size(1), rows, slots, block_tables, context_lens);
+  torch::Tensor qkv = qkv_in.clone(at::MemoryFormat::Contiguous);  // rotated in place
+  torch::Tensor out = torch::empty({rows, num_heads * head_dim}, qkv.options());
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    attention_step<T>(qkv.data_ptr<float>(), key_cache.data_ptr<T>(), value_cache.data_ptr<T>(), rows, num_heads,
+                      kv_heads, head_dim, key_cache.size(1), cos.data_ptr<float>(), sin.data_ptr<float>(),
+                      slots.data_ptr<int64_t>(), block_tables.data_ptr<int64_t>(), block_tables.size(1),
+                      context_lens.data_ptr<int64_t>(), float(scale), isa, out.data_ptr<float>());
+  };
+  switch (key_cache.scalar_type()) {
+    case at::kFloat: run(float{}); break;
+    case at::kHalf: run(c10::Half{}); break;
+    case at::kBFloat16: run(c10::BFloat16{}); break;
+    default: TORCH_CHECK(false, "decode_attention: a ", key_cache.scalar_type(), " cache is not supported");
+  }
+  return out;
+}
+
 TORCH_LIBRARY_IMPL(trioserve, CPU, m) {
   m.impl("decode_layers", &decode_layers);
+  m.impl("decode_attention", &decode_attention);
 }

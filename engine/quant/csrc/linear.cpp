@@ -85,6 +85,7 @@ TORCH_LIBRARY(trioserve, m) {
   m.def("q8_linear(Tensor x, Tensor q, Tensor scale, int isa) -> Tensor");
   m.def("isas() -> int", &supported_isas);
   m.def("q4_dequantize(Tensor blocks) -> Tensor");
+  m.def("decode_attention(Tensor qkv, Tensor key_cache, Tensor value_cache, Tensor cos, Tensor sin, Tensor slots, Tensor block_tables, Tensor context_lens, int num_heads, float scale, int isa) -> Tensor");
   m.def("decode_layers(Tensor hidden, Tensor[] weights, Tensor key_cache, Tensor value_cache, Tensor cos, Tensor sin, Tensor slots, Tensor block_tables, Tensor context_lens, int num_heads, int num_kv_heads, float eps, float scale, int isa) -> Tensor");
 }
 

@@ -1,0 +1,125 @@
+"""Decode attention natively: one call per layer instead of some 20 ops.
+
+For a batch whose every row decodes one token, ``decode_attention``
+(engine/quant/csrc/decode.cpp) does what ``DecoderLayer.forward`` does
+between the q/k/v projection and the o projection: rotary on q and k, the
+new key and value written at the row's slot (rounded as the cache's dtype
+rounds them), and attention over the row's blocks, read in place from the
+pool and widened as read. The torch path gathers each row's blocks into a
+scratch buffer and widens a float16 cache into another before attending:
+at 32 rows that moves megabytes per layer that attention then reads back.
+
+The model runs its own projections either way, so this serves the float
+path and the compressed one alike; it needs the native library
+(``quant.native``) and a float32 model on CPU, and its variants are
+capability paths (``native_attention_<isa>``) like the native linears.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+from .quant import native
+
+# The cache dtypes the op reads and writes.
+CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+ISA_ORDER = ("avx512", "avx2", "scalar")
+
+
+def path_name(isa: str) -> str:
+    return f"native_attention_{isa}"
+
+
+@attrs.frozen
+class NativeAttention:
+    """The native decode attention, on the best ISA variant that works here."""
+
+    isa: int
+    op: object
+
+    @classmethod
+    def choose(cls, cpu_paths: object, device: torch.device | str, dtype: torch.dtype) -> NativeAttention | None:
+        """The best variant ``cpu_paths`` found working, for a float32 CPU model; else None."""
+        if torch.device(device).type != "cpu" or dtype != torch.float32 or cpu_paths is None:
+            return None
+        known = {p.name for p in cpu_paths.paths}  # type: ignore[attr-defined]
+        for isa in ISA_ORDER:
+            if path_name(isa) in known and cpu_paths.available(path_name(isa)):  # type: ignore[attr-defined]
+                return cls(native.ISAS[isa], native.ops().decode_attention)  # type: ignore[attr-defined]
+        return None
+
+    def runs(self, query_lens: Sequence[int], hidden: torch.Tensor, pool: torch.Tensor) -> bool:
+        """Whether a batch of ``query_lens`` (every row one token) with these activations and pool runs here."""
+        return (
+            hidden.dtype == torch.float32
+            and hidden.device.type == "cpu"
+            and pool.dtype in CACHE_DTYPES
+            and all(n == 1 for n in query_lens)
+        )
+
+    def bind(
+        self, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor
+    ) -> BoundAttention:
+        """This forward's rows, for every layer's call."""
+        rows = slots.shape[0]
+        return BoundAttention(
+            self, cos.reshape(rows, -1).contiguous(), sin.reshape(rows, -1).contiguous(), slots, block_tables, context_lens
+        )
+
+
+@attrs.frozen
+class BoundAttention:
+    """``NativeAttention`` with one forward's rotary rows, slots and block tables."""
+
+    attention: NativeAttention
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slots: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+
+    def __call__(
+        self, qkv: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int, scale: float
+    ) -> torch.Tensor:
+        """One layer: ``qkv`` ``[rows, (heads + 2 kv_heads) * head_dim]`` in, ``[rows, heads * head_dim]`` out."""
+        a = self.attention
+        return a.op(  # type: ignore[operator]
+            qkv, key_cache, value_cache, self.cos, self.sin, self.slots, self.block_tables, self.context_lens,
+            num_heads, scale, a.isa,
+        )
+
+
+def trial(isa: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The op against the model's torch attention (rotary, ``write_kv``,
+    ``paged_attention``) on two decode rows over scattered blocks (``capability.Probe``)."""
+    from .attention import AttentionMetadata, paged_attention, write_kv
+    from .forward_batch import ForwardBatch, SeqChunk
+    from .kv_cache import KVCache
+    from .rotary import apply_rotary
+
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, head_dim, block_size = 4, 2, 16, 4
+    batch = ForwardBatch.build(
+        [SeqChunk([5], 6, (3, 1)), SeqChunk([7], 2, (2,))], block_size=block_size, device="cpu"
+    )
+    pools = KVCache(*(torch.randn(1, 5, block_size, kv_heads, head_dim, generator=gen) for _ in range(2)))
+    keys, values = pools.key[0], pools.value[0]
+    qkv = torch.randn(2, (heads + 2 * kv_heads) * head_dim, generator=gen)
+    angles = torch.randn(2, 1, head_dim // 2, generator=gen)
+    cos = torch.cat([angles.cos(), angles.cos()], -1)
+    sin = torch.cat([-angles.sin(), angles.sin()], -1)
+    got_keys, got_values = keys.clone(), values.clone()
+    bound = NativeAttention(native.ISAS[isa], native.ops().decode_attention).bind(  # type: ignore[attr-defined]
+        cos, sin, batch.slot_mapping, batch.block_tables, batch.context_lens
+    )
+    got = bound(qkv, got_keys, got_values, heads, head_dim**-0.5)
+    qk = apply_rotary(qkv[:, : (heads + kv_heads) * head_dim].view(2, heads + kv_heads, head_dim), cos, sin)
+    v = qkv[:, (heads + kv_heads) * head_dim :].view(2, kv_heads, head_dim)
+    write_kv(qk[:, heads:], v, keys, values, batch.slot_mapping)
+    meta = AttentionMetadata.build(batch, pools)
+    want = paged_attention(qk[:, :heads], qk[:, heads:], v, keys, values, meta, scale=head_dim**-0.5)
+    return {f"decode_attention({isa})": (got, want), f"decode_attention({isa}) cache": (got_keys, keys)}
+
