@@ -42,6 +42,11 @@ inline Vec vload(const T* p) { return widen(*p); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return a * b + c; }
 inline float vsum(Vec v) { return v; }
 inline void vstore(float* p, Vec v) { *p = v; }
+inline Vec vexp(Vec v) { return std::exp(v); }
+inline Vec vadd(Vec a, Vec b) { return a + b; }
+inline Vec vneg(Vec a) { return -a; }
+inline Vec vmul(Vec a, Vec b) { return a * b; }
+inline Vec vdiv(Vec a, Vec b) { return a / b; }
 #include "attend.h"
 }  // namespace scalar_isa
 
@@ -66,6 +71,27 @@ inline float vsum(Vec v) {
   return _mm_cvtss_f32(s);
 }
 inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline Vec vneg(Vec a) { return _mm256_sub_ps(_mm256_setzero_ps(), a); }
+inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec vdiv(Vec a, Vec b) { return _mm256_div_ps(a, b); }
+inline Vec vexp(Vec x) {
+  // e^x = 2^n e^r, n = round(x / ln 2), |r| <= ln 2 / 2, e^r by its Taylor
+  // polynomial to degree 6 (relative error about 2e-7, as libm's expf).
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
 #include "attend.h"
 }  // namespace avx2_isa
 #pragma GCC pop_options
@@ -86,6 +112,25 @@ inline Vec vload(const c10::BFloat16* p) {
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
 inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline Vec vneg(Vec a) { return _mm512_sub_ps(_mm512_setzero_ps(), a); }
+inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec vdiv(Vec a, Vec b) { return _mm512_div_ps(a, b); }
+inline Vec vexp(Vec x) {  // as avx2_isa::vexp
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
 #include "attend.h"
 }  // namespace avx512_isa
 #pragma GCC pop_options
@@ -154,23 +199,23 @@ void attend_rows(const float* qkv, int64_t qkv_stride, const T* key, const T* va
                  int64_t table_stride, const int64_t* context_lens, int64_t rows, int64_t heads, int64_t kv_heads,
                  int64_t head_dim, int64_t block_size, float scale, int64_t isa, float* out) {
   const int64_t group = heads / kv_heads, token_stride = kv_heads * head_dim;
-  at::parallel_for(0, rows * heads, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / heads, h = item % heads, kv = h / group;
-      const int64_t context = context_lens[r];
-      scores.resize(context);
-      const float* q = qkv + r * qkv_stride + h * head_dim;
+      const int64_t r = item / kv_heads, kv = item % kv_heads, context = context_lens[r];
+      scores.resize(group * context);
+      // Query heads kv * group .. (kv + 1) * group - 1 share KV head kv.
+      const float* q = qkv + r * qkv_stride + kv * group * head_dim;
       const T* k = key + kv * head_dim;
       const T* v = value + kv * head_dim;
       const int64_t* table = tables + r * table_stride;
-      float* o = out + r * heads * head_dim + h * head_dim;
+      float* o = out + r * heads * head_dim + kv * group * head_dim;
       if (isa == kAvx512 && head_dim % avx512_isa::kWidth == 0)
-        avx512_isa::attend<T>(q, k, v, table, context, block_size, token_stride, head_dim, scale, scores.data(), o);
+        avx512_isa::attend<T>(q, group, k, v, table, context, block_size, token_stride, head_dim, scale, scores.data(), o);
       else if (isa >= kAvx2 && head_dim % avx2_isa::kWidth == 0)
-        avx2_isa::attend<T>(q, k, v, table, context, block_size, token_stride, head_dim, scale, scores.data(), o);
+        avx2_isa::attend<T>(q, group, k, v, table, context, block_size, token_stride, head_dim, scale, scores.data(), o);
       else
-        scalar_isa::attend<T>(q, k, v, table, context, block_size, token_stride, head_dim, scale, scores.data(), o);
+        scalar_isa::attend<T>(q, group, k, v, table, context, block_size, token_stride, head_dim, scale, scores.data(), o);
     }
   });
 }
@@ -241,8 +286,10 @@ torch::Tensor decode_impl(const torch::Tensor& hidden, const std::vector<torch::
     rms_norm(res, w[kPostNorm].data_ptr<float>(), rows, dim, eps, xp);
     Linear{w[kGateUp], w[kGateUpScale], torch::Tensor()}(xp, rows, dim, gup, isa);
     for (int64_t r = 0; r < rows; ++r) {
-      const float *g = gup + r * 2 * inter, *u = g + inter;
-      for (int64_t j = 0; j < inter; ++j) actp[r * inter + j] = g[j] / (1.f + std::exp(-g[j])) * u[j];
+      const float* g = gup + r * 2 * inter;
+      if (isa == kAvx512) avx512_isa::silu_mul(g, g + inter, actp + r * inter, inter);
+      else if (isa == kAvx2) avx2_isa::silu_mul(g, g + inter, actp + r * inter, inter);
+      else scalar_isa::silu_mul(g, g + inter, actp + r * inter, inter);
     }
     Linear{w[kDown], w[kDownScale], torch::Tensor()}(actp, rows, inter, projp, isa);
     for (int64_t i = 0; i < rows * dim; ++i) res[i] += projp[i];
