@@ -326,7 +326,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.rotary = RotaryEmbedding(config, dtype=dtype, device=device)
         # Decode batches attend natively where that path works here (None: in torch).
-        self.native_attention = NativeAttention.choose(cpu_paths, device, dtype)
+        self.native_attention = NativeAttention.choose(cpu_paths, device, dtype, config.head_dim)
         self._targets = self._weight_targets()
 
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:

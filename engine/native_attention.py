@@ -41,9 +41,12 @@ class NativeAttention:
     op: object
 
     @classmethod
-    def choose(cls, cpu_paths: object, device: torch.device | str, dtype: torch.dtype) -> NativeAttention | None:
-        """The best variant ``cpu_paths`` found working, for a float32 CPU model; else None."""
-        if torch.device(device).type != "cpu" or dtype != torch.float32 or cpu_paths is None:
+    def choose(
+        cls, cpu_paths: object, device: torch.device | str, dtype: torch.dtype, head_dim: int
+    ) -> NativeAttention | None:
+        """The best variant ``cpu_paths`` found working, for a float32 CPU
+        model whose heads rotary can halve; else None."""
+        if torch.device(device).type != "cpu" or dtype != torch.float32 or cpu_paths is None or head_dim % 2:
             return None
         known = {p.name for p in cpu_paths.paths}  # type: ignore[attr-defined]
         for isa in ISA_ORDER:
