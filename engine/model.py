@@ -32,7 +32,7 @@ from .config import ModelConfig
 from .errors import CpuCapabilityError, ModelLoadError
 from .forward_batch import ForwardBatch
 from .kv_cache import KVCache
-from .native_attention import BoundAttention, NativeAttention
+from .native_attention import BoundAttention, NativeAttention, token_rows
 from .quant.native_decode import NativeDecode
 from .quant.projections import QuantizedProjections
 from .rotary import RotaryEmbedding, apply_rotary
@@ -339,15 +339,15 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(batch.positions)
         hidden = self.embed(batch.input_ids)
         slots = batch.slot_mapping
+        native = self.native_attention
         if made.decode is not None and made.decode.runs(batch.query_lens_cpu, kv_cache.key.dtype):
-            hidden = made.decode(
-                hidden, cos, sin, kv_cache.key, kv_cache.value, slots, batch.block_tables, batch.context_lens
-            )
+            tables, lens = token_rows(batch.query_lens_cpu, batch.positions, batch.block_tables, batch.context_lens)
+            hidden = made.decode(hidden, cos, sin, kv_cache.key, kv_cache.value, slots, tables, lens)
         else:
             attend = meta = None
-            native = self.native_attention
             if native is not None and native.runs(batch.query_lens_cpu, hidden, kv_cache.key):
-                attend = native.bind(cos, sin, slots, batch.block_tables, batch.context_lens)
+                tables, lens = token_rows(batch.query_lens_cpu, batch.positions, batch.block_tables, batch.context_lens)
+                attend = native.bind(cos, sin, slots, tables, lens)
             else:
                 meta = AttentionMetadata.build(batch, kv_cache)
             # ``forward`` directly, not through nn.Module's call (hook

@@ -1,6 +1,7 @@
 """Decode attention natively: one call per layer instead of some 20 ops.
 
-For a batch whose every row decodes one token, ``decode_attention``
+For a batch of decode rows (or short runs of tokens, as a speculative step
+verifies: ``MAX_QUERY_TOKENS``), ``decode_attention``
 (engine/quant/csrc/decode.cpp) does what ``DecoderLayer.forward`` does
 between the q/k/v projection and the o projection: rotary on q and k, the
 new key and value written at the row's slot (rounded as the cache's dtype
@@ -27,6 +28,24 @@ from .quant import native
 # The cache dtypes the op reads and writes.
 CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ISA_ORDER = ("avx512", "avx2", "scalar")
+# Query tokens of one sequence the op takes in a step: a decode row, or a
+# speculative step's verification (the proposed tokens plus one). Each token
+# is attended on its own over the context up to it, which for a long prefill
+# chunk would be quadratic work that SDPA's tiled kernel does better.
+MAX_QUERY_TOKENS = 16
+
+
+def token_rows(
+    query_lens: Sequence[int], positions: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token, its sequence's block table and its context (its position
+    plus one): the op attends each token on its own, and a sequence's new
+    keys and values are all written before any of them attends, so a run
+    of tokens attends causally."""
+    if len(query_lens) == positions.shape[0]:  # one token a sequence: its context is the sequence's
+        return block_tables, context_lens
+    counts = torch.tensor(query_lens, dtype=torch.int64)
+    return block_tables.repeat_interleave(counts, dim=0), positions + 1
 
 
 def path_name(isa: str) -> str:
@@ -55,18 +74,19 @@ class NativeAttention:
         return None
 
     def runs(self, query_lens: Sequence[int], hidden: torch.Tensor, pool: torch.Tensor) -> bool:
-        """Whether a batch of ``query_lens`` (every row one token) with these activations and pool runs here."""
+        """Whether a batch of ``query_lens`` with these activations and pool runs here."""
         return (
             hidden.dtype == torch.float32
             and hidden.device.type == "cpu"
             and pool.dtype in CACHE_DTYPES
-            and all(n == 1 for n in query_lens)
+            and all(n <= MAX_QUERY_TOKENS for n in query_lens)
         )
 
     def bind(
         self, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor
     ) -> BoundAttention:
-        """This forward's rows, for every layer's call."""
+        """This forward's tokens, for every layer's call: ``block_tables`` and
+        ``context_lens`` per token (``token_rows``)."""
         rows = slots.shape[0]
         return BoundAttention(
             self, cos.reshape(rows, -1).contiguous(), sin.reshape(rows, -1).contiguous(), slots, block_tables, context_lens

@@ -166,13 +166,27 @@ def test_the_fused_decode_step_computes_what_the_layers_do(isas, checkpoint, tmp
             for a, b in ((caches[0].key, caches[1].key), (caches[0].value, caches[1].value)):
                 assert (a.float() - b.float()).abs().max() <= tol * b.float().abs().max(), (isa, step)
             tokens = ref.argmax(-1).tolist()
+        # A speculative step's shape: runs of 3, 1 and 2 tokens, every one with logits.
+        runs = [[5, 6, 7], [8], [9, 10]]
+        chunks = [SeqChunk(run, n + 3, t, num_logits=len(run)) for run, n, t in zip(runs, lengths, tables)]
+        assert made.decode.runs([3, 1, 2], caches[0].key.dtype)
+        fused = _step(model, caches[0], chunks)
+        model._quantized = layered
+        try:
+            ref = _step(model, caches[1], chunks)
+        finally:
+            model._quantized = made
+        assert fused.shape == ref.shape == (6, model.config.vocab_size)
+        assert (fused - ref).abs().max() <= tol * ref.abs().max(), isa
+        assert torch.equal(fused.argmax(-1), ref.argmax(-1)), isa
 
 
 def test_batches_the_fused_step_does_not_take_go_through_the_layers(isas, checkpoint, tmp_path):
     model = _native_model(checkpoint, tmp_path, isas[-1])
     decode = model._projections().decode
     assert decode is not None
-    assert not decode.runs([1, 2], torch.float32)  # a prefill row
+    assert decode.runs([1, 2], torch.float32)  # a speculative step's verification
+    assert not decode.runs([1, 17], torch.float32)  # a prefill chunk
     assert decode.runs([1, 1, 1], torch.float16)
     assert not attrs.evolve(decode, max_rows=2).runs([1, 1, 1], torch.float32)  # more rows than its kernels serve
     assert not decode.runs([1], torch.uint8)  # an fp8 pool
@@ -227,6 +241,14 @@ def test_native_decode_attention_computes_what_the_torch_attention_does(isas, ch
             for a, b in ((caches[0].key, caches[1].key), (caches[0].value, caches[1].value)):
                 assert (a.float() - b.float()).abs().max() <= tol * b.float().abs().max(), (isa, step)
             tokens = want.argmax(-1).tolist()
+        runs = [[5, 6, 7], [8], [9, 10]]
+        chunks = [SeqChunk(run, n + 2, t, num_logits=len(run)) for run, n, t in zip(runs, lengths, tables)]
+        model.native_attention = attention
+        got = _step(model, caches[0], chunks)
+        model.native_attention = None
+        want = _step(model, caches[1], chunks)
+        assert (got - want).abs().max() <= tol * want.abs().max(), isa
+    model.native_attention = NativeAttention(native.ISAS[isas[-1]], native.ops().decode_attention)
 
 
 def test_native_decode_attention_refuses_a_block_outside_the_pool(isas):

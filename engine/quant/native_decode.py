@@ -5,9 +5,10 @@ torch ops per layer around the matmuls (norms, rotary, the cache write,
 gather and attention, the activation) than in the matmuls themselves
 (docs/benchmarks.md, "A lean decode step"). Where every projection's
 kernel for the batch's row count is a native one, ``NativeDecode`` runs all
-layers of a batch whose rows each decode one token in a single call; any
-other batch (prefill, more rows than the native kernels serve, a cache the
-op does not take) goes through the layers in torch as before.
+layers of a batch of decode rows (or short runs of tokens, as a speculative
+step verifies) in a single call; any other batch (prefill, more rows than
+the native kernels serve, a cache the op does not take) goes through the
+layers in torch as before.
 """
 
 from __future__ import annotations
@@ -23,8 +24,7 @@ from .int8_native import Int8NativeLinear
 from .projections import QuantizedProjections
 from .row_split import RowSplitLinear
 
-# The cache dtypes the op reads and writes.
-CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+from ..native_attention import CACHE_DTYPES, MAX_QUERY_TOKENS
 NativeLinear = Int4NativeLinear | Int8NativeLinear
 _EMPTY = torch.empty(0)
 
@@ -90,11 +90,14 @@ class NativeDecode:
         )
 
     def runs(self, query_lens: Sequence[int], cache_dtype: torch.dtype) -> bool:
-        """Whether a batch of these query lengths, over a cache of ``cache_dtype``, runs here."""
+        """Whether a batch of these query lengths, over a cache of
+        ``cache_dtype``, runs here: decode rows, or short runs of tokens such
+        as a speculative step's verification, within the rows the native
+        kernels serve."""
         return (
-            len(query_lens) <= self.max_rows
+            sum(query_lens) <= self.max_rows
             and cache_dtype in CACHE_DTYPES
-            and all(n == 1 for n in query_lens)
+            and all(n <= MAX_QUERY_TOKENS for n in query_lens)
         )
 
     def __call__(
@@ -108,7 +111,9 @@ class NativeDecode:
         block_tables: torch.Tensor,
         context_lens: torch.Tensor,
     ) -> torch.Tensor:
-        """The residual stream after every layer, for ``hidden`` ``[rows, hidden]``; writes each layer's key and value."""
+        """The residual stream after every layer, for ``hidden`` ``[tokens,
+        hidden]``; writes each layer's key and value. ``block_tables`` and
+        ``context_lens`` are per token (``native_attention.token_rows``)."""
         rows = hidden.shape[0]
         return self.op(  # type: ignore[operator]
             hidden.contiguous(),
