@@ -47,7 +47,7 @@ def test_the_library_is_built_for_this_source_and_runs_scalar_everywhere(isas):
 
 @settings(max_examples=40, deadline=None)
 @given(
-    rows=st.integers(1, 9),
+    rows=st.integers(1, 20),
     out=st.integers(1, 40),
     groups=st.integers(1, 4),
     group_size=st.sampled_from([32, 64]),
@@ -55,7 +55,7 @@ def test_the_library_is_built_for_this_source_and_runs_scalar_everywhere(isas):
     seed=st.integers(0, 2**16),
 )
 def test_each_variant_matches_the_dequantized_weights(isas, rows, out, groups, group_size, bias, seed):
-    """Any row count (chunks of 4 and a remainder), any output count (split
+    """Any row count (passes of up to 8 rows and a remainder), any output count (split
     over threads), 4-bit groups of 32 or 64 and int8 rows with a tail past
     the vector width: the float32 matmul of the dequantized weight."""
     gen = torch.Generator().manual_seed(seed)

@@ -71,7 +71,7 @@ class Int4NativeLinear:
 
 
 def trial(isa: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """The kernel on tiny inputs (5 rows: a chunk of 4 and one more), with its float32 reference (``capability.Probe``)."""
+    """The kernel on tiny inputs (5 rows), with its float32 reference (``capability.Probe``)."""
     gen = torch.Generator().manual_seed(0)
     x, w, bias = torch.randn(5, 64, generator=gen), torch.randn(40, 64, generator=gen), torch.randn(40, generator=gen)
     weight = quantize_int4(w, 32)

@@ -15,8 +15,10 @@ namespace trioserve_native {
 constexpr int64_t kGroup = 32;
 constexpr int64_t kBlockBytes = 24;
 // Input rows one pass over a weight row serves: more reuse of each decoded
-// weight, while the accumulators still fit in registers.
-constexpr int kMaxRows = 4;
+// weight, while the accumulators still fit in registers (AVX-512 has 32
+// vector registers, AVX2 16).
+constexpr int kMaxRows = 8;
+constexpr int kMaxRowsAvx2 = 4;
 
 enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 
@@ -112,8 +114,13 @@ __attribute__((target("avx512f,avx512bw"))) void q4_rows_avx512(const float* x, 
   const __m512i low = _mm512_set1_epi32(0x0F);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * groups * kBlockBytes;
-    __m512 acc[R][2];
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    // Two accumulators a row where rows are few (two independent FMA
+    // chains), one where many rows already keep the FMA units busy and
+    // registers are short.
+    constexpr int A = R <= 4 ? 2 : 1;
+    __m512 acc[R][A];
+    for (int r = 0; r < R; ++r)
+      for (int a = 0; a < A; ++a) acc[r][a] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* p = row + g * kBlockBytes;
       const __m512 d = _mm512_set1_ps(*reinterpret_cast<const float*>(p));
@@ -124,10 +131,13 @@ __attribute__((target("avx512f,avx512bw"))) void q4_rows_avx512(const float* x, 
       for (int r = 0; r < R; ++r) {
         const float* xg = x + r * ldx + g * kGroup;
         acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xg), acc[r][0]);
-        acc[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xg + 16), acc[r][1]);
+        acc[r][A - 1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xg + 16), acc[r][A - 1]);
       }
     }
-    for (int r = 0; r < R; ++r) y[r * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+    for (int r = 0; r < R; ++r) {
+      const __m512 sum = A == 2 ? _mm512_add_ps(acc[r][0], acc[r][A - 1]) : acc[r][0];
+      y[r * ldy + n] = _mm512_reduce_add_ps(sum);
+    }
   }
 }
 
@@ -178,19 +188,21 @@ __attribute__((target("avx512f,avx512bw"))) void q8_rows_avx512(const float* x, 
   const int64_t body = k - k % 32;
   for (int64_t n = n0; n < n1; ++n) {
     const int8_t* row = w + n * k;
-    __m512 acc[R][2];
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    constexpr int A = R <= 4 ? 2 : 1;  // as in q4_rows_avx512
+    __m512 acc[R][A];
+    for (int r = 0; r < R; ++r)
+      for (int a = 0; a < A; ++a) acc[r][a] = _mm512_setzero_ps();
     for (int64_t j = 0; j < body; j += 32) {
       const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + j))));
       const __m512 w1 =
           _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + j + 16))));
       for (int r = 0; r < R; ++r) {
         acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + r * ldx + j), acc[r][0]);
-        acc[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + r * ldx + j + 16), acc[r][1]);
+        acc[r][A - 1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + r * ldx + j + 16), acc[r][A - 1]);
       }
     }
     for (int r = 0; r < R; ++r) {
-      float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
+      float sum = _mm512_reduce_add_ps(A == 2 ? _mm512_add_ps(acc[r][0], acc[r][A - 1]) : acc[r][0]);
       for (int64_t j = body; j < k; ++j) sum += float(row[j]) * x[r * ldx + j];
       y[r * ldy + n] = sum * scale[n];
     }
@@ -208,18 +220,25 @@ inline void check_isa(int64_t isa) {
 // Runs ``kernel<R>(x_rows, ..., n0, n1, y_rows)`` over all rows of x in
 // chunks of at most kMaxRows, output channels split across torch's threads.
 template <typename Kernel>
-inline void over_rows(int64_t rows, int64_t out, const Kernel& kernel) {
+inline void over_rows(int64_t rows, int64_t out, int64_t isa, const Kernel& kernel) {
   // A chunk of output channels per task big enough that a task's weights
   // (a few KiB a channel) outweigh the cost of handing it out.
   const int64_t grain = 16;
+  const int64_t chunk = isa == kAvx512 ? kMaxRows : kMaxRowsAvx2;
   at::parallel_for(0, out, grain, [&](int64_t n0, int64_t n1) {
-    for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {
-      switch (std::min<int64_t>(kMaxRows, rows - r0)) {
-        case 1: kernel(std::integral_constant<int, 1>{}, r0, n0, n1); break;
-        case 2: kernel(std::integral_constant<int, 2>{}, r0, n0, n1); break;
+    for (int64_t r0 = 0; r0 < rows;) {
+      const int64_t left = std::min<int64_t>(chunk, rows - r0);
+      switch (left) {
+        case 8: kernel(std::integral_constant<int, 8>{}, r0, n0, n1); break;
+        case 7: kernel(std::integral_constant<int, 7>{}, r0, n0, n1); break;
+        case 6: kernel(std::integral_constant<int, 6>{}, r0, n0, n1); break;
+        case 5: kernel(std::integral_constant<int, 5>{}, r0, n0, n1); break;
+        case 4: kernel(std::integral_constant<int, 4>{}, r0, n0, n1); break;
         case 3: kernel(std::integral_constant<int, 3>{}, r0, n0, n1); break;
-        default: kernel(std::integral_constant<int, 4>{}, r0, n0, n1); break;
+        case 2: kernel(std::integral_constant<int, 2>{}, r0, n0, n1); break;
+        default: kernel(std::integral_constant<int, 1>{}, r0, n0, n1); break;
       }
+      r0 += left;
     }
   });
 }
@@ -227,26 +246,30 @@ inline void over_rows(int64_t rows, int64_t out, const Kernel& kernel) {
 // y[rows, out] = x[rows, k] @ W.T for W in 4-bit blocks [out, k / 32, 24].
 inline void q4_matmul(const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t out, float* y, int64_t isa) {
   const int64_t groups = k / kGroup;
-  over_rows(rows, out, [&](auto r_tag, int64_t r0, int64_t n0, int64_t n1) {
+  over_rows(rows, out, isa, [&](auto r_tag, int64_t r0, int64_t n0, int64_t n1) {
     constexpr int R = decltype(r_tag)::value;
     const float* xr = x + r0 * k;
     float* yr = y + r0 * out;
     if (isa == kAvx512) q4_rows_avx512<R>(xr, k, w, groups, n0, n1, yr, out);
-    else if (isa == kAvx2) q4_rows_avx2<R>(xr, k, w, groups, n0, n1, yr, out);
-    else q4_rows_scalar<R>(xr, k, w, groups, n0, n1, yr, out);
+    else if constexpr (R <= kMaxRowsAvx2) {
+      if (isa == kAvx2) q4_rows_avx2<R>(xr, k, w, groups, n0, n1, yr, out);
+      else q4_rows_scalar<R>(xr, k, w, groups, n0, n1, yr, out);
+    }
   });
 }
 
 // y[rows, out] = x[rows, k] @ (q * scale).T for int8 q [out, k] and float32 scale [out].
 inline void q8_matmul(const float* x, int64_t rows, int64_t k, const int8_t* w, const float* scale, int64_t out,
                       float* y, int64_t isa) {
-  over_rows(rows, out, [&](auto r_tag, int64_t r0, int64_t n0, int64_t n1) {
+  over_rows(rows, out, isa, [&](auto r_tag, int64_t r0, int64_t n0, int64_t n1) {
     constexpr int R = decltype(r_tag)::value;
     const float* xr = x + r0 * k;
     float* yr = y + r0 * out;
     if (isa == kAvx512) q8_rows_avx512<R>(xr, k, w, scale, k, n0, n1, yr, out);
-    else if (isa == kAvx2) q8_rows_avx2<R>(xr, k, w, scale, k, n0, n1, yr, out);
-    else q8_rows_scalar<R>(xr, k, w, scale, k, n0, n1, yr, out);
+    else if constexpr (R <= kMaxRowsAvx2) {
+      if (isa == kAvx2) q8_rows_avx2<R>(xr, k, w, scale, k, n0, n1, yr, out);
+      else q8_rows_scalar<R>(xr, k, w, scale, k, n0, n1, yr, out);
+    }
   });
 }
 
