@@ -97,9 +97,11 @@ class Stages:
         self.modules = set(sys.modules)
         if self.trim:
             # What glibc holds freed but not returned (fragmentation, arena tops).
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
+            start = time.perf_counter()
+            ctypes.CDLL(None).malloc_trim(0)
+            took = (time.perf_counter() - start) * 1e3
             trimmed = memory()["VmRSS"]
-            print(f"{'  after malloc_trim(0)':<34} {trimmed:>6} {trimmed - self.last:>+6}", flush=True)
+            print(f"{'  after malloc_trim(0)':<34} {trimmed:>6} {trimmed - self.last:>+6}  ({took:.1f} ms)", flush=True)
             self.last = trimmed
 
 
