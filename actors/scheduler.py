@@ -230,6 +230,7 @@ class SchedulerActor:
                     return
                 if self.concurrency is not None:
                     self.concurrency.idle()
+                self.core.release_memory()  # idle: the heap's free pages go back (engine/heap_trim.py)
                 await self._wait_for_news()
                 continue
             plan, fill = await self._plan(allocator, kv_results)

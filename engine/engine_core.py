@@ -23,6 +23,7 @@ from .detokenizer import DetokenizerDelta, IncrementalDetokenizer
 from .errors import InvalidRequestError, TokenizerError
 from .faults import Fault
 from .grammar import FilledMask, GrammarCompiler, GrammarError, GrammarMatchers, MaskFill, MaskRequest
+from .heap_trim import trim_heap
 from .kv_budget import KVPoolPlan, available_memory, plan_pool
 from .kv_cache import KVCache, kv_bytes_per_block
 from .kv_dtype import KVDtypeChoice, choose_kv_dtype, refuse_before_load
@@ -213,6 +214,12 @@ class EngineCore:
             )
         )
         self._grammar_dead: set[str] = set()
+        # Whether steps ran since the heap was last trimmed, and how many
+        # times it was trimmed since the start (``release_memory``).
+        self._ran_since_trim = False
+        self.num_heap_trims = 0
+        # What loading and the warm-up freed goes back before serving starts.
+        trim_heap()
 
     @classmethod
     def from_config(cls, config: EngineConfig, *, own_pool: bool = True) -> EngineCore:
@@ -423,9 +430,24 @@ class EngineCore:
     # -- the step -----------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run and post-process one step."""
+        """Schedule, run and post-process one step; trim the heap when that
+        step left the core idle (``release_memory``)."""
         plan = self.schedule()
-        return self.process_output(plan, self.execute(plan))
+        outputs = self.process_output(plan, self.execute(plan))
+        self.release_memory()
+        return outputs
+
+    def release_memory(self) -> bool:
+        """Give the heap's free pages back to the system (``heap_trim``)
+        when the core is idle and steps ran since the last time; returns
+        whether it trimmed. Callers call it when they go idle: a trim takes
+        a few milliseconds, never spent inside a step."""
+        if self.has_unfinished() or not self._ran_since_trim:
+            return False
+        self._ran_since_trim = False
+        trimmed = trim_heap()
+        self.num_heap_trims += trimmed
+        return trimmed
 
     def schedule(self) -> SchedulerOutput:
         """Plan a step against the core's own pool."""
@@ -493,6 +515,7 @@ class EngineCore:
         """Apply a step's result: append tokens, detokenize, apply stops, report."""
         now = time.monotonic()
         outputs: list[RequestOutput] = []
+        self._ran_since_trim = self._ran_since_trim or bool(plan.chunks)
         # Requests that ended between steps (abort, deadline) report first.
         ended, self._ended = [*self._ended, *plan.finished], []
         for request in ended:

@@ -7,6 +7,11 @@ files) and every later start loads that folder like any local checkpoint.
 The key hashes the file's identity (resolved path, size, mtime), so a replaced
 file gets a fresh entry. A conversion writes into a temporary folder renamed
 into place at the end: an interrupted one never leaves a half cache.
+
+The conversion runs in a child process: transformers' modeling code, which
+it needs, imports torch's compiler stack (dynamo, inductor, triton, sympy),
+about 240 MiB that would otherwise stay in a server started on a cold cache
+for its whole life (docs/benchmarks.md, "Resident memory").
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import json
 import logging
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -30,6 +36,8 @@ logger = logging.getLogger(__name__)
 
 CACHE_ENV = "TRIOSERVE_CACHE"
 _TMP_PREFIX = ".tmp-"
+# Where a converting child leaves its error's message for the parent.
+_ERROR_FILE = ".conversion-error"
 # GGUF model_type -> the architecture name config.json carries (GGUF metadata
 # has no ``architectures`` field).
 _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -136,7 +144,36 @@ def ensure_converted(gguf_path: Path, cache_dir: Path | None = None) -> Path:
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Dequantize ``gguf_path`` into ``out_dir`` (an existing, empty folder)
-    as ``config.json``, ``model.safetensors`` and tokenizer files."""
+    as ``config.json``, ``model.safetensors`` and tokenizer files, in a
+    child process (its progress on this process's stderr). Raises
+    ``ModelLoadError`` with the child's message when it fails."""
+    code = "import sys; from trioserve.engine.gguf_cache import _child_main; sys.exit(_child_main(sys.argv[1:]))"
+    done = subprocess.run([sys.executable, "-c", code, str(gguf_path), str(out_dir)], stdin=subprocess.DEVNULL)
+    if done.returncode == 0:
+        return
+    error = out_dir / _ERROR_FILE
+    message = error.read_text() if error.is_file() else f"{gguf_path}: converting ended with exit status {done.returncode}"
+    raise ModelLoadError(message)
+
+
+def _child_main(argv: list[str]) -> int:
+    """The converting child: ``convert_here(argv[0], argv[1])``; a failure's
+    message goes to ``_ERROR_FILE`` in the output folder (exit status 1)."""
+    gguf_path, out_dir = Path(argv[0]), Path(argv[1])
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        convert_here(gguf_path, out_dir)
+    except ModelLoadError as exc:
+        (out_dir / _ERROR_FILE).write_text(str(exc))
+        return 1
+    except Exception as exc:  # noqa: BLE001 - anything else still reaches the parent, named
+        (out_dir / _ERROR_FILE).write_text(f"{gguf_path}: converting failed: {type(exc).__name__}: {exc}")
+        raise
+    return 0
+
+
+def convert_here(gguf_path: Path, out_dir: Path) -> None:
+    """``convert_gguf`` in this process (what the child runs)."""
     progress = Progress(f"converting {gguf_path.name}", total=4)
     try:
         model = _read_gguf_model(gguf_path)

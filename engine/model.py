@@ -311,6 +311,8 @@ class LlamaForCausalLM(nn.Module):
         self.pack_weights = self.projection_choice.packed
         self._made: _Made | None = None
         self._quantized: _Made | None = None
+        # Compressed token embeddings (``set_quantized``): rows dequantized on lookup.
+        self._embedding: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._pack_lock = threading.Lock()
         self.embed_tokens = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(
@@ -363,6 +365,8 @@ class LlamaForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The input embeddings of ``input_ids`` (a tensor-parallel shard
         overrides this and ``lm_logits``: engine/tensor_parallel.py)."""
+        if self._embedding is not None:
+            return self._embedding(input_ids)
         return F.embedding(input_ids, self.embed_tokens)
 
     def lm_logits(self, hidden: torch.Tensor, made: _Made) -> torch.Tensor:
@@ -418,13 +422,27 @@ class LlamaForCausalLM(nn.Module):
         return calls
 
     def set_quantized(
-        self, layers: list[QuantizedProjections], head: Callable[[torch.Tensor], torch.Tensor] | None
+        self,
+        layers: list[QuantizedProjections],
+        head: Callable[[torch.Tensor], torch.Tensor] | None,
+        embedding: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         """Run on compressed projections (one per layer) and, when ``head``
         is given, a compressed LM head; else the LM head is ``F.linear``.
         Where the projections run on the native kernels at few rows, decode
-        batches of that many rows run all layers in one native call."""
+        batches of that many rows run all layers in one native call. With
+        ``embedding`` (``quant.embedding``; it needs ``head`` when the
+        embeddings are tied) token ids look up their rows there, and the
+        float table is dropped (``embed_tokens`` keeps no rows)."""
         assert self.projection_choice.quantization is not None and len(layers) == len(self.layers)
+        if embedding is not None:
+            assert head is not None or not self.config.tie_word_embeddings
+            self._embedding = embedding
+            e = self.embed_tokens
+            self.embed_tokens = _param(0, self.config.hidden_size, dtype=e.dtype, device=e.device)
+            if self.config.tie_word_embeddings:
+                self.lm_head = self.embed_tokens
+            self._targets = self._weight_targets()
         where = (self.embed_tokens.device, self.embed_tokens.dtype)
         c = self.config
         decode = NativeDecode.build(

@@ -2,8 +2,9 @@
 
 Q4_0 and Q4_1 tensors come out as ``Int4Weight`` (groups of 32, exactly the
 file's values: Q4_0 is ``(q - 8) d``, Q4_1 is ``q d + m = (q - 8) d + (m + 8 d)``);
-Q8_0 as ``Int8Weight``-like groups are dequantized exactly to float32 (the
-kernel then requantizes per channel, one more rounding); F32, F16 and BF16
+Q8_0 as ``Int8GroupWeight`` (the file's int8 values and block scales; its
+``dequantize`` is exact, and a kernel requantizes it per channel, one more
+rounding); F32, F16 and BF16
 as float32 tensors. Any other type is a ``ModelLoadError`` naming the tensor.
 llama.cpp stores a Llama's q and k rows in another order for its rotary
 layout; they are put back (a permutation of rows, so exact on quantized rows).
@@ -19,7 +20,9 @@ import numpy as np
 import torch
 
 from ..errors import ModelLoadError
-from .rtn import Int4Weight
+from .rtn import Int4Weight, Int8GroupWeight
+
+Compressed = Int4Weight | Int8GroupWeight
 
 GROUP = 32  # the block size of Q4_0, Q4_1 and Q8_0
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")
@@ -81,16 +84,21 @@ def decode_q4(kind: str, data: np.ndarray) -> Int4Weight:
     return Int4Weight(q.reshape(out, -1), d, zero, GROUP)
 
 
-def decode_q8_0(data: np.ndarray) -> torch.Tensor:
-    """Q8_0 rows as float32: ``q * d`` per block of 32, exactly."""
+def decode_q8_0_blocks(data: np.ndarray) -> Int8GroupWeight:
+    """Q8_0 rows (``[out, blocks * 34]`` uint8) as an ``Int8GroupWeight``: ``q * d`` per block of 32."""
     out = data.shape[0]
     blocks = data.reshape(out, -1, 34)
     d = _fp16(blocks, 0)
-    q = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8)).float()
-    return (q * d[..., None]).reshape(out, -1)
+    q = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8))
+    return Int8GroupWeight(q.reshape(out, -1), d, GROUP)
 
 
-def _unpermute(weight: torch.Tensor | Int4Weight, heads: int) -> torch.Tensor | Int4Weight:
+def decode_q8_0(data: np.ndarray) -> torch.Tensor:
+    """Q8_0 rows as float32: ``q * d`` per block of 32, exactly."""
+    return decode_q8_0_blocks(data).dequantize()
+
+
+def _unpermute(weight: torch.Tensor | Compressed, heads: int) -> torch.Tensor | Compressed:
     """Undo llama.cpp's rotary row order for a q or k weight of ``heads`` heads."""
 
     def rows(t: torch.Tensor) -> torch.Tensor:
@@ -101,10 +109,12 @@ def _unpermute(weight: torch.Tensor | Int4Weight, heads: int) -> torch.Tensor | 
 
     if isinstance(weight, Int4Weight):
         return Int4Weight(rows(weight.q), rows(weight.scale), rows(weight.zero), weight.group_size)
+    if isinstance(weight, Int8GroupWeight):
+        return Int8GroupWeight(rows(weight.q), rows(weight.scale), weight.group_size)
     return rows(weight)
 
 
-def read_tensors(path: Path, *, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor | Int4Weight]]:
+def read_tensors(path: Path, *, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor | Compressed]]:
     """Yield ``(hf_name, tensor)`` for every tensor of the GGUF at ``path``, one at a time."""
     import gguf
 
@@ -126,9 +136,9 @@ def read_tensors(path: Path, *, num_heads: int, num_kv_heads: int) -> Iterator[t
             )
         data = np.asarray(tensor.data)
         if kind in ("Q4_0", "Q4_1"):
-            value: torch.Tensor | Int4Weight = decode_q4(kind, data)
+            value: torch.Tensor | Compressed = decode_q4(kind, data)
         elif kind == "Q8_0":
-            value = decode_q8_0(data)
+            value = decode_q8_0_blocks(data)
         elif kind == "BF16":
             bits = np.ascontiguousarray(data).view(np.uint16).astype(np.uint32) << 16
             value = torch.from_numpy(bits.view(np.float32))

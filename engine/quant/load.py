@@ -4,7 +4,9 @@ Tensors come one at a time, from a GGUF file (``gguf_weights``, its own
 quantized values) or from float safetensors shards (quantized here, round to
 nearest). A layer's projections are built as soon as its seven matrices have
 arrived and the raw tensors are dropped, so no float32 copy of the matrices
-is ever held beyond one layer's. Norms and the embeddings stay float32.
+is ever held beyond one layer's. Norms stay float32; the token embeddings
+stay in the file's compressed format where they come compressed (rows
+dequantized on lookup, ``embedding``), else float32.
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ from ..errors import CpuCapabilityError, ModelLoadError
 from ..model import LlamaForCausalLM, ProjectionChoice
 from . import gguf_weights, int4_pack, rtn_cache
 from .choose import Kernel, KernelChoice, choose_kernel
+from .embedding import CompressedEmbedding
 from .projections import QuantizedProjections
-from .rtn import Int4Weight, Int8Weight, check_group_size
+from .rtn import Int4Weight, Int8GroupWeight, Int8Weight, check_group_size
 
 logger = logging.getLogger(__name__)
 
-Tensor = torch.Tensor | Int4Weight | Int8Weight
+Tensor = torch.Tensor | Int4Weight | Int8Weight | Int8GroupWeight
 _PROJ = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)_proj\.(weight|bias)")
 _PARTS = ("q", "k", "v", "o", "gate", "up", "down")
 
@@ -108,6 +111,7 @@ def build_quantized(
     pending: dict[int, dict[str, Tensor]] = {}
     layers: dict[int, QuantizedProjections] = {}
     head: Tensor | None = None
+    embedding: CompressedEmbedding | None = None
     loaded: set[str] = set()
     for name, tensor in tensors:
         match = _PROJ.fullmatch(name)
@@ -123,6 +127,14 @@ def build_quantized(
         if name == "lm_head.weight" and not config.tie_word_embeddings:
             head = tensor  # kept compressed (below): the model has no float parameter for it
             continue
+        if name == "model.embed_tokens.weight" and isinstance(tensor, (Int4Weight, Int8GroupWeight)):
+            # Kept as the file has it: a float32 copy would be the largest
+            # tensor of a small model (113 MB for SmolLM2's 49,152 x 576).
+            embedding = CompressedEmbedding(tensor)
+            if config.tie_word_embeddings:
+                head = tensor
+            loaded.add(name)
+            continue
         if not isinstance(tensor, torch.Tensor):
             tensor = tensor.dequantize()  # embeddings and norms are used as float32
         if name == "model.embed_tokens.weight" and config.tie_word_embeddings:
@@ -132,11 +144,16 @@ def build_quantized(
     if missing or head is None:
         what = f"layers {missing[:8]} lack projections" if missing else "no lm_head.weight"
         raise ModelLoadError(f"{source}: incomplete checkpoint: {what}")
+    if embedding is not None and tuple(embedding.weight.q.shape) != (config.vocab_size, config.hidden_size):
+        raise ModelLoadError(
+            f"{source}: weight 'model.embed_tokens.weight': expected shape "
+            f"{(config.vocab_size, config.hidden_size)}, got {tuple(embedding.weight.q.shape)}"
+        )
     if model.required_weight_names() - loaded:
         raise ModelLoadError(f"{source}: missing weights {sorted(model.required_weight_names() - loaded)[:8]}")
     assert head is not None
     head_linear = _head_kernel(cpu_paths, choice.kernel).make(head, None, choice.group_size)
-    model.set_quantized([layers[i] for i in range(config.num_hidden_layers)], head_linear)
+    model.set_quantized([layers[i] for i in range(config.num_hidden_layers)], head_linear, embedding)
     return model
 
 

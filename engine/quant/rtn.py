@@ -1,6 +1,8 @@
 """Weight-only round-to-nearest formats, the values every kernel starts from.
 
 ``Int8Weight``: symmetric int8 per output channel, ``w = q * scale``.
+``Int8GroupWeight``: int8 in groups along the input dimension, ``w = q * scale``
+per group: exactly GGUF's Q8_0 (groups of 32).
 ``Int4Weight``: 4 bits per weight in groups along the input dimension,
 ``w = (q - 8) * scale + zero`` with ``q`` in 0..15: the convention of torch's
 packed int4 kernel, and exactly GGUF's Q4_0 (``zero = 0``) and Q4_1
@@ -22,6 +24,20 @@ class Int8Weight:
 
     def dequantize(self) -> torch.Tensor:
         return self.q.float() * self.scale[:, None]
+
+
+@attrs.frozen
+class Int8GroupWeight:
+    """``q`` int8 ``[out, in]``, ``scale`` float32 ``[out, in // group_size]``."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    group_size: int
+
+    def dequantize(self) -> torch.Tensor:
+        out, k = self.q.shape
+        groups = self.q.float().view(out, k // self.group_size, self.group_size)
+        return (groups * self.scale[..., None]).view(out, k)
 
 
 @attrs.frozen

@@ -1,0 +1,49 @@
+"""Token embeddings kept in a checkpoint's compressed format.
+
+A step looks up one row per token it runs, a few hundred of the
+vocabulary's tens of thousands, so the table stays as the file stores it
+(int8 or 4-bit values with their group scales: a quarter of float32's
+bytes or less) and only the rows looked up are dequantized. Each row comes
+out bit for bit as the whole table's ``dequantize()`` has it: the same
+float operations on the same values, row by row.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from .rtn import Int4Weight, Int8GroupWeight
+
+
+@attrs.frozen
+class CompressedEmbedding:
+    """``weight``'s rows, dequantized on lookup."""
+
+    weight: Int4Weight | Int8GroupWeight
+
+    @property
+    def num_embeddings(self) -> int:
+        return self.weight.q.shape[0]
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.weight.q.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        w = self.weight
+        zero = w.zero.nbytes if isinstance(w, Int4Weight) else 0
+        return w.q.nbytes + w.scale.nbytes + zero
+
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Float32 ``[*input_ids.shape, embedding_dim]``, the rows of ``input_ids``."""
+        w = self.weight
+        flat = input_ids.reshape(-1)
+        q = w.q.index_select(0, flat)
+        scale = w.scale.index_select(0, flat)
+        if isinstance(w, Int4Weight):
+            rows = Int4Weight(q, scale, w.zero.index_select(0, flat), w.group_size)
+        else:
+            rows = Int8GroupWeight(q, scale, w.group_size)
+        return rows.dequantize().view(*input_ids.shape, self.embedding_dim)
