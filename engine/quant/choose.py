@@ -211,4 +211,6 @@ def choose_kernel(
     if small is large:
         return attrs.evolve(choice, kernel=large)
     wins = [r for i, r in enumerate(MEASURE_ROWS) if timings[small.name][i] < timings[large.name][i]]
+    if not wins:  # the 4-bit pick at one row (a tie) is nowhere faster: one copy
+        return attrs.evolve(choice, kernel=large)
     return attrs.evolve(choice, kernel=large, small=small, max_small_rows=max(wins))
