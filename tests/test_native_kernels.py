@@ -261,3 +261,22 @@ def test_native_decode_attention_refuses_a_block_outside_the_pool(isas):
     )
     with pytest.raises(RuntimeError, match="row 0 block 9 out of the cache"):
         bound(torch.randn(1, 8 * 16), pool, pool.clone(), 4, 0.25)
+
+
+def test_a_q8_0_head_runs_on_the_stored_values_without_a_copy(isas):
+    """int8 in groups of 32 (GGUF's Q8_0): the tensors are the table's own,
+    and the result is the dequantized table's matmul, at few rows and many."""
+    from trioserve.engine.quant.rtn import Int8GroupWeight
+
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randint(-127, 128, (40, 96), generator=gen, dtype=torch.int8)
+    table = Int8GroupWeight(q, torch.rand(40, 3, generator=gen) * 0.01, 32)
+    for isa in isas:
+        head = int8_native.Int8GroupNativeLinear.over(table, isa)
+        assert head.weight.q.data_ptr() == q.data_ptr()
+        for rows in (1, 7, int4_native.DEQUANTIZE_FROM_ROWS + 1):
+            x = torch.randn(rows, 96, generator=gen)
+            want = F.linear(x, table.dequantize())
+            assert torch.allclose(head(x), want, rtol=1e-4, atol=1e-4 * want.abs().max().item()), (isa, rows)
+    with pytest.raises(ValueError, match="groups of 32"):
+        int8_native.Int8GroupNativeLinear.over(Int8GroupWeight(q, torch.rand(40, 6), 16), isas[0])

@@ -1,6 +1,7 @@
-"""int8 per channel on the native kernel (``csrc/linear.cpp``, loaded by
-``native``), float32 activations: ``x @ (q * scale).T``, with the scale
-applied once per output after the int8 row's dot product."""
+"""int8 on the native kernels (``csrc/linear.cpp``, loaded by ``native``),
+float32 activations: per channel, ``x @ (q * scale).T`` with the scale
+applied once per output after the int8 row's dot product; or in groups of
+32 (GGUF's Q8_0), which a tied LM head runs on the embedding table itself."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import torch.nn.functional as F
 
 from . import native
 from .int4_native import DEQUANTIZE_FROM_ROWS
-from .rtn import Int8Weight, quantize_int8
+from .rtn import Int8GroupWeight, Int8Weight, quantize_int8
+
+GROUP = 32
 
 
 @attrs.frozen
@@ -49,6 +52,29 @@ class Int8NativeLinear:
             return F.linear(x, self.q.float().mul_(self.scale[:, None]), self.bias)
         y = self.ops.q8_linear(x, self.q, self.scale, self.isa)  # type: ignore[attr-defined]
         return y if self.bias is None else y.add_(self.bias)
+
+
+@attrs.frozen
+class Int8GroupNativeLinear:
+    """``x @ W.T`` with ``W = q * scale`` per group of 32, over ``weight``'s
+    own tensors (shared, not copied: a tied LM head and the embeddings are
+    one table)."""
+
+    weight: Int8GroupWeight
+    isa: int
+    ops: object  # torch.ops.trioserve, loaded
+
+    @classmethod
+    def over(cls, weight: Int8GroupWeight, isa: str) -> Int8GroupNativeLinear:
+        if weight.group_size != GROUP:
+            raise ValueError(f"int8 group size {weight.group_size}: the native kernel runs groups of {GROUP}")
+        return cls(weight, native.ISAS[isa], native.ops())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if x.shape[0] >= DEQUANTIZE_FROM_ROWS:  # as int4_native
+            return F.linear(x, w.dequantize())
+        return self.ops.q8g_linear(x, w.q, w.scale, self.isa)  # type: ignore[attr-defined]
 
 
 def trial(isa: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

@@ -22,8 +22,8 @@ from ..capability import CpuPaths
 from ..config import ModelConfig
 from ..errors import CpuCapabilityError, ModelLoadError
 from ..model import LlamaForCausalLM, ProjectionChoice
-from . import gguf_weights, int4_pack, rtn_cache
-from .choose import Kernel, KernelChoice, choose_kernel
+from . import gguf_weights, int4_pack, int8_native, rtn_cache
+from .choose import Kernel, KernelChoice, Linear, choose_kernel
 from .embedding import CompressedEmbedding
 from .projections import QuantizedProjections
 from .rtn import Int4Weight, Int8GroupWeight, Int8Weight, check_group_size
@@ -152,9 +152,25 @@ def build_quantized(
     if model.required_weight_names() - loaded:
         raise ModelLoadError(f"{source}: missing weights {sorted(model.required_weight_names() - loaded)[:8]}")
     assert head is not None
-    head_linear = _head_kernel(cpu_paths, choice.kernel).make(head, None, choice.group_size)
+    head_linear = _shared_head(cpu_paths, head) or _head_kernel(cpu_paths, choice.kernel).make(
+        head, None, choice.group_size
+    )
     model.set_quantized([layers[i] for i in range(config.num_hidden_layers)], head_linear, embedding)
     return model
+
+
+def _shared_head(cpu_paths: CpuPaths, head: Tensor) -> Linear | None:
+    """A head stored as int8 in groups of 32 (GGUF's Q8_0) on the native
+    kernel, over the stored values themselves: nothing requantized, and a
+    tied head shares the embeddings' table. None where that does not run here."""
+    if not isinstance(head, Int8GroupWeight) or head.group_size != int8_native.GROUP:
+        return None
+    known = {p.name for p in cpu_paths.paths}
+    for isa in ("avx512", "avx2", "scalar"):
+        name = f"quant_int8_native_{isa}"
+        if name in known and cpu_paths.available(name):
+            return int8_native.Int8GroupNativeLinear.over(head, isa)
+    return None
 
 
 def _head_kernel(cpu_paths: CpuPaths, kernel: Kernel) -> Kernel:

@@ -209,6 +209,86 @@ __attribute__((target("avx512f,avx512bw"))) void q8_rows_avx512(const float* x, 
   }
 }
 
+// ---- int8 in groups of 32 (GGUF's Q8_0) -----------------------------------
+// w = q * scale[group]: ``scale`` is float32 [out, k / 32]. The LM head of a
+// model with tied embeddings runs on the embedding table's own values.
+
+template <int R>
+void q8g_rows_scalar(const float* x, int64_t ldx, const int8_t* w, const float* scale, int64_t k, int64_t n0,
+                     int64_t n1, float* y, int64_t ldy) {
+  const int64_t groups = k / kGroup;
+  for (int64_t n = n0; n < n1; ++n) {
+    float acc[R] = {};
+    for (int64_t g = 0; g < groups; ++g) {
+      const int8_t* q = w + n * k + g * kGroup;
+      const float d = scale[n * groups + g];
+      for (int r = 0; r < R; ++r) {
+        float dot = 0.f;
+        for (int j = 0; j < kGroup; ++j) dot += float(q[j]) * x[r * ldx + g * kGroup + j];
+        acc[r] += d * dot;
+      }
+    }
+    for (int r = 0; r < R; ++r) y[r * ldy + n] = acc[r];
+  }
+}
+
+template <int R>
+__attribute__((target("avx2,fma"))) void q8g_rows_avx2(const float* x, int64_t ldx, const int8_t* w,
+                                                      const float* scale, int64_t k, int64_t n0, int64_t n1,
+                                                      float* y, int64_t ldy) {
+  const int64_t groups = k / kGroup;
+  for (int64_t n = n0; n < n1; ++n) {
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const int8_t* q = w + n * k + g * kGroup;
+      const __m256 d = _mm256_broadcast_ss(scale + n * groups + g);
+      const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+      const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16));
+      const __m256 w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q0)), d);
+      const __m256 w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q0, 8))), d);
+      const __m256 w2 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q1)), d);
+      const __m256 w3 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q1, 8))), d);
+      for (int r = 0; r < R; ++r) {
+        const float* xg = x + r * ldx + g * kGroup;
+        acc[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xg), acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xg + 8), acc[r][1]);
+        acc[r][0] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xg + 16), acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xg + 24), acc[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r) y[r * ldy + n] = hsum256(_mm256_add_ps(acc[r][0], acc[r][1]));
+  }
+}
+
+template <int R>
+__attribute__((target("avx512f,avx512bw"))) void q8g_rows_avx512(const float* x, int64_t ldx, const int8_t* w,
+                                                                const float* scale, int64_t k, int64_t n0,
+                                                                int64_t n1, float* y, int64_t ldy) {
+  const int64_t groups = k / kGroup;
+  for (int64_t n = n0; n < n1; ++n) {
+    constexpr int A = R <= 4 ? 2 : 1;  // as in q4_rows_avx512
+    __m512 acc[R][A];
+    for (int r = 0; r < R; ++r)
+      for (int a = 0; a < A; ++a) acc[r][a] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const int8_t* q = w + n * k + g * kGroup;
+      const __m512 d = _mm512_set1_ps(scale[n * groups + g]);
+      const __m512 w0 = _mm512_mul_ps(
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)))), d);
+      const __m512 w1 = _mm512_mul_ps(
+          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)))), d);
+      for (int r = 0; r < R; ++r) {
+        const float* xg = x + r * ldx + g * kGroup;
+        acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xg), acc[r][0]);
+        acc[r][A - 1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xg + 16), acc[r][A - 1]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      y[r * ldy + n] = _mm512_reduce_add_ps(A == 2 ? _mm512_add_ps(acc[r][0], acc[r][A - 1]) : acc[r][0]);
+  }
+}
+
 // ---- dispatch ------------------------------------------------------------
 
 inline void check_isa(int64_t isa) {
@@ -269,6 +349,21 @@ inline void q8_matmul(const float* x, int64_t rows, int64_t k, const int8_t* w, 
     else if constexpr (R <= kMaxRowsAvx2) {
       if (isa == kAvx2) q8_rows_avx2<R>(xr, k, w, scale, k, n0, n1, yr, out);
       else q8_rows_scalar<R>(xr, k, w, scale, k, n0, n1, yr, out);
+    }
+  });
+}
+
+// y[rows, out] = x[rows, k] @ (q * scale per group of 32).T.
+inline void q8g_matmul(const float* x, int64_t rows, int64_t k, const int8_t* w, const float* scale, int64_t out,
+                       float* y, int64_t isa) {
+  over_rows(rows, out, isa, [&](auto r_tag, int64_t r0, int64_t n0, int64_t n1) {
+    constexpr int R = decltype(r_tag)::value;
+    const float* xr = x + r0 * k;
+    float* yr = y + r0 * out;
+    if (isa == kAvx512) q8g_rows_avx512<R>(xr, k, w, scale, k, n0, n1, yr, out);
+    else if constexpr (R <= kMaxRowsAvx2) {
+      if (isa == kAvx2) q8g_rows_avx2<R>(xr, k, w, scale, k, n0, n1, yr, out);
+      else q8g_rows_scalar<R>(xr, k, w, scale, k, n0, n1, yr, out);
     }
   });
 }

@@ -2,6 +2,7 @@
 //
 //   trioserve::q4_linear(x, blocks, isa)        4-bit groups of 32, w = q * d + m
 //   trioserve::q8_linear(x, q, scale, isa)      int8 per output channel, w = q * scale
+//   trioserve::q8g_linear(x, q, scale, isa)     int8 in groups of 32 (GGUF's Q8_0), w = q * scale[group]
 //   trioserve::isas()                           bit i set: ISA i runs on this CPU
 //
 // Why native: ATen's packed 4-bit and int8 kernels stream their weights at
@@ -55,6 +56,25 @@ torch::Tensor q8_linear(const torch::Tensor& x_in, const torch::Tensor& q_in, co
   return y;
 }
 
+torch::Tensor q8g_linear(const torch::Tensor& x_in, const torch::Tensor& q_in, const torch::Tensor& scale_in,
+                         int64_t isa) {
+  check_isa(isa);
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2, "q8g_linear: x must be float32 [rows, in]");
+  TORCH_CHECK(q_in.scalar_type() == at::kChar && q_in.dim() == 2 && q_in.size(1) % kGroup == 0,
+              "q8g_linear: q must be int8 [out, in], in a multiple of 32");
+  TORCH_CHECK(scale_in.scalar_type() == at::kFloat && scale_in.dim() == 2 && scale_in.size(0) == q_in.size(0) &&
+                  scale_in.size(1) * kGroup == q_in.size(1),
+              "q8g_linear: scale must be float32 [out, in / 32]");
+  TORCH_CHECK(x_in.size(1) == q_in.size(1), "q8g_linear: x has ", x_in.size(1), " inputs, the weight ", q_in.size(1));
+  const torch::Tensor x = x_in.contiguous();
+  const torch::Tensor q = q_in.contiguous();
+  const torch::Tensor scale = scale_in.contiguous();
+  torch::Tensor y = torch::empty({x.size(0), q.size(0)}, x.options());
+  q8g_matmul(x.data_ptr<float>(), x.size(0), x.size(1), q.data_ptr<int8_t>(), scale.data_ptr<float>(), q.size(0),
+             y.data_ptr<float>(), isa);
+  return y;
+}
+
 // The float32 weight [out, k] of 4-bit blocks: for many rows, where a GEMM
 // over the plain weight beats the GEMV-shaped kernel, one matrix at a time.
 torch::Tensor q4_dequantize(const torch::Tensor& blocks_in) {
@@ -85,6 +105,7 @@ TORCH_LIBRARY(trioserve, m) {
   m.def("q8_linear(Tensor x, Tensor q, Tensor scale, int isa) -> Tensor");
   m.def("isas() -> int", &supported_isas);
   m.def("q4_dequantize(Tensor blocks) -> Tensor");
+  m.def("q8g_linear(Tensor x, Tensor q, Tensor scale, int isa) -> Tensor");
   m.def("decode_attention(Tensor qkv, Tensor key_cache, Tensor value_cache, Tensor cos, Tensor sin, Tensor slots, Tensor block_tables, Tensor context_lens, int num_heads, float scale, int isa) -> Tensor");
   m.def("decode_layers(Tensor hidden, Tensor[] weights, Tensor key_cache, Tensor value_cache, Tensor cos, Tensor sin, Tensor slots, Tensor block_tables, Tensor context_lens, int num_heads, int num_kv_heads, float eps, float scale, int isa) -> Tensor");
 }
@@ -93,4 +114,5 @@ TORCH_LIBRARY_IMPL(trioserve, CPU, m) {
   m.impl("q4_linear", &q4_linear);
   m.impl("q8_linear", &q8_linear);
   m.impl("q4_dequantize", &q4_dequantize);
+  m.impl("q8g_linear", &q8g_linear);
 }
