@@ -1,7 +1,8 @@
 """Time every linear kernel the engine could run for SmolLM2-135M's matmuls.
 
 One "forward" is all the projections of the 30 layers plus the LM head at M
-rows (M=1 is a one-stream decode step, 32/64 a batched one), run in a worker
+rows (the native kernels where ``scripts/setup.sh`` built them, each ISA
+variant this CPU runs) (M=1 is a one-stream decode step, 32/64 a batched one), run in a worker
 thread with ``--threads`` torch threads, as the engine's step thread runs
 them. Prints a Markdown table of the best of ``--repeat`` forwards, in ms.
 
@@ -18,10 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from trioserve.engine import onednn
-from trioserve.engine.quant import int4_pack, int8_dynamic, int8_pack, rtn
+from trioserve.engine.quant import int4_native, int4_pack, int8_dynamic, int8_native, int8_pack, native, rtn
 
 # SmolLM2-135M: hidden 576, intermediate 1536, 9 heads and 3 KV heads of 64.
-LAYER_SHAPES = [(832, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
+LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
 LM_HEAD = (49152, 576)
 LAYERS = 30
 
@@ -51,6 +52,18 @@ def kernels(weights: list[torch.Tensor]) -> dict[str, list]:
         ]
         out[f"_weight_int4pack_mm_for_cpu group 32, {tag} activations"] = [
             int4_pack.Int4PackLinear.from_rtn(rtn.quantize_int4(w, 32), act_dtype=act) for w in weights
+        ]
+    try:
+        isas = native.cpu_isas()
+    except native.NativeUnavailable as exc:
+        print(f"native kernels: {exc}")
+        isas = ()
+    for isa in reversed(isas):  # best first
+        out[f"native 4-bit group 32, float32 activations ({isa})"] = [
+            int4_native.Int4NativeLinear.from_rtn(rtn.quantize_int4(w, 32), None, isa) for w in weights
+        ]
+        out[f"native int8/channel, float32 activations ({isa})"] = [
+            int8_native.Int8NativeLinear.from_rtn(rtn.quantize_int8(w), None, isa) for w in weights
         ]
     return out
 
