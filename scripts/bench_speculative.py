@@ -56,9 +56,12 @@ def run_one(core: EngineCore, request_id: str, prompt: str, max_tokens: int) -> 
 
 
 def bench(args: argparse.Namespace) -> None:
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, quantization=args.quantization)
+    print(f"{loaded.projection_choice.summary}")
     # Kernels are built as they are first met (warm_up=False): the first round pays for them, the median drops it.
-    common = dict(max_model_len=1024, kv_cache_memory=256 << 20, model=args.model, warm_up=False)
+    common = dict(
+        max_model_len=1024, kv_cache_memory=256 << 20, model=args.model, warm_up=False, quantization=args.quantization
+    )
     plain = EngineCore(loaded, EngineConfig(**common))
     spec = EngineCore(
         loaded, EngineConfig(**common, speculative="ngram", num_speculative_tokens=args.num_speculative_tokens)
@@ -106,6 +109,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument(
+        "--quantization", default="auto", help="as serve's --quantization (default auto: compressed for the default GGUF)"
+    )
     parser.add_argument("--num-threads", type=int, default=None)
     args = parser.parse_args()
     with StepThread(args.num_threads) as thread:
