@@ -217,13 +217,14 @@ class DecoderLayer(nn.Module):
         attend: BoundAttention | None = None,
     ) -> torch.Tensor:
         """Return the residual stream after this layer's attention and MLP
-        blocks; ``projections`` is ``self.projections(...)``. With ``attend``
-        (a decode-only batch), rotary, the cache write and attention run
-        natively in one call, and ``meta`` is not needed."""
+        blocks; ``projections`` is ``self.projections(...)``. With ``attend``,
+        the decode rows' rotary, cache write and attention run natively in
+        one call (``native_attention``); ``meta`` plans the rest in torch,
+        None when every row decodes."""
         norm_shape, eps, heads, head_dim = self.norm_shape, self.eps, self.num_heads, self.head_dim
         x = F.rms_norm(residual, norm_shape, self.input_layernorm, eps)
         qkv = projections.qkv(x)
-        if attend is not None:
+        if attend is not None and meta is None:
             attn = attend(qkv, key_cache, value_cache, heads, self.scale)
         else:
             assert meta is not None
@@ -235,6 +236,13 @@ class DecoderLayer(nn.Module):
             v = qkv[:, q_and_k * head_dim :].view(tokens, self.num_kv_heads, head_dim)
             write_kv(k, v, key_cache, value_cache, slot_mapping)
             attn = paged_attention(q, k, v, key_cache, value_cache, meta, scale=self.scale)
+            if attend is not None:
+                # The decode rows again, natively (their keys and values
+                # rewritten as that path rotates them): as in a batch of
+                # decodes only. The torch path's numbers for them are dropped.
+                rows = attend.rows
+                assert rows is not None
+                attn.index_copy_(0, rows, attend(qkv.index_select(0, rows), key_cache, value_cache, heads, self.scale))
         residual = projections.o_add(attn, residual)
         x = F.rms_norm(residual, norm_shape, self.post_attention_layernorm, eps)
         return projections.mlp_add(x, residual)
@@ -341,17 +349,14 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(batch.positions)
         hidden = self.embed(batch.input_ids)
         slots = batch.slot_mapping
-        native = self.native_attention
         if made.decode is not None and made.decode.runs(batch.query_lens_cpu, kv_cache.key.dtype):
             tables, lens = token_rows(batch.query_lens_cpu, batch.positions, batch.block_tables, batch.context_lens)
             hidden = made.decode(hidden, cos, sin, kv_cache.key, kv_cache.value, slots, tables, lens)
         else:
-            attend = meta = None
-            if native is not None and native.runs(batch.query_lens_cpu, hidden, kv_cache.key):
-                tables, lens = token_rows(batch.query_lens_cpu, batch.positions, batch.block_tables, batch.context_lens)
-                attend = native.bind(cos, sin, slots, tables, lens)
-            else:
-                meta = AttentionMetadata.build(batch, kv_cache)
+            native = self.native_attention
+            attend = native.bind(batch, cos, sin) if native is not None and native.runs(hidden, kv_cache.key) else None
+            # Other rows (prefill, a speculative step's verification) attend in torch.
+            meta = None if attend is not None and attend.rows is None else AttentionMetadata.build(batch, kv_cache)
             # ``forward`` directly, not through nn.Module's call (hook
             # checks), and each layer's pools from one unbind: a one-stream
             # decode step is bound by such per-layer overheads

@@ -1,7 +1,7 @@
 """Decode attention natively: one call per layer instead of some 20 ops.
 
-For a batch of decode rows (or short runs of tokens, as a speculative step
-verifies: ``MAX_QUERY_TOKENS``), ``decode_attention``
+For the decode rows of a batch (one query token a sequence),
+``decode_attention``
 (engine/quant/csrc/decode.cpp) does what ``DecoderLayer.forward`` does
 between the q/k/v projection and the o projection: rotary on q and k, the
 new key and value written at the row's slot (rounded as the cache's dtype
@@ -23,15 +23,17 @@ from collections.abc import Sequence
 import attrs
 import torch
 
+from .forward_batch import ForwardBatch
 from .quant import native
 
 # The cache dtypes the op reads and writes.
 CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ISA_ORDER = ("avx512", "avx2", "scalar")
-# Query tokens of one sequence the op takes in a step: a decode row, or a
-# speculative step's verification (the proposed tokens plus one). Each token
-# is attended on its own over the context up to it, which for a long prefill
-# chunk would be quadratic work that SDPA's tiled kernel does better.
+# Query tokens of one sequence the fused decode step (quant/native_decode.py)
+# takes in a step: a decode row, or a speculative step's verification (the
+# proposed tokens plus one). Each token is attended on its own over the
+# context up to it, which for a long prefill chunk would be quadratic work
+# that SDPA's tiled kernel does better.
 MAX_QUERY_TOKENS = 16
 
 
@@ -73,29 +75,44 @@ class NativeAttention:
                 return cls(native.ISAS[isa], native.ops().decode_attention)  # type: ignore[attr-defined]
         return None
 
-    def runs(self, query_lens: Sequence[int], hidden: torch.Tensor, pool: torch.Tensor) -> bool:
-        """Whether a batch of ``query_lens`` with these activations and pool runs here."""
-        return (
-            hidden.dtype == torch.float32
-            and hidden.device.type == "cpu"
-            and pool.dtype in CACHE_DTYPES
-            and all(n <= MAX_QUERY_TOKENS for n in query_lens)
-        )
+    def runs(self, hidden: torch.Tensor, pool: torch.Tensor) -> bool:
+        """Whether a batch with these activations and pool runs here (its decode rows)."""
+        return hidden.dtype == torch.float32 and hidden.device.type == "cpu" and pool.dtype in CACHE_DTYPES
 
-    def bind(
-        self, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor
-    ) -> BoundAttention:
-        """This forward's tokens, for every layer's call: ``block_tables`` and
-        ``context_lens`` per token (``token_rows``)."""
-        rows = slots.shape[0]
+    def bind(self, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor) -> BoundAttention | None:
+        """This forward's decode rows, for every layer's call; None where it has none.
+
+        Only rows of one query token come here, also in a batch that
+        prefills others (which attend in torch), so that a sequence's decode
+        steps take the same path, and give the same numbers, whatever it is
+        batched with."""
+        decodes = [i for i, n in enumerate(batch.query_lens_cpu) if n == 1]
+        if not decodes:
+            return None
+        tokens = batch.num_tokens
+        if len(decodes) == tokens:
+            return BoundAttention(
+                self, cos.reshape(tokens, -1).contiguous(), sin.reshape(tokens, -1).contiguous(),
+                batch.slot_mapping, batch.block_tables, batch.context_lens, None,
+            )
+        seqs = torch.tensor(decodes, dtype=torch.int64)
+        rows = batch.cu_query_lens.index_select(0, seqs)  # each decode sequence's one token
         return BoundAttention(
-            self, cos.reshape(rows, -1).contiguous(), sin.reshape(rows, -1).contiguous(), slots, block_tables, context_lens
+            self,
+            cos.reshape(tokens, -1).index_select(0, rows),
+            sin.reshape(tokens, -1).index_select(0, rows),
+            batch.slot_mapping.index_select(0, rows),
+            batch.block_tables.index_select(0, seqs),
+            batch.context_lens.index_select(0, seqs),
+            rows,
         )
 
 
 @attrs.frozen
 class BoundAttention:
-    """``NativeAttention`` with one forward's rotary rows, slots and block tables."""
+    """``NativeAttention`` with one forward's decode rows: their rotary
+    rows, slots, block tables and contexts, and ``rows``, their token
+    indices in the batch (None: every token is one)."""
 
     attention: NativeAttention
     cos: torch.Tensor
@@ -103,11 +120,13 @@ class BoundAttention:
     slots: torch.Tensor
     block_tables: torch.Tensor
     context_lens: torch.Tensor
+    rows: torch.Tensor | None
 
     def __call__(
         self, qkv: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int, scale: float
     ) -> torch.Tensor:
-        """One layer: ``qkv`` ``[rows, (heads + 2 kv_heads) * head_dim]`` in, ``[rows, heads * head_dim]`` out."""
+        """One layer: ``qkv`` ``[rows, (heads + 2 kv_heads) * head_dim]``
+        of these rows in, ``[rows, heads * head_dim]`` out."""
         a = self.attention
         return a.op(  # type: ignore[operator]
             qkv, key_cache, value_cache, self.cos, self.sin, self.slots, self.block_tables, self.context_lens,
@@ -119,7 +138,7 @@ def trial(isa: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """The op against the model's torch attention (rotary, ``write_kv``,
     ``paged_attention``) on two decode rows over scattered blocks (``capability.Probe``)."""
     from .attention import AttentionMetadata, paged_attention, write_kv
-    from .forward_batch import ForwardBatch, SeqChunk
+    from .forward_batch import SeqChunk
     from .kv_cache import KVCache
     from .rotary import apply_rotary
 
@@ -135,9 +154,8 @@ def trial(isa: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     cos = torch.cat([angles.cos(), angles.cos()], -1)
     sin = torch.cat([-angles.sin(), angles.sin()], -1)
     got_keys, got_values = keys.clone(), values.clone()
-    bound = NativeAttention(native.ISAS[isa], native.ops().decode_attention).bind(  # type: ignore[attr-defined]
-        cos, sin, batch.slot_mapping, batch.block_tables, batch.context_lens
-    )
+    bound = NativeAttention(native.ISAS[isa], native.ops().decode_attention).bind(batch, cos, sin)  # type: ignore[attr-defined]
+    assert bound is not None
     got = bound(qkv, got_keys, got_values, heads, head_dim**-0.5)
     qk = apply_rotary(qkv[:, : (heads + kv_heads) * head_dim].view(2, heads + kv_heads, head_dim), cos, sin)
     v = qkv[:, (heads + kv_heads) * head_dim :].view(2, kv_heads, head_dim)

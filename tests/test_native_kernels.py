@@ -241,8 +241,12 @@ def test_native_decode_attention_computes_what_the_torch_attention_does(isas, ch
             for a, b in ((caches[0].key, caches[1].key), (caches[0].value, caches[1].value)):
                 assert (a.float() - b.float()).abs().max() <= tol * b.float().abs().max(), (isa, step)
             tokens = want.argmax(-1).tolist()
+        # A mixed batch: the one-token row attends natively, the others in torch.
         runs = [[5, 6, 7], [8], [9, 10]]
         chunks = [SeqChunk(run, n + 2, t, num_logits=len(run)) for run, n, t in zip(runs, lengths, tables)]
+        batch = ForwardBatch.build(chunks, block_size=4, device="cpu")
+        bound = attention.bind(batch, torch.zeros(6, 1, 16), torch.zeros(6, 1, 16))
+        assert bound is not None and bound.rows.tolist() == [3]
         model.native_attention = attention
         got = _step(model, caches[0], chunks)
         model.native_attention = None
@@ -252,12 +256,12 @@ def test_native_decode_attention_computes_what_the_torch_attention_does(isas, ch
 
 
 def test_native_decode_attention_refuses_a_block_outside_the_pool(isas):
-    from trioserve.engine.native_attention import NativeAttention
+    from trioserve.engine.native_attention import BoundAttention, NativeAttention
 
     attention = NativeAttention(native.ISAS["scalar"], native.ops().decode_attention)
     pool = torch.zeros(4, 4, 2, 16)
-    bound = attention.bind(
-        torch.ones(1, 16), torch.zeros(1, 16), torch.tensor([1]), torch.tensor([[9]]), torch.tensor([2])
+    bound = BoundAttention(
+        attention, torch.ones(1, 16), torch.zeros(1, 16), torch.tensor([1]), torch.tensor([[9]]), torch.tensor([2]), None
     )
     with pytest.raises(RuntimeError, match="row 0 block 9 out of the cache"):
         bound(torch.randn(1, 8 * 16), pool, pool.clone(), 4, 0.25)
