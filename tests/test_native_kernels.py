@@ -130,6 +130,18 @@ def _step(model, cache, chunks):
         return model(batch, cache)
 
 
+def _fused_and_layered(model, layered, caches, chunks):
+    """The step's logits through the fused call on ``caches[0]``, and through
+    the model's layers (its projections set to ``layered``) on ``caches[1]``."""
+    made = model._quantized
+    fused = _step(model, caches[0], chunks)
+    model._quantized = layered
+    try:
+        return fused, _step(model, caches[1], chunks)
+    finally:
+        model._quantized = made
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_the_fused_decode_step_computes_what_the_layers_do(isas, checkpoint, tmp_path, cache_dtype):
     """Three sequences of different lengths over scattered blocks, prefilled
@@ -154,12 +166,7 @@ def test_the_fused_decode_step_computes_what_the_layers_do(isas, checkpoint, tmp
         for step in range(3):
             chunks = [SeqChunk([tok], n + step, t) for tok, n, t in zip(tokens, lengths, tables)]
             assert made.decode.runs([1, 1, 1], caches[0].key.dtype)
-            fused = _step(model, caches[0], chunks)
-            model._quantized = layered
-            try:
-                ref = _step(model, caches[1], chunks)
-            finally:
-                model._quantized = made
+            fused, ref = _fused_and_layered(model, layered, caches, chunks)
             tol = 1e-4 if cache_dtype == torch.float32 else 2e-2
             assert (fused - ref).abs().max() <= tol * ref.abs().max(), (isa, step)
             assert torch.equal(fused.argmax(-1), ref.argmax(-1)), (isa, step)
@@ -170,12 +177,7 @@ def test_the_fused_decode_step_computes_what_the_layers_do(isas, checkpoint, tmp
         runs = [[5, 6, 7], [8], [9, 10]]
         chunks = [SeqChunk(run, n + 3, t, num_logits=len(run)) for run, n, t in zip(runs, lengths, tables)]
         assert made.decode.runs([3, 1, 2], caches[0].key.dtype)
-        fused = _step(model, caches[0], chunks)
-        model._quantized = layered
-        try:
-            ref = _step(model, caches[1], chunks)
-        finally:
-            model._quantized = made
+        fused, ref = _fused_and_layered(model, layered, caches, chunks)
         assert fused.shape == ref.shape == (6, model.config.vocab_size)
         assert (fused - ref).abs().max() <= tol * ref.abs().max(), isa
         assert torch.equal(fused.argmax(-1), ref.argmax(-1)), isa
