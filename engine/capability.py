@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from . import kv_dtype, native_attention, onednn
 from .errors import CpuCapabilityError
 from .quant import int4_native as quant_int4_native
+from .quant import native
 from .quant import int4_pack as quant_int4_pack
 from .quant import int8_native as quant_int8_native
 from .quant import int8_pack as quant_int8_pack
@@ -130,6 +131,20 @@ def _matmul_trial(dtype: torch.dtype) -> Checks:
     return {"F.linear": (F.linear(x, w, bias), F.linear(x.float(), w.float(), bias.float()))}
 
 
+def _native_probes(name: str, what: str, trial: Callable[[str], Checks]) -> tuple[Probe, ...]:
+    """One probe per ISA variant of a native kernel; ``name`` and ``what`` take the ISA."""
+    return tuple(
+        Probe(
+            name.format(isa),
+            what.format(isa),
+            functools.partial(trial, isa),
+            needs="default" if isa == "scalar" else isa,
+            requirement=native.ISA_REQUIREMENTS[isa],
+        )
+        for isa in native.ISA_ORDER
+    )
+
+
 PROBES: tuple[Probe, ...] = (
     Probe(
         packed_path(torch.float32),
@@ -148,28 +163,9 @@ PROBES: tuple[Probe, ...] = (
     Probe("quant_int8_pack_bfloat16", "ATen int8 packed linear in bfloat16", functools.partial(quant_int8_pack.trial, torch.bfloat16)),
     # Our native kernels (engine/quant/native.py), one variant per ISA; their
     # trials also fail where scripts/setup.sh could not build them.
-    *(
-        Probe(
-            f"quant_int{bits}_native_{isa}",
-            f"native {'4-bit' if bits == 4 else 'int8'} linear ({isa})",
-            functools.partial(module.trial, isa),
-            needs="default" if isa == "scalar" else isa,
-            requirement={"avx512": "AVX-512 F/BW", "avx2": "AVX2, FMA and F16C", "scalar": None}[isa],
-        )
-        for bits, module in ((4, quant_int4_native), (8, quant_int8_native))
-        for isa in ("avx512", "avx2", "scalar")
-    ),
-    # Native decode attention (engine/native_attention.py), one variant per ISA.
-    *(
-        Probe(
-            native_attention.path_name(isa),
-            f"native decode attention ({isa})",
-            functools.partial(native_attention.trial, isa),
-            needs="default" if isa == "scalar" else isa,
-            requirement={"avx512": "AVX-512 F/BW", "avx2": "AVX2, FMA and F16C", "scalar": None}[isa],
-        )
-        for isa in native_attention.ISA_ORDER
-    ),
+    *_native_probes("quant_int4_native_{}", "native 4-bit linear ({})", quant_int4_native.trial),
+    *_native_probes("quant_int8_native_{}", "native int8 linear ({})", quant_int8_native.trial),
+    *_native_probes("native_attention_{}", "native decode attention ({})", native_attention.trial),
     # A KV cache narrower than the model (engine/kv_dtype.py chooses among
     # them by measurement); each needs the level that converts it in hardware.
     Probe(

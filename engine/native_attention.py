@@ -28,7 +28,6 @@ from .quant import native
 
 # The cache dtypes the op reads and writes.
 CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-ISA_ORDER = ("avx512", "avx2", "scalar")
 # Query tokens of one sequence the fused decode step (quant/native_decode.py)
 # takes in a step: a decode row, or a speculative step's verification (the
 # proposed tokens plus one). Each token is attended on its own over the
@@ -70,7 +69,7 @@ class NativeAttention:
         if torch.device(device).type != "cpu" or dtype != torch.float32 or cpu_paths is None or head_dim % 2:
             return None
         known = {p.name for p in cpu_paths.paths}  # type: ignore[attr-defined]
-        for isa in ISA_ORDER:
+        for isa in native.ISA_ORDER:
             if path_name(isa) in known and cpu_paths.available(path_name(isa)):  # type: ignore[attr-defined]
                 return cls(native.ISAS[isa], native.ops().decode_attention)  # type: ignore[attr-defined]
         return None

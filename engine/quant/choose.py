@@ -19,7 +19,7 @@ import torch
 
 from ..capability import CpuPaths
 from ..errors import CpuCapabilityError
-from . import int4_native, int4_pack, int8_native, int8_pack
+from . import int4_native, int4_pack, int8_native, int8_pack, native
 from .row_split import RowSplitLinear
 from .rtn import Int4Weight, Int8Weight, quantize_int4, quantize_int8
 
@@ -83,8 +83,8 @@ def _native(bits: int, isa: str, what: str) -> Kernel:
 KERNELS: tuple[Kernel, ...] = (
     # Ours (csrc/), where scripts/setup.sh built them; the capability probes
     # fail with the reason where not, and the chooser takes ATen's.
-    *(_native(4, isa, "4-bit groups") for isa in ("avx512", "avx2", "scalar")),
-    *(_native(8, isa, "int8 per channel") for isa in ("avx512", "avx2", "scalar")),
+    *(_native(4, isa, "4-bit groups") for isa in native.ISA_ORDER),
+    *(_native(8, isa, "int8 per channel") for isa in native.ISA_ORDER),
     Kernel(
         "quant_int4_pack_bfloat16",
         4,

@@ -22,7 +22,7 @@ from ..capability import CpuPaths
 from ..config import ModelConfig
 from ..errors import CpuCapabilityError, ModelLoadError
 from ..model import LlamaForCausalLM, ProjectionChoice
-from . import gguf_weights, int4_pack, int8_native, rtn_cache
+from . import gguf_weights, int4_pack, int8_native, native, rtn_cache
 from .choose import Kernel, KernelChoice, Linear, choose_kernel
 from .embedding import CompressedEmbedding
 from .projections import QuantizedProjections
@@ -166,7 +166,7 @@ def _shared_head(cpu_paths: CpuPaths, head: Tensor) -> Linear | None:
     if not isinstance(head, Int8GroupWeight) or head.group_size != int8_native.GROUP:
         return None
     known = {p.name for p in cpu_paths.paths}
-    for isa in ("avx512", "avx2", "scalar"):
+    for isa in native.ISA_ORDER:
         name = f"quant_int8_native_{isa}"
         if name in known and cpu_paths.available(name):
             return int8_native.Int8GroupNativeLinear.over(head, isa)

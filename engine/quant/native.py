@@ -33,6 +33,10 @@ SWITCH_ENV = "TRIOSERVE_NATIVE_KERNELS"
 CFLAGS = ("-O3", "-fopenmp")
 # The ``isa`` argument of the library's kernels, lowest first.
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
+# The variants best first, the order in which a caller takes the first that works.
+ISA_ORDER = ("avx512", "avx2", "scalar")
+# What each variant needs of the CPU, in words (``capability.Probe.requirement``).
+ISA_REQUIREMENTS = {"avx512": "AVX-512 F/BW", "avx2": "AVX2, FMA and F16C", "scalar": None}
 
 
 class NativeUnavailable(RuntimeError):
