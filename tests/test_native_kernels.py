@@ -15,7 +15,7 @@ import attrs
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from trioserve.engine.capability import CpuPaths
@@ -54,8 +54,11 @@ def test_the_library_is_built_for_this_source_and_runs_scalar_everywhere(isas):
     bias=st.booleans(),
     seed=st.integers(0, 2**16),
 )
+# From 10 rows AVX-512 runs the panels of csrc/panel.h: a short last panel and tile.
+@example(rows=13, out=37, groups=3, group_size=32, bias=True, seed=1)
 def test_each_variant_matches_the_dequantized_weights(isas, rows, out, groups, group_size, bias, seed):
-    """Any row count (passes of up to 8 rows and a remainder), any output count (split
+    """Any row count (passes of up to 8 rows and a remainder; from 10 rows on
+    AVX-512, tiles over decoded panels of channels), any output count (split
     over threads), 4-bit groups of 32 or 64 and int8 rows with a tail past
     the vector width: the float32 matmul of the dequantized weight."""
     gen = torch.Generator().manual_seed(seed)
@@ -280,7 +283,7 @@ def test_a_q8_0_head_runs_on_the_stored_values_without_a_copy(isas):
     for isa in isas:
         head = int8_native.Int8GroupNativeLinear.over(table, isa)
         assert head.weight.q.data_ptr() == q.data_ptr()
-        for rows in (1, 7, int4_native.DEQUANTIZE_FROM_ROWS + 1):
+        for rows in (1, 7, 12, int4_native.DEQUANTIZE_FROM_ROWS + 1):
             x = torch.randn(rows, 96, generator=gen)
             want = F.linear(x, table.dequantize())
             assert torch.allclose(head(x), want, rtol=1e-4, atol=1e-4 * want.abs().max().item()), (isa, rows)

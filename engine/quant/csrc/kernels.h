@@ -289,7 +289,15 @@ __attribute__((target("avx512f,avx512bw"))) void q8g_rows_avx512(const float* x,
   }
 }
 
+}  // namespace trioserve_native
+
+#include "panel.h"
+
+namespace trioserve_native {
+
 // ---- dispatch ------------------------------------------------------------
+
+inline bool use_panels(int64_t rows, int64_t isa) { return isa == kAvx512 && rows >= kPanelFromRows; }
 
 inline void check_isa(int64_t isa) {
   TORCH_CHECK(isa >= kScalar && isa <= kAvx512, "trioserve native linear: unknown isa ", isa);
@@ -326,6 +334,10 @@ inline void over_rows(int64_t rows, int64_t out, int64_t isa, const Kernel& kern
 // y[rows, out] = x[rows, k] @ W.T for W in 4-bit blocks [out, k / 32, 24].
 inline void q4_matmul(const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t out, float* y, int64_t isa) {
   const int64_t groups = k / kGroup;
+  if (use_panels(rows, isa)) {
+    panel_matmul(x, rows, k, out, y, [&](int64_t n, float* dst) { q4_decode_avx512(w + n * groups * kBlockBytes, groups, dst); });
+    return;
+  }
   over_rows(rows, out, isa, [&](auto r_tag, int64_t r0, int64_t n0, int64_t n1) {
     constexpr int R = decltype(r_tag)::value;
     const float* xr = x + r0 * k;
@@ -341,6 +353,10 @@ inline void q4_matmul(const float* x, int64_t rows, int64_t k, const uint8_t* w,
 // y[rows, out] = x[rows, k] @ (q * scale).T for int8 q [out, k] and float32 scale [out].
 inline void q8_matmul(const float* x, int64_t rows, int64_t k, const int8_t* w, const float* scale, int64_t out,
                       float* y, int64_t isa) {
+  if (use_panels(rows, isa)) {
+    panel_matmul(x, rows, k, out, y, [&](int64_t n, float* dst) { q8_decode_avx512(w + n * k, scale + n, k, k, dst); });
+    return;
+  }
   over_rows(rows, out, isa, [&](auto r_tag, int64_t r0, int64_t n0, int64_t n1) {
     constexpr int R = decltype(r_tag)::value;
     const float* xr = x + r0 * k;
@@ -356,6 +372,13 @@ inline void q8_matmul(const float* x, int64_t rows, int64_t k, const int8_t* w, 
 // y[rows, out] = x[rows, k] @ (q * scale per group of 32).T.
 inline void q8g_matmul(const float* x, int64_t rows, int64_t k, const int8_t* w, const float* scale, int64_t out,
                        float* y, int64_t isa) {
+  if (use_panels(rows, isa)) {
+    const int64_t groups = k / kGroup;
+    panel_matmul(x, rows, k, out, y, [&](int64_t n, float* dst) {
+      q8_decode_avx512(w + n * k, scale + n * groups, k, kGroup, dst);
+    });
+    return;
+  }
   over_rows(rows, out, isa, [&](auto r_tag, int64_t r0, int64_t n0, int64_t n1) {
     constexpr int R = decltype(r_tag)::value;
     const float* xr = x + r0 * k;
