@@ -459,6 +459,8 @@ class Scheduler:
         limit = min(step.tokens - 1, self.max_context_len - request.num_tokens)
         if params.max_tokens is not None:
             limit = min(limit, params.max_tokens - request.num_output_tokens - 1)
+        if request.draft_limit is not None:
+            limit = min(limit, request.draft_limit)
         draft = self.proposer.propose(request.all_token_ids, limit)
         if not draft:
             return 1, num_blocks
@@ -529,6 +531,8 @@ class Scheduler:
                 assert accepted <= chunk.num_draft_tokens, f"{accepted} tokens accepted of {chunk.num_draft_tokens}"
                 self._num_draft_tokens += chunk.num_draft_tokens
                 self._num_accepted_tokens += accepted
+                assert self.proposer is not None
+                request.draft_limit = self.proposer.next_limit(chunk.num_draft_tokens, accepted)
             request.num_computed_tokens += chunk.num_tokens - chunk.num_draft_tokens + len(tokens) - 1
             for token in tokens:
                 request.output_token_ids.append(token)

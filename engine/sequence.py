@@ -56,6 +56,9 @@ class Request:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     block_ids: list[int] = attrs.field(factory=list)
+    # Speculative decoding: the most tokens the next proposal may have, set
+    # from how many of the last one were accepted (None: the proposer's k).
+    draft_limit: int | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -8,6 +8,10 @@ tokens that followed it are the proposal. A sequence decoding ``t`` then
 computes the chunk ``[t, d1 .. dk]`` in one forward that returns logits at
 every position of the chunk.
 
+How many tokens a sequence proposes adapts to its acceptance
+(``NgramProposer.next_limit``): which tokens are proposed never depends on
+the logits being verified, so neither output guarantee below changes.
+
 Verifying (runner side), for one chunk's ``k + 1`` logit rows, each
 processed as the sampler would (bias, temperature, top-k/top-p/min-p):
 
@@ -71,6 +75,20 @@ class NgramProposer:
                     if follow:
                         return tuple(follow)
         return ()
+
+    def next_limit(self, proposed: int, accepted: int) -> int:
+        """The most tokens a sequence's next proposal may have, after
+        ``accepted`` of its ``proposed`` were accepted: one more than were
+        accepted, two more after a full acceptance, at most ``k``.
+
+        A proposal's tokens each cost a verified row whether accepted or
+        not, and where a text departs from its source (an edit, a new
+        paragraph) the next proposals tend to fail too: shrinking to what was
+        just accepted spends less there, while a run of full acceptances
+        climbs back to ``k`` in a step or two.
+        """
+        assert 0 <= accepted <= proposed, (accepted, proposed)
+        return min(self.num_speculative_tokens, accepted + (2 if accepted == proposed else 1))
 
 
 def speculative_proposer(config: EngineConfig) -> NgramProposer | None:

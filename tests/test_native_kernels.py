@@ -186,6 +186,26 @@ def test_the_fused_decode_step_computes_what_the_layers_do(isas, checkpoint, tmp
         assert torch.equal(fused.argmax(-1), ref.argmax(-1)), isa
 
 
+def test_a_verified_run_computes_bit_for_bit_what_one_token_steps_do(isas, checkpoint, tmp_path):
+    """Speculative decoding's greedy output equals plain decoding's only if a
+    token's logits do not depend on how many rows the step computes: a run of
+    six tokens in one fused call and six one-token calls give identical
+    logits and cache contents."""
+    for isa in isas:
+        model = _native_model(checkpoint, tmp_path, isa)
+        assert model._projections().decode is not None
+        table = [7, 3, 11, 5, 9]
+        prompt = [11, 12, 13, 14, 15, 16]
+        run = [21, 22, 23, 24, 25, 26]  # 6 rows: one pass of the 8-row kernels
+        caches = [KVCache.allocate(model.config, num_blocks=12, block_size=4, dtype=torch.float16, device="cpu") for _ in range(2)]
+        for cache in caches:
+            _step(model, cache, [SeqChunk(prompt, 0, table)])
+        together = _step(model, caches[0], [SeqChunk(run, len(prompt), table, num_logits=len(run))])
+        one_by_one = torch.cat([_step(model, caches[1], [SeqChunk([t], len(prompt) + i, table)]) for i, t in enumerate(run)])
+        assert torch.equal(together, one_by_one), isa
+        assert torch.equal(caches[0].key, caches[1].key) and torch.equal(caches[0].value, caches[1].value), isa
+
+
 def test_batches_the_fused_step_does_not_take_go_through_the_layers(isas, checkpoint, tmp_path):
     model = _native_model(checkpoint, tmp_path, isas[-1])
     decode = model._projections().decode

@@ -79,6 +79,26 @@ def test_ngram_proposer_takes_the_most_recent_longest_match():
         NgramProposer(max_ngram=2, min_ngram=3)
 
 
+def test_a_proposal_is_as_long_as_the_last_one_earned():
+    proposer = NgramProposer(num_speculative_tokens=4)
+    assert proposer.next_limit(4, 0) == 1  # all rejected: one token next time
+    assert proposer.next_limit(4, 2) == 3  # one more than were accepted
+    assert proposer.next_limit(1, 1) == 3  # all accepted: two more
+    assert proposer.next_limit(3, 3) == 4  # never past k
+    scheduler, pool = make_scheduler(block_size=4)
+    scheduler.proposer = proposer
+    request = make_request("r", [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5], max_tokens=30)
+    scheduler.add_request(request)
+    scheduler.update_from_output(scheduler.schedule(pool), {"r": 6})
+    step = scheduler.schedule(pool)
+    assert step.chunks[0].num_draft_tokens == 4  # "7 8 9 5" after the recurring "5 6"
+    scheduler.update_from_output(step, {"r": 5})  # the first proposed token (7) already rejected
+    step = scheduler.schedule(pool)
+    assert step.chunks[0].num_draft_tokens == 1 and request.draft_limit == 1
+    scheduler.update_from_output(step, {"r": step.chunks[0].token_ids[1]}, {"r": (2,)})  # accepted
+    assert request.draft_limit == 3
+
+
 def test_sequences_that_read_per_position_state_do_not_speculate():
     assert may_speculate(greedy(), 1)
     assert not may_speculate(greedy(), 0)  # still prefilling

@@ -114,13 +114,13 @@ __attribute__((target("avx512f,avx512bw"))) void q4_rows_avx512(const float* x, 
   const __m512i low = _mm512_set1_epi32(0x0F);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * groups * kBlockBytes;
-    // Two accumulators a row where rows are few (two independent FMA
-    // chains), one where many rows already keep the FMA units busy and
-    // registers are short.
-    constexpr int A = R <= 4 ? 2 : 1;
-    __m512 acc[R][A];
-    for (int r = 0; r < R; ++r)
-      for (int a = 0; a < A; ++a) acc[r][a] = _mm512_setzero_ps();
+    // Two accumulators a row (two independent FMA chains) at every row
+    // count: a row's sums then run in the same order however many rows share
+    // the pass, so a sequence's results do not depend on how many rows it
+    // is computed with (a speculative step's verified rows give exactly what
+    // plain one-row decoding gives).
+    __m512 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* p = row + g * kBlockBytes;
       const __m512 d = _mm512_set1_ps(*reinterpret_cast<const float*>(p));
@@ -131,11 +131,11 @@ __attribute__((target("avx512f,avx512bw"))) void q4_rows_avx512(const float* x, 
       for (int r = 0; r < R; ++r) {
         const float* xg = x + r * ldx + g * kGroup;
         acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xg), acc[r][0]);
-        acc[r][A - 1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xg + 16), acc[r][A - 1]);
+        acc[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xg + 16), acc[r][1]);
       }
     }
     for (int r = 0; r < R; ++r) {
-      const __m512 sum = A == 2 ? _mm512_add_ps(acc[r][0], acc[r][A - 1]) : acc[r][0];
+      const __m512 sum = _mm512_add_ps(acc[r][0], acc[r][1]);
       y[r * ldy + n] = _mm512_reduce_add_ps(sum);
     }
   }
@@ -188,21 +188,20 @@ __attribute__((target("avx512f,avx512bw"))) void q8_rows_avx512(const float* x, 
   const int64_t body = k - k % 32;
   for (int64_t n = n0; n < n1; ++n) {
     const int8_t* row = w + n * k;
-    constexpr int A = R <= 4 ? 2 : 1;  // as in q4_rows_avx512
-    __m512 acc[R][A];
-    for (int r = 0; r < R; ++r)
-      for (int a = 0; a < A; ++a) acc[r][a] = _mm512_setzero_ps();
+    // Two accumulators a row at every row count, as in q4_rows_avx512.
+    __m512 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t j = 0; j < body; j += 32) {
       const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + j))));
       const __m512 w1 =
           _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + j + 16))));
       for (int r = 0; r < R; ++r) {
         acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + r * ldx + j), acc[r][0]);
-        acc[r][A - 1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + r * ldx + j + 16), acc[r][A - 1]);
+        acc[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + r * ldx + j + 16), acc[r][1]);
       }
     }
     for (int r = 0; r < R; ++r) {
-      float sum = _mm512_reduce_add_ps(A == 2 ? _mm512_add_ps(acc[r][0], acc[r][A - 1]) : acc[r][0]);
+      float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
       for (int64_t j = body; j < k; ++j) sum += float(row[j]) * x[r * ldx + j];
       y[r * ldy + n] = sum * scale[n];
     }
@@ -267,10 +266,9 @@ __attribute__((target("avx512f,avx512bw"))) void q8g_rows_avx512(const float* x,
                                                                 int64_t n1, float* y, int64_t ldy) {
   const int64_t groups = k / kGroup;
   for (int64_t n = n0; n < n1; ++n) {
-    constexpr int A = R <= 4 ? 2 : 1;  // as in q4_rows_avx512
-    __m512 acc[R][A];
-    for (int r = 0; r < R; ++r)
-      for (int a = 0; a < A; ++a) acc[r][a] = _mm512_setzero_ps();
+    // Two accumulators a row at every row count, as in q4_rows_avx512.
+    __m512 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
       const int8_t* q = w + n * k + g * kGroup;
       const __m512 d = _mm512_set1_ps(scale[n * groups + g]);
@@ -281,11 +279,11 @@ __attribute__((target("avx512f,avx512bw"))) void q8g_rows_avx512(const float* x,
       for (int r = 0; r < R; ++r) {
         const float* xg = x + r * ldx + g * kGroup;
         acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xg), acc[r][0]);
-        acc[r][A - 1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xg + 16), acc[r][A - 1]);
+        acc[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xg + 16), acc[r][1]);
       }
     }
     for (int r = 0; r < R; ++r)
-      y[r * ldy + n] = _mm512_reduce_add_ps(A == 2 ? _mm512_add_ps(acc[r][0], acc[r][A - 1]) : acc[r][0]);
+      y[r * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
   }
 }
 
