@@ -1,7 +1,8 @@
 """4-bit groups on the native kernel (``csrc/linear.cpp``, loaded by ``native``).
 
-Each group of 32 weights is one 24-byte block, ``w = q * d + m``: float32
-``d`` and ``m``, then the 32 nibbles in GGUF's Q4 order. That is
+Each group of 32 weights is one 20-byte block, ``w = q * d + m``: float16
+``d`` and ``m``, then the 32 nibbles in GGUF's Q4 order (GGUF's Q4_1 block
+byte for byte). That is
 ``Int4Weight``'s ``(q - 8) * scale + zero`` with ``d = scale`` and
 ``m = zero - 8 * scale``; a larger group is its scale repeated over each 32.
 The activations stay float32, so the result is the dequantized weight's
@@ -18,7 +19,7 @@ from . import native
 from .rtn import Int4Weight, quantize_int4
 
 GROUP = 32
-BLOCK_BYTES = 24
+BLOCK_BYTES = 20
 # From this many rows a call dequantizes the matrix (about 0.7 ms a million
 # weights on one thread here) and runs torch's float32 GEMM: the kernel is
 # GEMV-shaped, and from 64-128 rows the GEMM's reuse pays for the
@@ -37,9 +38,11 @@ def pack_blocks(weight: Int4Weight) -> torch.Tensor:
     m = weight.zero.float().repeat_interleave(repeat, dim=1) - 8 * d
     q = weight.q.view(out, k // GROUP, GROUP)
     blocks = torch.empty(out, k // GROUP, BLOCK_BYTES, dtype=torch.uint8)
-    blocks[..., 0:4] = d.contiguous().view(torch.uint8).view(out, -1, 4)
-    blocks[..., 4:8] = m.contiguous().view(torch.uint8).view(out, -1, 4)
-    blocks[..., 8:] = q[..., :16] | (q[..., 16:] << 4)
+    # Exact for GGUF's float16 scales and for quantize_int4's, which it rounds
+    # to float16 before choosing the nibbles.
+    blocks[..., 0:2] = d.half().contiguous().view(torch.uint8).view(out, -1, 2)
+    blocks[..., 2:4] = m.half().contiguous().view(torch.uint8).view(out, -1, 2)
+    blocks[..., 4:] = q[..., :16] | (q[..., 16:] << 4)
     return blocks
 
 

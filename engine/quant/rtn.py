@@ -78,7 +78,13 @@ def quantize_int4(weight: torch.Tensor, group_size: int, name: str = "weight") -
     check_group_size(tuple(weight.shape), group_size, name)
     out, k = weight.shape
     w = weight.float().view(out, k // group_size, group_size)
-    low, high = w.amin(dim=-1), w.amax(dim=-1)
-    scale = ((high - low) / 15).clamp(min=1e-12)
-    q = torch.round((w - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
+    # The group's scale and minimum are float16 values, as in GGUF's Q4_1,
+    # so the native kernel's 20-byte blocks hold them exactly; the nibbles
+    # are chosen against the rounded pair.
+    low, high = w.amin(dim=-1).half().float(), w.amax(dim=-1)
+    scale = ((high - low) / 15).half().float()
+    # A constant group (or one whose range is below float16's smallest step) is its minimum.
+    divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round((w - low[..., None]) / divisor[..., None]).clamp(0, 15)
+    q = torch.where(scale[..., None] > 0, q, torch.zeros_like(q)).to(torch.uint8)
     return Int4Weight(q.view(out, k), scale, low + 8 * scale, group_size)

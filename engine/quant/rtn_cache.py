@@ -25,6 +25,7 @@ from ..gguf_cache import cache_root
 from .rtn import Int4Weight, Int8Weight, quantize_int4, quantize_int8
 
 FILE = "quantized.safetensors"
+FORMAT = 2
 # The matrices that are quantized; everything else stays as it is.
 _QUANTIZED = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight|lm_head\.weight")
 
@@ -34,7 +35,8 @@ Tensor = torch.Tensor | Int4Weight | Int8Weight
 def cache_dir_for(folder: Path, shards: list[Path], scheme: str, group_size: int, cache_dir: Path | None) -> Path:
     """Where ``folder``'s ``scheme`` quantization lives (it may not exist yet)."""
     ident = "\0".join(f"{s.resolve()}\0{s.stat().st_size}\0{s.stat().st_mtime_ns}" for s in shards)
-    ident += f"\0{scheme}\0{group_size}"
+    # FORMAT: what quantize_int4 produces changed (float16 scales since 2).
+    ident += f"\0{scheme}\0{group_size}\0{FORMAT}"
     key = hashlib.sha256(ident.encode()).hexdigest()[:16]
     tag = f"{scheme}-g{group_size}" if scheme == "int4" else scheme
     return cache_root(cache_dir) / f"{Path(folder).resolve().name}-{tag}-{key}"

@@ -143,7 +143,7 @@ enum Part : int64_t {
 };
 
 struct Linear {
-  const torch::Tensor& weight;  // uint8 [out, in / 32, 24] 4-bit blocks, or int8 [out, in]
+  const torch::Tensor& weight;  // uint8 [out, in / 32, 20] 4-bit blocks, or int8 [out, in]
   const torch::Tensor& scale;
   const torch::Tensor& bias;
 
@@ -163,7 +163,7 @@ void check_linear(const torch::Tensor& w, const torch::Tensor& scale, const torc
                   const char* what) {
   if (w.dim() == 3) {
     TORCH_CHECK(w.scalar_type() == at::kByte && w.size(2) == kBlockBytes && w.size(1) * kGroup == in, what,
-                ": 4-bit blocks must be uint8 [out, ", in / kGroup, ", 24]");
+                ": 4-bit blocks must be uint8 [out, ", in / kGroup, ", 20]");
   } else {
     TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.size(1) == in, what, ": int8 weight must be [out, ",
                 in, "]");

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <torch/extension.h>
+#include <c10/util/Half.h>
 #include <ATen/Parallel.h>
 
 #include <immintrin.h>
@@ -13,7 +14,7 @@
 namespace trioserve_native {
 
 constexpr int64_t kGroup = 32;
-constexpr int64_t kBlockBytes = 24;
+constexpr int64_t kBlockBytes = 20;  // float16 d, float16 m, 16 bytes of nibbles
 // Input rows one pass over a weight row serves: more reuse of each decoded
 // weight, while the accumulators still fit in registers (AVX-512 has 32
 // vector registers, AVX2 16).
@@ -25,8 +26,10 @@ enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 inline int64_t supported_isas() {
   int64_t bits = 1 << kScalar;
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) bits |= 1 << kAvx2;
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) bits |= 1 << kAvx512;
+  // F16C converts the 4-bit blocks' float16 scales; every AVX-512 CPU has it.
+  const bool f16c = __builtin_cpu_supports("f16c");
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c) bits |= 1 << kAvx2;
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && f16c) bits |= 1 << kAvx512;
   return bits;
 }
 
@@ -36,12 +39,21 @@ struct Block {
   const uint8_t* qs;
 };
 
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
 inline Block block_at(const uint8_t* p) {
-  Block b;
-  std::memcpy(&b.d, p, 4);
-  std::memcpy(&b.m, p + 4, 4);
-  b.qs = p + 8;
-  return b;
+  return Block{half_at(p), half_at(p + 2), p + 4};
+}
+
+// A block's d and m as lanes 0 and 1.
+__attribute__((target("f16c"))) inline __m128 block_dm(const uint8_t* p) {
+  int32_t bits;
+  std::memcpy(&bits, p, 4);
+  return _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
 }
 
 // ---- 4-bit ---------------------------------------------------------------
@@ -68,7 +80,7 @@ void q4_rows_scalar(const float* x, int64_t ldx, const uint8_t* w, int64_t group
   }
 }
 
-inline __attribute__((target("avx2,fma"))) float hsum256(__m256 v) {
+inline __attribute__((target("avx2,fma,f16c"))) float hsum256(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
@@ -76,7 +88,7 @@ inline __attribute__((target("avx2,fma"))) float hsum256(__m256 v) {
 }
 
 template <int R>
-__attribute__((target("avx2,fma"))) void q4_rows_avx2(const float* x, int64_t ldx, const uint8_t* w,
+__attribute__((target("avx2,fma,f16c"))) void q4_rows_avx2(const float* x, int64_t ldx, const uint8_t* w,
                                                      int64_t groups, int64_t n0, int64_t n1, float* y,
                                                      int64_t ldy) {
   const __m128i low = _mm_set1_epi8(0x0F);
@@ -86,9 +98,10 @@ __attribute__((target("avx2,fma"))) void q4_rows_avx2(const float* x, int64_t ld
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* p = row + g * kBlockBytes;
-      const __m256 d = _mm256_broadcast_ss(reinterpret_cast<const float*>(p));
-      const __m256 m = _mm256_broadcast_ss(reinterpret_cast<const float*>(p + 4));
-      const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8));
+      const __m128 dm = block_dm(p);
+      const __m256 d = _mm256_broadcastss_ps(dm);
+      const __m256 m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
+      const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4));
       const __m128i lo = _mm_and_si128(qs, low);
       const __m128i hi = _mm_and_si128(_mm_srli_epi16(qs, 4), low);
       const __m256 w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), d, m);
@@ -108,7 +121,7 @@ __attribute__((target("avx2,fma"))) void q4_rows_avx2(const float* x, int64_t ld
 }
 
 template <int R>
-__attribute__((target("avx512f,avx512bw"))) void q4_rows_avx512(const float* x, int64_t ldx, const uint8_t* w,
+__attribute__((target("avx512f,avx512bw,f16c"))) void q4_rows_avx512(const float* x, int64_t ldx, const uint8_t* w,
                                                                int64_t groups, int64_t n0, int64_t n1, float* y,
                                                                int64_t ldy) {
   const __m512i low = _mm512_set1_epi32(0x0F);
@@ -123,9 +136,10 @@ __attribute__((target("avx512f,avx512bw"))) void q4_rows_avx512(const float* x, 
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* p = row + g * kBlockBytes;
-      const __m512 d = _mm512_set1_ps(*reinterpret_cast<const float*>(p));
-      const __m512 m = _mm512_set1_ps(*reinterpret_cast<const float*>(p + 4));
-      const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+      const __m128 dm = block_dm(p);
+      const __m512 d = _mm512_broadcastss_ps(dm);
+      const __m512 m = _mm512_broadcastss_ps(_mm_movehdup_ps(dm));
+      const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4)));
       const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low)), d, m);
       const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d, m);
       for (int r = 0; r < R; ++r) {
@@ -156,7 +170,7 @@ void q8_rows_scalar(const float* x, int64_t ldx, const int8_t* w, const float* s
 }
 
 template <int R>
-__attribute__((target("avx2,fma"))) void q8_rows_avx2(const float* x, int64_t ldx, const int8_t* w,
+__attribute__((target("avx2,fma,f16c"))) void q8_rows_avx2(const float* x, int64_t ldx, const int8_t* w,
                                                      const float* scale, int64_t k, int64_t n0, int64_t n1,
                                                      float* y, int64_t ldy) {
   const int64_t body = k - k % 16;
@@ -182,7 +196,7 @@ __attribute__((target("avx2,fma"))) void q8_rows_avx2(const float* x, int64_t ld
 }
 
 template <int R>
-__attribute__((target("avx512f,avx512bw"))) void q8_rows_avx512(const float* x, int64_t ldx, const int8_t* w,
+__attribute__((target("avx512f,avx512bw,f16c"))) void q8_rows_avx512(const float* x, int64_t ldx, const int8_t* w,
                                                                const float* scale, int64_t k, int64_t n0,
                                                                int64_t n1, float* y, int64_t ldy) {
   const int64_t body = k - k % 32;
@@ -232,7 +246,7 @@ void q8g_rows_scalar(const float* x, int64_t ldx, const int8_t* w, const float* 
 }
 
 template <int R>
-__attribute__((target("avx2,fma"))) void q8g_rows_avx2(const float* x, int64_t ldx, const int8_t* w,
+__attribute__((target("avx2,fma,f16c"))) void q8g_rows_avx2(const float* x, int64_t ldx, const int8_t* w,
                                                       const float* scale, int64_t k, int64_t n0, int64_t n1,
                                                       float* y, int64_t ldy) {
   const int64_t groups = k / kGroup;
@@ -261,7 +275,7 @@ __attribute__((target("avx2,fma"))) void q8g_rows_avx2(const float* x, int64_t l
 }
 
 template <int R>
-__attribute__((target("avx512f,avx512bw"))) void q8g_rows_avx512(const float* x, int64_t ldx, const int8_t* w,
+__attribute__((target("avx512f,avx512bw,f16c"))) void q8g_rows_avx512(const float* x, int64_t ldx, const int8_t* w,
                                                                 const float* scale, int64_t k, int64_t n0,
                                                                 int64_t n1, float* y, int64_t ldy) {
   const int64_t groups = k / kGroup;
@@ -300,7 +314,7 @@ inline bool use_panels(int64_t rows, int64_t isa) { return isa == kAvx512 && row
 inline void check_isa(int64_t isa) {
   TORCH_CHECK(isa >= kScalar && isa <= kAvx512, "trioserve native linear: unknown isa ", isa);
   TORCH_CHECK(supported_isas() & (int64_t(1) << isa), "trioserve native linear: this CPU cannot run isa ", isa,
-              isa == kAvx512 ? " (AVX-512 F/BW)" : " (AVX2 and FMA)");
+              isa == kAvx512 ? " (AVX-512 F/BW)" : " (AVX2, FMA and F16C)");
 }
 
 // Runs ``kernel<R>(x_rows, ..., n0, n1, y_rows)`` over all rows of x in
@@ -329,7 +343,7 @@ inline void over_rows(int64_t rows, int64_t out, int64_t isa, const Kernel& kern
   });
 }
 
-// y[rows, out] = x[rows, k] @ W.T for W in 4-bit blocks [out, k / 32, 24].
+// y[rows, out] = x[rows, k] @ W.T for W in 4-bit blocks [out, k / 32, 20].
 inline void q4_matmul(const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t out, float* y, int64_t isa) {
   const int64_t groups = k / kGroup;
   if (use_panels(rows, isa)) {

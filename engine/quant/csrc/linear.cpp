@@ -11,13 +11,14 @@
 //
 // No CPU feature is assumed at build time: each ISA variant is compiled for
 // its own target by function attribute, and a call names the variant it
-// wants (0 scalar, 1 AVX2+FMA, 2 AVX-512 F/BW); one the CPU lacks is refused.
+// wants (0 scalar, 1 AVX2+FMA+F16C, 2 AVX-512 F/BW); one the CPU lacks is refused.
 // The Python side (engine/quant/native.py) picks the variant through the
 // capability probes, so TRIOSERVE_CPU_ASSUME can force the lower ones.
 //
-// A 4-bit block is 24 bytes: float32 d, float32 m, then 16 bytes whose low
-// nibbles are the group's elements 0..15 and high nibbles 16..31 (GGUF's
-// Q4_0/Q4_1 order, so its quants copy over unchanged).
+// A 4-bit block is 20 bytes: float16 d, float16 m, then 16 bytes whose low
+// nibbles are the group's elements 0..15 and high nibbles 16..31: byte for
+// byte GGUF's Q4_1 block, so the default model's weights take the memory
+// of its file.
 
 #include "kernels.h"
 
@@ -29,7 +30,7 @@ torch::Tensor q4_linear(const torch::Tensor& x_in, const torch::Tensor& blocks_i
   check_isa(isa);
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2, "q4_linear: x must be float32 [rows, in]");
   TORCH_CHECK(blocks_in.scalar_type() == at::kByte && blocks_in.dim() == 3 && blocks_in.size(2) == kBlockBytes,
-              "q4_linear: blocks must be uint8 [out, in / 32, 24]");
+              "q4_linear: blocks must be uint8 [out, in / 32, 20]");
   TORCH_CHECK(x_in.size(1) == blocks_in.size(1) * kGroup, "q4_linear: x has ", x_in.size(1), " inputs, the weight ",
               blocks_in.size(1) * kGroup);
   const torch::Tensor x = x_in.contiguous();
@@ -79,7 +80,7 @@ torch::Tensor q8g_linear(const torch::Tensor& x_in, const torch::Tensor& q_in, c
 // over the plain weight beats the GEMV-shaped kernel, one matrix at a time.
 torch::Tensor q4_dequantize(const torch::Tensor& blocks_in) {
   TORCH_CHECK(blocks_in.scalar_type() == at::kByte && blocks_in.dim() == 3 && blocks_in.size(2) == kBlockBytes,
-              "q4_dequantize: blocks must be uint8 [out, in / 32, 24]");
+              "q4_dequantize: blocks must be uint8 [out, in / 32, 20]");
   const torch::Tensor blocks = blocks_in.contiguous();
   const int64_t out = blocks.size(0), groups = blocks.size(1);
   torch::Tensor w = torch::empty({out, groups * kGroup}, torch::dtype(torch::kFloat32));

@@ -36,21 +36,22 @@ constexpr int64_t kPanelFromRows = 10;
 
 // ---- decoding one channel into float32 -------------------------------------
 
-__attribute__((target("avx512f,avx512bw"))) inline void q4_decode_avx512(const uint8_t* row, int64_t groups,
+__attribute__((target("avx512f,avx512bw,f16c"))) inline void q4_decode_avx512(const uint8_t* row, int64_t groups,
                                                                         float* dst) {
   const __m512i low = _mm512_set1_epi32(0x0F);
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* p = row + g * kBlockBytes;
-    const __m512 d = _mm512_set1_ps(*reinterpret_cast<const float*>(p));
-    const __m512 m = _mm512_set1_ps(*reinterpret_cast<const float*>(p + 4));
-    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+    const __m128 dm = block_dm(p);
+    const __m512 d = _mm512_broadcastss_ps(dm);
+    const __m512 m = _mm512_broadcastss_ps(_mm_movehdup_ps(dm));
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4)));
     _mm512_storeu_ps(dst + g * kGroup, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low)), d, m));
     _mm512_storeu_ps(dst + g * kGroup + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d, m));
   }
 }
 
 // int8 times one scale a run of ``step`` values (the channel's, or a group's).
-__attribute__((target("avx512f,avx512bw"))) inline void q8_decode_avx512(const int8_t* q, const float* scale,
+__attribute__((target("avx512f,avx512bw,f16c"))) inline void q8_decode_avx512(const int8_t* q, const float* scale,
                                                                         int64_t k, int64_t step, float* dst) {
   const int64_t body = k - k % 16;
   for (int64_t j = 0; j < body; j += 16) {
@@ -63,7 +64,7 @@ __attribute__((target("avx512f,avx512bw"))) inline void q8_decode_avx512(const i
 // ---- a tile: R rows by kTileChannels decoded channels ----------------------
 
 template <int R>
-__attribute__((target("avx512f,avx512bw"))) void tile_avx512(const float* x, int64_t ldx, const float* w, int64_t k,
+__attribute__((target("avx512f,avx512bw,f16c"))) void tile_avx512(const float* x, int64_t ldx, const float* w, int64_t k,
                                                              float* y, int64_t ldy, int64_t channels) {
   constexpr int C = kTileChannels;
   __m512 acc[R][C];
