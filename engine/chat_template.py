@@ -22,6 +22,7 @@ source, for the tokenizer that owns it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from collections.abc import Mapping, Sequence
@@ -56,7 +57,9 @@ def _raise_exception(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     # Jinja's own tojson escapes <, >, & and ' for HTML, which a prompt must not.
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -130,8 +133,6 @@ def plain_data(value: Any) -> Any:
         return tuple(plain_data(item) for item in value)
     if hasattr(value, "item") and type(value).__module__ == "numpy":
         return plain_data(value.item())  # a numpy scalar: np.bool_(False) must stay falsy
-    import dataclasses
-
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {field.name: plain_data(getattr(value, field.name)) for field in dataclasses.fields(value)}
     if callable(getattr(value, "model_dump", None)):

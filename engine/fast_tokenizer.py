@@ -124,7 +124,8 @@ class FastTokenizer:
         self._backend = backend
         self._special = dict(special_tokens or {})
         self._extra = tuple(extra_special_tokens)
-        self.chat_template: str | dict[str, str] | None = dict(chat_template) if isinstance(chat_template, Mapping) else chat_template
+        template = dict(chat_template) if isinstance(chat_template, Mapping) else chat_template
+        self.chat_template: str | dict[str, str] | None = template
         # transformers skips its clean-up for BPE models: it would eat real spaces.
         self._clean_up = clean_up_tokenization_spaces and type(backend.model).__name__ != "BPE"
         self._templates = ChatTemplates()

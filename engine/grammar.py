@@ -82,7 +82,8 @@ def _tokenizer_info(xgrammar: Any, tokenizer: Any, vocab_size: int, stop_token_i
     # disagree on the vocabulary's encoding, the vocabulary wins.
     from_vocab = info._detect_vocab_type_from_vocab(vocab)
     if from_vocab is not None and from_vocab != metadata["vocab_type"]:
-        metadata = {"vocab_type": from_vocab, "add_prefix_space": info._detect_add_prefix_space_by_encoding(tokenizer, from_vocab)}
+        prefix_space = info._detect_add_prefix_space_by_encoding(tokenizer, from_vocab)
+        metadata = {"vocab_type": from_vocab, "add_prefix_space": prefix_space}
     return info(
         encoded,
         metadata["vocab_type"],
