@@ -58,13 +58,48 @@ def _first_line(exc: BaseException) -> str:
     return _LOCATION.sub("", text[0]) if text else type(exc).__name__
 
 
+def _tokenizer_info(xgrammar: Any, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> Any:
+    """xgrammar's view of ``tokenizer``'s vocabulary. A ``FastTokenizer``
+    gets what ``TokenizerInfo.from_huggingface`` derives for a transformers
+    fast tokenizer (the same vocabulary, from the same ``tokenizers``
+    backend; tests/test_fast_tokenizer.py compares the two), so no second
+    tokenizer is loaded. xgrammar itself imports transformers: only a
+    structured-output request pays for that."""
+    from .fast_tokenizer import FastTokenizer
+
+    if not isinstance(tokenizer, FastTokenizer):
+        return xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
+    if not stop_token_ids:
+        raise ValueError("stop_token_ids cannot be empty")
+    info = xgrammar.TokenizerInfo
+    vocab = tokenizer.get_vocab()
+    encoded = [""] * vocab_size
+    for token, index in vocab.items():
+        if index < vocab_size:
+            encoded[index] = token
+    metadata = info._detect_metadata_from_hf(tokenizer.backend_tokenizer.to_str())
+    # As xgrammar does: where the serialized backend and the vocabulary
+    # disagree on the vocabulary's encoding, the vocabulary wins.
+    from_vocab = info._detect_vocab_type_from_vocab(vocab)
+    if from_vocab is not None and from_vocab != metadata["vocab_type"]:
+        prefix_space = info._detect_add_prefix_space_by_encoding(tokenizer, from_vocab)
+        metadata = {"vocab_type": from_vocab, "add_prefix_space": prefix_space}
+    return info(
+        encoded,
+        metadata["vocab_type"],
+        vocab_size=vocab_size,
+        stop_token_ids=list(stop_token_ids),
+        add_prefix_space=metadata["add_prefix_space"],
+    )
+
+
 @attrs.define(eq=False)
 class GrammarCompiler:
     """Compiles constraints for one tokenizer, caching the last
     ``cache_size`` used by (kind, spec).
 
     Thread-safe: ``compile`` may run in several worker threads at once.
-    ``tokenizer`` is a Hugging Face tokenizer; ``vocab_size`` is the model's
+    ``tokenizer`` is a ``FastTokenizer`` or a transformers tokenizer; ``vocab_size`` is the model's
     (its logits' width), ``stop_token_ids`` the model's EOS ids. A grammar
     evicted from the cache stays alive in the matchers that use it; the
     next request with it compiles it again.
@@ -83,9 +118,7 @@ class GrammarCompiler:
             if self._compiler is None:
                 import xgrammar
 
-                info = xgrammar.TokenizerInfo.from_huggingface(
-                    self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=list(self.stop_token_ids)
-                )
+                info = _tokenizer_info(xgrammar, self.tokenizer, self.vocab_size, self.stop_token_ids)
                 # Compilation runs in the caller's thread (a worker thread of
                 # the event loop's): two threads at most on a small machine.
                 # Its own cache is off: this one, bounded, is the cache.

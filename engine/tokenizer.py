@@ -1,8 +1,11 @@
 """Tokenizer loading from local files, chat templating and EOS discovery.
 
-transformers is imported inside the functions: its tokenizer machinery is
-the slowest import of a warm start, and modules that only need the helpers'
-names should not pay for it.
+A checkpoint with a ``tokenizer.json`` gets a ``FastTokenizer`` (the
+``tokenizers`` library and jinja2 only, engine/fast_tokenizer.py): a
+serving process then never imports transformers, whose tokenizer machinery
+costs about 45 MiB and a second of start-up. Other checkpoints (a
+SentencePiece ``tokenizer.model`` only, say) get transformers'
+``AutoTokenizer``, imported only then. Both answer the same calls.
 """
 
 from __future__ import annotations
@@ -18,14 +21,17 @@ from .errors import InvalidRequestError, ModelLoadError
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from .fast_tokenizer import FastTokenizer
+
 logger = logging.getLogger(__name__)
 
 # Any one of these makes a folder a tokenizer folder.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
-def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
-    """Load the tokenizer in checkpoint folder ``path`` from local files only.
+def load_tokenizer(path: Path) -> FastTokenizer | PreTrainedTokenizerBase:
+    """Load the tokenizer in checkpoint folder ``path`` from local files only:
+    a ``FastTokenizer`` when it has a ``tokenizer.json``, else transformers'.
 
     Raises ``ModelLoadError`` naming the folder when it has no tokenizer files
     or they cannot be read.
@@ -36,12 +42,11 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     try:
         if (path / "tokenizer.json").is_file():
             # tokenizer.json defines the whole pipeline (normalizer through
-            # post-processor), so the generic fast class reproduces any
-            # model-specific one. AutoTokenizer would also read config.json
-            # through AutoConfig, whose imports cost seconds.
-            from transformers import PreTrainedTokenizerFast
+            # post-processor), so one generic class reproduces any
+            # model-specific one, as transformers' PreTrainedTokenizerFast does.
+            from .fast_tokenizer import FastTokenizer
 
-            tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+            tokenizer = FastTokenizer.from_folder(path)
         else:
             from transformers import AutoTokenizer
 
@@ -66,7 +71,7 @@ def check_text(text: str, field: str) -> None:
 
 
 def apply_chat_template(
-    tokenizer: PreTrainedTokenizerBase,
+    tokenizer: FastTokenizer | PreTrainedTokenizerBase,
     messages: Sequence[Mapping[str, Any]],
     add_generation_prompt: bool = True,
 ) -> list[int]:
@@ -95,7 +100,7 @@ def apply_chat_template(
 
 
 def eos_token_ids(
-    tokenizer: PreTrainedTokenizerBase, config_eos: Iterable[int] = (), folder: Path | None = None
+    tokenizer: FastTokenizer | PreTrainedTokenizerBase, config_eos: Iterable[int] = (), folder: Path | None = None
 ) -> tuple[int, ...]:
     """Every token id that ends generation, in order, without repeats.
 

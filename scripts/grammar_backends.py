@@ -13,7 +13,6 @@ import numpy as np
 import torch
 
 from trioserve.engine import gguf_cache, loader
-from trioserve.engine.tokenizer import load_tokenizer
 
 SCHEMA = {
     "type": "object",
@@ -114,7 +113,11 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(1)
     folder = gguf_cache.ensure_converted(loader.default_model_path(), None)
-    hf = load_tokenizer(folder)
+    # Both backends take a transformers tokenizer (the engine's own is a
+    # FastTokenizer, engine/fast_tokenizer.py).
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast.from_pretrained(str(folder), local_files_only=True)
     for name, fn in (("llguidance", bench_llguidance), ("xgrammar", bench_xgrammar)):
         first, times, par, err = fn(hf, args.rows, args.steps)
         ms = [t * 1000 for t in times]

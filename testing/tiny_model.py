@@ -8,12 +8,17 @@ with ``functools.cache``, so every caller in a process shares them.
 
 from __future__ import annotations
 
+import atexit
 import functools
+import shutil
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from trioserve.engine.config import EngineConfig, ModelConfig, RopeScaling
+from trioserve.engine.fast_tokenizer import FastTokenizer
 from trioserve.engine.kv_cache import kv_bytes_per_block
 from trioserve.engine.kv_dtype import DTYPES as KV_DTYPES
 from trioserve.engine.loader import LoadedModel, default_model_path
@@ -24,12 +29,25 @@ BLOCK_SIZE = 16
 
 
 @functools.cache
-def tokenizer() -> Any:
-    """The default model's tokenizer (SmolLM2-135M), read from its GGUF file."""
+def tokenizer() -> FastTokenizer:
+    """The default model's tokenizer (SmolLM2-135M), read from its GGUF file
+    by transformers (as the GGUF conversion does) and loaded as a serving
+    engine loads it: a ``FastTokenizer``."""
+    return FastTokenizer.from_folder(hf_tokenizer_folder())
+
+
+@functools.cache
+def hf_tokenizer_folder() -> Path:
+    """A folder holding the default model's tokenizer files, written by
+    transformers from its GGUF file once per process (a few seconds) and
+    removed at exit."""
     from transformers import AutoTokenizer
 
     path = default_model_path()
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    folder = Path(tempfile.mkdtemp(prefix="trioserve-tokenizer-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(str(folder))
+    return folder
 
 
 def tiny_model_config() -> ModelConfig:
