@@ -192,9 +192,9 @@ def test_a_row_split_sends_each_call_to_its_kernel_by_rows(cpu_paths):
 
 def test_auto_takes_the_4_bit_kernel_within_the_tie_of_the_fastest():
     four, eight = (next(k for k in choose.KERNELS if k.bits == bits) for bits in (4, 8))
-    cost = {four.name: 1.2, eight.name: 1.0}
+    cost = {four.name: 0.99 * choose.FOUR_BIT_TIE, eight.name: 1.0}
     assert choose._fastest([eight, four], lambda k: cost[k.name]) is four
-    cost[four.name] = 1.3
+    cost[four.name] = 1.01 * choose.FOUR_BIT_TIE
     assert choose._fastest([eight, four], lambda k: cost[k.name]) is eight
     assert choose._fastest([eight], lambda k: cost[k.name]) is eight
 
