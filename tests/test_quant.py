@@ -199,6 +199,18 @@ def test_auto_takes_the_4_bit_kernel_within_the_tie_of_the_fastest():
     assert choose._fastest([eight], lambda k: cost[k.name]) is eight
 
 
+def test_auto_runs_every_row_on_a_native_kernel_that_wins_many_rows(monkeypatch):
+    """ATen's 4-bit kernel faster at one row does not split the rows off a
+    native kernel: the fused decode step needs the native one at every row."""
+    native4 = next(k for k in choose.KERNELS if k.family == "native4")
+    aten4 = next(k for k in choose.KERNELS if k.bits == 4 and not k.family)
+    timings = {native4.name: (0.21, 0.32, 0.62, 1.25), aten4.name: (0.19, 0.30, 1.1, 2.2)}
+    monkeypatch.setattr(choose, "candidates", lambda paths, scheme: [native4, aten4])
+    monkeypatch.setattr(choose, "measure", lambda kernels, shapes, group_size: timings)
+    picked = choose.choose_kernel(None, "auto", [(64, 64)])
+    assert picked.kernel is native4 and picked.small is None and picked.label == "int4"
+
+
 def test_auto_holds_one_copy_when_the_tie_pick_is_nowhere_faster(monkeypatch):
     """The 4-bit kernel taken at one row within the tie, while the int8 one
     is faster at every row count: the weights are held once, as int8."""

@@ -218,7 +218,13 @@ def choose_kernel(
     # the rows where it wins, the fastest at the most rows above that.
     by_rows = {rows: _fastest(fits, lambda k: timings[k.name][i]) for i, rows in enumerate(MEASURE_ROWS)}
     small, large = by_rows[MEASURE_ROWS[0]], by_rows[MEASURE_ROWS[-1]]
-    if small is large:
+    # A native kernel runs every row: the fused decode step (native_decode)
+    # takes a batch only where all its projections run natively, and at one
+    # row that step saves more than the one-layer matmul differences timed
+    # here (the server's one stream: 15.9 ms a token with ATen's 4-bit kernel
+    # up to 4 rows and a second copy for the native one, 12.9 ms on the
+    # native one alone; docs/benchmarks.md).
+    if small is large or large.family:
         return attrs.evolve(choice, kernel=large)
     wins = [r for i, r in enumerate(MEASURE_ROWS) if timings[small.name][i] < timings[large.name][i]]
     if not wins:  # the 4-bit pick at one row (a tie) is nowhere faster: one copy
