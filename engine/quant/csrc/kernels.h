@@ -56,6 +56,20 @@ __attribute__((target("f16c"))) inline __m128 block_dm(const uint8_t* p) {
   return _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
 }
 
+// A 4-bit block decoded to float32: its elements 0..15, then 16..31.
+struct Block512 {
+  __m512 lo, hi;
+};
+
+__attribute__((target("avx512f,avx512bw,f16c"))) inline Block512 q4_block_avx512(const uint8_t* p) {
+  const __m128 dm = block_dm(p);
+  const __m512 d = _mm512_broadcastss_ps(dm);
+  const __m512 m = _mm512_broadcastss_ps(_mm_movehdup_ps(dm));
+  const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4)));
+  return {_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(0x0F))), d, m),
+          _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d, m)};
+}
+
 // ---- 4-bit ---------------------------------------------------------------
 
 template <int R>
@@ -124,7 +138,6 @@ template <int R>
 __attribute__((target("avx512f,avx512bw,f16c"))) void q4_rows_avx512(const float* x, int64_t ldx, const uint8_t* w,
                                                                int64_t groups, int64_t n0, int64_t n1, float* y,
                                                                int64_t ldy) {
-  const __m512i low = _mm512_set1_epi32(0x0F);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * groups * kBlockBytes;
     // Two accumulators a row (two independent FMA chains) at every row
@@ -135,13 +148,8 @@ __attribute__((target("avx512f,avx512bw,f16c"))) void q4_rows_avx512(const float
     __m512 acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
-      const uint8_t* p = row + g * kBlockBytes;
-      const __m128 dm = block_dm(p);
-      const __m512 d = _mm512_broadcastss_ps(dm);
-      const __m512 m = _mm512_broadcastss_ps(_mm_movehdup_ps(dm));
-      const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4)));
-      const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low)), d, m);
-      const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d, m);
+      const Block512 b = q4_block_avx512(row + g * kBlockBytes);
+      const __m512 w0 = b.lo, w1 = b.hi;
       for (int r = 0; r < R; ++r) {
         const float* xg = x + r * ldx + g * kGroup;
         acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xg), acc[r][0]);

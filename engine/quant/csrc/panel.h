@@ -38,15 +38,10 @@ constexpr int64_t kPanelFromRows = 10;
 
 __attribute__((target("avx512f,avx512bw,f16c"))) inline void q4_decode_avx512(const uint8_t* row, int64_t groups,
                                                                         float* dst) {
-  const __m512i low = _mm512_set1_epi32(0x0F);
   for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* p = row + g * kBlockBytes;
-    const __m128 dm = block_dm(p);
-    const __m512 d = _mm512_broadcastss_ps(dm);
-    const __m512 m = _mm512_broadcastss_ps(_mm_movehdup_ps(dm));
-    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4)));
-    _mm512_storeu_ps(dst + g * kGroup, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low)), d, m));
-    _mm512_storeu_ps(dst + g * kGroup + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d, m));
+    const Block512 b = q4_block_avx512(row + g * kBlockBytes);
+    _mm512_storeu_ps(dst + g * kGroup, b.lo);
+    _mm512_storeu_ps(dst + g * kGroup + 16, b.hi);
   }
 }
 
