@@ -19,9 +19,13 @@ from server_fixtures import read_sse_lines
 pytestmark = pytest.mark.slow
 
 BIN = Path(sys.executable).parent
-SMALL = ["--kv-cache-memory", "64M", "--max-model-len", "512"]
+# The long request must outlast the drain on any machine: 4,000 tokens within
+# SHUTDOWN_TIMEOUT would take a step under 1 ms, which no CPU runs this model
+# at (one stream decodes at about 12 ms a token on 2 cores).
+LONG_CONTEXT = ["--kv-cache-memory", "256M", "--max-model-len", "4096"]
+LONG_TOKENS = 4000
 STARTUP_TIMEOUT = 120.0
-SHUTDOWN_TIMEOUT = 6.0
+SHUTDOWN_TIMEOUT = 4.0
 # The drain's timeout, plus a model step, hypercorn's close and the
 # interpreter's exit (torch's teardown takes a moment).
 EXIT_MARGIN = 10.0
@@ -79,7 +83,7 @@ async def stream_events(http: httpx.AsyncClient, body: dict, first: trio.Event, 
 
 
 async def test_sigterm_finishes_short_aborts_long_and_exits_zero():
-    command = [str(BIN / "trioserve"), "serve", "--port", "0", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT), *SMALL]
+    command = [str(BIN / "trioserve"), "serve", "--port", "0", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT), *LONG_CONTEXT]
     async with trio.open_nursery() as nursery:
         server = await start(nursery, command)
         try:
@@ -90,7 +94,7 @@ async def test_sigterm_finishes_short_aborts_long_and_exits_zero():
                 short_started, long_started = trio.Event(), trio.Event()
                 async with trio.open_nursery() as streams:
                     body = {"prompt": "Once upon a time", "ignore_eos": True, "stream": True}
-                    streams.start_soon(stream_events, http, body | {"max_tokens": 400}, long_started, long)
+                    streams.start_soon(stream_events, http, body | {"max_tokens": LONG_TOKENS}, long_started, long)
                     streams.start_soon(stream_events, http, body | {"max_tokens": 3}, short_started, short)
                     await long_started.wait()
                     await short_started.wait()
