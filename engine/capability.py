@@ -40,8 +40,9 @@ from .quant import int8_native as quant_int8_native
 from .quant import int8_pack as quant_int8_pack
 
 ASSUME_ENV = "TRIOSERVE_CPU_ASSUME"
-# Lowest first; the names are ATEN_CPU_CAPABILITY's.
-ISA_LEVELS = ("default", "avx2", "avx512")
+# Lowest first; the names are ATEN_CPU_CAPABILITY's, and avx512bf16 is
+# AVX-512 with AVX512_BF16 (the native linears' bfloat16 panels).
+ISA_LEVELS = ("default", "avx2", "avx512", "avx512bf16")
 # Variables that cap what torch's libraries use when set before torch loads:
 # shown with the paths, since they change what the trials find.
 LIBRARY_CAPS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
@@ -131,7 +132,9 @@ def _matmul_trial(dtype: torch.dtype) -> Checks:
     return {"F.linear": (F.linear(x, w, bias), F.linear(x.float(), w.float(), bias.float()))}
 
 
-def _native_probes(name: str, what: str, trial: Callable[[str], Checks]) -> tuple[Probe, ...]:
+def _native_probes(
+    name: str, what: str, trial: Callable[[str], Checks], order: Sequence[str] = native.ISA_ORDER
+) -> tuple[Probe, ...]:
     """One probe per ISA variant of a native kernel; ``name`` and ``what`` take the ISA."""
     return tuple(
         Probe(
@@ -141,7 +144,7 @@ def _native_probes(name: str, what: str, trial: Callable[[str], Checks]) -> tupl
             needs="default" if isa == "scalar" else isa,
             requirement=native.ISA_REQUIREMENTS[isa],
         )
-        for isa in native.ISA_ORDER
+        for isa in order
     )
 
 
@@ -163,8 +166,8 @@ PROBES: tuple[Probe, ...] = (
     Probe("quant_int8_pack_bfloat16", "ATen int8 packed linear in bfloat16", functools.partial(quant_int8_pack.trial, torch.bfloat16)),
     # Our native kernels (engine/quant/native.py), one variant per ISA; their
     # trials also fail where scripts/setup.sh could not build them.
-    *_native_probes("quant_int4_native_{}", "native 4-bit linear ({})", quant_int4_native.trial),
-    *_native_probes("quant_int8_native_{}", "native int8 linear ({})", quant_int8_native.trial),
+    *_native_probes("quant_int4_native_{}", "native 4-bit linear ({})", quant_int4_native.trial, native.LINEAR_ISA_ORDER),
+    *_native_probes("quant_int8_native_{}", "native int8 linear ({})", quant_int8_native.trial, native.LINEAR_ISA_ORDER),
     *_native_probes("native_attention_{}", "native decode attention ({})", native_attention.trial),
     # A KV cache narrower than the model (engine/kv_dtype.py chooses among
     # them by measurement); each needs the level that converts it in hardware.

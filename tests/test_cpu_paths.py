@@ -69,7 +69,10 @@ def test_every_path_is_tried_and_the_switch_only_turns_paths_off():
         for mine, plain in zip(assumed.paths, found.paths):
             if mine.name not in above:
                 assert mine == plain
-    top = CpuPaths.detect(assume="avx512")
+    # AVX-512 without its BF16 extension: only the native linears' bfloat16 panels go.
+    no_bf16 = CpuPaths.detect(assume="avx512")
+    assert [p.name for p in no_bf16.forced] == ["quant_int4_native_avx512bf16", "quant_int8_native_avx512bf16"]
+    top = CpuPaths.detect(assume=ISA_LEVELS[-1])
     assert top.forced == () and [p.available for p in top.paths] == [p.available for p in found.paths]
 
 
@@ -180,7 +183,7 @@ def test_the_cli_reports_a_bad_switch_in_one_line():
     )  # fmt: skip
     assert result.returncode == 2
     assert result.stderr == (
-        "trioserve: error: TRIOSERVE_CPU_ASSUME='avx3' is not a CPU level; use one of default, avx2, avx512\n"
+        "trioserve: error: TRIOSERVE_CPU_ASSUME='avx3' is not a CPU level; use one of default, avx2, avx512, avx512bf16\n"
     )
 
 

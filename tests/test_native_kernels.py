@@ -45,6 +45,25 @@ def test_the_library_is_built_for_this_source_and_runs_scalar_everywhere(isas):
     assert native.build_tag() in str(native.library_path())
 
 
+# csrc/panel.h's kPanelFromRows: from this many rows the AVX-512 variants run
+# panels, the avx512bf16 one with bfloat16 products.
+PANEL_FROM_ROWS = 10
+
+
+def assert_matches(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, isa: str) -> None:
+    """``got`` is ``x @ w.T + b`` up to the order of the sums; for bfloat16
+    panels, up to rounding each input and weight to bfloat16 (at most 2**-8
+    of each product, well under 2**-7 with the float32 sums)."""
+    want = F.linear(x, w, b)
+    if isa == "avx512bf16" and x.shape[0] >= PANEL_FROM_ROWS:
+        bound = (x.abs() @ w.abs().T) * 2**-7 + 1e-5
+        assert ((got - want).abs() <= bound).all(), (isa, ((got - want).abs() / bound).max().item())
+        # ... and not float32's result either: the bfloat16 products did run.
+        assert not torch.allclose(got, want, rtol=1e-6, atol=0), isa
+    else:
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item()), (isa, x.shape)
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     rows=st.integers(1, 20),
@@ -58,7 +77,8 @@ def test_the_library_is_built_for_this_source_and_runs_scalar_everywhere(isas):
 @example(rows=13, out=37, groups=3, group_size=32, bias=True, seed=1)
 def test_each_variant_matches_the_dequantized_weights(isas, rows, out, groups, group_size, bias, seed):
     """Any row count (passes of up to 8 rows and a remainder; from 10 rows on
-    AVX-512, tiles over decoded panels of channels), any output count (split
+    AVX-512, tiles over decoded panels of channels, in bfloat16 products on
+    avx512bf16), any output count (split
     over threads), 4-bit groups of 32 or 64 and int8 rows with a tail past
     the vector width: the float32 matmul of the dequantized weight."""
     gen = torch.Generator().manual_seed(seed)
@@ -67,15 +87,14 @@ def test_each_variant_matches_the_dequantized_weights(isas, rows, out, groups, g
     w = torch.randn(out, k, generator=gen)
     b = torch.randn(out, generator=gen) if bias else None
     q4, q8 = quantize_int4(w, group_size), quantize_int8(w[:, : k - 8])
-    want4, want8 = F.linear(x, q4.dequantize(), b), F.linear(x[:, : k - 8], q8.dequantize(), b)
     for isa in isas:
         got4 = int4_native.Int4NativeLinear.from_rtn(q4, b, isa)(x)
         got8 = int8_native.Int8NativeLinear.from_rtn(q8, b, isa)(x[:, : k - 8])
-        assert torch.allclose(got4, want4, rtol=1e-4, atol=1e-4 * want4.abs().max().item()), isa
-        assert torch.allclose(got8, want8, rtol=1e-4, atol=1e-4 * want8.abs().max().item()), isa
+        assert_matches(got4, x, q4.dequantize(), b, isa)
+        assert_matches(got8, x[:, : k - 8], q8.dequantize(), b, isa)
 
 
-def test_from_many_rows_a_call_runs_the_gemm_over_the_dequantized_matrix(isas):
+def test_from_many_rows_a_call_without_panels_runs_the_gemm_over_the_dequantized_matrix(isas):
     gen = torch.Generator().manual_seed(1)
     rows = int4_native.DEQUANTIZE_FROM_ROWS
     w, b = torch.randn(24, 96, generator=gen), torch.randn(24, generator=gen)
@@ -83,11 +102,14 @@ def test_from_many_rows_a_call_runs_the_gemm_over_the_dequantized_matrix(isas):
     blocks = int4_native.Int4NativeLinear.from_rtn(q4, b, isas[-1]).blocks
     # q * d + m against (q - 8) * scale + zero: the same values, rounded apart.
     assert torch.allclose(native.ops().q4_dequantize(blocks), q4.dequantize(), rtol=1e-6, atol=1e-6)
-    for x in (torch.randn(rows - 1, 96, generator=gen), torch.randn(rows + 3, 96, generator=gen)):
-        for linear, held in ((int4_native.Int4NativeLinear, q4), (int8_native.Int8NativeLinear, q8)):
-            want = F.linear(x, held.dequantize(), b)
-            got = linear.from_rtn(held, b, isas[-1])(x)
-            assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item()), (linear, x.shape)
+    for isa in isas:
+        # The AVX-512 variants run their panels at any row count, a prefill chunk's too.
+        panels = isa in ("avx512", "avx512bf16")
+        assert int4_native.dequantizes(native.ISAS[isa], rows) is not panels
+        assert not int4_native.dequantizes(native.ISAS[isa], rows - 1)
+        for x in (torch.randn(rows - 1, 96, generator=gen), torch.randn(rows + 3, 96, generator=gen)):
+            for linear, held in ((int4_native.Int4NativeLinear, q4), (int8_native.Int8NativeLinear, q8)):
+                assert_matches(linear.from_rtn(held, b, isa)(x), x, held.dequantize(), b, isa)
 
 
 def test_a_variant_the_cpu_lacks_or_a_bad_shape_is_refused(isas):
@@ -305,7 +327,6 @@ def test_a_q8_0_head_runs_on_the_stored_values_without_a_copy(isas):
         assert head.weight.q.data_ptr() == q.data_ptr()
         for rows in (1, 7, 12, int4_native.DEQUANTIZE_FROM_ROWS + 1):
             x = torch.randn(rows, 96, generator=gen)
-            want = F.linear(x, table.dequantize())
-            assert torch.allclose(head(x), want, rtol=1e-4, atol=1e-4 * want.abs().max().item()), (isa, rows)
+            assert_matches(head(x), x, table.dequantize(), None, isa)
     with pytest.raises(ValueError, match="groups of 32"):
         int8_native.Int8GroupNativeLinear.over(Int8GroupWeight(q, torch.rand(40, 6), 16), isas[0])

@@ -79,7 +79,8 @@ def _native(bits: int, isa: str, what: str) -> Kernel:
     return Kernel(
         f"quant_int{bits}_native_{isa}",
         bits,
-        f"{what}, native kernel ({isa}, float32 activations)",
+        f"{what}, native kernel ({isa}, float32 activations"
+        + (", bfloat16 products from 10 rows)" if isa == "avx512bf16" else ")"),
         lambda w, b: linear.from_rtn(w, b, isa),  # type: ignore[arg-type]
         family=f"native{bits}",
     )
@@ -88,8 +89,8 @@ def _native(bits: int, isa: str, what: str) -> Kernel:
 KERNELS: tuple[Kernel, ...] = (
     # Ours (csrc/), where scripts/setup.sh built them; the capability probes
     # fail with the reason where not, and the chooser takes ATen's.
-    *(_native(4, isa, "4-bit groups") for isa in native.ISA_ORDER),
-    *(_native(8, isa, "int8 per channel") for isa in native.ISA_ORDER),
+    *(_native(4, isa, "4-bit groups") for isa in native.LINEAR_ISA_ORDER),
+    *(_native(8, isa, "int8 per channel") for isa in native.LINEAR_ISA_ORDER),
     Kernel(
         "quant_int4_pack_bfloat16",
         4,

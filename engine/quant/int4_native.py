@@ -20,12 +20,21 @@ from .rtn import Int4Weight, quantize_int4
 
 GROUP = 32
 BLOCK_BYTES = 20
-# From this many rows a call dequantizes the matrix (about 0.7 ms a million
-# weights on one thread here) and runs torch's float32 GEMM: the kernel is
-# GEMV-shaped, and from 64-128 rows the GEMM's reuse pays for the
-# conversion; at 512 rows (a prefill chunk) it runs at the float path's
-# speed, 1.8x the kernel's (docs/benchmarks.md, "Native kernels").
+# From this many rows a call on a variant without panels (AVX2, scalar)
+# dequantizes the matrix (about 0.7 ms a million weights on one thread here)
+# and runs torch's float32 GEMM: the row kernels are GEMV-shaped, and from
+# 64-128 rows the GEMM's reuse pays for the conversion; at 512 rows (a
+# prefill chunk) it ran 1.8x the row kernel's speed (docs/benchmarks.md,
+# "Native kernels"). The AVX-512 variants' panels (csrc/panel.h) beat that
+# GEMM at every row count measured, 128 to 2,048 (1.5-3.3x in float32
+# products, 2.8-4.3x in bfloat16), so they never dequantize.
 DEQUANTIZE_FROM_ROWS = 128
+PANEL_ISAS = frozenset({native.ISAS["avx512"], native.ISAS["avx512bf16"]})
+
+
+def dequantizes(isa: int, rows: int) -> bool:
+    """Whether a call of ``rows`` rows on variant ``isa`` runs torch's GEMM over the dequantized matrix."""
+    return rows >= DEQUANTIZE_FROM_ROWS and isa not in PANEL_ISAS
 
 
 def pack_blocks(weight: Int4Weight) -> torch.Tensor:
@@ -67,16 +76,17 @@ class Int4NativeLinear:
         return self.blocks.numel()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] >= DEQUANTIZE_FROM_ROWS:
+        if dequantizes(self.isa, x.shape[0]):
             return F.linear(x, self.ops.q4_dequantize(self.blocks), self.bias)  # type: ignore[attr-defined]
         y = self.ops.q4_linear(x, self.blocks, self.isa)  # type: ignore[attr-defined]
         return y if self.bias is None else y.add_(self.bias)
 
 
 def trial(isa: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """The kernel on tiny inputs (5 rows), with its float32 reference (``capability.Probe``)."""
+    """The kernel on tiny inputs, with its float32 reference (``capability.Probe``):
+    12 rows, so the panels of the AVX-512 variants run too."""
     gen = torch.Generator().manual_seed(0)
-    x, w, bias = torch.randn(5, 64, generator=gen), torch.randn(40, 64, generator=gen), torch.randn(40, generator=gen)
+    x, w, bias = torch.randn(12, 64, generator=gen), torch.randn(40, 64, generator=gen), torch.randn(40, generator=gen)
     weight = quantize_int4(w, 32)
     got = Int4NativeLinear.from_rtn(weight, bias, isa)(x)
     return {f"Int4NativeLinear({isa})": (got, F.linear(x, weight.dequantize(), bias))}

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from . import native
-from .int4_native import DEQUANTIZE_FROM_ROWS
+from .int4_native import dequantizes
 from .rtn import Int8GroupWeight, Int8Weight, quantize_int8
 
 GROUP = 32
@@ -48,7 +48,7 @@ class Int8NativeLinear:
         return self.q.numel() + self.scale.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] >= DEQUANTIZE_FROM_ROWS:  # torch's GEMM over the dequantized matrix, as int4_native
+        if dequantizes(self.isa, x.shape[0]):  # torch's GEMM over the dequantized matrix, as int4_native
             return F.linear(x, self.q.float().mul_(self.scale[:, None]), self.bias)
         y = self.ops.q8_linear(x, self.q, self.scale, self.isa)  # type: ignore[attr-defined]
         return y if self.bias is None else y.add_(self.bias)
@@ -72,15 +72,16 @@ class Int8GroupNativeLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if x.shape[0] >= DEQUANTIZE_FROM_ROWS:  # as int4_native
+        if dequantizes(self.isa, x.shape[0]):  # as int4_native
             return F.linear(x, w.dequantize())
         return self.ops.q8g_linear(x, w.q, w.scale, self.isa)  # type: ignore[attr-defined]
 
 
 def trial(isa: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """The kernel on tiny inputs (5 rows; 72 inputs, so a tail past the vectors), with its float32 reference."""
+    """The kernel on tiny inputs (12 rows, so the AVX-512 panels run too; 72
+    inputs, so a tail past the vectors), with its float32 reference."""
     gen = torch.Generator().manual_seed(0)
-    x, w, bias = torch.randn(5, 72, generator=gen), torch.randn(40, 72, generator=gen), torch.randn(40, generator=gen)
+    x, w, bias = torch.randn(12, 72, generator=gen), torch.randn(40, 72, generator=gen), torch.randn(40, generator=gen)
     weight = quantize_int8(w)
     got = Int8NativeLinear.from_rtn(weight, bias, isa)(x)
     return {f"Int8NativeLinear({isa})": (got, F.linear(x, weight.dequantize(), bias))}

@@ -166,7 +166,7 @@ def _shared_head(cpu_paths: CpuPaths, head: Tensor) -> Linear | None:
     if not isinstance(head, Int8GroupWeight) or head.group_size != int8_native.GROUP:
         return None
     known = {p.name for p in cpu_paths.paths}
-    for isa in native.ISA_ORDER:
+    for isa in native.LINEAR_ISA_ORDER:
         name = f"quant_int8_native_{isa}"
         if name in known and cpu_paths.available(name):
             return int8_native.Int8GroupNativeLinear.over(head, isa)

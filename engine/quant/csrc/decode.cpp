@@ -210,7 +210,7 @@ void attend_rows(const float* qkv, int64_t qkv_stride, const T* key, const T* va
       const T* v = value + kv * head_dim;
       const int64_t* table = tables + r * table_stride;
       float* o = out + r * heads * head_dim + kv * group * head_dim;
-      if (isa == kAvx512 && head_dim % avx512_isa::kWidth == 0)
+      if (isa >= kAvx512 && head_dim % avx512_isa::kWidth == 0)
         avx512_isa::attend<T>(q, group, k, v, table, context, block_size, token_stride, head_dim, scale, scores.data(), o);
       else if (isa >= kAvx2 && head_dim % avx2_isa::kWidth == 0)
         avx2_isa::attend<T>(q, group, k, v, table, context, block_size, token_stride, head_dim, scale, scores.data(), o);
@@ -287,7 +287,7 @@ torch::Tensor decode_impl(const torch::Tensor& hidden, const std::vector<torch::
     Linear{w[kGateUp], w[kGateUpScale], torch::Tensor()}(xp, rows, dim, gup, isa);
     for (int64_t r = 0; r < rows; ++r) {
       const float* g = gup + r * 2 * inter;
-      if (isa == kAvx512) avx512_isa::silu_mul(g, g + inter, actp + r * inter, inter);
+      if (isa >= kAvx512) avx512_isa::silu_mul(g, g + inter, actp + r * inter, inter);
       else if (isa == kAvx2) avx2_isa::silu_mul(g, g + inter, actp + r * inter, inter);
       else scalar_isa::silu_mul(g, g + inter, actp + r * inter, inter);
     }

@@ -21,7 +21,9 @@ constexpr int64_t kBlockBytes = 20;  // float16 d, float16 m, 16 bytes of nibble
 constexpr int kMaxRows = 8;
 constexpr int kMaxRowsAvx2 = 4;
 
-enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+// kAvx512Bf16 runs the AVX-512 row kernels, and from kPanelFromRows rows the
+// bfloat16 panels of panel.h in place of the float32 ones.
+enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
 
 inline int64_t supported_isas() {
   int64_t bits = 1 << kScalar;
@@ -29,7 +31,10 @@ inline int64_t supported_isas() {
   // F16C converts the 4-bit blocks' float16 scales; every AVX-512 CPU has it.
   const bool f16c = __builtin_cpu_supports("f16c");
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c) bits |= 1 << kAvx2;
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && f16c) bits |= 1 << kAvx512;
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && f16c) {
+    bits |= 1 << kAvx512;
+    if (__builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16")) bits |= 1 << kAvx512Bf16;
+  }
   return bits;
 }
 
@@ -317,12 +322,14 @@ namespace trioserve_native {
 
 // ---- dispatch ------------------------------------------------------------
 
-inline bool use_panels(int64_t rows, int64_t isa) { return isa == kAvx512 && rows >= kPanelFromRows; }
+inline bool use_panels(int64_t rows, int64_t isa) { return isa >= kAvx512 && rows >= kPanelFromRows; }
 
 inline void check_isa(int64_t isa) {
-  TORCH_CHECK(isa >= kScalar && isa <= kAvx512, "trioserve native linear: unknown isa ", isa);
+  TORCH_CHECK(isa >= kScalar && isa <= kAvx512Bf16, "trioserve native linear: unknown isa ", isa);
   TORCH_CHECK(supported_isas() & (int64_t(1) << isa), "trioserve native linear: this CPU cannot run isa ", isa,
-              isa == kAvx512 ? " (AVX-512 F/BW)" : " (AVX2, FMA and F16C)");
+              isa == kAvx512Bf16 ? " (AVX-512 F/BW and BF16)"
+              : isa == kAvx512   ? " (AVX-512 F/BW)"
+                                 : " (AVX2, FMA and F16C)");
 }
 
 // Runs ``kernel<R>(x_rows, ..., n0, n1, y_rows)`` over all rows of x in
@@ -332,7 +339,7 @@ inline void over_rows(int64_t rows, int64_t out, int64_t isa, const Kernel& kern
   // A chunk of output channels per task big enough that a task's weights
   // (a few KiB a channel) outweigh the cost of handing it out.
   const int64_t grain = 16;
-  const int64_t chunk = isa == kAvx512 ? kMaxRows : kMaxRowsAvx2;
+  const int64_t chunk = isa >= kAvx512 ? kMaxRows : kMaxRowsAvx2;
   at::parallel_for(0, out, grain, [&](int64_t n0, int64_t n1) {
     for (int64_t r0 = 0; r0 < rows;) {
       const int64_t left = std::min<int64_t>(chunk, rows - r0);
@@ -355,14 +362,17 @@ inline void over_rows(int64_t rows, int64_t out, int64_t isa, const Kernel& kern
 inline void q4_matmul(const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t out, float* y, int64_t isa) {
   const int64_t groups = k / kGroup;
   if (use_panels(rows, isa)) {
-    panel_matmul(x, rows, k, out, y, [&](int64_t n, float* dst) { q4_decode_avx512(w + n * groups * kBlockBytes, groups, dst); });
+    panel_matmul(
+        x, rows, k, out, y, isa,
+        [&](int64_t n, float* dst) { q4_decode_avx512(w + n * groups * kBlockBytes, groups, dst); },
+        [&](int64_t n, uint16_t* dst) { q4_decode_bf16_avx512(w + n * groups * kBlockBytes, groups, dst); });
     return;
   }
   over_rows(rows, out, isa, [&](auto r_tag, int64_t r0, int64_t n0, int64_t n1) {
     constexpr int R = decltype(r_tag)::value;
     const float* xr = x + r0 * k;
     float* yr = y + r0 * out;
-    if (isa == kAvx512) q4_rows_avx512<R>(xr, k, w, groups, n0, n1, yr, out);
+    if (isa >= kAvx512) q4_rows_avx512<R>(xr, k, w, groups, n0, n1, yr, out);
     else if constexpr (R <= kMaxRowsAvx2) {
       if (isa == kAvx2) q4_rows_avx2<R>(xr, k, w, groups, n0, n1, yr, out);
       else q4_rows_scalar<R>(xr, k, w, groups, n0, n1, yr, out);
@@ -374,14 +384,16 @@ inline void q4_matmul(const float* x, int64_t rows, int64_t k, const uint8_t* w,
 inline void q8_matmul(const float* x, int64_t rows, int64_t k, const int8_t* w, const float* scale, int64_t out,
                       float* y, int64_t isa) {
   if (use_panels(rows, isa)) {
-    panel_matmul(x, rows, k, out, y, [&](int64_t n, float* dst) { q8_decode_avx512(w + n * k, scale + n, k, k, dst); });
+    panel_matmul(
+        x, rows, k, out, y, isa, [&](int64_t n, float* dst) { q8_decode_avx512(w + n * k, scale + n, k, k, dst); },
+        [&](int64_t n, uint16_t* dst) { q8_decode_bf16_avx512(w + n * k, scale + n, k, k, dst, bf16_padded(k)); });
     return;
   }
   over_rows(rows, out, isa, [&](auto r_tag, int64_t r0, int64_t n0, int64_t n1) {
     constexpr int R = decltype(r_tag)::value;
     const float* xr = x + r0 * k;
     float* yr = y + r0 * out;
-    if (isa == kAvx512) q8_rows_avx512<R>(xr, k, w, scale, k, n0, n1, yr, out);
+    if (isa >= kAvx512) q8_rows_avx512<R>(xr, k, w, scale, k, n0, n1, yr, out);
     else if constexpr (R <= kMaxRowsAvx2) {
       if (isa == kAvx2) q8_rows_avx2<R>(xr, k, w, scale, k, n0, n1, yr, out);
       else q8_rows_scalar<R>(xr, k, w, scale, k, n0, n1, yr, out);
@@ -394,16 +406,19 @@ inline void q8g_matmul(const float* x, int64_t rows, int64_t k, const int8_t* w,
                        float* y, int64_t isa) {
   if (use_panels(rows, isa)) {
     const int64_t groups = k / kGroup;
-    panel_matmul(x, rows, k, out, y, [&](int64_t n, float* dst) {
-      q8_decode_avx512(w + n * k, scale + n * groups, k, kGroup, dst);
-    });
+    panel_matmul(
+        x, rows, k, out, y, isa,
+        [&](int64_t n, float* dst) { q8_decode_avx512(w + n * k, scale + n * groups, k, kGroup, dst); },
+        [&](int64_t n, uint16_t* dst) {
+          q8_decode_bf16_avx512(w + n * k, scale + n * groups, k, kGroup, dst, bf16_padded(k));
+        });
     return;
   }
   over_rows(rows, out, isa, [&](auto r_tag, int64_t r0, int64_t n0, int64_t n1) {
     constexpr int R = decltype(r_tag)::value;
     const float* xr = x + r0 * k;
     float* yr = y + r0 * out;
-    if (isa == kAvx512) q8g_rows_avx512<R>(xr, k, w, scale, k, n0, n1, yr, out);
+    if (isa >= kAvx512) q8g_rows_avx512<R>(xr, k, w, scale, k, n0, n1, yr, out);
     else if constexpr (R <= kMaxRowsAvx2) {
       if (isa == kAvx2) q8g_rows_avx2<R>(xr, k, w, scale, k, n0, n1, yr, out);
       else q8g_rows_scalar<R>(xr, k, w, scale, k, n0, n1, yr, out);

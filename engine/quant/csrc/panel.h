@@ -33,6 +33,10 @@ constexpr int kTileRows = 6;  // 24 accumulators of 32 registers
 // thread). AVX2, with half the registers, fits a tile of 2 x 4, and that
 // measured no faster than its row kernel at any row count, so it has none.
 constexpr int64_t kPanelFromRows = 10;
+// The rows of a block (see over_panels): half of a 1 MiB L2. At 2,048 rows
+// of the default model's shapes the bfloat16 panels took 19 ms a layer
+// with blocks against 26 without.
+constexpr int64_t kRowBlockBytes = 512 << 10;
 
 // ---- decoding one channel into float32 -------------------------------------
 
@@ -57,6 +61,27 @@ __attribute__((target("avx512f,avx512bw,f16c"))) inline void q8_decode_avx512(co
 }
 
 // ---- a tile: R rows by kTileChannels decoded channels ----------------------
+
+// Four channels' accumulators of one row to its four sums, in one tree: pairs
+// within each 128-bit lane, then the lanes (a quarter of four separate
+// reductions' work).
+__attribute__((target("avx512f,avx512bw"))) inline void store_four_sums(const __m512* acc, float* y,
+                                                                       int64_t channels) {
+  const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(acc[0], acc[1]), _mm512_unpackhi_ps(acc[0], acc[1]));
+  const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(acc[2], acc[3]), _mm512_unpackhi_ps(acc[2], acc[3]));
+  const __m512 u = _mm512_add_ps(_mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(u),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(u), 1)));
+  const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  if (channels == kTileChannels) {
+    _mm_storeu_ps(y, sums);
+  } else {
+    float lanes[kTileChannels];
+    _mm_storeu_ps(lanes, sums);
+    for (int c = 0; c < channels; ++c) y[c] = lanes[c];
+  }
+}
 
 template <int R>
 __attribute__((target("avx512f,avx512bw,f16c"))) void tile_avx512(const float* x, int64_t ldx, const float* w, int64_t k,
@@ -83,57 +108,145 @@ __attribute__((target("avx512f,avx512bw,f16c"))) void tile_avx512(const float* x
       for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
     }
   }
-  static_assert(C == 4, "the reduction below sums four channels at once");
-  for (int r = 0; r < R; ++r) {
-    // Four accumulators to four sums in one tree: pairs within each 128-bit
-    // lane, then the lanes (a quarter of four separate reductions' work).
-    const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(acc[r][0], acc[r][1]), _mm512_unpackhi_ps(acc[r][0], acc[r][1]));
-    const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(acc[r][2], acc[r][3]), _mm512_unpackhi_ps(acc[r][2], acc[r][3]));
-    const __m512 u = _mm512_add_ps(_mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(1, 0, 1, 0)),
-                                   _mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(3, 2, 3, 2)));
-    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(u),
-                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(u), 1)));
-    const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-    if (channels == C) {
-      _mm_storeu_ps(y + r * ldy, sums);
-    } else {
-      float lanes[C];
-      _mm_storeu_ps(lanes, sums);
-      for (int c = 0; c < channels; ++c) y[r * ldy + c] = lanes[c];
+  for (int r = 0; r < R; ++r) store_four_sums(acc[r], y + r * ldy, channels);
+}
+
+// ---- bfloat16 panels (AVX-512 BF16) -----------------------------------------
+// Where the CPU has AVX512_BF16, the panel is rounded to bfloat16 as it is
+// decoded and the rows once a call, and VDPBF16PS runs two products a lane
+// an instruction (float32 sums), twice the float32 FMA's, from half the
+// bytes. Weights and activations keep 8 bits of mantissa there, far finer
+// than the 4-bit weights' own steps (the quality figures in
+// docs/benchmarks.md are taken with it); the row kernels below
+// kPanelFromRows stay float32.
+
+constexpr int64_t kBf16Width = 32;  // bfloat16 values a vector
+
+inline int64_t bf16_padded(int64_t k) { return (k + kBf16Width - 1) / kBf16Width * kBf16Width; }
+
+// k float32 values to bfloat16 (round to nearest even), zeros up to kp.
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) inline void to_bf16_avx512(const float* src, int64_t k,
+                                                                                uint16_t* dst, int64_t kp) {
+  for (int64_t j = 0; j < kp; j += kBf16Width) {
+    const int64_t lo_n = std::clamp<int64_t>(k - j, 0, 16), hi_n = std::clamp<int64_t>(k - j - 16, 0, 16);
+    const __m512 lo = _mm512_maskz_loadu_ps(__mmask16((1u << lo_n) - 1), src + j);
+    const __m512 hi = _mm512_maskz_loadu_ps(__mmask16((1u << hi_n) - 1), src + j + 16);
+    _mm512_storeu_si512(dst + j, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
+}
+
+// Decoding one channel straight to bfloat16 (no float32 round trip).
+__attribute__((target("avx512f,avx512bw,avx512bf16,f16c"))) inline void q4_decode_bf16_avx512(const uint8_t* row,
+                                                                                        int64_t groups,
+                                                                                        uint16_t* dst) {
+  for (int64_t g = 0; g < groups; ++g) {
+    const Block512 b = q4_block_avx512(row + g * kBlockBytes);
+    _mm512_storeu_si512(dst + g * kGroup, (__m512i)_mm512_cvtne2ps_pbh(b.hi, b.lo));
+  }
+}
+
+// As q8_decode_avx512, to bfloat16 with zeros up to kp; ``step`` is k or a
+// multiple of 16.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void q8_decode_bf16_avx512(
+    const int8_t* q, const float* scale, int64_t k, int64_t step, uint16_t* dst, int64_t kp) {
+  for (int64_t j = 0; j < kp; j += kBf16Width) {
+    const int64_t lo_n = std::clamp<int64_t>(k - j, 0, 16), hi_n = std::clamp<int64_t>(k - j - 16, 0, 16);
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(__mmask16((1u << lo_n) - 1), q + j)));
+    const __m512 hi =
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(__mmask16((1u << hi_n) - 1), q + j + 16)));
+    const float lo_scale = lo_n ? scale[j / step] : 0.f, hi_scale = hi_n ? scale[(j + 16) / step] : 0.f;
+    _mm512_storeu_si512(dst + j, (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, _mm512_set1_ps(hi_scale)),
+                                                              _mm512_mul_ps(lo, _mm512_set1_ps(lo_scale))));
+  }
+}
+
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void tile_bf16_avx512(const uint16_t* x, int64_t ldx,
+                                                                           const uint16_t* w, int64_t kp, float* y,
+                                                                           int64_t ldy, int64_t channels) {
+  constexpr int C = kTileChannels;
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < kp; j += kBf16Width) {
+    __m512bh wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = (__m512bh)_mm512_loadu_si512(w + c * kp + j);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * ldx + j);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
     }
   }
+  for (int r = 0; r < R; ++r) store_four_sums(acc[r], y + r * ldy, channels);
 }
 
 // ---- the matmul --------------------------------------------------------------
 
-// y[rows, out] = x[rows, k] @ W.T, where ``decode(n, dst)`` writes channel
-// n's k float32 weights to dst (AVX-512 only: see kPanelFromRows). Output channels are split across torch's
-// threads; each thread decodes its panels into its own scratch.
-template <typename Decode>
-inline void panel_matmul(const float* x, int64_t rows, int64_t k, int64_t out, float* y, const Decode& decode) {
+// Calls ``tile(R, r0)`` for rows [r0, r0 + R) in tiles of kTileRows.
+template <typename Tile>
+inline void over_tiles(int64_t rows, const Tile& tile) {
+  for (int64_t r0 = 0; r0 < rows;) {
+    const int64_t left = std::min<int64_t>(kTileRows, rows - r0);
+    switch (left) {
+      case 6: tile(std::integral_constant<int, 6>{}, r0); break;
+      case 5: tile(std::integral_constant<int, 5>{}, r0); break;
+      case 4: tile(std::integral_constant<int, 4>{}, r0); break;
+      case 3: tile(std::integral_constant<int, 3>{}, r0); break;
+      case 2: tile(std::integral_constant<int, 2>{}, r0); break;
+      default: tile(std::integral_constant<int, 1>{}, r0); break;
+    }
+    r0 += left;
+  }
+}
+
+// Output channels split across torch's threads; each thread decodes
+// kTileChannels channels at a time (``decode(n, dst)``: channel n's ``width``
+// weights as T) into its own panel, and ``tile(R, r0, n, panel, channels)``
+// runs rows [r0, r0 + R) against it. A prefill chunk's rows would not stay
+// in L2 while each panel runs past them, so they go in blocks that do, each
+// panel decoded again per block (a few percent of the products).
+template <typename T, typename Decode, typename Tile>
+inline void over_panels(int64_t rows, int64_t out, int64_t width, const Decode& decode, const Tile& tile) {
+  const int64_t row_bytes = width * int64_t(sizeof(T));
+  const int64_t block_rows = std::max<int64_t>(kTileRows, kRowBlockBytes / row_bytes / kTileRows * kTileRows);
   at::parallel_for(0, out, 16, [&](int64_t n0, int64_t n1) {
     // Channels past the task's last are zeros: a short panel runs the same tile.
-    std::vector<float> panel(kTileChannels * k, 0.f);
-    for (int64_t n = n0; n < n1; n += kTileChannels) {
-      const int64_t channels = std::min<int64_t>(kTileChannels, n1 - n);
-      for (int64_t c = 0; c < channels; ++c) decode(n + c, panel.data() + c * k);
-      if (channels < kTileChannels) std::fill(panel.begin() + channels * k, panel.end(), 0.f);
-      for (int64_t r0 = 0; r0 < rows;) {
-        const int64_t left = std::min<int64_t>(kTileRows, rows - r0);
-        const float* xr = x + r0 * k;
-        float* yr = y + r0 * out + n;
-        switch (left) {
-          case 6: tile_avx512<6>(xr, k, panel.data(), k, yr, out, channels); break;
-          case 5: tile_avx512<5>(xr, k, panel.data(), k, yr, out, channels); break;
-          case 4: tile_avx512<4>(xr, k, panel.data(), k, yr, out, channels); break;
-          case 3: tile_avx512<3>(xr, k, panel.data(), k, yr, out, channels); break;
-          case 2: tile_avx512<2>(xr, k, panel.data(), k, yr, out, channels); break;
-          default: tile_avx512<1>(xr, k, panel.data(), k, yr, out, channels); break;
-        }
-        r0 += left;
+    std::vector<T> panel(kTileChannels * width, T(0));
+    for (int64_t b0 = 0; b0 < rows; b0 += block_rows) {
+      const int64_t block = std::min(block_rows, rows - b0);
+      for (int64_t n = n0; n < n1; n += kTileChannels) {
+        const int64_t channels = std::min<int64_t>(kTileChannels, n1 - n);
+        for (int64_t c = 0; c < channels; ++c) decode(n + c, panel.data() + c * width);
+        if (channels < kTileChannels) std::fill(panel.begin() + channels * width, panel.end(), T(0));
+        over_tiles(block, [&](auto r_tag, int64_t r0) { tile(r_tag, b0 + r0, n, panel.data(), channels); });
       }
     }
   });
+}
+
+// y[rows, out] = x[rows, k] @ W.T, where ``decode(n, dst)`` writes channel
+// n's k float32 weights to dst (AVX-512 only: see kPanelFromRows), and
+// ``decode_bf16(n, dst)`` its weights in bfloat16 with zeros up to
+// bf16_padded(k), used instead where ``isa`` is kAvx512Bf16 (the rows are
+// then rounded to bfloat16 once, up front).
+template <typename Decode, typename DecodeBf16>
+inline void panel_matmul(const float* x, int64_t rows, int64_t k, int64_t out, float* y, int64_t isa,
+                         const Decode& decode, const DecodeBf16& decode_bf16) {
+  if (isa != kAvx512Bf16) {
+    over_panels<float>(rows, out, k, decode, [&](auto r_tag, int64_t r0, int64_t n, const float* panel, int64_t channels) {
+      tile_avx512<decltype(r_tag)::value>(x + r0 * k, k, panel, k, y + r0 * out + n, out, channels);
+    });
+    return;
+  }
+  const int64_t kp = bf16_padded(k);
+  std::vector<uint16_t> xb(rows * kp);
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) to_bf16_avx512(x + r * k, k, xb.data() + r * kp, kp);
+  });
+  over_panels<uint16_t>(rows, out, kp, decode_bf16,
+                        [&](auto r_tag, int64_t r0, int64_t n, const uint16_t* panel, int64_t channels) {
+                          tile_bf16_avx512<decltype(r_tag)::value>(xb.data() + r0 * kp, kp, panel, kp,
+                                                                   y + r0 * out + n, out, channels);
+                        });
 }
 
 }  // namespace trioserve_native
