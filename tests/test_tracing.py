@@ -21,7 +21,6 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from trioserve import testing
 from trioserve.engine.engine_core import EngineCore
-from trioserve.engine.sampling_params import SamplingParams
 from trioserve.web.app import create_app
 from trioserve.web.cli import main
 from trioserve.web.request_ids import HEADER
