@@ -9,12 +9,13 @@ import httpx
 import pytest
 import trio
 
-from test_server_shutdown import BIN, SMALL, start, wait_healthy
+from test_server_shutdown import BIN, start, wait_healthy
 from test_worker_process import alive, wait_gone
 
 pytestmark = pytest.mark.slow
 
 EXIT_TIMEOUT = 60.0
+SMALL = ["--kv-cache-memory", "64M", "--max-model-len", "512"]
 
 
 async def test_sigterm_stops_the_server_and_its_worker():
