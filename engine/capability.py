@@ -40,9 +40,10 @@ from .quant import int8_native as quant_int8_native
 from .quant import int8_pack as quant_int8_pack
 
 ASSUME_ENV = "TRIOSERVE_CPU_ASSUME"
-# Lowest first; the names are ATEN_CPU_CAPABILITY's, and avx512bf16 is
-# AVX-512 with AVX512_BF16 (the native linears' bfloat16 panels).
-ISA_LEVELS = ("default", "avx2", "avx512", "avx512bf16")
+# Lowest first; the names are ATEN_CPU_CAPABILITY's, avx512bf16 is AVX-512
+# with AVX512_BF16 (the native linears' bfloat16 panels), and avx512vnni that
+# with AVX512_VNNI (the native 4-bit linear's int8 activations at few rows).
+ISA_LEVELS = ("default", "avx2", "avx512", "avx512bf16", "avx512vnni")
 # Variables that cap what torch's libraries use when set before torch loads:
 # shown with the paths, since they change what the trials find.
 LIBRARY_CAPS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")

@@ -142,11 +142,13 @@ def trial(isa: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     from .rotary import apply_rotary
 
     gen = torch.Generator().manual_seed(0)
-    heads, kv_heads, head_dim, block_size = 4, 2, 16, 4
+    # 64-wide heads, three to a KV head, and a context past 16 tokens: the
+    # AVX-512 variant's own path for such heads runs (csrc/decode.cpp, attend64).
+    heads, kv_heads, head_dim, block_size = 6, 2, 64, 4
     batch = ForwardBatch.build(
-        [SeqChunk([5], 6, (3, 1)), SeqChunk([7], 2, (2,))], block_size=block_size, device="cpu"
+        [SeqChunk([5], 18, (3, 1, 4, 0, 5)), SeqChunk([7], 2, (2,))], block_size=block_size, device="cpu"
     )
-    pools = KVCache(*(torch.randn(1, 5, block_size, kv_heads, head_dim, generator=gen) for _ in range(2)))
+    pools = KVCache(*(torch.randn(1, 6, block_size, kv_heads, head_dim, generator=gen) for _ in range(2)))
     keys, values = pools.key[0], pools.value[0]
     qkv = torch.randn(2, (heads + 2 * kv_heads) * head_dim, generator=gen)
     angles = torch.randn(2, 1, head_dim // 2, generator=gen)

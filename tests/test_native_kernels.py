@@ -46,22 +46,33 @@ def test_the_library_is_built_for_this_source_and_runs_scalar_everywhere(isas):
 
 
 # csrc/panel.h's kPanelFromRows: from this many rows the AVX-512 variants run
-# panels, the avx512bf16 one with bfloat16 products.
+# panels, avx512bf16 and avx512vnni with bfloat16 products; below it the
+# 4-bit kernel of avx512vnni rounds the activations to int8 in groups of 32.
 PANEL_FROM_ROWS = 10
+BF16_PANELS = ("avx512bf16", "avx512vnni")
 
 
-def assert_matches(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, isa: str) -> None:
+def assert_matches(
+    got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, isa: str, *, bits: int = 8
+) -> None:
     """``got`` is ``x @ w.T + b`` up to the order of the sums; for bfloat16
     panels, up to rounding each input and weight to bfloat16 (at most 2**-8
-    of each product, well under 2**-7 with the float32 sums)."""
+    of each product, well under 2**-7 with the float32 sums); for int8
+    activations, up to rounding each input by at most half its group's step
+    (amax / 127)."""
     want = F.linear(x, w, b)
-    if isa == "avx512bf16" and x.shape[0] >= PANEL_FROM_ROWS:
+    if isa in BF16_PANELS and x.shape[0] >= PANEL_FROM_ROWS:
         bound = (x.abs() @ w.abs().T) * 2**-7 + 1e-5
-        assert ((got - want).abs() <= bound).all(), (isa, ((got - want).abs() / bound).max().item())
-        # ... and not float32's result either: the bfloat16 products did run.
-        assert not torch.allclose(got, want, rtol=1e-6, atol=0), isa
+    elif isa == "avx512vnni" and bits == 4:
+        groups = x.view(x.shape[0], -1, 32)
+        half_step = (groups.abs().amax(-1, keepdim=True) / 254).expand_as(groups).reshape(x.shape)
+        bound = (half_step @ w.abs().T) * 1.01 + 1e-5
     else:
         assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item()), (isa, x.shape)
+        return
+    assert ((got - want).abs() <= bound).all(), (isa, ((got - want).abs() / bound).max().item())
+    # ... and not float32's result either: the narrower products did run.
+    assert not torch.allclose(got, want, rtol=1e-6, atol=0), isa
 
 
 @settings(max_examples=40, deadline=None)
@@ -90,8 +101,31 @@ def test_each_variant_matches_the_dequantized_weights(isas, rows, out, groups, g
     for isa in isas:
         got4 = int4_native.Int4NativeLinear.from_rtn(q4, b, isa)(x)
         got8 = int8_native.Int8NativeLinear.from_rtn(q8, b, isa)(x[:, : k - 8])
-        assert_matches(got4, x, q4.dequantize(), b, isa)
+        assert_matches(got4, x, q4.dequantize(), b, isa, bits=4)
         assert_matches(got8, x[:, : k - 8], q8.dequantize(), b, isa)
+
+
+def test_the_vnni_4bit_rows_round_only_the_activations_and_each_row_alone(isas):
+    """avx512vnni's 4-bit row kernel: an odd number of blocks (a lone last
+    block), 1 to 9 rows (passes of 8 and a remainder), a group of zeros (no
+    step to divide by): within half an int8 step of each activation, and
+    every row exactly what it gives alone, so a batch or a speculative
+    step's verified rows never change a sequence's result."""
+    if "avx512vnni" not in isas:
+        pytest.skip("this CPU lacks AVX512_VNNI (or AVX512_BF16)")
+    gen = torch.Generator().manual_seed(3)
+    for k in (32, 96, 160, 576):
+        q4 = quantize_int4(torch.randn(37, k, generator=gen), 32)
+        linear = int4_native.Int4NativeLinear.from_rtn(q4, None, "avx512vnni")
+        for rows in range(1, PANEL_FROM_ROWS):
+            x = torch.randn(rows, k, generator=gen)
+            if k > 32:
+                x[0, :32] = 0.0
+            got = linear(x)
+            assert_matches(got, x, q4.dequantize(), None, "avx512vnni", bits=4)
+            alone = torch.cat([linear(x[r : r + 1]) for r in range(rows)])
+            assert torch.equal(got, alone), (k, rows)
+        assert torch.equal(linear(torch.zeros(2, k)), torch.zeros(2, 37))
 
 
 def test_from_many_rows_a_call_without_panels_runs_the_gemm_over_the_dequantized_matrix(isas):
@@ -104,12 +138,13 @@ def test_from_many_rows_a_call_without_panels_runs_the_gemm_over_the_dequantized
     assert torch.allclose(native.ops().q4_dequantize(blocks), q4.dequantize(), rtol=1e-6, atol=1e-6)
     for isa in isas:
         # The AVX-512 variants run their panels at any row count, a prefill chunk's too.
-        panels = isa in ("avx512", "avx512bf16")
+        panels = isa in ("avx512", *BF16_PANELS)
         assert int4_native.dequantizes(native.ISAS[isa], rows) is not panels
         assert not int4_native.dequantizes(native.ISAS[isa], rows - 1)
         for x in (torch.randn(rows - 1, 96, generator=gen), torch.randn(rows + 3, 96, generator=gen)):
             for linear, held in ((int4_native.Int4NativeLinear, q4), (int8_native.Int8NativeLinear, q8)):
-                assert_matches(linear.from_rtn(held, b, isa)(x), x, held.dequantize(), b, isa)
+                bits = 4 if linear is int4_native.Int4NativeLinear else 8
+                assert_matches(linear.from_rtn(held, b, isa)(x), x, held.dequantize(), b, isa, bits=bits)
 
 
 def test_a_variant_the_cpu_lacks_or_a_bad_shape_is_refused(isas):
@@ -192,7 +227,9 @@ def test_the_fused_decode_step_computes_what_the_layers_do(isas, checkpoint, tmp
             chunks = [SeqChunk([tok], n + step, t) for tok, n, t in zip(tokens, lengths, tables)]
             assert made.decode.runs([1, 1, 1], caches[0].key.dtype)
             fused, ref = _fused_and_layered(model, layered, caches, chunks)
-            tol = 1e-4 if cache_dtype == torch.float32 else 2e-2
+            # int8 activations (avx512vnni) round what the two paths' last-bit
+            # differences feed them to different steps now and then.
+            tol = 1e-4 if cache_dtype == torch.float32 and isa != "avx512vnni" else 2e-2
             assert (fused - ref).abs().max() <= tol * ref.abs().max(), (isa, step)
             assert torch.equal(fused.argmax(-1), ref.argmax(-1)), (isa, step)
             for a, b in ((caches[0].key, caches[1].key), (caches[0].value, caches[1].value)):
@@ -300,6 +337,54 @@ def test_native_decode_attention_computes_what_the_torch_attention_does(isas, ch
         want = _step(model, caches[1], chunks)
         assert (got - want).abs().max() <= tol * want.abs().max(), isa
     model.native_attention = NativeAttention(native.ISAS[isas[-1]], native.ops().decode_attention)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_native_decode_attention_of_64_wide_heads_matches_paged_attention(isas, cache_dtype):
+    """64-wide heads take their own path on AVX-512 (up to four query heads
+    of a KV head at a time, 16 tokens' dot products summed together): groups
+    of 1, 3, 5 (a pass of four and one) and 8 heads, contexts on both sides
+    of 16 tokens and of a block, against torch's paged attention."""
+    from trioserve.engine.attention import AttentionMetadata, paged_attention, write_kv
+    from trioserve.engine.native_attention import NativeAttention
+    from trioserve.engine.rotary import apply_rotary
+
+    gen = torch.Generator().manual_seed(7)
+    head_dim, block_size, num_blocks = 64, 4, 24
+    contexts = (1, 15, 16, 17, 33, 47)
+    blocks = torch.randperm(num_blocks, generator=gen).tolist()
+    chunks, used = [], 0
+    for n in contexts:
+        need = (n + block_size - 1) // block_size
+        chunks.append(SeqChunk([5], n - 1, tuple(blocks[used : used + need])))
+        used = (used + need) % (num_blocks - 12)
+    batch = ForwardBatch.build(chunks, block_size=block_size, device="cpu")
+    rows = len(contexts)
+    angles = torch.randn(rows, 1, head_dim // 2, generator=gen)
+    cos, sin = torch.cat([angles.cos(), angles.cos()], -1), torch.cat([-angles.sin(), angles.sin()], -1)
+    for kv_heads, group in ((2, 1), (1, 3), (2, 5), (1, 8)):
+        heads = kv_heads * group
+        pools = KVCache(
+            *(torch.randn(1, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(cache_dtype) for _ in range(2))
+        )
+        keys, values = pools.key[0], pools.value[0]
+        qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=gen)
+        qk = apply_rotary(qkv[:, : (heads + kv_heads) * head_dim].view(rows, heads + kv_heads, head_dim), cos, sin)
+        v = qkv[:, (heads + kv_heads) * head_dim :].view(rows, kv_heads, head_dim)
+        want_keys, want_values = keys.clone(), values.clone()
+        write_kv(qk[:, heads:], v, want_keys, want_values, batch.slot_mapping)
+        meta = AttentionMetadata.build(batch, KVCache(want_keys[None], want_values[None]))
+        want = paged_attention(qk[:, :heads], qk[:, heads:], v, want_keys, want_values, meta, scale=head_dim**-0.5)
+        want = want.reshape(rows, -1).float()
+        for isa in isas:
+            got_keys, got_values = keys.clone(), values.clone()
+            bound = NativeAttention(native.ISAS[isa], native.ops().decode_attention).bind(batch, cos, sin)
+            assert bound is not None
+            got = bound(qkv, got_keys, got_values, heads, head_dim**-0.5).reshape(rows, -1)
+            tol = 1e-5 if cache_dtype == torch.float32 else 1e-2
+            assert (got - want).abs().max() <= tol * want.abs().max(), (isa, group, cache_dtype)
+            for a, b in ((got_keys, want_keys), (got_values, want_values)):
+                assert (a.float() - b.float()).abs().max() <= tol * b.float().abs().max(), (isa, group)
 
 
 def test_native_decode_attention_refuses_a_block_outside_the_pool(isas):

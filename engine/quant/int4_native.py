@@ -29,7 +29,7 @@ BLOCK_BYTES = 20
 # GEMM at every row count measured, 128 to 2,048 (1.5-3.3x in float32
 # products, 2.8-4.3x in bfloat16), so they never dequantize.
 DEQUANTIZE_FROM_ROWS = 128
-PANEL_ISAS = frozenset({native.ISAS["avx512"], native.ISAS["avx512bf16"]})
+PANEL_ISAS = frozenset({native.ISAS["avx512"], native.ISAS["avx512bf16"], native.ISAS["avx512vnni"]})
 
 
 def dequantizes(isa: int, rows: int) -> bool:

@@ -33,13 +33,15 @@ SWITCH_ENV = "TRIOSERVE_NATIVE_KERNELS"
 CFLAGS = ("-O3", "-fopenmp")
 # The ``isa`` argument of the library's kernels, lowest first.
 # ``avx512bf16`` is AVX-512 with the many-row panels in bfloat16 products
-# (csrc/panel.h); only the linears have it.
-ISAS = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3}
+# (csrc/panel.h), and ``avx512vnni`` that with the 4-bit row kernel on int8
+# activations (csrc/kernels.h, q4_rows_vnni); only the linears have them.
+ISAS = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3, "avx512vnni": 4}
 # The variants best first, the order in which a caller takes the first that works.
 ISA_ORDER = ("avx512", "avx2", "scalar")
-LINEAR_ISA_ORDER = ("avx512bf16", *ISA_ORDER)
+LINEAR_ISA_ORDER = ("avx512vnni", "avx512bf16", *ISA_ORDER)
 # What each variant needs of the CPU, in words (``capability.Probe.requirement``).
 ISA_REQUIREMENTS = {
+    "avx512vnni": "AVX-512 F/BW/VL, AVX512_BF16 and AVX512_VNNI",
     "avx512bf16": "AVX-512 F/BW and AVX512_BF16",
     "avx512": "AVX-512 F/BW",
     "avx2": "AVX2, FMA and F16C",

@@ -132,6 +132,128 @@ inline Vec vexp(Vec x) {  // as avx2_isa::vexp
   return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
 }
 #include "attend.h"
+
+// ---- attention for 64-wide heads, a few query heads at a time ---------------
+// attend() above reduces every (token, query head) dot product across its
+// vector at once and loads and stores the output per token: at 32 decode
+// rows its reductions and dependent chains took a quarter of a step. Here up
+// to four query heads of a KV head take each key's four vectors together,
+// the products of 16 tokens are summed across their lanes in one transpose
+// tree (sums16), and the outputs stay in registers over the whole context.
+// The same sums in a different order than attend(): a row's result does not
+// depend on the batch it runs in (each row runs alone through the same code).
+
+// The horizontal sums of v[0..15], in order.
+inline __m512 sums16(const __m512* v) {
+  __m512 w[8], z[4], u[2];
+  for (int i = 0; i < 8; ++i)
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    z[i] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 2; ++i)
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(z[2 * i], z[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(z[2 * i], z[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+constexpr int64_t kHead64 = 64;
+constexpr int kHeadsAtOnce = 4;
+
+// Token after token of one sequence's context in a paged pool: each call
+// the next token's head (no division per token).
+template <typename T>
+struct Tokens {
+  const T* pool;
+  const int64_t* table;
+  int64_t block_size, token_stride;
+  int64_t block = 0, offset = 0;
+  const T* next() {
+    const T* head = pool + (table[block] * block_size + offset) * token_stride;
+    if (++offset == block_size) offset = 0, ++block;
+    return head;
+  }
+};
+
+// G query heads (q, out: G * 64 floats) over one sequence's context, as
+// attend() does for a group; ``scores`` holds G * padded floats (padded:
+// the context rounded up to 16).
+template <typename T, int G>
+void attend_head64(const float* q, Tokens<T> keys, Tokens<T> values, int64_t context, float scale,
+                   int64_t padded, float* scores, float* out) {
+  __m512 qv[G][4];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < 4; ++j) qv[g][j] = _mm512_mul_ps(_mm512_loadu_ps(q + g * kHead64 + 16 * j), _mm512_set1_ps(scale));
+  for (int64_t t0 = 0; t0 < context; t0 += 16) {
+    __m512 part[G][16];
+    const int64_t n = std::min<int64_t>(16, context - t0);
+    for (int i = 0; i < 16; ++i) {
+      if (i >= n) {
+        for (int g = 0; g < G; ++g) part[g][i] = _mm512_setzero_ps();
+        continue;
+      }
+      const T* k = keys.next();
+      const __m512 k0 = vload(k), k1 = vload(k + 16), k2 = vload(k + 32), k3 = vload(k + 48);
+      for (int g = 0; g < G; ++g)
+        part[g][i] = _mm512_fmadd_ps(qv[g][3], k3, _mm512_fmadd_ps(qv[g][2], k2,
+                     _mm512_fmadd_ps(qv[g][1], k1, _mm512_mul_ps(qv[g][0], k0))));
+    }
+    for (int g = 0; g < G; ++g) _mm512_storeu_ps(scores + g * padded + t0, sums16(part[g]));
+  }
+  for (int g = 0; g < G; ++g) {  // softmax over the context
+    float* sc = scores + g * padded;
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    const __mmask16 tail = __mmask16((1u << (context % 16 ? context % 16 : 16)) - 1);
+    for (int64_t t = 0; t < padded; t += 16)
+      top = _mm512_max_ps(top, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), t + 16 < padded ? 0xFFFF : tail, sc + t));
+    const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t t = 0; t < padded; t += 16) {
+      const __mmask16 m = t + 16 < padded ? 0xFFFF : tail;
+      const __m512 e = _mm512_maskz_mov_ps(m, vexp(_mm512_sub_ps(_mm512_loadu_ps(sc + t), shift)));
+      _mm512_storeu_ps(sc + t, e);
+      total = _mm512_add_ps(total, e);
+    }
+    const __m512 norm = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
+    for (int64_t t = 0; t < padded; t += 16) _mm512_storeu_ps(sc + t, _mm512_mul_ps(_mm512_loadu_ps(sc + t), norm));
+  }
+  __m512 o[G][4];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < 4; ++j) o[g][j] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < context; ++t) {
+    const T* v = values.next();
+    const __m512 v0 = vload(v), v1 = vload(v + 16), v2 = vload(v + 32), v3 = vload(v + 48);
+    for (int g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * padded + t]);
+      o[g][0] = _mm512_fmadd_ps(p, v0, o[g][0]);
+      o[g][1] = _mm512_fmadd_ps(p, v1, o[g][1]);
+      o[g][2] = _mm512_fmadd_ps(p, v2, o[g][2]);
+      o[g][3] = _mm512_fmadd_ps(p, v3, o[g][3]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + g * kHead64 + 16 * j, o[g][j]);
+}
+
+// attend() for 64-wide heads: the group in passes of up to kHeadsAtOnce heads.
+template <typename T>
+void attend64(const float* q, int64_t group, const T* key, const T* value, const int64_t* table, int64_t context,
+              int64_t block_size, int64_t token_stride, float scale, std::vector<float>& scores, float* out) {
+  const int64_t padded = (context + 15) / 16 * 16;
+  scores.resize(kHeadsAtOnce * padded);
+  const Tokens<T> keys{key, table, block_size, token_stride}, values{value, table, block_size, token_stride};  // copied per pass
+  for (int64_t g0 = 0; g0 < group; g0 += kHeadsAtOnce) {
+    const float* qg = q + g0 * kHead64;
+    float* og = out + g0 * kHead64;
+    switch (std::min<int64_t>(kHeadsAtOnce, group - g0)) {
+      case 4: attend_head64<T, 4>(qg, keys, values, context, scale, padded, scores.data(), og); break;
+      case 3: attend_head64<T, 3>(qg, keys, values, context, scale, padded, scores.data(), og); break;
+      case 2: attend_head64<T, 2>(qg, keys, values, context, scale, padded, scores.data(), og); break;
+      default: attend_head64<T, 1>(qg, keys, values, context, scale, padded, scores.data(), og); break;
+    }
+  }
+}
 }  // namespace avx512_isa
 #pragma GCC pop_options
 
@@ -210,7 +332,9 @@ void attend_rows(const float* qkv, int64_t qkv_stride, const T* key, const T* va
       const T* v = value + kv * head_dim;
       const int64_t* table = tables + r * table_stride;
       float* o = out + r * heads * head_dim + kv * group * head_dim;
-      if (isa >= kAvx512 && head_dim % avx512_isa::kWidth == 0)
+      if (isa >= kAvx512 && head_dim == avx512_isa::kHead64)
+        avx512_isa::attend64<T>(q, group, k, v, table, context, block_size, token_stride, scale, scores, o);
+      else if (isa >= kAvx512 && head_dim % avx512_isa::kWidth == 0)
         avx512_isa::attend<T>(q, group, k, v, table, context, block_size, token_stride, head_dim, scale, scores.data(), o);
       else if (isa >= kAvx2 && head_dim % avx2_isa::kWidth == 0)
         avx2_isa::attend<T>(q, group, k, v, table, context, block_size, token_stride, head_dim, scale, scores.data(), o);

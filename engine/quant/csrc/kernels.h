@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace trioserve_native {
 
@@ -22,8 +23,10 @@ constexpr int kMaxRows = 8;
 constexpr int kMaxRowsAvx2 = 4;
 
 // kAvx512Bf16 runs the AVX-512 row kernels, and from kPanelFromRows rows the
-// bfloat16 panels of panel.h in place of the float32 ones.
-enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
+// bfloat16 panels of panel.h in place of the float32 ones. kAvx512Vnni is
+// kAvx512Bf16 whose 4-bit row kernel multiplies int8 activations with
+// VPDPBUSD (q4_rows_vnni); the int8 kernels run there as on kAvx512Bf16.
+enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAvx512Vnni = 4 };
 
 inline int64_t supported_isas() {
   int64_t bits = 1 << kScalar;
@@ -33,7 +36,10 @@ inline int64_t supported_isas() {
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c) bits |= 1 << kAvx2;
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && f16c) {
     bits |= 1 << kAvx512;
-    if (__builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16")) bits |= 1 << kAvx512Bf16;
+    if (__builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16")) {
+      bits |= 1 << kAvx512Bf16;
+      if (__builtin_cpu_supports("avx512vnni")) bits |= 1 << kAvx512Vnni;
+    }
   }
   return bits;
 }
@@ -167,6 +173,113 @@ __attribute__((target("avx512f,avx512bw,f16c"))) void q4_rows_avx512(const float
     }
   }
 }
+
+
+// ---- 4-bit against int8 activations (AVX512_VNNI) --------------------------
+// At one row the float kernel above is bound by its instructions, not by
+// memory: per block it widens 16 bytes to 32 floats, scales them and runs two
+// FMAs, about three times the time the block's 20 bytes take to stream. Here
+// each row is first rounded to int8 in groups of 32 (a scale per group, as
+// llama.cpp's Q8 activations), so that a block's nibbles only need masking
+// and one VPDPBUSD multiplies 64 nibbles by 64 activations, summing in int32
+// (exact); the block's float16 d and m are applied once per block:
+//   sum_j (q_j d + m) x_j  ~  d dx sum_j q_j qx_j + m sum_j x_j,
+// with the activations' exact float sum for the m term. The rounding of the
+// activations (at most half a step, amax / 254, per value) is the only
+// difference from the float kernel: docs/benchmarks.md has its quality.
+
+// A row's int8 groups and, per group, its step dx and exact sum (two floats).
+struct QuantizedRows {
+  std::vector<int8_t> q;    // [rows, k]
+  std::vector<float> step;  // [rows, groups, 2]: dx, sum of x
+};
+
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline QuantizedRows quantize_rows_q8(const float* x,
+                                                                                       int64_t rows, int64_t k) {
+  const int64_t groups = k / kGroup;
+  QuantizedRows out{std::vector<int8_t>(rows * k), std::vector<float>(rows * groups * 2)};
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* p = x + r * k + g * kGroup;
+      const __m512 a = _mm512_loadu_ps(p), b = _mm512_loadu_ps(p + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+      const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+      int8_t* q = out.q.data() + r * k + g * kGroup;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, inv))));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16),
+                       _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(b, inv))));
+      out.step[(r * groups + g) * 2] = amax / 127.f;
+      out.step[(r * groups + g) * 2 + 1] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+    }
+  }
+  return out;
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")
+// Blocks g and g + 1 of one channel (``second``: false for a lone last block)
+// against R rows: acc[r] += their int32 dots times d dx, accm[r] += m sum x
+// (lanes 1 and 3 of accm; lanes 0 and 2 collect d dx, never read).
+template <int R, bool second>
+inline void q4_vnni_pair(const uint8_t* p, const int8_t* qx, int64_t ldq, const float* step, int64_t lds, __m512* acc,
+                         __m128* accm) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  // Lanes 0-7 take d dx of the first block, lanes 8-15 of the second.
+  const __m512i spread = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m256i first = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4)));
+  const __m256i next = second ? _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 24)))
+                              : _mm256_setzero_si256();
+  // Each block as [nibbles, nibbles >> 4]: its elements 0..15, then 16..31.
+  const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(first), next, 1);
+  const __m512i wq = _mm512_and_si512(_mm512_mask_blend_epi32(0xF0F0, q, _mm512_srli_epi16(q, 4)), low);
+  int32_t dm0, dm1 = 0;
+  std::memcpy(&dm0, p, 4);
+  if (second) std::memcpy(&dm1, p + kBlockBytes, 4);
+  const __m128 dm = _mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128(dm0), dm1, 1));  // d0 m0 d1 m1
+  for (int r = 0; r < R; ++r) {
+    const __m512i xv = second ? _mm512_loadu_si512(qx + r * ldq) : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, qx + r * ldq);
+    const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, xv);
+    const __m128 xs = second ? _mm_loadu_ps(step + r * lds) : _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(step + r * lds)));
+    const __m128 s = _mm_mul_ps(dm, xs);
+    accm[r] = _mm_add_ps(accm[r], s);
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(s)), acc[r]);
+  }
+}
+
+template <int R>
+void q4_rows_vnni(const QuantizedRows& xq, int64_t r0, int64_t k, const uint8_t* w, int64_t groups, int64_t n0,
+                  int64_t n1, float* y, int64_t ldy) {
+  const int8_t* qx = xq.q.data() + r0 * k;
+  const float* step = xq.step.data() + r0 * groups * 2;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * groups * kBlockBytes;
+    // Two accumulators (alternate pairs of blocks) and the same order of
+    // sums at every row count, as in q4_rows_avx512.
+    __m512 acc[2][R];
+    __m128 accm[R];
+    for (int r = 0; r < R; ++r) {
+      acc[0][r] = acc[1][r] = _mm512_setzero_ps();
+      accm[r] = _mm_setzero_ps();
+    }
+    int64_t g = 0;
+    for (; g + 4 <= groups; g += 4) {
+      q4_vnni_pair<R, true>(row + g * kBlockBytes, qx + g * kGroup, k, step + 2 * g, 2 * groups, acc[0], accm);
+      q4_vnni_pair<R, true>(row + (g + 2) * kBlockBytes, qx + (g + 2) * kGroup, k, step + 2 * (g + 2), 2 * groups,
+                            acc[1], accm);
+    }
+    if (g + 2 <= groups) {
+      q4_vnni_pair<R, true>(row + g * kBlockBytes, qx + g * kGroup, k, step + 2 * g, 2 * groups, acc[0], accm);
+      g += 2;
+    }
+    if (g < groups) q4_vnni_pair<R, false>(row + g * kBlockBytes, qx + g * kGroup, k, step + 2 * g, 2 * groups, acc[1], accm);
+    for (int r = 0; r < R; ++r) {
+      const __m128 m = accm[r];
+      y[r * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][r], acc[1][r])) +
+                       (_mm_cvtss_f32(_mm_movehdup_ps(m)) + _mm_cvtss_f32(_mm_shuffle_ps(m, m, 3)));
+    }
+  }
+}
+#pragma GCC pop_options
 
 // ---- int8 per channel ----------------------------------------------------
 
@@ -325,9 +438,10 @@ namespace trioserve_native {
 inline bool use_panels(int64_t rows, int64_t isa) { return isa >= kAvx512 && rows >= kPanelFromRows; }
 
 inline void check_isa(int64_t isa) {
-  TORCH_CHECK(isa >= kScalar && isa <= kAvx512Bf16, "trioserve native linear: unknown isa ", isa);
+  TORCH_CHECK(isa >= kScalar && isa <= kAvx512Vnni, "trioserve native linear: unknown isa ", isa);
   TORCH_CHECK(supported_isas() & (int64_t(1) << isa), "trioserve native linear: this CPU cannot run isa ", isa,
-              isa == kAvx512Bf16 ? " (AVX-512 F/BW and BF16)"
+              isa == kAvx512Vnni   ? " (AVX-512 F/BW/VL, BF16 and VNNI)"
+              : isa == kAvx512Bf16 ? " (AVX-512 F/BW and BF16)"
               : isa == kAvx512   ? " (AVX-512 F/BW)"
                                  : " (AVX2, FMA and F16C)");
 }
@@ -366,6 +480,13 @@ inline void q4_matmul(const float* x, int64_t rows, int64_t k, const uint8_t* w,
         x, rows, k, out, y, isa,
         [&](int64_t n, float* dst) { q4_decode_avx512(w + n * groups * kBlockBytes, groups, dst); },
         [&](int64_t n, uint16_t* dst) { q4_decode_bf16_avx512(w + n * groups * kBlockBytes, groups, dst); });
+    return;
+  }
+  if (isa == kAvx512Vnni) {
+    const QuantizedRows xq = quantize_rows_q8(x, rows, k);
+    over_rows(rows, out, isa, [&](auto r_tag, int64_t r0, int64_t n0, int64_t n1) {
+      q4_rows_vnni<decltype(r_tag)::value>(xq, r0, k, w, groups, n0, n1, y + r0 * out, out);
+    });
     return;
   }
   over_rows(rows, out, isa, [&](auto r_tag, int64_t r0, int64_t n0, int64_t n1) {

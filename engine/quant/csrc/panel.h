@@ -226,12 +226,12 @@ inline void over_panels(int64_t rows, int64_t out, int64_t width, const Decode& 
 // y[rows, out] = x[rows, k] @ W.T, where ``decode(n, dst)`` writes channel
 // n's k float32 weights to dst (AVX-512 only: see kPanelFromRows), and
 // ``decode_bf16(n, dst)`` its weights in bfloat16 with zeros up to
-// bf16_padded(k), used instead where ``isa`` is kAvx512Bf16 (the rows are
+// bf16_padded(k), used instead where ``isa`` is kAvx512Bf16 or above (the rows are
 // then rounded to bfloat16 once, up front).
 template <typename Decode, typename DecodeBf16>
 inline void panel_matmul(const float* x, int64_t rows, int64_t k, int64_t out, float* y, int64_t isa,
                          const Decode& decode, const DecodeBf16& decode_bf16) {
-  if (isa != kAvx512Bf16) {
+  if (isa < kAvx512Bf16) {
     over_panels<float>(rows, out, k, decode, [&](auto r_tag, int64_t r0, int64_t n, const float* panel, int64_t channels) {
       tile_avx512<decltype(r_tag)::value>(x + r0 * k, k, panel, k, y + r0 * out + n, out, channels);
     });
