@@ -321,7 +321,7 @@ void attend_rows(const float* qkv, int64_t qkv_stride, const T* key, const T* va
                  int64_t table_stride, const int64_t* context_lens, int64_t rows, int64_t heads, int64_t kv_heads,
                  int64_t head_dim, int64_t block_size, float scale, int64_t isa, float* out) {
   const int64_t group = heads / kv_heads, token_stride = kv_heads * head_dim;
-  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  parallel_chunks(rows * kv_heads, 1, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / kv_heads, kv = item % kv_heads, context = context_lens[r];

@@ -198,7 +198,7 @@ inline void over_tiles(int64_t rows, const Tile& tile) {
   }
 }
 
-// Output channels split across torch's threads; each thread decodes
+// Output channels split across torch's threads (parallel_chunks); each thread decodes
 // kTileChannels channels at a time (``decode(n, dst)``: channel n's ``width``
 // weights as T) into its own panel, and ``tile(R, r0, n, panel, channels)``
 // runs rows [r0, r0 + R) against it. A prefill chunk's rows would not stay
@@ -208,8 +208,8 @@ template <typename T, typename Decode, typename Tile>
 inline void over_panels(int64_t rows, int64_t out, int64_t width, const Decode& decode, const Tile& tile) {
   const int64_t row_bytes = width * int64_t(sizeof(T));
   const int64_t block_rows = std::max<int64_t>(kTileRows, kRowBlockBytes / row_bytes / kTileRows * kTileRows);
-  at::parallel_for(0, out, 16, [&](int64_t n0, int64_t n1) {
-    // Channels past the task's last are zeros: a short panel runs the same tile.
+  parallel_chunks(out, 16, kTileChannels, [&](int64_t n0, int64_t n1) {
+    // Channels past the chunk's last are zeros: a short panel runs the same tile.
     std::vector<T> panel(kTileChannels * width, T(0));
     for (int64_t b0 = 0; b0 < rows; b0 += block_rows) {
       const int64_t block = std::min(block_rows, rows - b0);
@@ -239,7 +239,7 @@ inline void panel_matmul(const float* x, int64_t rows, int64_t k, int64_t out, f
   }
   const int64_t kp = bf16_padded(k);
   std::vector<uint16_t> xb(rows * kp);
-  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+  parallel_chunks(rows, 1, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) to_bf16_avx512(x + r * k, k, xb.data() + r * kp, kp);
   });
   over_panels<uint16_t>(rows, out, kp, decode_bf16,
