@@ -5,6 +5,26 @@
 // and c10::BFloat16 sources), vadd / vneg / vmul / vdiv and vexp; so one
 // body is compiled three ways.
 
+// s[0..n) replaced by its softmax.
+inline void softmax(float* s, int64_t n) {
+  float top = -INFINITY;
+  for (int64_t t = 0; t < n; ++t) top = s[t] > top ? s[t] : top;
+  float total = 0.f;
+  const Vec shift = vset(top);
+  int64_t t = 0;
+  for (; t + kWidth <= n; t += kWidth) {
+    const Vec e = vexp(vadd(vload(s + t), vneg(shift)));
+    vstore(s + t, e);
+    total += vsum(e);
+  }
+  for (; t < n; ++t) {
+    s[t] = std::exp(s[t] - top);
+    total += s[t];
+  }
+  const float norm = 1.f / total;
+  for (t = 0; t < n; ++t) s[t] *= norm;
+}
+
 // The ``group`` query heads that share one KV head (``q``, ``out``: their
 // ``group * head_dim`` floats, head after head) over one sequence's
 // context: each key and value is read once for the whole group.
@@ -26,25 +46,7 @@ void attend(const float* q, int64_t group, const T* key, const T* value, const i
       }
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
-    float* s = scores + g * context;
-    float top = -INFINITY;
-    for (int64_t t = 0; t < context; ++t) top = s[t] > top ? s[t] : top;
-    float total = 0.f;
-    const Vec shift = vset(top);
-    int64_t t = 0;
-    for (; t + kWidth <= context; t += kWidth) {
-      const Vec e = vexp(vadd(vload(s + t), vneg(shift)));
-      vstore(s + t, e);
-      total += vsum(e);
-    }
-    for (; t < context; ++t) {
-      s[t] = std::exp(s[t] - top);
-      total += s[t];
-    }
-    const float norm = 1.f / total;
-    for (t = 0; t < context; ++t) s[t] *= norm;
-  }
+  for (int64_t g = 0; g < group; ++g) softmax(scores + g * context, context);
   for (int64_t j = 0; j < group * head_dim; j += kWidth) vstore(out + j, vzero());
   for (int64_t t0 = 0; t0 < context; t0 += block_size) {
     const T* block = value + table[t0 / block_size] * block_size * token_stride;

@@ -201,23 +201,7 @@ void attend_head64(const float* q, Tokens<T> keys, Tokens<T> values, int64_t con
     }
     for (int g = 0; g < G; ++g) _mm512_storeu_ps(scores + g * padded + t0, sums16(part[g]));
   }
-  for (int g = 0; g < G; ++g) {  // softmax over the context
-    float* sc = scores + g * padded;
-    __m512 top = _mm512_set1_ps(-INFINITY);
-    const __mmask16 tail = __mmask16((1u << (context % 16 ? context % 16 : 16)) - 1);
-    for (int64_t t = 0; t < padded; t += 16)
-      top = _mm512_max_ps(top, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), t + 16 < padded ? 0xFFFF : tail, sc + t));
-    const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
-    __m512 total = _mm512_setzero_ps();
-    for (int64_t t = 0; t < padded; t += 16) {
-      const __mmask16 m = t + 16 < padded ? 0xFFFF : tail;
-      const __m512 e = _mm512_maskz_mov_ps(m, vexp(_mm512_sub_ps(_mm512_loadu_ps(sc + t), shift)));
-      _mm512_storeu_ps(sc + t, e);
-      total = _mm512_add_ps(total, e);
-    }
-    const __m512 norm = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(total));
-    for (int64_t t = 0; t < padded; t += 16) _mm512_storeu_ps(sc + t, _mm512_mul_ps(_mm512_loadu_ps(sc + t), norm));
-  }
+  for (int g = 0; g < G; ++g) softmax(scores + g * padded, context);  // attend.h's
   __m512 o[G][4];
   for (int g = 0; g < G; ++g)
     for (int j = 0; j < 4; ++j) o[g][j] = _mm512_setzero_ps();

@@ -210,7 +210,6 @@ __attribute__((target("avx512f,avx512bw,f16c"))) void q4_rows_avx512(const float
   }
 }
 
-
 // ---- 4-bit against int8 activations (AVX512_VNNI) --------------------------
 // At one row the float kernel above is bound by its instructions, not by
 // memory: per block it widens 16 bytes to 32 floats, scales them and runs two
