@@ -176,6 +176,21 @@ struct Tokens {
   }
 };
 
+// How far ahead of the products the keys and values are fetched. The cache
+// is paged and larger than the CPU caches (at 32 streams a step reads about
+// twice the weights' bytes of it), and without this the products waited on
+// each token's load (most of this loop's samples sat on the first use of a
+// load); with it, 30 layers at 32 rows of 192 tokens took 14 ms against 16.5.
+constexpr int64_t kFetchAhead = 24;
+
+template <typename T>
+inline void fetch_head64(const T* k, const T* v) {
+  for (int64_t line = 0; line < int64_t(sizeof(T)) * kHead64; line += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(k) + line, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(v) + line, _MM_HINT_T1);
+  }
+}
+
 // G query heads (q, out: G * 64 floats) over one sequence's context, as
 // attend() does for a group; ``scores`` holds G * padded floats (padded:
 // the context rounded up to 16).
@@ -185,6 +200,11 @@ void attend_head64(const float* q, Tokens<T> keys, Tokens<T> values, int64_t con
   __m512 qv[G][4];
   for (int g = 0; g < G; ++g)
     for (int j = 0; j < 4; ++j) qv[g][j] = _mm512_mul_ps(_mm512_loadu_ps(q + g * kHead64 + 16 * j), _mm512_set1_ps(scale));
+  // Each token's key and value, kFetchAhead tokens before the key is used;
+  // the values are used in the second pass, after all the keys.
+  Tokens<T> ahead_keys = keys, ahead_values = values;
+  int64_t fetched = 0;
+  for (; fetched < std::min(kFetchAhead, context); ++fetched) fetch_head64(ahead_keys.next(), ahead_values.next());
   for (int64_t t0 = 0; t0 < context; t0 += 16) {
     __m512 part[G][16];
     const int64_t n = std::min<int64_t>(16, context - t0);
@@ -193,6 +213,7 @@ void attend_head64(const float* q, Tokens<T> keys, Tokens<T> values, int64_t con
         for (int g = 0; g < G; ++g) part[g][i] = _mm512_setzero_ps();
         continue;
       }
+      if (fetched < context) fetch_head64(ahead_keys.next(), ahead_values.next()), ++fetched;
       const T* k = keys.next();
       const __m512 k0 = vload(k), k1 = vload(k + 16), k2 = vload(k + 32), k3 = vload(k + 48);
       for (int g = 0; g < G; ++g)

@@ -26,8 +26,11 @@ constexpr int kMaxRowsAvx2 = 4;
 
 // kAvx512Bf16 runs the AVX-512 row kernels, and from kPanelFromRows rows the
 // bfloat16 panels of panel.h in place of the float32 ones. kAvx512Vnni is
-// kAvx512Bf16 whose 4-bit row kernel multiplies int8 activations with
-// VPDPBUSD (q4_rows_vnni); the int8 kernels run there as on kAvx512Bf16.
+// kAvx512Bf16 whose kernels for weights in groups of 32 (4-bit, and int8 in
+// groups: GGUF's Q8_0) multiply int8 activations with VPDPBUSD: the 4-bit
+// row kernel (q4_rows_vnni) and the panels of panel_vnni.h. Its kernels of
+// int8 per channel, and its Q8_0 rows below kPanelFromRows, run as on
+// kAvx512Bf16.
 enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAvx512Vnni = 4 };
 
 inline int64_t supported_isas() {
@@ -218,35 +221,55 @@ __attribute__((target("avx512f,avx512bw,f16c"))) void q4_rows_avx512(const float
 // llama.cpp's Q8 activations), so that a block's nibbles only need masking
 // and one VPDPBUSD multiplies 64 nibbles by 64 activations, summing in int32
 // (exact); the block's float16 d and m are applied once per block:
-//   sum_j (q_j d + m) x_j  ~  d dx sum_j q_j qx_j + m sum_j x_j,
-// with the activations' exact float sum for the m term. The rounding of the
-// activations (at most half a step, amax / 254, per value) is the only
-// difference from the float kernel: docs/benchmarks.md has its quality.
+//   sum_j (q_j d + m) x_j  ~  d dx sum_j q_j qx_j + m dx sum_j qx_j,
+// that is, the weights against the rounded activations, the m term too
+// (llama.cpp's Q8_1 sums). With the activations' exact sum for the m term
+// instead, q_j d (biased away from zero by -m) would meet the rounding
+// errors alone: a larger error (the default model's perplexity at 1.7% over
+// float32's with the exact sum, 0.4% with the rounded one). The rounding of the activations
+// (at most half a step, amax / 254, per value) is the only difference from
+// the float kernel: docs/benchmarks.md has its quality.
 
-// A row's int8 groups and, per group, its step dx and exact sum (two floats).
+// A row's int8 groups and, per group, its step dx and the rounded values'
+// sum dx sum_j qx_j (two floats).
 struct QuantizedRows {
   std::vector<int8_t> q;    // [rows, k]
-  std::vector<float> step;  // [rows, groups, 2]: dx, sum of x
+  std::vector<float> step;  // [rows, groups, 2]: dx, dx times the sum of qx
 };
 
-__attribute__((target("avx512f,avx512bw,avx512vl"))) inline QuantizedRows quantize_rows_q8(const float* x,
-                                                                                       int64_t rows, int64_t k) {
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512i round_q8(__m512 v, __m512 inv) {
+  return _mm512_cvtps_epi32(_mm512_mul_ps(v, inv));  // to nearest, within -127..127
+}
+
+// One row of k inputs; ``flip`` 0x80 stores each int8 q as the unsigned byte
+// q + 128 (for VPDPBUSD against signed int8 weights, panel_vnni.h).
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void quantize_row_q8(const float* x, int64_t k, int8_t* q,
+                                                                              float* step, uint8_t flip) {
+  const __m128i flip_bits = _mm_set1_epi8(char(flip));
+  for (int64_t g = 0; g < k / kGroup; ++g) {
+    const float* p = x + g * kGroup;
+    const __m512 a = _mm512_loadu_ps(p), b = _mm512_loadu_ps(p + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    const __m512i qa = round_q8(a, inv), qb = round_q8(b, inv);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + g * kGroup), _mm_xor_si128(_mm512_cvtsepi32_epi8(qa), flip_bits));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + g * kGroup + 16),
+                     _mm_xor_si128(_mm512_cvtsepi32_epi8(qb), flip_bits));
+    const float dx = amax / 127.f;
+    step[2 * g] = dx;
+    step[2 * g + 1] = dx * float(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+  }
+}
+
+inline QuantizedRows quantize_rows_q8(const float* x, int64_t rows, int64_t k, uint8_t flip = 0) {
   const int64_t groups = k / kGroup;
   QuantizedRows out{std::vector<int8_t>(rows * k), std::vector<float>(rows * groups * 2)};
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t g = 0; g < groups; ++g) {
-      const float* p = x + r * k + g * kGroup;
-      const __m512 a = _mm512_loadu_ps(p), b = _mm512_loadu_ps(p + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-      const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-      int8_t* q = out.q.data() + r * k + g * kGroup;
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, inv))));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16),
-                       _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(b, inv))));
-      out.step[(r * groups + g) * 2] = amax / 127.f;
-      out.step[(r * groups + g) * 2 + 1] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
-    }
-  }
+  // A prefill chunk's rows across the threads; a decode step's 32 rows take
+  // microseconds, less than a parallel region costs.
+  parallel_chunks(rows, 64, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      quantize_row_q8(x + r * k, k, out.q.data() + r * k, out.step.data() + r * groups * 2, flip);
+  });
   return out;
 }
 
@@ -465,6 +488,7 @@ __attribute__((target("avx512f,avx512bw,f16c"))) void q8g_rows_avx512(const floa
 }  // namespace trioserve_native
 
 #include "panel.h"
+#include "panel_vnni.h"
 
 namespace trioserve_native {
 
@@ -513,6 +537,10 @@ inline void over_rows(int64_t rows, int64_t out, int64_t isa, const Kernel& kern
 // y[rows, out] = x[rows, k] @ W.T for W in 4-bit blocks [out, k / 32, 20].
 inline void q4_matmul(const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t out, float* y, int64_t isa) {
   const int64_t groups = k / kGroup;
+  if (use_panels(rows, isa) && isa == kAvx512Vnni) {
+    q4_matmul_vnni(x, rows, k, w, out, y);
+    return;
+  }
   if (use_panels(rows, isa)) {
     panel_matmul(
         x, rows, k, out, y, isa,
@@ -563,6 +591,10 @@ inline void q8_matmul(const float* x, int64_t rows, int64_t k, const int8_t* w, 
 // y[rows, out] = x[rows, k] @ (q * scale per group of 32).T.
 inline void q8g_matmul(const float* x, int64_t rows, int64_t k, const int8_t* w, const float* scale, int64_t out,
                        float* y, int64_t isa) {
+  if (use_panels(rows, isa) && isa == kAvx512Vnni) {
+    q8g_matmul_vnni(x, rows, k, w, scale, out, y);
+    return;
+  }
   if (use_panels(rows, isa)) {
     const int64_t groups = k / kGroup;
     panel_matmul(

@@ -1,4 +1,5 @@
-// Native linears over compressed weights, with float32 activations:
+// Native linears over compressed weights, taking float32 activations (rounded
+// to int8 inside on the avx512vnni variant, kernels.h):
 //
 //   trioserve::q4_linear(x, blocks, isa)        4-bit groups of 32, w = q * d + m
 //   trioserve::q8_linear(x, q, scale, isa)      int8 per output channel, w = q * scale
@@ -11,7 +12,8 @@
 //
 // No CPU feature is assumed at build time: each ISA variant is compiled for
 // its own target by function attribute, and a call names the variant it
-// wants (0 scalar, 1 AVX2+FMA+F16C, 2 AVX-512 F/BW); one the CPU lacks is refused.
+// wants (0 scalar, 1 AVX2+FMA+F16C, 2 AVX-512 F/BW, 3 with BF16, 4 with BF16
+// and VNNI: kernels.h's Isa); one the CPU lacks is refused.
 // The Python side (engine/quant/native.py) picks the variant through the
 // capability probes, so TRIOSERVE_CPU_ASSUME can force the lower ones.
 //

@@ -227,7 +227,8 @@ inline void over_panels(int64_t rows, int64_t out, int64_t width, const Decode& 
 // n's k float32 weights to dst (AVX-512 only: see kPanelFromRows), and
 // ``decode_bf16(n, dst)`` its weights in bfloat16 with zeros up to
 // bf16_padded(k), used instead where ``isa`` is kAvx512Bf16 or above (the rows are
-// then rounded to bfloat16 once, up front).
+// then rounded to bfloat16 once, up front; kAvx512Vnni's 4-bit and Q8_0
+// weights take panel_vnni.h's panels instead).
 template <typename Decode, typename DecodeBf16>
 inline void panel_matmul(const float* x, int64_t rows, int64_t k, int64_t out, float* y, int64_t isa,
                          const Decode& decode, const DecodeBf16& decode_bf16) {
