@@ -59,7 +59,9 @@ def kernels(weights: list[torch.Tensor]) -> dict[str, list]:
         print(f"native kernels: {exc}")
         isas = ()
     for isa in reversed(isas):  # best first
-        out[f"native 4-bit group 32, float32 activations ({isa})"] = [
+        # avx512vnni rounds a 4-bit call's activations to int8 inside (csrc/kernels.h).
+        acts = "int8" if isa == "avx512vnni" else "float32"
+        out[f"native 4-bit group 32, {acts} activations ({isa})"] = [
             int4_native.Int4NativeLinear.from_rtn(rtn.quantize_int4(w, 32), None, isa) for w in weights
         ]
         out[f"native int8/channel, float32 activations ({isa})"] = [

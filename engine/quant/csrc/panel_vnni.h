@@ -201,14 +201,19 @@ inline void vnni_panel_matmul(const float* x, int64_t rows, int64_t k, int64_t o
   });
 }
 
-// The channels' rows of ``w`` (``row_bytes`` each) copied to ``stage`` first:
-// they are one contiguous run, which a copy streams at memory speed, while
-// decoding across 16 rows at once as it reads them stalled on 16 streams of
-// misses (at 32 rows the decode took longer than the products).
-inline const uint8_t* vnni_staged(const uint8_t* w, int64_t row_bytes, int64_t n, int64_t channels,
+// The channels' rows of ``w`` (``row_bytes`` each, ``out`` of them) copied to
+// ``stage`` first: they are one contiguous run, which a copy streams at
+// memory speed, while decoding across 16 rows at once as it reads them
+// stalled on 16 streams of misses (at 32 rows the decode took longer than the
+// products). The next panel's rows are fetched into L2 meanwhile, so that
+// its copy finds them there while this panel's tiles run.
+inline const uint8_t* vnni_staged(const uint8_t* w, int64_t row_bytes, int64_t out, int64_t n, int64_t channels,
                                   std::vector<uint8_t>& stage) {
   stage.resize(kVnniChannels * row_bytes);
   std::memcpy(stage.data(), w + n * row_bytes, channels * row_bytes);
+  const uint8_t* next = w + (n + channels) * row_bytes;
+  const uint8_t* end = w + std::min(out, n + channels + kVnniChannels) * row_bytes;
+  for (; next < end; next += 64) _mm_prefetch(reinterpret_cast<const char*>(next), _MM_HINT_T1);
   return stage.data();
 }
 
@@ -216,7 +221,7 @@ inline const uint8_t* vnni_staged(const uint8_t* w, int64_t row_bytes, int64_t n
 inline void q4_matmul_vnni(const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t out, float* y) {
   const int64_t groups = k / kGroup, row_bytes = groups * kBlockBytes;
   vnni_panel_matmul<VnniWeights::kQ4>(x, rows, k, out, y, [&](int64_t n, int64_t channels, uint8_t* panel, auto& stage) {
-    const uint8_t* rows_of = vnni_staged(w, row_bytes, n, channels, stage);
+    const uint8_t* rows_of = vnni_staged(w, row_bytes, out, n, channels, stage);
     for (int64_t b = 0; b < groups; ++b) {
       uint8_t* block = panel + b * kVnniBlockBytes;
       float* words = reinterpret_cast<float*>(block + kGroup * kVnniChannels);
@@ -236,7 +241,7 @@ inline void q8g_matmul_vnni(const float* x, int64_t rows, int64_t k, const int8_
   const int64_t groups = k / kGroup;
   vnni_panel_matmul<VnniWeights::kQ8>(x, rows, k, out, y, [&](int64_t n, int64_t channels, uint8_t* panel, auto& stage) {
     const int8_t* rows_of =
-        reinterpret_cast<const int8_t*>(vnni_staged(reinterpret_cast<const uint8_t*>(w), k, n, channels, stage));
+        reinterpret_cast<const int8_t*>(vnni_staged(reinterpret_cast<const uint8_t*>(w), k, out, n, channels, stage));
     for (int64_t b = 0; b < groups; ++b) {
       uint8_t* block = panel + b * kVnniBlockBytes;
       float* words = reinterpret_cast<float*>(block + kGroup * kVnniChannels);
