@@ -119,6 +119,14 @@ def test_each_variant_matches_the_dequantized_weights(isas, rows, out, groups, g
         assert_matches(got8, x[:, : k - 8], q8.dequantize(), b, isa)
 
 
+def rounded_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded as the VNNI kernels round it: to int8 in groups of 32, step amax / 127."""
+    groups = x.view(x.shape[0], -1, 32)
+    amax = groups.abs().amax(-1, keepdim=True)
+    scale = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    return (torch.round(groups * scale).clamp(-127, 127) * (amax / 127)).reshape(x.shape)
+
+
 def test_the_vnni_4bit_rows_round_only_the_activations_and_each_row_alone(isas):
     """avx512vnni's 4-bit row kernel: an odd number of blocks (a lone last
     block), 1 to 9 rows (passes of 8 and a remainder), a group of zeros (no
@@ -137,24 +145,20 @@ def test_the_vnni_4bit_rows_round_only_the_activations_and_each_row_alone(isas):
                 x[0, :32] = 0.0
             got = linear(x)
             assert_matches(got, x, q4.dequantize(), None, "avx512vnni", bits=4)
+            # The rounded rows' matmul, m against the rounded sums too.
+            want = F.linear(rounded_rows(x), q4.dequantize())
+            assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (k, rows)
             alone = torch.cat([linear(x[r : r + 1]) for r in range(rows)])
             assert torch.equal(got, alone), (k, rows)
         assert torch.equal(linear(torch.zeros(2, k)), torch.zeros(2, 37))
 
 
-def rounded_rows(x: torch.Tensor) -> torch.Tensor:
-    """``x`` rounded as the VNNI kernels round it: to int8 in groups of 32, step amax / 127."""
-    groups = x.view(x.shape[0], -1, 32)
-    amax = groups.abs().amax(-1, keepdim=True)
-    scale = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
-    return (torch.round(groups * scale).clamp(-127, 127) * (amax / 127)).reshape(x.shape)
-
-
 def test_the_vnni_panels_compute_exactly_the_rounded_rows_and_each_row_alone(isas):
     """avx512vnni's panels (csrc/panel_vnni.h), from 10 rows: 4-bit blocks
-    and int8 in groups of 32 (the LM head's Q8_0), with short last panels and tiles and a group of zeros. Each result is the
-    rounded rows' matmul up to float32 rounding, far inside the int8 bound;
-    and a row's result does not depend on how many rows it runs with."""
+    and int8 in groups of 32 (the LM head's Q8_0), with short last panels
+    and tiles and a group of zeros. Each result is the rounded rows' matmul
+    up to float32 rounding, far inside the int8 bound; and a row's result
+    does not depend on how many rows it runs with."""
     if "avx512vnni" not in isas:
         pytest.skip("this CPU lacks AVX512_VNNI (or AVX512_BF16)")
     from trioserve.engine.quant.rtn import Int8GroupWeight
