@@ -46,17 +46,18 @@ def test_the_library_is_built_for_this_source_and_runs_scalar_everywhere(isas):
 
 
 # csrc/panel.h's kPanelFromRows: from this many rows the AVX-512 variants run
-# panels, avx512bf16 with bfloat16 products. avx512vnni rounds the
-# activations to int8 in groups of 32 for its 4-bit kernels at every row
-# count, and for its panels of int8 weights in groups of 32 (GGUF's Q8_0;
-# csrc/panel_vnni.h); its panels of int8 per channel are avx512bf16's.
-PANEL_FROM_ROWS = 10
+# panels, avx512bf16 and, called from the model's layers, avx512vnni with
+# bfloat16 products (int4_native.call_isa); below it the 4-bit kernel of
+# avx512vnni rounds the activations to int8 in groups of 32. The op itself,
+# called with avx512vnni from 10 rows (as the fused decode step does), runs
+# the VNNI panels on int8 activations (csrc/panel_vnni.h).
+PANEL_FROM_ROWS = int4_native.PANEL_FROM_ROWS
 BF16_PANELS = ("avx512bf16", "avx512vnni")
 
 
-def int8_activations(isa: str, rows: int, bits: int, grouped: bool) -> bool:
-    """Whether a call of ``rows`` rows on ``isa`` rounds its activations to int8."""
-    return isa == "avx512vnni" and (bits == 4 or (grouped and rows >= PANEL_FROM_ROWS))
+def int8_activations(isa: str, rows: int, bits: int) -> bool:
+    """Whether a linear's call of ``rows`` rows on ``isa`` rounds its activations to int8."""
+    return isa == "avx512vnni" and bits == 4 and rows < PANEL_FROM_ROWS
 
 
 def assert_matches(
@@ -67,7 +68,6 @@ def assert_matches(
     isa: str,
     *,
     bits: int = 8,
-    grouped: bool = False,
 ) -> None:
     """``got`` is ``x @ w.T + b`` up to the order of the sums; for bfloat16
     panels, up to rounding each input and weight to bfloat16 (at most 2**-8
@@ -75,7 +75,7 @@ def assert_matches(
     activations, up to rounding each input by at most half its group's step
     (amax / 127)."""
     want = F.linear(x, w, b)
-    if int8_activations(isa, x.shape[0], bits, grouped):
+    if int8_activations(isa, x.shape[0], bits):
         groups = x.view(x.shape[0], -1, 32)
         half_step = (groups.abs().amax(-1, keepdim=True) / 254).expand_as(groups).reshape(x.shape)
         bound = (half_step @ w.abs().T) * 1.01 + 1e-5
@@ -154,11 +154,12 @@ def test_the_vnni_4bit_rows_round_only_the_activations_and_each_row_alone(isas):
 
 
 def test_the_vnni_panels_compute_exactly_the_rounded_rows_and_each_row_alone(isas):
-    """avx512vnni's panels (csrc/panel_vnni.h), from 10 rows: 4-bit blocks
-    and int8 in groups of 32 (the LM head's Q8_0), with short last panels
-    and tiles and a group of zeros. Each result is the rounded rows' matmul
-    up to float32 rounding, far inside the int8 bound; and a row's result
-    does not depend on how many rows it runs with."""
+    """avx512vnni's panels (csrc/panel_vnni.h), from 10 rows, as the fused
+    decode step calls them: 4-bit blocks and int8 in groups of 32 (Q8_0),
+    with short last panels and tiles and a group of zeros. Each result is
+    the rounded rows' matmul up to float32 rounding, far inside the int8
+    bound; and a row's result does not depend on how many rows it runs
+    with. The model's layers call the bfloat16 panels there instead."""
     if "avx512vnni" not in isas:
         pytest.skip("this CPU lacks AVX512_VNNI (or AVX512_BF16)")
     from trioserve.engine.quant.rtn import Int8GroupWeight
@@ -169,19 +170,25 @@ def test_the_vnni_panels_compute_exactly_the_rounded_rows_and_each_row_alone(isa
         q4 = quantize_int4(w, 32)
         q8g = Int8GroupWeight(torch.randint(-127, 128, (37, k), generator=gen, dtype=torch.int8),
                               torch.rand(37, k // 32, generator=gen) * 0.01, 32)
+        vnni, ops = native.ISAS["avx512vnni"], native.ops()
+        blocks = int4_native.Int4NativeLinear.from_rtn(q4, None, "avx512vnni").blocks
         linears = (
-            (int4_native.Int4NativeLinear.from_rtn(q4, None, "avx512vnni"), q4),
-            (int8_native.Int8GroupNativeLinear.over(q8g, "avx512vnni"), q8g),
+            ("4-bit", lambda x: ops.q4_linear(x, blocks, vnni), q4),
+            ("Q8_0", lambda x: ops.q8g_linear(x, q8g.q, q8g.scale, vnni), q8g),
         )
         x = torch.randn(40, k, generator=gen)
         x[3, :32] = 0.0
-        for linear, weight in linears:
+        for name, linear, weight in linears:
             full = linear(x)
             for rows in (PANEL_FROM_ROWS, 13, 40):
                 got = full if rows == 40 else linear(x[:rows])
                 want = F.linear(rounded_rows(x[:rows]), weight.dequantize())
-                assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (k, rows, type(linear).__name__)
-                assert torch.equal(got, full[:rows]), (k, rows, type(linear).__name__)
+                assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (k, rows, name)
+                assert torch.equal(got, full[:rows]), (k, rows, name)
+        # From the layers, the same call runs the bfloat16 panels.
+        layered = int4_native.Int4NativeLinear.from_rtn(q4, None, "avx512vnni")(x)
+        assert_matches(layered, x, q4.dequantize(), None, "avx512vnni", bits=4)
+        assert not torch.equal(layered, linears[0][1](x))
 
 
 def test_from_many_rows_a_call_without_panels_runs_the_gemm_over_the_dequantized_matrix(isas):
@@ -468,6 +475,6 @@ def test_a_q8_0_head_runs_on_the_stored_values_without_a_copy(isas):
         assert head.weight.q.data_ptr() == q.data_ptr()
         for rows in (1, 7, 12, int4_native.DEQUANTIZE_FROM_ROWS + 1):
             x = torch.randn(rows, 96, generator=gen)
-            assert_matches(head(x), x, table.dequantize(), None, isa, grouped=True)
+            assert_matches(head(x), x, table.dequantize(), None, isa)
     with pytest.raises(ValueError, match="groups of 32"):
         int8_native.Int8GroupNativeLinear.over(Int8GroupWeight(q, torch.rand(40, 6), 16), isas[0])

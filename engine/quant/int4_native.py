@@ -30,6 +30,23 @@ BLOCK_BYTES = 20
 # products, 2.8-4.3x in bfloat16), so they never dequantize.
 DEQUANTIZE_FROM_ROWS = 128
 PANEL_ISAS = frozenset({native.ISAS["avx512"], native.ISAS["avx512bf16"], native.ISAS["avx512vnni"]})
+# csrc/panel.h's kPanelFromRows: the AVX-512 variants' panels run from this many rows.
+PANEL_FROM_ROWS = 10
+_VNNI, _BF16 = native.ISAS["avx512vnni"], native.ISAS["avx512bf16"]
+
+
+def call_isa(isa: int, rows: int) -> int:
+    """The variant a call of ``rows`` rows from the model's layers runs.
+
+    ``avx512vnni``'s panels (int8 activations from 10 rows, csrc/panel_vnni.h)
+    are for decode steps, which run in the fused call (``native_decode``,
+    which passes ``isa`` itself). A prompt, a mixed batch or a speculative
+    step's verification of 10 rows or more runs ``avx512bf16``'s bfloat16
+    panels instead: with int8 activations in the prompt the default model's
+    greedy answer to "What is the capital of France?" left Paris (as
+    llama-server's does), and a prompt's perplexity rose from +0.03% to
+    +0.40% of float32's (docs/benchmarks.md)."""
+    return _BF16 if isa == _VNNI and rows >= PANEL_FROM_ROWS else isa
 
 
 def dequantizes(isa: int, rows: int) -> bool:
@@ -78,7 +95,7 @@ class Int4NativeLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if dequantizes(self.isa, x.shape[0]):
             return F.linear(x, self.ops.q4_dequantize(self.blocks), self.bias)  # type: ignore[attr-defined]
-        y = self.ops.q4_linear(x, self.blocks, self.isa)  # type: ignore[attr-defined]
+        y = self.ops.q4_linear(x, self.blocks, call_isa(self.isa, x.shape[0]))  # type: ignore[attr-defined]
         return y if self.bias is None else y.add_(self.bias)
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from . import native
-from .int4_native import dequantizes
+from .int4_native import call_isa, dequantizes
 from .rtn import Int8GroupWeight, Int8Weight, quantize_int8
 
 GROUP = 32
@@ -74,7 +74,7 @@ class Int8GroupNativeLinear:
         w = self.weight
         if dequantizes(self.isa, x.shape[0]):  # as int4_native
             return F.linear(x, w.dequantize())
-        return self.ops.q8g_linear(x, w.q, w.scale, self.isa)  # type: ignore[attr-defined]
+        return self.ops.q8g_linear(x, w.q, w.scale, call_isa(self.isa, x.shape[0]))  # type: ignore[attr-defined]
 
 
 def trial(isa: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
