@@ -43,7 +43,7 @@ ASSUME_ENV = "TRIOSERVE_CPU_ASSUME"
 # Lowest first; the names are ATEN_CPU_CAPABILITY's, avx512bf16 is AVX-512
 # with AVX512_BF16 (the native linears' bfloat16 panels), and avx512vnni that
 # with AVX512_VNNI (the native linears' int8 activations for weights in
-# groups of 32: 4-bit, and the Q8_0 LM head).
+# groups of 32 in decode steps).
 ISA_LEVELS = ("default", "avx2", "avx512", "avx512bf16", "avx512vnni")
 # Variables that cap what torch's libraries use when set before torch loads:
 # shown with the paths, since they change what the trials find.

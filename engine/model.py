@@ -33,7 +33,7 @@ from .errors import CpuCapabilityError, ModelLoadError
 from .forward_batch import ForwardBatch
 from .kv_cache import KVCache
 from .native_attention import BoundAttention, NativeAttention, token_rows
-from .quant.native_decode import NativeDecode
+from .quant.native_decode import NativeDecode, decode_head
 from .quant.projections import QuantizedProjections
 from .rotary import RotaryEmbedding, apply_rotary
 
@@ -275,6 +275,7 @@ class _Made:
     where: tuple[torch.device, torch.dtype]
     head: Callable[[torch.Tensor], torch.Tensor] | None = None  # a compressed LM head
     decode: NativeDecode | None = None  # all layers of a decode batch in one native call
+    decode_head: Callable[[torch.Tensor], torch.Tensor] | None = None  # the LM head after it, where not ``head``
 
 
 class LlamaForCausalLM(nn.Module):
@@ -352,6 +353,8 @@ class LlamaForCausalLM(nn.Module):
         if made.decode is not None and made.decode.runs(batch.query_lens_cpu, kv_cache.key.dtype):
             tables, lens = token_rows(batch.query_lens_cpu, batch.positions, batch.block_tables, batch.context_lens)
             hidden = made.decode(hidden, cos, sin, kv_cache.key, kv_cache.value, slots, tables, lens)
+            if made.decode_head is not None:
+                made = attrs.evolve(made, head=made.decode_head)
         else:
             native = self.native_attention
             attend = native.bind(batch, cos, sin) if native is not None and native.runs(hidden, kv_cache.key) else None
@@ -459,7 +462,7 @@ class LlamaForCausalLM(nn.Module):
             head_dim=c.head_dim,
             eps=c.rms_norm_eps,
         )
-        self._quantized = _Made(list(layers), self.lm_head, False, where, head, decode)
+        self._quantized = _Made(list(layers), self.lm_head, False, where, head, decode, decode_head(head))
 
     def _can_pack(self, device: torch.device, dtype: torch.dtype) -> bool:
         # After a move (``.to``): pack only where that path works too.

@@ -478,3 +478,26 @@ def test_a_q8_0_head_runs_on_the_stored_values_without_a_copy(isas):
             assert_matches(head(x), x, table.dequantize(), None, isa)
     with pytest.raises(ValueError, match="groups of 32"):
         int8_native.Int8GroupNativeLinear.over(Int8GroupWeight(q, torch.rand(40, 6), 16), isas[0])
+
+
+def test_a_decode_steps_lm_head_runs_the_vnni_panels_and_a_prompts_the_bfloat16_ones(isas):
+    """On avx512vnni the fused decode step's LM head (native_decode.decode_head)
+    runs the int8 panels at any batch size; the head a prompt's logits use
+    runs the bfloat16 panels from 10 rows. Elsewhere there is no second head."""
+    from trioserve.engine.quant.native_decode import decode_head
+    from trioserve.engine.quant.rtn import Int8GroupWeight
+
+    gen = torch.Generator().manual_seed(4)
+    table = Int8GroupWeight(torch.randint(-127, 128, (40, 96), generator=gen, dtype=torch.int8),
+                            torch.rand(40, 3, generator=gen) * 0.01, 32)
+    x = torch.randn(12, 96, generator=gen)
+    for isa in isas:
+        head = int8_native.Int8GroupNativeLinear.over(table, isa)
+        decoding = decode_head(head)
+        if isa != "avx512vnni":
+            assert decoding is None
+            continue
+        assert decoding.weight is head.weight
+        assert torch.equal(decoding(x), native.ops().q8g_linear(x, table.q, table.scale, native.ISAS[isa]))
+        assert torch.equal(head(x), native.ops().q8g_linear(x, table.q, table.scale, native.ISAS["avx512bf16"]))
+        assert not torch.equal(decoding(x), head(x))

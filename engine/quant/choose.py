@@ -76,16 +76,17 @@ class Kernel:
 # scripts/bench_qlinear.py, not chosen.
 def _native(bits: int, isa: str, what: str) -> Kernel:
     linear = int4_native.Int4NativeLinear if bits == 4 else int8_native.Int8NativeLinear
-    # avx512vnni rounds a 4-bit call's activations to int8 at any row count
-    # (csrc/kernels.h's q4_rows_vnni, csrc/panel_vnni.h); its kernels of int8
-    # per channel run as avx512bf16's.
+    # avx512vnni rounds a 4-bit call's activations to int8 below 10 rows and
+    # in decode steps at any batch size (csrc/kernels.h's q4_rows_vnni,
+    # csrc/panel_vnni.h; int4_native.call_isa); its kernels of int8 per
+    # channel run as avx512bf16's.
     int8_activations = bits == 4 and isa == "avx512vnni"
     panels_bf16 = isa == "avx512bf16" or (isa == "avx512vnni" and bits == 8)
     return Kernel(
         f"quant_int{bits}_native_{isa}",
         bits,
         f"{what}, native kernel ({isa}, "
-        + ("int8 activations" if int8_activations else "float32 activations")
+        + ("int8 activations in decode steps" if int8_activations else "float32 activations")
         + (", bfloat16 products from 10 rows)" if panels_bf16 else ")"),
         lambda w, b: linear.from_rtn(w, b, isa),  # type: ignore[arg-type]
         family=f"native{bits}",

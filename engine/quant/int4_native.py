@@ -39,10 +39,11 @@ def call_isa(isa: int, rows: int) -> int:
     """The variant a call of ``rows`` rows from the model's layers runs.
 
     ``avx512vnni``'s panels (int8 activations from 10 rows, csrc/panel_vnni.h)
-    are for decode steps, which run in the fused call (``native_decode``,
-    which passes ``isa`` itself). A prompt, a mixed batch or a speculative
-    step's verification of 10 rows or more runs ``avx512bf16``'s bfloat16
-    panels instead: with int8 activations in the prompt the default model's
+    are for decode steps and a speculative step's verification, which run in
+    the fused call (``native_decode``, which passes ``isa`` itself, and its
+    ``decode_head``). A prompt or a mixed batch of 10 rows or more, which
+    runs through the model's layers, takes ``avx512bf16``'s bfloat16 panels
+    instead: with int8 activations in the prompt the default model's
     greedy answer to "What is the capital of France?" left Paris (as
     llama-server's does), and a prompt's perplexity rose from +0.03% to
     +0.40% of float32's (docs/benchmarks.md)."""
@@ -82,6 +83,9 @@ class Int4NativeLinear:
     out_features: int
     isa: int
     ops: object  # torch.ops.trioserve, loaded
+    # avx512vnni's int8 panels at any row count (a decode step's LM head,
+    # native_decode.decode_head), not only below 10 rows (call_isa).
+    int8_panels: bool = False
 
     @classmethod
     def from_rtn(cls, weight: Int4Weight, bias: torch.Tensor | None, isa: str) -> Int4NativeLinear:
@@ -95,7 +99,8 @@ class Int4NativeLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if dequantizes(self.isa, x.shape[0]):
             return F.linear(x, self.ops.q4_dequantize(self.blocks), self.bias)  # type: ignore[attr-defined]
-        y = self.ops.q4_linear(x, self.blocks, call_isa(self.isa, x.shape[0]))  # type: ignore[attr-defined]
+        isa = self.isa if self.int8_panels else call_isa(self.isa, x.shape[0])
+        y = self.ops.q4_linear(x, self.blocks, isa)  # type: ignore[attr-defined]
         return y if self.bias is None else y.add_(self.bias)
 
 

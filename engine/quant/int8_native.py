@@ -63,6 +63,7 @@ class Int8GroupNativeLinear:
     weight: Int8GroupWeight
     isa: int
     ops: object  # torch.ops.trioserve, loaded
+    int8_panels: bool = False  # as Int4NativeLinear's
 
     @classmethod
     def over(cls, weight: Int8GroupWeight, isa: str) -> Int8GroupNativeLinear:
@@ -74,7 +75,8 @@ class Int8GroupNativeLinear:
         w = self.weight
         if dequantizes(self.isa, x.shape[0]):  # as int4_native
             return F.linear(x, w.dequantize())
-        return self.ops.q8g_linear(x, w.q, w.scale, call_isa(self.isa, x.shape[0]))  # type: ignore[attr-defined]
+        isa = self.isa if self.int8_panels else call_isa(self.isa, x.shape[0])
+        return self.ops.q8g_linear(x, w.q, w.scale, isa)  # type: ignore[attr-defined]
 
 
 def trial(isa: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

@@ -34,8 +34,9 @@ CFLAGS = ("-O3", "-fopenmp")
 # The ``isa`` argument of the library's kernels, lowest first.
 # ``avx512bf16`` is AVX-512 with the many-row panels in bfloat16 products
 # (csrc/panel.h), and ``avx512vnni`` that with int8 activations against the
-# weights stored in groups of 32, 4-bit and Q8_0, at every row count
-# (csrc/kernels.h's q4_rows_vnni, csrc/panel_vnni.h); only the linears have them.
+# weights stored in groups of 32, 4-bit and Q8_0 (csrc/kernels.h's
+# q4_rows_vnni, csrc/panel_vnni.h; int4_native.call_isa says which calls);
+# only the linears have them.
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3, "avx512vnni": 4}
 # The variants best first, the order in which a caller takes the first that works.
 ISA_ORDER = ("avx512", "avx2", "scalar")
