@@ -28,7 +28,8 @@ constexpr int kMaxRowsAvx2 = 4;
 // bfloat16 panels of panel.h in place of the float32 ones. kAvx512Vnni is
 // kAvx512Bf16 whose kernels for weights in groups of 32 (4-bit, and int8 in
 // groups: GGUF's Q8_0) multiply int8 activations with VPDPBUSD: the 4-bit
-// row kernel (q4_rows_vnni) and the panels of panel_vnni.h. Its kernels of
+// row kernel (q4_rows_vnni) and the panels of panel_vnni.h (which Python
+// calls only for decode steps: int4_native.call_isa). Its kernels of
 // int8 per channel, and its Q8_0 rows below kPanelFromRows, run as on
 // kAvx512Bf16.
 enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAvx512Vnni = 4 };

@@ -21,6 +21,11 @@
 // weights meet activations shifted to unsigned (q + 128), and the shift's
 // share is taken off where the sums start.
 //
+// The fused decode step (decode.cpp) calls these for decode rows; the
+// model's layers, for a prompt, take the bfloat16 panels from 10 rows
+// (engine/quant/int4_native.py, call_isa: int8 activations in a prompt moved
+// its first token).
+//
 // A row's result depends on that row alone (its sums run per row and
 // channel, block after block), but not in the row kernels' order, so it may
 // differ in the last bits between a call of fewer than kPanelFromRows rows
