@@ -80,14 +80,17 @@ def _native(bits: int, isa: str, what: str) -> Kernel:
     # in decode steps at any batch size (csrc/kernels.h's q4_rows_vnni,
     # csrc/panel_vnni.h; int4_native.call_isa); its kernels of int8 per
     # channel run as avx512bf16's.
-    int8_activations = bits == 4 and isa == "avx512vnni"
-    panels_bf16 = isa == "avx512bf16" or (isa == "avx512vnni" and bits == 8)
+    # Called from the model's layers (a prompt), both run bfloat16 panels from 10 rows.
+    if bits == 4 and isa == "avx512vnni":
+        activations = "int8 activations in decode steps, bfloat16 products in prompts from 10 rows"
+    elif isa in ("avx512bf16", "avx512vnni"):
+        activations = "float32 activations, bfloat16 products from 10 rows"
+    else:
+        activations = "float32 activations"
     return Kernel(
         f"quant_int{bits}_native_{isa}",
         bits,
-        f"{what}, native kernel ({isa}, "
-        + ("int8 activations in decode steps" if int8_activations else "float32 activations")
-        + (", bfloat16 products from 10 rows)" if panels_bf16 else ")"),
+        f"{what}, native kernel ({isa}, {activations})",
         lambda w, b: linear.from_rtn(w, b, isa),  # type: ignore[arg-type]
         family=f"native{bits}",
     )
