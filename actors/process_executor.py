@@ -49,6 +49,7 @@ import trio
 
 from trioserve.engine.config import EngineConfig
 from trioserve.engine.engine_core import EngineCore
+from trioserve.engine.kv_dtype import KVDtypeChoice
 from trioserve.engine.loader import LoadedModel, describe_model
 from trioserve.engine.model_runner import RunnerOutput
 from trioserve.engine.step_plan import StepPlan
@@ -370,15 +371,21 @@ class ProcessExecutor(Executor):
         )
 
 
-def worker_core(config: EngineConfig, loaded: LoadedModel | None, worker_model: Callable[[], LoadedModel] | None) -> EngineCore:
+def worker_core(
+    config: EngineConfig,
+    loaded: LoadedModel | None,
+    worker_model: Callable[[], LoadedModel] | None,
+    kv_dtype: KVDtypeChoice | None = None,
+) -> EngineCore:
     """The server's engine core for ``worker_mode="process"``: no runner and
     no KV tensors here (the worker has them), and no weights unless
-    ``loaded`` was given (its model config and tokenizer are used)."""
+    ``loaded`` was given (its model config and tokenizer are used);
+    ``kv_dtype`` as for ``EngineCore``."""
     if loaded is not None and worker_model is None:
         raise ValueError("worker_mode='process' with a loaded model needs worker_model: how the worker process gets it")
     if loaded is None:
         loaded = describe_model(config.model, dtype=config.dtype, device=config.device)
-    return EngineCore(loaded, config, own_pool=False, runner=False)
+    return EngineCore(loaded, config, own_pool=False, runner=False, kv_dtype=kv_dtype)
 
 
 def process_executor(

@@ -38,9 +38,10 @@ import attrs
 import trio
 
 from trioserve.engine.config import EngineConfig
-from trioserve.engine.engine_core import EngineCore
+from trioserve.engine.engine_core import EngineCore, kv_dtype_choice
 from trioserve.engine.faults import Fault
 from trioserve.engine.kv_batch import KVResult
+from trioserve.engine.kv_dtype import KVDtypeChoice
 from trioserve.engine.loader import LoadedModel, load_model_for
 from trioserve.engine.placement import ParallelConfigError, PinnedStepThread, ReplicaPlacement, plan_replicas
 
@@ -217,17 +218,18 @@ def _build_core(
     shared: LoadedModel | None,
     in_process: bool,
     worker_model: Callable[[], LoadedModel] | None,
+    kv_dtype: KVDtypeChoice | None,
 ) -> EngineCore:
     # Runs on the replica's step thread: its KV cache and kernels are made there.
     replica_config = placement.engine_config(config)
     if in_process:
         # The replica's worker process loads the weights and holds the KV cache.
-        return worker_core(replica_config, shared, worker_model)
+        return worker_core(replica_config, shared, worker_model, kv_dtype)
     if shared is None:
         loaded = load_model_for(replica_config)
     else:
         loaded = shared
-    return EngineCore(loaded, replica_config, own_pool=False)
+    return EngineCore(loaded, replica_config, own_pool=False, kv_dtype=kv_dtype)
 
 
 @asynccontextmanager
@@ -261,10 +263,16 @@ async def open_replicated_engine(
         in_process = config.worker_mode == "process" and executor is None
         if loaded is None and not on_cuda and not in_process:
             loaded = await run_in_step_thread(threads[0], load_model_for, config)
+        # Replicas sharing one model store their caches in one dtype: "auto"
+        # measures, and each replica measuring for itself could tip two of
+        # them apart, and with them a near tie in their greedy tokens.
+        kv_dtype = None if loaded is None else await run_in_step_thread(threads[0], kv_dtype_choice, config, loaded)
         cores: list[EngineCore | None] = [None] * len(placements)
 
         async def build(index: int) -> None:
-            cores[index] = await run_in_step_thread(threads[index], _build_core, config, placements[index], loaded, in_process, worker_model)
+            cores[index] = await run_in_step_thread(
+                threads[index], _build_core, config, placements[index], loaded, in_process, worker_model, kv_dtype
+            )
 
         async with trio.open_nursery() as builders:
             for index in range(len(placements)):

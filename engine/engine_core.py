@@ -146,10 +146,20 @@ class _Completion:
 class EngineCore:
     """The engine as a plain object: add requests, call ``step()``, read outputs."""
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, *, own_pool: bool = True, runner: bool = True) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: EngineConfig,
+        *,
+        own_pool: bool = True,
+        runner: bool = True,
+        kv_dtype: KVDtypeChoice | None = None,
+    ) -> None:
         """``runner=False``: no KV tensors and no runner here (the model step
         runs in a worker process that builds its own, of ``num_blocks``
-        blocks); the core then only plans and reports."""
+        blocks); the core then only plans and reports. ``kv_dtype``: the
+        cache dtype already chosen for ``loaded`` (replicas sharing one
+        model take one choice), else chosen here from ``config.kv_cache_dtype``."""
         self.config = config
         self.loaded = loaded
         self.model_config = loaded.model_config
@@ -159,7 +169,7 @@ class EngineCore:
             torch.set_num_threads(config.num_threads)  # process-wide: the step is the only heavy user
         # What the KV cache stores and how many blocks it gets, and why
         # (engine/kv_dtype.py, engine/kv_budget.py; shown in /version).
-        self.kv_dtype = kv_dtype_choice(config, loaded)
+        self.kv_dtype = kv_dtype_choice(config, loaded) if kv_dtype is None else kv_dtype
         self.kv_pool = kv_pool_plan(config, loaded, self.kv_dtype)
         log.info("%s: KV cache in %s; pool of %s", loaded.name, self.kv_dtype, self.kv_pool)
         num_blocks = self.kv_pool.num_blocks

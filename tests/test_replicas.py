@@ -267,6 +267,10 @@ async def test_two_replicas_give_the_tokens_of_one_for_greedy_and_seeded_request
             if dp == 2:  # spread by load (prompts of slightly different lengths)
                 per_replica = finished_per_replica(engine)
                 assert sum(per_replica) == 12 and min(per_replica) >= 4, per_replica
+                # One cache dtype, chosen once for the shared model: "auto"
+                # measures, and two measurements could choose apart.
+                first, second = (replica.core.kv_dtype for replica in engine.replicas)
+                assert first is second, (first, second)
             assert_clean(engine)
     assert results[1] == results[2]
     assert all(len(tokens) == 8 for tokens in results[1])
