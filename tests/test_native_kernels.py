@@ -450,6 +450,47 @@ def test_native_decode_attention_of_64_wide_heads_matches_paged_attention(isas, 
                 assert (a.float() - b.float()).abs().max() <= tol * b.float().abs().max(), (isa, group)
 
 
+@pytest.mark.parametrize("head_dim", [64, 24])
+def test_native_decode_attention_stores_float16_as_torch_does_and_saturates(isas, head_dim):
+    """The new key and value go into a float16 pool as engine/kv_cache.py's
+    to_cache puts them (rounded to nearest even, saturating at +-65504), on
+    the vector paths and their scalar tails (24-wide heads); a row alone in
+    its context reads back its own value."""
+    from trioserve.engine.kv_cache import to_cache
+    from trioserve.engine.native_attention import BoundAttention, NativeAttention
+
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, rows = 4, 2, 3
+    kv_width = kv_heads * head_dim
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=gen)
+    qkv[0, heads * head_dim :] *= 1e6  # row 0's key and value far past float16's range
+    cos, sin = torch.ones(rows, head_dim), torch.zeros(rows, head_dim)  # rotation by 0: keys as given
+    slots = torch.tensor([5, 9, 2])
+    tables = torch.tensor([[1], [2], [0]])
+    lens = torch.tensor([2, 2, 3])
+    for isa in isas:
+        attention = NativeAttention(native.ISAS[isa], native.ops().decode_attention)
+        bound = BoundAttention(attention, cos, sin, slots, tables, lens, None)
+        keys, values = (torch.zeros(3, 4, kv_heads, head_dim, dtype=torch.float16) for _ in range(2))
+        bound(qkv, keys, values, heads, head_dim**-0.5)
+        flat_k, flat_v = keys.view(-1, kv_width), values.view(-1, kv_width)
+        for r, slot in enumerate(slots.tolist()):
+            new_k = qkv[r, heads * head_dim : heads * head_dim + kv_width]
+            new_v = qkv[r, heads * head_dim + kv_width :]
+            assert torch.equal(flat_k[slot], to_cache(new_k, torch.float16)), (isa, r)
+            assert torch.equal(flat_v[slot], to_cache(new_v, torch.float16)), (isa, r)
+        assert flat_k[5].abs().max() == 65504 and flat_v[5].isfinite().all(), isa
+    # One token of context: attention returns the row's own stored value.
+    one = BoundAttention(
+        NativeAttention(native.ISAS[isas[-1]], native.ops().decode_attention),
+        cos[:1], sin[:1], torch.tensor([0]), torch.tensor([[0]]), torch.tensor([1]), None,
+    )
+    keys, values = (torch.zeros(1, 4, kv_heads, head_dim, dtype=torch.float16) for _ in range(2))
+    out = one(qkv[:1], keys, values, heads, head_dim**-0.5).view(heads, head_dim)
+    stored = values[0, 0].float()
+    assert torch.equal(out, stored.repeat_interleave(heads // kv_heads, 0))
+
+
 def test_native_decode_attention_refuses_a_block_outside_the_pool(isas):
     from trioserve.engine.native_attention import BoundAttention, NativeAttention
 

@@ -2,8 +2,11 @@
 // decode.cpp once per ISA, inside that ISA's
 // `#pragma GCC target` region and namespace, which define Vec, kWidth and
 // vzero / vset / vload / vfma / vsum / vstore (vload for float, c10::Half
-// and c10::BFloat16 sources), vadd / vneg / vmul / vdiv and vexp; so one
-// body is compiled three ways.
+// and c10::BFloat16 sources), vadd / vneg / vmul / vdiv / vmin / vmax, vexp
+// and vstore_half; so one body is compiled three ways. The decode step's
+// other per-row work (RMSNorm, rotary, the cache write, SwiGLU) is here too,
+// vectorized the same way: run one row at a time on one thread between the
+// parallel matmuls, it had the other thread waiting.
 
 // s[0..n) replaced by its softmax.
 inline void softmax(float* s, int64_t n) {
@@ -70,4 +73,66 @@ inline void silu_mul(const float* gate, const float* up, float* out, int64_t n) 
     vstore(out + j, vdiv(vmul(g, vload(up + j)), vadd(e, vset(1.f))));
   }
   for (; j < n; ++j) out[j] = gate[j] / (1.f + std::exp(-gate[j])) * up[j];
+}
+
+// y = x / sqrt(mean(x^2) + eps) * weight over one row of n.
+inline void rms_norm_row(const float* x, const float* weight, int64_t n, float eps, float* y) {
+  Vec acc = vzero();
+  int64_t j = 0;
+  for (; j + kWidth <= n; j += kWidth) {
+    const Vec v = vload(x + j);
+    acc = vfma(v, v, acc);
+  }
+  float squares = vsum(acc);
+  for (; j < n; ++j) squares += x[j] * x[j];
+  const float inv = 1.f / std::sqrt(squares / float(n) + eps);
+  const Vec scale = vset(inv);
+  for (j = 0; j + kWidth <= n; j += kWidth) vstore(y + j, vmul(vmul(vload(x + j), scale), vload(weight + j)));
+  for (; j < n; ++j) y[j] = x[j] * inv * weight[j];
+}
+
+// One head (``head_dim`` floats, in place) rotated by the rotate-half tables
+// of its position: v[i] * cos[i] + v[i +- half] * sin[i] (``sin`` carries
+// the sign of rotate-half's first half). Two products and a sum, each
+// rounded, as torch's rotary (engine/model.py) computes them: GCC would fuse
+// the intrinsics into an FMA, and a prompt's keys (rotated by torch) would
+// then differ in the last bit from a decode step's, which moved near-ties in
+// greedy tokens between a request run alone and in a batch.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+inline void rotate_half(float* v, const float* cos, const float* sin, int64_t head_dim) {
+  const int64_t half = head_dim / 2;
+  int64_t j = 0;
+  if (half % kWidth == 0) {
+    for (; j < half; j += kWidth) {
+      const Vec a = vload(v + j), b = vload(v + half + j);
+      vstore(v + j, vadd(vmul(a, vload(cos + j)), vmul(b, vload(sin + j))));
+      vstore(v + half + j, vadd(vmul(b, vload(cos + half + j)), vmul(a, vload(sin + half + j))));
+    }
+    return;
+  }
+  for (; j < half; ++j) {
+    const float a = v[j], b = v[half + j];
+    v[j] = a * cos[j] + b * sin[j];
+    v[half + j] = b * cos[half + j] + a * sin[half + j];
+  }
+}
+#pragma GCC pop_options
+
+// n floats into the cache's dtype: float16 saturating at +-65504 (as
+// engine/kv_cache.py's to_cache), rounded to nearest even as c10's
+// conversions are.
+template <typename T>
+inline void store_cache(T* dst, const float* src, int64_t n) {
+  int64_t j = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    std::copy(src, src + n, dst);
+    return;
+  } else if constexpr (std::is_same_v<T, c10::Half>) {
+    const Vec top = vset(65504.f), bottom = vset(-65504.f);
+    for (; j + kWidth <= n; j += kWidth) vstore_half(dst + j, vmin(top, vmax(bottom, vload(src + j))));
+    for (; j < n; ++j) dst[j] = T(std::min(std::max(src[j], -65504.f), 65504.f));
+  } else {
+    for (; j < n; ++j) dst[j] = T(src[j]);
+  }
 }

@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -47,6 +48,10 @@ inline Vec vadd(Vec a, Vec b) { return a + b; }
 inline Vec vneg(Vec a) { return -a; }
 inline Vec vmul(Vec a, Vec b) { return a * b; }
 inline Vec vdiv(Vec a, Vec b) { return a / b; }
+// As std::min / std::max: a NaN in the second argument comes through.
+inline Vec vmin(Vec a, Vec b) { return std::min(b, a); }
+inline Vec vmax(Vec a, Vec b) { return std::max(b, a); }
+inline void vstore_half(c10::Half* p, Vec v) { *p = c10::Half(v); }
 #include "attend.h"
 }  // namespace scalar_isa
 
@@ -75,6 +80,11 @@ inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
 inline Vec vneg(Vec a) { return _mm256_sub_ps(_mm256_setzero_ps(), a); }
 inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
 inline Vec vdiv(Vec a, Vec b) { return _mm256_div_ps(a, b); }
+inline Vec vmin(Vec a, Vec b) { return _mm256_min_ps(a, b); }  // a NaN in b comes through
+inline Vec vmax(Vec a, Vec b) { return _mm256_max_ps(a, b); }
+inline void vstore_half(c10::Half* p, Vec v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
 inline Vec vexp(Vec x) {
   // e^x = 2^n e^r, n = round(x / ln 2), |r| <= ln 2 / 2, e^r by its Taylor
   // polynomial to degree 6 (relative error about 2e-7, as libm's expf).
@@ -116,6 +126,11 @@ inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 inline Vec vneg(Vec a) { return _mm512_sub_ps(_mm512_setzero_ps(), a); }
 inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
 inline Vec vdiv(Vec a, Vec b) { return _mm512_div_ps(a, b); }
+inline Vec vmin(Vec a, Vec b) { return _mm512_min_ps(a, b); }  // a NaN in b comes through
+inline Vec vmax(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+inline void vstore_half(c10::Half* p, Vec v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
 inline Vec vexp(Vec x) {  // as avx2_isa::vexp
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -301,38 +316,68 @@ void check_linear(const torch::Tensor& w, const torch::Tensor& scale, const torc
               ": bias must be float32 [out]");
 }
 
-void rms_norm(const float* x, const float* weight, int64_t rows, int64_t n, float eps, float* y) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * n;
-    float squares = 0.f;
-    for (int64_t j = 0; j < n; ++j) squares += xr[j] * xr[j];
-    const float inv = 1.f / std::sqrt(squares / float(n) + eps);
-    for (int64_t j = 0; j < n; ++j) y[r * n + j] = xr[j] * inv * weight[j];
-  }
+// The per-row work of attend.h on this ISA's vectors.
+void rms_norm_row(int64_t isa, const float* x, const float* weight, int64_t n, float eps, float* y) {
+  if (isa >= kAvx512) avx512_isa::rms_norm_row(x, weight, n, eps, y);
+  else if (isa == kAvx2) avx2_isa::rms_norm_row(x, weight, n, eps, y);
+  else scalar_isa::rms_norm_row(x, weight, n, eps, y);
+}
+
+void silu_mul(int64_t isa, const float* gate, const float* up, float* out, int64_t n) {
+  if (isa >= kAvx512) avx512_isa::silu_mul(gate, up, out, n);
+  else if (isa == kAvx2) avx2_isa::silu_mul(gate, up, out, n);
+  else scalar_isa::silu_mul(gate, up, out, n);
+}
+
+void rotate_half(int64_t isa, float* v, const float* cos, const float* sin, int64_t head_dim) {
+  if (isa >= kAvx512) avx512_isa::rotate_half(v, cos, sin, head_dim);
+  else if (isa == kAvx2) avx2_isa::rotate_half(v, cos, sin, head_dim);
+  else scalar_isa::rotate_half(v, cos, sin, head_dim);
 }
 
 template <typename T>
-T to_cache(float v) {
-  if constexpr (std::is_same_v<T, c10::Half>) {
-    constexpr float kMax = 65504.f;  // saturate, as engine/kv_cache.py's to_cache does
-    return T(std::min(std::max(v, -kMax), kMax));
-  } else {
-    return T(v);
-  }
+void store_cache(int64_t isa, T* dst, const float* src, int64_t n) {
+  if (isa >= kAvx512) avx512_isa::store_cache<T>(dst, src, n);
+  else if (isa == kAvx2) avx2_isa::store_cache<T>(dst, src, n);
+  else scalar_isa::store_cache<T>(dst, src, n);
 }
 
+// Rows in chunks of at least ``grain`` over torch's threads: a few rows run
+// inline, below what a parallel region costs.
+template <typename F>
+void over_rows_of(int64_t rows, int64_t grain, const F& f) {
+  parallel_chunks(rows, grain, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) f(r);
+  });
+}
+
+// Rotary on each row's q and k heads (in place in ``qkv``), the new key and
+// value stored at the row's slot, then attention over the row's context:
+// ``out`` [rows, heads * head_dim]. ``key``/``value`` are one layer's pools.
+// Every row's slot is written before any row attends: in a verification the
+// rows of one sequence read each other's.
 template <typename T>
-void attend_rows(const float* qkv, int64_t qkv_stride, const T* key, const T* value, const int64_t* tables,
-                 int64_t table_stride, const int64_t* context_lens, int64_t rows, int64_t heads, int64_t kv_heads,
-                 int64_t head_dim, int64_t block_size, float scale, int64_t isa, float* out) {
-  const int64_t group = heads / kv_heads, token_stride = kv_heads * head_dim;
+void attention_step(float* qkv, T* key, T* value, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                    int64_t block_size, const float* cos, const float* sin, const int64_t* slots,
+                    const int64_t* tables, int64_t table_stride, const int64_t* context_lens, float scale,
+                    int64_t isa, float* out) {
+  const int64_t group = heads / kv_heads, q_width = heads * head_dim, kv_width = kv_heads * head_dim;
+  const int64_t qkv_out = q_width + 2 * kv_width, token_stride = kv_width;
+  constexpr int64_t kRotaryGrain = 8;  // rows: a row's rotary and store are some 200 ns
+  over_rows_of(rows, kRotaryGrain, [&](int64_t r) {
+    float* row = qkv + r * qkv_out;
+    const float *c = cos + r * head_dim, *s = sin + r * head_dim;
+    for (int64_t h = 0; h < heads + kv_heads; ++h) rotate_half(isa, row + h * head_dim, c, s, head_dim);
+    store_cache<T>(isa, key + slots[r] * kv_width, row + q_width, kv_width);
+    store_cache<T>(isa, value + slots[r] * kv_width, row + q_width + kv_width, kv_width);
+  });
   parallel_chunks(rows * kv_heads, 1, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t r = item / kv_heads, kv = item % kv_heads, context = context_lens[r];
       scores.resize(group * context);
       // Query heads kv * group .. (kv + 1) * group - 1 share KV head kv.
-      const float* q = qkv + r * qkv_stride + kv * group * head_dim;
+      const float* q = qkv + r * qkv_out + kv * group * head_dim;
       const T* k = key + kv * head_dim;
       const T* v = value + kv * head_dim;
       const int64_t* table = tables + r * table_stride;
@@ -347,36 +392,6 @@ void attend_rows(const float* qkv, int64_t qkv_stride, const T* key, const T* va
         scalar_isa::attend<T>(q, group, k, v, table, context, block_size, token_stride, head_dim, scale, scores.data(), o);
     }
   });
-}
-
-// Rotary on each row's q and k heads (in place in ``qkv``), the new key and
-// value stored at the row's slot, then attention over the row's context:
-// ``out`` [rows, heads * head_dim]. ``key``/``value`` are one layer's pools.
-template <typename T>
-void attention_step(float* qkv, T* key, T* value, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                    int64_t block_size, const float* cos, const float* sin, const int64_t* slots,
-                    const int64_t* tables, int64_t table_stride, const int64_t* context_lens, float scale,
-                    int64_t isa, float* out) {
-  const int64_t half = head_dim / 2, q_width = heads * head_dim, kv_width = kv_heads * head_dim;
-  const int64_t qkv_out = q_width + 2 * kv_width;
-  std::vector<float> rotated(head_dim);
-  for (int64_t r = 0; r < rows; ++r) {
-    float* row = qkv + r * qkv_out;
-    const float *c = cos + r * head_dim, *s = sin + r * head_dim;
-    for (int64_t h = 0; h < heads + kv_heads; ++h) {  // q and k heads: rotate half
-      float* v = row + h * head_dim;
-      for (int64_t i = 0; i < head_dim; ++i) rotated[i] = v[i] * c[i] + v[(i + half) % head_dim] * s[i];
-      std::copy(rotated.begin(), rotated.end(), v);
-    }
-    T* k_slot = key + slots[r] * kv_width;
-    T* v_slot = value + slots[r] * kv_width;
-    for (int64_t i = 0; i < kv_width; ++i) {
-      k_slot[i] = to_cache<T>(row[q_width + i]);
-      v_slot[i] = to_cache<T>(row[q_width + kv_width + i]);
-    }
-  }
-  attend_rows<T>(qkv, qkv_out, key, value, tables, table_stride, context_lens, rows, heads, kv_heads, head_dim,
-                 block_size, scale, isa, out);
 }
 
 template <typename T>
@@ -403,25 +418,36 @@ torch::Tensor decode_impl(const torch::Tensor& hidden, const std::vector<torch::
   const float *cosp = cos.data_ptr<float>(), *sinp = sin.data_ptr<float>();
   const int64_t* slotp = slots.data_ptr<int64_t>();
 
+  // Rows a chunk of the per-row work takes at least: a row's norm is some
+  // 100 ns, its SwiGLU a microsecond; a parallel region costs a few.
+  constexpr int64_t kNormGrain = 16, kSiluGrain = 4;
+  over_rows_of(rows, kNormGrain, [&](int64_t r) {
+    rms_norm_row(isa, res + r * dim, weights[kInputNorm].data_ptr<float>(), dim, eps, xp + r * dim);
+  });
   for (int64_t l = 0; l < layers; ++l) {
     const torch::Tensor* w = weights.data() + l * kParts;
-    rms_norm(res, w[kInputNorm].data_ptr<float>(), rows, dim, eps, xp);
     Linear{w[kQkv], w[kQkvScale], w[kQkvBias]}(xp, rows, dim, qkvp, isa);
     attention_step<T>(qkvp, key_cache.data_ptr<T>() + l * layer_stride, value_cache.data_ptr<T>() + l * layer_stride,
                       rows, heads, kv_heads, head_dim, block_size, cosp, sinp, slotp, tables.data_ptr<int64_t>(),
                       tables.size(1), context_lens.data_ptr<int64_t>(), scale, isa, attnp);
     Linear{w[kO], w[kOScale], w[kOBias]}(attnp, rows, q_width, projp, isa);
-    for (int64_t i = 0; i < rows * dim; ++i) res[i] += projp[i];
-    rms_norm(res, w[kPostNorm].data_ptr<float>(), rows, dim, eps, xp);
+    over_rows_of(rows, kNormGrain, [&](int64_t r) {  // the residual, then the post-attention norm
+      float* rr = res + r * dim;
+      for (int64_t i = 0; i < dim; ++i) rr[i] += projp[r * dim + i];
+      rms_norm_row(isa, rr, w[kPostNorm].data_ptr<float>(), dim, eps, xp + r * dim);
+    });
     Linear{w[kGateUp], w[kGateUpScale], torch::Tensor()}(xp, rows, dim, gup, isa);
-    for (int64_t r = 0; r < rows; ++r) {
+    over_rows_of(rows, kSiluGrain, [&](int64_t r) {
       const float* g = gup + r * 2 * inter;
-      if (isa >= kAvx512) avx512_isa::silu_mul(g, g + inter, actp + r * inter, inter);
-      else if (isa == kAvx2) avx2_isa::silu_mul(g, g + inter, actp + r * inter, inter);
-      else scalar_isa::silu_mul(g, g + inter, actp + r * inter, inter);
-    }
+      silu_mul(isa, g, g + inter, actp + r * inter, inter);
+    });
     Linear{w[kDown], w[kDownScale], torch::Tensor()}(actp, rows, inter, projp, isa);
-    for (int64_t i = 0; i < rows * dim; ++i) res[i] += projp[i];
+    const float* next_norm = l + 1 < layers ? w[kParts + kInputNorm].data_ptr<float>() : nullptr;
+    over_rows_of(rows, kNormGrain, [&](int64_t r) {  // the residual, then the next layer's input norm
+      float* rr = res + r * dim;
+      for (int64_t i = 0; i < dim; ++i) rr[i] += projp[r * dim + i];
+      if (next_norm != nullptr) rms_norm_row(isa, rr, next_norm, dim, eps, xp + r * dim);
+    });
   }
   return residual;
 }

@@ -183,22 +183,24 @@ inline void vnni_tile(const QuantizedRows& xq, int64_t r0, int64_t k, const uint
 
 // y[rows, out] = x[rows, k] @ W.T on int8 activations, where
 // ``decode(n, channels, panel, stage)`` writes the panel of channels
-// [n, n + channels) (``stage``: its scratch). Rows go in blocks that stay in
-// L2, as in over_panels.
+// [n, n + channels) (``stage``: its scratch of ``stage_bytes``). Rows go in
+// blocks that stay in L2, as in over_panels.
 template <VnniWeights kind, typename Decode>
-inline void vnni_panel_matmul(const float* x, int64_t rows, int64_t k, int64_t out, float* y, const Decode& decode) {
+inline void vnni_panel_matmul(const float* x, int64_t rows, int64_t k, int64_t out, float* y, int64_t stage_bytes,
+                              const Decode& decode) {
   const int64_t groups = k / kGroup;
   const QuantizedRows xq = quantize_rows_q8(x, rows, k, kind == VnniWeights::kQ8 ? 0x80 : 0);
   const int64_t block_rows = std::max<int64_t>(kVnniTileRows, kRowBlockBytes / k / kVnniTileRows * kVnniTileRows);
   parallel_chunks(out, kVnniChannels, kVnniChannels, [&](int64_t n0, int64_t n1) {
-    std::vector<uint8_t> panel(groups * kVnniBlockBytes), stage;
+    uint8_t* panel = thread_scratch(kScratchPanel, groups * kVnniBlockBytes);  // every byte decoded before use
+    uint8_t* stage = thread_scratch(kScratchStage, stage_bytes);
     for (int64_t b0 = 0; b0 < rows; b0 += block_rows) {
       const int64_t block = std::min(block_rows, rows - b0);
       for (int64_t n = n0; n < n1; n += kVnniChannels) {
         const int64_t channels = std::min<int64_t>(kVnniChannels, n1 - n);
-        decode(n, channels, panel.data(), stage);
+        decode(n, channels, panel, stage);
         over_tiles(block, [&](auto r_tag, int64_t r0) {
-          vnni_tile<decltype(r_tag)::value, kind>(xq, b0 + r0, k, panel.data(), groups, y + (b0 + r0) * out + n, out,
+          vnni_tile<decltype(r_tag)::value, kind>(xq, b0 + r0, k, panel, groups, y + (b0 + r0) * out + n, out,
                                                   channels);
         });
       }
@@ -207,25 +209,26 @@ inline void vnni_panel_matmul(const float* x, int64_t rows, int64_t k, int64_t o
 }
 
 // The channels' rows of ``w`` (``row_bytes`` each, ``out`` of them) copied to
-// ``stage`` first: they are one contiguous run, which a copy streams at
+// ``stage`` (room for kVnniChannels rows; only the channels' are read) first:
+// they are one contiguous run, which a copy streams at
 // memory speed, while decoding across 16 rows at once as it reads them
 // stalled on 16 streams of misses (at 32 rows the decode took longer than the
 // products). The next panel's rows are fetched into L2 meanwhile, so that
 // its copy finds them there while this panel's tiles run.
 inline const uint8_t* vnni_staged(const uint8_t* w, int64_t row_bytes, int64_t out, int64_t n, int64_t channels,
-                                  std::vector<uint8_t>& stage) {
-  stage.resize(kVnniChannels * row_bytes);
-  std::memcpy(stage.data(), w + n * row_bytes, channels * row_bytes);
+                                  uint8_t* stage) {
+  std::memcpy(stage, w + n * row_bytes, channels * row_bytes);
   const uint8_t* next = w + (n + channels) * row_bytes;
   const uint8_t* end = w + std::min(out, n + channels + kVnniChannels) * row_bytes;
   for (; next < end; next += 64) _mm_prefetch(reinterpret_cast<const char*>(next), _MM_HINT_T1);
-  return stage.data();
+  return stage;
 }
 
 // y[rows, out] = x[rows, k] @ W.T for W in 4-bit blocks [out, k / 32, 20].
 inline void q4_matmul_vnni(const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t out, float* y) {
   const int64_t groups = k / kGroup, row_bytes = groups * kBlockBytes;
-  vnni_panel_matmul<VnniWeights::kQ4>(x, rows, k, out, y, [&](int64_t n, int64_t channels, uint8_t* panel, auto& stage) {
+  vnni_panel_matmul<VnniWeights::kQ4>(x, rows, k, out, y, kVnniChannels * row_bytes,
+                                      [&](int64_t n, int64_t channels, uint8_t* panel, uint8_t* stage) {
     const uint8_t* rows_of = vnni_staged(w, row_bytes, out, n, channels, stage);
     for (int64_t b = 0; b < groups; ++b) {
       uint8_t* block = panel + b * kVnniBlockBytes;
@@ -244,7 +247,8 @@ inline void q4_matmul_vnni(const float* x, int64_t rows, int64_t k, const uint8_
 inline void q8g_matmul_vnni(const float* x, int64_t rows, int64_t k, const int8_t* w, const float* scale, int64_t out,
                             float* y) {
   const int64_t groups = k / kGroup;
-  vnni_panel_matmul<VnniWeights::kQ8>(x, rows, k, out, y, [&](int64_t n, int64_t channels, uint8_t* panel, auto& stage) {
+  vnni_panel_matmul<VnniWeights::kQ8>(x, rows, k, out, y, kVnniChannels * k,
+                                      [&](int64_t n, int64_t channels, uint8_t* panel, uint8_t* stage) {
     const int8_t* rows_of =
         reinterpret_cast<const int8_t*>(vnni_staged(reinterpret_cast<const uint8_t*>(w), k, out, n, channels, stage));
     for (int64_t b = 0; b < groups; ++b) {
