@@ -94,7 +94,7 @@ inline void rms_norm_row(const float* x, const float* weight, int64_t n, float e
 // One head (``head_dim`` floats, in place) rotated by the rotate-half tables
 // of its position: v[i] * cos[i] + v[i +- half] * sin[i] (``sin`` carries
 // the sign of rotate-half's first half). Two products and a sum, each
-// rounded, as torch's rotary (engine/model.py) computes them: GCC would fuse
+// rounded, as torch's rotary (engine/rotary.py) computes them: GCC would fuse
 // the intrinsics into an FMA, and a prompt's keys (rotated by torch) would
 // then differ in the last bit from a decode step's, which moved near-ties in
 // greedy tokens between a request run alone and in a batch.
