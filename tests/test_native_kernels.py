@@ -454,13 +454,14 @@ def test_native_decode_attention_of_64_wide_heads_matches_paged_attention(isas, 
 def test_native_decode_attention_stores_float16_as_torch_does_and_saturates(isas, head_dim):
     """The new key and value go into a float16 pool as engine/kv_cache.py's
     to_cache puts them (rounded to nearest even, saturating at +-65504), on
-    the vector paths and their scalar tails (24-wide heads); a row alone in
-    its context reads back its own value."""
+    the vector paths and, for 24-wide heads, AVX-512's scalar tail (one KV
+    head: 24 = 16 + 8 values); a row alone in its context reads back its
+    own value."""
     from trioserve.engine.kv_cache import to_cache
     from trioserve.engine.native_attention import BoundAttention, NativeAttention
 
     gen = torch.Generator().manual_seed(3)
-    heads, kv_heads, rows = 4, 2, 3
+    heads, kv_heads, rows = 2, 1, 3
     kv_width = kv_heads * head_dim
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=gen)
     qkv[0, heads * head_dim :] *= 1e6  # row 0's key and value far past float16's range
