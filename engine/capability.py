@@ -143,7 +143,7 @@ def _native_probes(
             name.format(isa),
             what.format(isa),
             functools.partial(trial, isa),
-            needs="default" if isa == "scalar" else isa,
+            needs=native.ISA_LEVEL.get(isa, isa),
             requirement=native.ISA_REQUIREMENTS[isa],
         )
         for isa in order

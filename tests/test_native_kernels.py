@@ -47,17 +47,24 @@ def test_the_library_is_built_for_this_source_and_runs_scalar_everywhere(isas):
 
 # csrc/panel.h's kPanelFromRows: from this many rows the AVX-512 variants run
 # panels, avx512bf16 and, called from the model's layers, avx512vnni with
-# bfloat16 products (int4_native.call_isa); below it the 4-bit kernel of
-# avx512vnni rounds the activations to int8 in groups of 32. The op itself,
-# called with avx512vnni from 10 rows (as the fused decode step does), runs
-# the VNNI panels on int8 activations (csrc/panel_vnni.h).
+# bfloat16 products (int4_native.call_isa); below it the 4-bit kernels of
+# avx512vnni and avx2int8 round the activations to int8 in groups of 32
+# (avx2int8 takes avx2's float32 kernel from 10 rows in the layers). The op
+# itself, called with avx512vnni from 10 rows (as the fused decode step does),
+# runs the VNNI panels on int8 activations (csrc/panel_vnni.h), and with
+# avx2int8 its int8 rows at any count.
 PANEL_FROM_ROWS = int4_native.PANEL_FROM_ROWS
 BF16_PANELS = ("avx512bf16", "avx512vnni")
+# The variants whose 4-bit row kernels take int8 activations.
+INT8_ROWS = ("avx512vnni", "avx2int8")
 
 
-def int8_activations(isa: str, rows: int, bits: int) -> bool:
-    """Whether a linear's call of ``rows`` rows on ``isa`` rounds its activations to int8."""
-    return isa == "avx512vnni" and bits == 4 and rows < PANEL_FROM_ROWS
+def int8_activations(isa: str, rows: int, bits: int, q8_0: bool = False) -> bool:
+    """Whether a linear's call of ``rows`` rows on ``isa`` rounds its
+    activations to int8 (``q8_0``: int8 weights in groups of 32, which
+    avx2int8's row kernel takes on int8 activations too)."""
+    takes = bits == 4 or (q8_0 and isa == "avx2int8")
+    return isa in INT8_ROWS and takes and rows < PANEL_FROM_ROWS
 
 
 def assert_matches(
@@ -68,6 +75,7 @@ def assert_matches(
     isa: str,
     *,
     bits: int = 8,
+    q8_0: bool = False,
 ) -> None:
     """``got`` is ``x @ w.T + b`` up to the order of the sums; for bfloat16
     panels, up to rounding each input and weight to bfloat16 (at most 2**-8
@@ -75,7 +83,7 @@ def assert_matches(
     activations, up to rounding each input by at most half its group's step
     (amax / 127)."""
     want = F.linear(x, w, b)
-    if int8_activations(isa, x.shape[0], bits):
+    if int8_activations(isa, x.shape[0], bits, q8_0):
         groups = x.view(x.shape[0], -1, 32)
         half_step = (groups.abs().amax(-1, keepdim=True) / 254).expand_as(groups).reshape(x.shape)
         bound = (half_step @ w.abs().T) * 1.01 + 1e-5
@@ -127,30 +135,40 @@ def rounded_rows(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(groups * scale).clamp(-127, 127) * (amax / 127)).reshape(x.shape)
 
 
-def test_the_vnni_4bit_rows_round_only_the_activations_and_each_row_alone(isas):
-    """avx512vnni's 4-bit row kernel: an odd number of blocks (a lone last
-    block), 1 to 9 rows (passes of 8 and a remainder), a group of zeros (no
-    step to divide by): within half an int8 step of each activation, and
-    every row exactly what it gives alone, so a batch or a speculative
-    step's verified rows never change a sequence's result."""
-    if "avx512vnni" not in isas:
-        pytest.skip("this CPU lacks AVX512_VNNI (or AVX512_BF16)")
+@pytest.mark.parametrize("variant", INT8_ROWS)
+def test_the_int8_4bit_rows_round_only_the_activations_and_each_row_alone(isas, variant):
+    """avx512vnni's and avx2int8's 4-bit row kernels: an odd number of blocks
+    (a lone last block), 1 to 9 rows (passes of 8 or 4 and a remainder), a
+    group of zeros (no step to divide by): within half an int8 step of each
+    activation, and every row exactly what it gives alone, so a batch or a
+    speculative step's verified rows never change a sequence's result. The
+    op called with avx2int8 at more rows (as the fused decode step does) runs
+    the same rows; from the model's layers those take avx2's float32 kernel."""
+    if variant not in isas:
+        pytest.skip(f"this CPU cannot run {variant} ({native.ISA_REQUIREMENTS[variant]})")
     gen = torch.Generator().manual_seed(3)
     for k in (32, 96, 160, 576):
         q4 = quantize_int4(torch.randn(37, k, generator=gen), 32)
-        linear = int4_native.Int4NativeLinear.from_rtn(q4, None, "avx512vnni")
+        linear = int4_native.Int4NativeLinear.from_rtn(q4, None, variant)
         for rows in range(1, PANEL_FROM_ROWS):
             x = torch.randn(rows, k, generator=gen)
             if k > 32:
                 x[0, :32] = 0.0
             got = linear(x)
-            assert_matches(got, x, q4.dequantize(), None, "avx512vnni", bits=4)
+            assert_matches(got, x, q4.dequantize(), None, variant, bits=4)
             # The rounded rows' matmul, m against the rounded sums too.
             want = F.linear(rounded_rows(x), q4.dequantize())
             assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (k, rows)
             alone = torch.cat([linear(x[r : r + 1]) for r in range(rows)])
             assert torch.equal(got, alone), (k, rows)
         assert torch.equal(linear(torch.zeros(2, k)), torch.zeros(2, 37))
+        if variant == "avx2int8":
+            x = torch.randn(13, k, generator=gen)
+            fused = native.ops().q4_linear(x, linear.blocks, native.ISAS[variant])
+            assert torch.equal(fused[:4], linear(x[:4])), k
+            assert (fused - F.linear(rounded_rows(x), q4.dequantize())).abs().max() <= 1e-5 * fused.abs().max(), k
+            assert_matches(linear(x), x, q4.dequantize(), None, "avx2", bits=4)
+            assert torch.equal(linear(x), int4_native.Int4NativeLinear.from_rtn(q4, None, "avx2")(x)), k
 
 
 def test_the_vnni_panels_compute_exactly_the_rounded_rows_and_each_row_alone(isas):
@@ -290,9 +308,9 @@ def test_the_fused_decode_step_computes_what_the_layers_do(isas, checkpoint, tmp
             chunks = [SeqChunk([tok], n + step, t) for tok, n, t in zip(tokens, lengths, tables)]
             assert made.decode.runs([1, 1, 1], caches[0].key.dtype)
             fused, ref = _fused_and_layered(model, layered, caches, chunks)
-            # int8 activations (avx512vnni) round what the two paths' last-bit
-            # differences feed them to different steps now and then.
-            tol = 1e-4 if cache_dtype == torch.float32 and isa != "avx512vnni" else 2e-2
+            # int8 activations (avx512vnni, avx2int8) round what the two paths'
+            # last-bit differences feed them to different steps now and then.
+            tol = 1e-4 if cache_dtype == torch.float32 and isa not in INT8_ROWS else 2e-2
             assert (fused - ref).abs().max() <= tol * ref.abs().max(), (isa, step)
             assert torch.equal(fused.argmax(-1), ref.argmax(-1)), (isa, step)
             for a, b in ((caches[0].key, caches[1].key), (caches[0].value, caches[1].value)):
@@ -517,15 +535,16 @@ def test_a_q8_0_head_runs_on_the_stored_values_without_a_copy(isas):
         assert head.weight.q.data_ptr() == q.data_ptr()
         for rows in (1, 7, 12, int4_native.DEQUANTIZE_FROM_ROWS + 1):
             x = torch.randn(rows, 96, generator=gen)
-            assert_matches(head(x), x, table.dequantize(), None, isa)
+            assert_matches(head(x), x, table.dequantize(), None, isa, q8_0=True)
     with pytest.raises(ValueError, match="groups of 32"):
         int8_native.Int8GroupNativeLinear.over(Int8GroupWeight(q, torch.rand(40, 6), 16), isas[0])
 
 
-def test_a_decode_steps_lm_head_runs_the_vnni_panels_and_a_prompts_the_bfloat16_ones(isas):
+def test_a_decode_steps_lm_head_runs_int8_activations_and_a_prompts_the_wider_ones(isas):
     """On avx512vnni the fused decode step's LM head (native_decode.decode_head)
-    runs the int8 panels at any batch size; the head a prompt's logits use
-    runs the bfloat16 panels from 10 rows. Elsewhere there is no second head."""
+    runs the int8 panels at any batch size, on avx2int8 the int8 rows; the
+    head a prompt's logits use runs the bfloat16 panels (float32 activations
+    on avx2int8) from 10 rows. Elsewhere there is no second head."""
     from trioserve.engine.quant.native_decode import decode_head
     from trioserve.engine.quant.rtn import Int8GroupWeight
 
@@ -536,10 +555,17 @@ def test_a_decode_steps_lm_head_runs_the_vnni_panels_and_a_prompts_the_bfloat16_
     for isa in isas:
         head = int8_native.Int8GroupNativeLinear.over(table, isa)
         decoding = decode_head(head)
-        if isa != "avx512vnni":
+        if isa not in INT8_ROWS:
             assert decoding is None
             continue
         assert decoding.weight is head.weight
         assert torch.equal(decoding(x), native.ops().q8g_linear(x, table.q, table.scale, native.ISAS[isa]))
-        assert torch.equal(head(x), native.ops().q8g_linear(x, table.q, table.scale, native.ISAS["avx512bf16"]))
+        wider = "avx512bf16" if isa == "avx512vnni" else "avx2"
+        assert torch.equal(head(x), native.ops().q8g_linear(x, table.q, table.scale, native.ISAS[wider]))
         assert not torch.equal(decoding(x), head(x))
+        if isa == "avx2int8":
+            # Its int8 rows: the rounded rows' matmul, each row as alone.
+            want = F.linear(rounded_rows(x), table.dequantize())
+            assert (decoding(x) - want).abs().max() <= 1e-5 * want.abs().max()
+            assert torch.equal(decoding(x)[:3], head(x[:3]))
+            assert torch.equal(head(x[:3]), torch.cat([head(x[r : r + 1]) for r in range(3)]))

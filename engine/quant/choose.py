@@ -79,10 +79,14 @@ def _native(bits: int, isa: str, what: str) -> Kernel:
     # avx512vnni rounds a 4-bit call's activations to int8 below 10 rows and
     # in decode steps at any batch size (csrc/kernels.h's q4_rows_vnni,
     # csrc/panel_vnni.h; int4_native.call_isa); its kernels of int8 per
-    # channel run as avx512bf16's.
-    # Called from the model's layers (a prompt), both run bfloat16 panels from 10 rows.
+    # channel run as avx512bf16's. avx2int8 does the same on AVX2
+    # (q4_rows_avx2_int8), its other kernels running as avx2's.
+    # Called from the model's layers (a prompt), the VNNI variant's run
+    # bfloat16 panels from 10 rows, avx2int8's float32 activations.
     if bits == 4 and isa == "avx512vnni":
         activations = "int8 activations in decode steps, bfloat16 products in prompts from 10 rows"
+    elif bits == 4 and isa == "avx2int8":
+        activations = "int8 activations in decode steps, float32 in prompts from 10 rows"
     elif isa in ("avx512bf16", "avx512vnni"):
         activations = "float32 activations, bfloat16 products from 10 rows"
     else:

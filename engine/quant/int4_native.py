@@ -33,6 +33,7 @@ PANEL_ISAS = frozenset({native.ISAS["avx512"], native.ISAS["avx512bf16"], native
 # csrc/panel.h's kPanelFromRows: the AVX-512 variants' panels run from this many rows.
 PANEL_FROM_ROWS = 10
 _VNNI, _BF16 = native.ISAS["avx512vnni"], native.ISAS["avx512bf16"]
+_AVX2_INT8, _AVX2 = native.ISAS["avx2int8"], native.ISAS["avx2"]
 
 
 def call_isa(isa: int, rows: int) -> int:
@@ -46,8 +47,11 @@ def call_isa(isa: int, rows: int) -> int:
     instead: with int8 activations in the prompt the default model's
     greedy answer to "What is the capital of France?" left Paris (as
     llama-server's does), and a prompt's perplexity rose from +0.03% to
-    +0.40% of float32's (docs/benchmarks.md)."""
-    return _BF16 if isa == _VNNI and rows >= PANEL_FROM_ROWS else isa
+    +0.40% of float32's (docs/benchmarks.md). ``avx2int8`` likewise takes
+    ``avx2``'s float32 activations there."""
+    if rows >= PANEL_FROM_ROWS and isa in (_VNNI, _AVX2_INT8):
+        return _BF16 if isa == _VNNI else _AVX2
+    return isa
 
 
 def dequantizes(isa: int, rows: int) -> bool:
@@ -83,8 +87,9 @@ class Int4NativeLinear:
     out_features: int
     isa: int
     ops: object  # torch.ops.trioserve, loaded
-    # avx512vnni's int8 panels at any row count (a decode step's LM head,
-    # native_decode.decode_head), not only below 10 rows (call_isa).
+    # avx512vnni's int8 panels, or avx2int8's int8 rows, at any row count (a
+    # decode step's LM head, native_decode.decode_head), not only below 10
+    # rows (call_isa).
     int8_panels: bool = False
 
     @classmethod

@@ -32,23 +32,28 @@ LIBRARY_NAME = "trioserve_native"
 SWITCH_ENV = "TRIOSERVE_NATIVE_KERNELS"
 CFLAGS = ("-O3", "-fopenmp")
 # The ``isa`` argument of the library's kernels, lowest first.
-# ``avx512bf16`` is AVX-512 with the many-row panels in bfloat16 products
+# ``avx2int8`` is AVX2 with int8 activations against 4-bit weights in
+# decode steps and calls below 10 rows (csrc/kernels.h's q4_rows_avx2_int8),
+# ``avx512bf16`` AVX-512 with the many-row panels in bfloat16 products
 # (csrc/panel.h), and ``avx512vnni`` that with int8 activations against the
 # weights stored in groups of 32, 4-bit and Q8_0 (csrc/kernels.h's
 # q4_rows_vnni, csrc/panel_vnni.h; int4_native.call_isa says which calls);
 # only the linears have them.
-ISAS = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3, "avx512vnni": 4}
+ISAS = {"scalar": 0, "avx2": 1, "avx2int8": 2, "avx512": 3, "avx512bf16": 4, "avx512vnni": 5}
 # The variants best first, the order in which a caller takes the first that works.
 ISA_ORDER = ("avx512", "avx2", "scalar")
-LINEAR_ISA_ORDER = ("avx512vnni", "avx512bf16", *ISA_ORDER)
+LINEAR_ISA_ORDER = ("avx512vnni", "avx512bf16", "avx512", "avx2int8", "avx2", "scalar")
 # What each variant needs of the CPU, in words (``capability.Probe.requirement``).
 ISA_REQUIREMENTS = {
     "avx512vnni": "AVX-512 F/BW/VL, AVX512_BF16 and AVX512_VNNI",
     "avx512bf16": "AVX-512 F/BW and AVX512_BF16",
     "avx512": "AVX-512 F/BW",
+    "avx2int8": "AVX2, FMA and F16C",
     "avx2": "AVX2, FMA and F16C",
     "scalar": None,
 }
+# The CPU level (``capability.ISA_LEVELS``) each variant needs, where its name is not one.
+ISA_LEVEL = {"scalar": "default", "avx2int8": "avx2"}
 
 
 class NativeUnavailable(RuntimeError):

@@ -27,6 +27,7 @@ from .row_split import RowSplitLinear
 from ..native_attention import CACHE_DTYPES, MAX_QUERY_TOKENS
 NativeLinear = Int4NativeLinear | Int8NativeLinear
 _EMPTY = torch.empty(0)
+_INT8_HEADS = frozenset({native.ISAS["avx512vnni"], native.ISAS["avx2int8"]})
 
 
 def _native(linear: object) -> tuple[NativeLinear, int] | None:
@@ -138,12 +139,13 @@ def _bias(linear: NativeLinear) -> torch.Tensor:
 
 
 def decode_head(head: object) -> object | None:
-    """The LM head for a decode step's logits: ``head`` on avx512vnni's int8
-    panels at any batch size (csrc/panel_vnni.h; 6 against 9 ms at 32 rows
-    in bfloat16 panels), where it is a native 4-bit or Q8_0 linear on that
-    variant; else None (``head`` itself serves). A prompt's logits keep
-    ``head``, whose calls of 10 rows or more run bfloat16 panels
+    """The LM head for a decode step's logits: ``head`` on int8 activations
+    at any batch size, where it is a native 4-bit or Q8_0 linear on a
+    variant that has them: avx512vnni's int8 panels (csrc/panel_vnni.h; 6
+    against 9 ms at 32 rows in bfloat16 panels), avx2int8's int8 rows; else
+    None (``head`` itself serves). A prompt's logits keep ``head``, whose
+    calls of 10 rows or more run bfloat16 panels or float32 activations
     (``int4_native.call_isa``)."""
-    if isinstance(head, Int4NativeLinear | Int8GroupNativeLinear) and head.isa == native.ISAS["avx512vnni"]:
+    if isinstance(head, Int4NativeLinear | Int8GroupNativeLinear) and head.isa in _INT8_HEADS:
         return attrs.evolve(head, int8_panels=True)
     return None

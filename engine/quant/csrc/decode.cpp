@@ -319,26 +319,26 @@ void check_linear(const torch::Tensor& w, const torch::Tensor& scale, const torc
 // The per-row work of attend.h on this ISA's vectors.
 void rms_norm_row(int64_t isa, const float* x, const float* weight, int64_t n, float eps, float* y) {
   if (isa >= kAvx512) avx512_isa::rms_norm_row(x, weight, n, eps, y);
-  else if (isa == kAvx2) avx2_isa::rms_norm_row(x, weight, n, eps, y);
+  else if (isa >= kAvx2) avx2_isa::rms_norm_row(x, weight, n, eps, y);
   else scalar_isa::rms_norm_row(x, weight, n, eps, y);
 }
 
 void silu_mul(int64_t isa, const float* gate, const float* up, float* out, int64_t n) {
   if (isa >= kAvx512) avx512_isa::silu_mul(gate, up, out, n);
-  else if (isa == kAvx2) avx2_isa::silu_mul(gate, up, out, n);
+  else if (isa >= kAvx2) avx2_isa::silu_mul(gate, up, out, n);
   else scalar_isa::silu_mul(gate, up, out, n);
 }
 
 void rotate_half(int64_t isa, float* v, const float* cos, const float* sin, int64_t head_dim) {
   if (isa >= kAvx512) avx512_isa::rotate_half(v, cos, sin, head_dim);
-  else if (isa == kAvx2) avx2_isa::rotate_half(v, cos, sin, head_dim);
+  else if (isa >= kAvx2) avx2_isa::rotate_half(v, cos, sin, head_dim);
   else scalar_isa::rotate_half(v, cos, sin, head_dim);
 }
 
 template <typename T>
 void store_cache(int64_t isa, T* dst, const float* src, int64_t n) {
   if (isa >= kAvx512) avx512_isa::store_cache<T>(dst, src, n);
-  else if (isa == kAvx2) avx2_isa::store_cache<T>(dst, src, n);
+  else if (isa >= kAvx2) avx2_isa::store_cache<T>(dst, src, n);
   else scalar_isa::store_cache<T>(dst, src, n);
 }
 

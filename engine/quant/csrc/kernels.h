@@ -25,22 +25,26 @@ constexpr int64_t kBlockBytes = 20;  // float16 d, float16 m, 16 bytes of nibble
 constexpr int kMaxRows = 8;
 constexpr int kMaxRowsAvx2 = 4;
 
-// kAvx512Bf16 runs the AVX-512 row kernels, and from kPanelFromRows rows the
-// bfloat16 panels of panel.h in place of the float32 ones. kAvx512Vnni is
-// kAvx512Bf16 whose kernels for weights in groups of 32 (4-bit, and int8 in
-// groups: GGUF's Q8_0) multiply int8 activations with VPDPBUSD: the 4-bit
-// row kernel (q4_rows_vnni) and the panels of panel_vnni.h (which Python
-// calls only for decode steps: int4_native.call_isa). Its kernels of
-// int8 per channel, and its Q8_0 rows below kPanelFromRows, run as on
-// kAvx512Bf16.
-enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAvx512Vnni = 4 };
+// kAvx2Int8 is kAvx2 whose kernels for weights in groups of 32 (4-bit and
+// Q8_0) multiply int8 activations (VPMADDUBSW and VPMADDWD:
+// q4_rows_avx2_int8, q8g_rows_avx2_int8) at any row count; Python calls them
+// so for decode steps and below kPanelFromRows rows (int4_native.call_isa).
+// Its kernels of int8 per channel run as kAvx2's. kAvx512Bf16 runs the
+// AVX-512 row kernels, and from kPanelFromRows rows the bfloat16 panels of
+// panel.h in place of the float32 ones. kAvx512Vnni is kAvx512Bf16 whose
+// kernels for weights in groups of 32 (4-bit, and int8 in groups: GGUF's
+// Q8_0) multiply int8 activations with VPDPBUSD: the 4-bit row kernel
+// (q4_rows_vnni) and the panels of panel_vnni.h (which Python calls only
+// for decode steps: int4_native.call_isa). Its kernels of int8 per channel,
+// and its Q8_0 rows below kPanelFromRows, run as on kAvx512Bf16.
+enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx2Int8 = 2, kAvx512 = 3, kAvx512Bf16 = 4, kAvx512Vnni = 5 };
 
 inline int64_t supported_isas() {
   int64_t bits = 1 << kScalar;
   __builtin_cpu_init();
   // F16C converts the 4-bit blocks' float16 scales; every AVX-512 CPU has it.
   const bool f16c = __builtin_cpu_supports("f16c");
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c) bits |= 1 << kAvx2;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c) bits |= (1 << kAvx2) | (1 << kAvx2Int8);
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && f16c) {
     bits |= 1 << kAvx512;
     if (__builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16")) {
@@ -286,14 +290,53 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline void quantize_row_q8
   }
 }
 
-inline QuantizedRows quantize_rows_q8(const float* x, int64_t rows, int64_t k, uint8_t flip = 0) {
+// quantize_row_q8 (flip 0) in AVX2, to the same bytes and steps: the same
+// largest magnitude, reciprocal and rounding (to nearest even), and an exact
+// integer sum.
+__attribute__((target("avx2,fma,f16c"))) inline void quantize_row_q8_avx2(const float* x, int64_t k, int8_t* q,
+                                                                      float* step) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  // _mm256_packs_epi32 then _epi16 interleave the four vectors by 128-bit
+  // lane; this puts their 4-value pieces back in order.
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t g = 0; g < k / kGroup; ++g) {
+    const float* p = x + g * kGroup;
+    __m256 v[4];
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(p + 8 * i);
+    const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                   _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+    const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    __m256i r[4];
+    for (int i = 0; i < 4; ++i) r[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + g * kGroup), _mm256_permutevar8x32_epi32(bytes, order));
+    const __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    const float dx = amax / 127.f;
+    step[2 * g] = dx;
+    step[2 * g + 1] = dx * float(_mm_cvtsi128_si32(s));
+  }
+}
+
+// ``isa`` kAvx2Int8 rounds on AVX2 (flip must be 0), any other on AVX-512.
+inline QuantizedRows quantize_rows_q8(const float* x, int64_t rows, int64_t k, uint8_t flip = 0,
+                                      int64_t isa = kAvx512Vnni) {
   const int64_t groups = k / kGroup;
   QuantizedRows out{std::vector<int8_t>(rows * k), std::vector<float>(rows * groups * 2)};
   // A prefill chunk's rows across the threads; a decode step's 32 rows take
   // microseconds, less than a parallel region costs.
   parallel_chunks(rows, 64, 1, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      quantize_row_q8(x + r * k, k, out.q.data() + r * k, out.step.data() + r * groups * 2, flip);
+    for (int64_t r = r0; r < r1; ++r) {
+      int8_t* q = out.q.data() + r * k;
+      float* step = out.step.data() + r * groups * 2;
+      if (isa == kAvx2Int8) quantize_row_q8_avx2(x + r * k, k, q, step);
+      else quantize_row_q8(x + r * k, k, q, step, flip);
+    }
   });
   return out;
 }
@@ -363,6 +406,54 @@ void q4_rows_vnni(const QuantizedRows& xq, int64_t r0, int64_t k, const uint8_t*
   }
 }
 #pragma GCC pop_options
+
+// ---- 4-bit against int8 activations (AVX2) ---------------------------------
+// q4_rows_vnni's arithmetic without VPDPBUSD: VPMADDUBSW multiplies the 32
+// nibbles (unsigned) by the 32 rounded activations (signed) and adds pairs in
+// int16 (at most 2 x 15 x 127, so never saturating), VPMADDWD adds those
+// pairs in int32; the block's dot is exact, and d dx and m dx sum qx are
+// applied once per block. At one row the float kernel (q4_rows_avx2) widens
+// every nibble to a float and runs two FMAs per 8 weights: on a Zen 1 core,
+// which splits 256-bit operations in two, it took 20.7 ms for the default
+// model's matmuls of a token against llama-server's whole 15.8 ms step.
+
+template <int R>
+__attribute__((target("avx2,fma,f16c"))) void q4_rows_avx2_int8(const QuantizedRows& xq, int64_t r0, int64_t k,
+                                                          const uint8_t* w, int64_t groups, int64_t n0, int64_t n1,
+                                                          float* y, int64_t ldy) {
+  const int8_t* qx = xq.q.data() + r0 * k;
+  const float* step = xq.step.data() + r0 * groups * 2;
+  const __m128i low = _mm_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * groups * kBlockBytes;
+    // Each row's sums in the same order at every row count: a row's result
+    // does not depend on the rows it runs with.
+    __m256 acc[R];
+    __m128 accm[R];  // lane 1: m dx sum qx; lane 0 collects d dx, never read
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm256_setzero_ps();
+      accm[r] = _mm_setzero_ps();
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* p = row + g * kBlockBytes;
+      const __m128 dm = block_dm(p);  // d m 0 0
+      const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4));
+      // Elements 0..15 (low nibbles), then 16..31 (high ones).
+      const __m256i wq = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(qs, low)),
+                                                 _mm_and_si128(_mm_srli_epi16(qs, 4), low), 1);
+      for (int r = 0; r < R; ++r) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + r * k + g * kGroup));
+        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wq, xv), ones);
+        const __m128 xs = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(step + r * 2 * groups + 2 * g)));
+        const __m128 s = _mm_mul_ps(dm, xs);  // d dx, m dx sum qx
+        accm[r] = _mm_add_ps(accm[r], s);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcastss_ps(s), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) y[r * ldy + n] = hsum256(acc[r]) + _mm_cvtss_f32(_mm_movehdup_ps(accm[r]));
+  }
+}
 
 // ---- int8 per channel ----------------------------------------------------
 
@@ -483,6 +574,37 @@ __attribute__((target("avx2,fma,f16c"))) void q8g_rows_avx2(const float* x, int6
   }
 }
 
+// Q8_0 against int8 activations (kAvx2Int8): the weights are signed, so
+// VPMADDUBSW takes their magnitudes against the activations given the
+// weights' signs (VPSIGNB; at most 2 x 128 x 127 a pair, inside int16). The
+// LM head of a one-stream step (49,152 x 576 for the default model) took a
+// fifth of that step in the float kernel above.
+template <int R>
+__attribute__((target("avx2,fma,f16c"))) void q8g_rows_avx2_int8(const QuantizedRows& xq, int64_t r0, int64_t k,
+                                                           const int8_t* w, const float* scale, int64_t n0,
+                                                           int64_t n1, float* y, int64_t ldy) {
+  const int64_t groups = k / kGroup;
+  const int8_t* qx = xq.q.data() + r0 * k;
+  const float* step = xq.step.data() + r0 * groups * 2;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t n = n0; n < n1; ++n) {
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + n * k + g * kGroup));
+      const __m256i magnitude = _mm256_abs_epi8(q);
+      const __m256 d = _mm256_broadcast_ss(scale + n * groups + g);
+      for (int r = 0; r < R; ++r) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + r * k + g * kGroup));
+        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xv, q)), ones);
+        const __m256 dx = _mm256_broadcast_ss(step + r * 2 * groups + 2 * g);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, dx), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) y[r * ldy + n] = hsum256(acc[r]);
+  }
+}
+
 template <int R>
 __attribute__((target("avx512f,avx512bw,f16c"))) void q8g_rows_avx512(const float* x, int64_t ldx, const int8_t* w,
                                                                 const float* scale, int64_t k, int64_t n0,
@@ -527,6 +649,7 @@ inline void check_isa(int64_t isa) {
               isa == kAvx512Vnni   ? " (AVX-512 F/BW/VL, BF16 and VNNI)"
               : isa == kAvx512Bf16 ? " (AVX-512 F/BW and BF16)"
               : isa == kAvx512   ? " (AVX-512 F/BW)"
+              : isa == kScalar   ? ""
                                  : " (AVX2, FMA and F16C)");
 }
 
@@ -580,13 +703,21 @@ inline void q4_matmul(const float* x, int64_t rows, int64_t k, const uint8_t* w,
     });
     return;
   }
+  if (isa == kAvx2Int8) {
+    const QuantizedRows xq = quantize_rows_q8(x, rows, k, 0, isa);
+    over_rows(rows, out, isa, [&](auto r_tag, int64_t r0, int64_t n0, int64_t n1) {
+      constexpr int R = decltype(r_tag)::value;
+      if constexpr (R <= kMaxRowsAvx2) q4_rows_avx2_int8<R>(xq, r0, k, w, groups, n0, n1, y + r0 * out, out);
+    });
+    return;
+  }
   over_rows(rows, out, isa, [&](auto r_tag, int64_t r0, int64_t n0, int64_t n1) {
     constexpr int R = decltype(r_tag)::value;
     const float* xr = x + r0 * k;
     float* yr = y + r0 * out;
     if (isa >= kAvx512) q4_rows_avx512<R>(xr, k, w, groups, n0, n1, yr, out);
     else if constexpr (R <= kMaxRowsAvx2) {
-      if (isa == kAvx2) q4_rows_avx2<R>(xr, k, w, groups, n0, n1, yr, out);
+      if (isa >= kAvx2) q4_rows_avx2<R>(xr, k, w, groups, n0, n1, yr, out);
       else q4_rows_scalar<R>(xr, k, w, groups, n0, n1, yr, out);
     }
   });
@@ -607,7 +738,7 @@ inline void q8_matmul(const float* x, int64_t rows, int64_t k, const int8_t* w, 
     float* yr = y + r0 * out;
     if (isa >= kAvx512) q8_rows_avx512<R>(xr, k, w, scale, k, n0, n1, yr, out);
     else if constexpr (R <= kMaxRowsAvx2) {
-      if (isa == kAvx2) q8_rows_avx2<R>(xr, k, w, scale, k, n0, n1, yr, out);
+      if (isa >= kAvx2) q8_rows_avx2<R>(xr, k, w, scale, k, n0, n1, yr, out);
       else q8_rows_scalar<R>(xr, k, w, scale, k, n0, n1, yr, out);
     }
   });
@@ -630,13 +761,21 @@ inline void q8g_matmul(const float* x, int64_t rows, int64_t k, const int8_t* w,
         });
     return;
   }
+  if (isa == kAvx2Int8) {
+    const QuantizedRows xq = quantize_rows_q8(x, rows, k, 0, isa);
+    over_rows(rows, out, isa, [&](auto r_tag, int64_t r0, int64_t n0, int64_t n1) {
+      constexpr int R = decltype(r_tag)::value;
+      if constexpr (R <= kMaxRowsAvx2) q8g_rows_avx2_int8<R>(xq, r0, k, w, scale, n0, n1, y + r0 * out, out);
+    });
+    return;
+  }
   over_rows(rows, out, isa, [&](auto r_tag, int64_t r0, int64_t n0, int64_t n1) {
     constexpr int R = decltype(r_tag)::value;
     const float* xr = x + r0 * k;
     float* yr = y + r0 * out;
     if (isa >= kAvx512) q8g_rows_avx512<R>(xr, k, w, scale, k, n0, n1, yr, out);
     else if constexpr (R <= kMaxRowsAvx2) {
-      if (isa == kAvx2) q8g_rows_avx2<R>(xr, k, w, scale, k, n0, n1, yr, out);
+      if (isa >= kAvx2) q8g_rows_avx2<R>(xr, k, w, scale, k, n0, n1, yr, out);
       else q8g_rows_scalar<R>(xr, k, w, scale, k, n0, n1, yr, out);
     }
   });
