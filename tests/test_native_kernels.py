@@ -59,12 +59,9 @@ BF16_PANELS = ("avx512bf16", "avx512vnni")
 INT8_ROWS = ("avx512vnni", "avx2int8")
 
 
-def int8_activations(isa: str, rows: int, bits: int, q8_0: bool = False) -> bool:
-    """Whether a linear's call of ``rows`` rows on ``isa`` rounds its
-    activations to int8 (``q8_0``: int8 weights in groups of 32, which
-    avx2int8's row kernel takes on int8 activations too)."""
-    takes = bits == 4 or (q8_0 and isa == "avx2int8")
-    return isa in INT8_ROWS and takes and rows < PANEL_FROM_ROWS
+def int8_activations(isa: str, rows: int, bits: int) -> bool:
+    """Whether a linear's call of ``rows`` rows on ``isa`` rounds its activations to int8."""
+    return isa in INT8_ROWS and bits == 4 and rows < PANEL_FROM_ROWS
 
 
 def assert_matches(
@@ -75,7 +72,6 @@ def assert_matches(
     isa: str,
     *,
     bits: int = 8,
-    q8_0: bool = False,
 ) -> None:
     """``got`` is ``x @ w.T + b`` up to the order of the sums; for bfloat16
     panels, up to rounding each input and weight to bfloat16 (at most 2**-8
@@ -83,7 +79,7 @@ def assert_matches(
     activations, up to rounding each input by at most half its group's step
     (amax / 127)."""
     want = F.linear(x, w, b)
-    if int8_activations(isa, x.shape[0], bits, q8_0):
+    if int8_activations(isa, x.shape[0], bits):
         groups = x.view(x.shape[0], -1, 32)
         half_step = (groups.abs().amax(-1, keepdim=True) / 254).expand_as(groups).reshape(x.shape)
         bound = (half_step @ w.abs().T) * 1.01 + 1e-5
@@ -535,7 +531,7 @@ def test_a_q8_0_head_runs_on_the_stored_values_without_a_copy(isas):
         assert head.weight.q.data_ptr() == q.data_ptr()
         for rows in (1, 7, 12, int4_native.DEQUANTIZE_FROM_ROWS + 1):
             x = torch.randn(rows, 96, generator=gen)
-            assert_matches(head(x), x, table.dequantize(), None, isa, q8_0=True)
+            assert_matches(head(x), x, table.dequantize(), None, isa)
     with pytest.raises(ValueError, match="groups of 32"):
         int8_native.Int8GroupNativeLinear.over(Int8GroupWeight(q, torch.rand(40, 6), 16), isas[0])
 
@@ -543,8 +539,9 @@ def test_a_q8_0_head_runs_on_the_stored_values_without_a_copy(isas):
 def test_a_decode_steps_lm_head_runs_int8_activations_and_a_prompts_the_wider_ones(isas):
     """On avx512vnni the fused decode step's LM head (native_decode.decode_head)
     runs the int8 panels at any batch size, on avx2int8 the int8 rows; the
-    head a prompt's logits use runs the bfloat16 panels (float32 activations
-    on avx2int8) from 10 rows. Elsewhere there is no second head."""
+    head a prompt's logits use runs the bfloat16 panels from 10 rows (on
+    avx2int8 float32 activations at any count). Elsewhere there is no second
+    head."""
     from trioserve.engine.quant.native_decode import decode_head
     from trioserve.engine.quant.rtn import Int8GroupWeight
 
@@ -564,8 +561,9 @@ def test_a_decode_steps_lm_head_runs_int8_activations_and_a_prompts_the_wider_on
         assert torch.equal(head(x), native.ops().q8g_linear(x, table.q, table.scale, native.ISAS[wider]))
         assert not torch.equal(decoding(x), head(x))
         if isa == "avx2int8":
-            # Its int8 rows: the rounded rows' matmul, each row as alone.
+            # Its int8 rows: the rounded rows' matmul, each row as alone; a
+            # prompt's head keeps float32 activations at few rows too.
             want = F.linear(rounded_rows(x), table.dequantize())
             assert (decoding(x) - want).abs().max() <= 1e-5 * want.abs().max()
-            assert torch.equal(decoding(x)[:3], head(x[:3]))
-            assert torch.equal(head(x[:3]), torch.cat([head(x[r : r + 1]) for r in range(3)]))
+            assert torch.equal(decoding(x)[:3], torch.cat([decoding(x[r : r + 1]) for r in range(3)]))
+            assert torch.equal(head(x[:3]), native.ops().q8g_linear(x[:3], table.q, table.scale, native.ISAS["avx2"]))

@@ -14,6 +14,7 @@ from .int4_native import call_isa, dequantizes
 from .rtn import Int8GroupWeight, Int8Weight, quantize_int8
 
 GROUP = 32
+_AVX2_INT8, _AVX2 = native.ISAS["avx2int8"], native.ISAS["avx2"]
 
 
 @attrs.frozen
@@ -75,7 +76,16 @@ class Int8GroupNativeLinear:
         w = self.weight
         if dequantizes(self.isa, x.shape[0]):  # as int4_native
             return F.linear(x, w.dequantize())
-        isa = self.isa if self.int8_panels else call_isa(self.isa, x.shape[0])
+        if self.int8_panels:
+            isa = self.isa
+        elif self.isa == _AVX2_INT8:
+            # A prompt's logits keep float32 activations at any row count, as
+            # avx512vnni's Q8_0 rows below 10 do: with int8 ones the default
+            # model's greedy answer to "What is the capital of France?" left
+            # Paris. Decode steps take the int8 rows (decode_head).
+            isa = _AVX2
+        else:
+            isa = call_isa(self.isa, x.shape[0])
         return self.ops.q8g_linear(x, w.q, w.scale, isa)  # type: ignore[attr-defined]
 
 

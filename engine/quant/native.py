@@ -33,7 +33,7 @@ SWITCH_ENV = "TRIOSERVE_NATIVE_KERNELS"
 CFLAGS = ("-O3", "-fopenmp")
 # The ``isa`` argument of the library's kernels, lowest first.
 # ``avx2int8`` is AVX2 with int8 activations against 4-bit and Q8_0 weights
-# in decode steps and calls below 10 rows (csrc/kernels.h's
+# in decode steps, and 4-bit calls below 10 rows (csrc/kernels.h's
 # q4_rows_avx2_int8, q8g_rows_avx2_int8),
 # ``avx512bf16`` AVX-512 with the many-row panels in bfloat16 products
 # (csrc/panel.h), and ``avx512vnni`` that with int8 activations against the

@@ -28,7 +28,8 @@ constexpr int kMaxRowsAvx2 = 4;
 // kAvx2Int8 is kAvx2 whose kernels for weights in groups of 32 (4-bit and
 // Q8_0) multiply int8 activations (VPMADDUBSW and VPMADDWD:
 // q4_rows_avx2_int8, q8g_rows_avx2_int8) at any row count; Python calls them
-// so for decode steps and below kPanelFromRows rows (int4_native.call_isa).
+// so for decode steps, and the 4-bit one below kPanelFromRows rows too
+// (int4_native.call_isa, int8_native.Int8GroupNativeLinear).
 // Its kernels of int8 per channel run as kAvx2's. kAvx512Bf16 runs the
 // AVX-512 row kernels, and from kPanelFromRows rows the bfloat16 panels of
 // panel.h in place of the float32 ones. kAvx512Vnni is kAvx512Bf16 whose
