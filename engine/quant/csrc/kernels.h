@@ -683,6 +683,17 @@ inline void over_rows(int64_t rows, int64_t out, int64_t isa, const Kernel& kern
   });
 }
 
+// The rows rounded to int8 in groups of 32 (quantize_rows_q8, as ``isa``
+// rounds them), then ``kernel(R, xq, r0, n0, n1)`` over over_rows' tiles,
+// instantiated for tiles of at most MaxRows rows.
+template <int MaxRows, typename Kernel>
+inline void over_int8_rows(const float* x, int64_t rows, int64_t k, int64_t out, int64_t isa, const Kernel& kernel) {
+  const QuantizedRows xq = quantize_rows_q8(x, rows, k, 0, isa);
+  over_rows(rows, out, isa, [&](auto r_tag, int64_t r0, int64_t n0, int64_t n1) {
+    if constexpr (decltype(r_tag)::value <= MaxRows) kernel(r_tag, xq, r0, n0, n1);
+  });
+}
+
 // y[rows, out] = x[rows, k] @ W.T for W in 4-bit blocks [out, k / 32, 20].
 inline void q4_matmul(const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t out, float* y, int64_t isa) {
   const int64_t groups = k / kGroup;
@@ -698,17 +709,16 @@ inline void q4_matmul(const float* x, int64_t rows, int64_t k, const uint8_t* w,
     return;
   }
   if (isa == kAvx512Vnni) {
-    const QuantizedRows xq = quantize_rows_q8(x, rows, k);
-    over_rows(rows, out, isa, [&](auto r_tag, int64_t r0, int64_t n0, int64_t n1) {
+    over_int8_rows<kMaxRows>(x, rows, k, out, isa, [&](auto r_tag, const QuantizedRows& xq, int64_t r0, int64_t n0,
+                                                        int64_t n1) {
       q4_rows_vnni<decltype(r_tag)::value>(xq, r0, k, w, groups, n0, n1, y + r0 * out, out);
     });
     return;
   }
   if (isa == kAvx2Int8) {
-    const QuantizedRows xq = quantize_rows_q8(x, rows, k, 0, isa);
-    over_rows(rows, out, isa, [&](auto r_tag, int64_t r0, int64_t n0, int64_t n1) {
-      constexpr int R = decltype(r_tag)::value;
-      if constexpr (R <= kMaxRowsAvx2) q4_rows_avx2_int8<R>(xq, r0, k, w, groups, n0, n1, y + r0 * out, out);
+    over_int8_rows<kMaxRowsAvx2>(x, rows, k, out, isa, [&](auto r_tag, const QuantizedRows& xq, int64_t r0,
+                                                            int64_t n0, int64_t n1) {
+      q4_rows_avx2_int8<decltype(r_tag)::value>(xq, r0, k, w, groups, n0, n1, y + r0 * out, out);
     });
     return;
   }
@@ -763,10 +773,9 @@ inline void q8g_matmul(const float* x, int64_t rows, int64_t k, const int8_t* w,
     return;
   }
   if (isa == kAvx2Int8) {
-    const QuantizedRows xq = quantize_rows_q8(x, rows, k, 0, isa);
-    over_rows(rows, out, isa, [&](auto r_tag, int64_t r0, int64_t n0, int64_t n1) {
-      constexpr int R = decltype(r_tag)::value;
-      if constexpr (R <= kMaxRowsAvx2) q8g_rows_avx2_int8<R>(xq, r0, k, w, scale, n0, n1, y + r0 * out, out);
+    over_int8_rows<kMaxRowsAvx2>(x, rows, k, out, isa, [&](auto r_tag, const QuantizedRows& xq, int64_t r0,
+                                                            int64_t n0, int64_t n1) {
+      q8g_rows_avx2_int8<decltype(r_tag)::value>(xq, r0, k, w, scale, n0, n1, y + r0 * out, out);
     });
     return;
   }

@@ -12,7 +12,9 @@
 //
 // The sums run in a different order than the row kernels' (whole rows, then
 // one reduction), so a row's result may differ in the last bits with the
-// number of rows it is batched with, as with any GEMM.
+// number of rows it is batched with, as with any GEMM. The bfloat16 panels
+// below hold 64 channels in the lanes instead; a row's sums there run pair
+// after pair of its inputs, the same at any row count from kPanelFromRows.
 
 #pragma once
 
@@ -118,7 +120,8 @@ __attribute__((target("avx512f,avx512bw,f16c"))) void tile_avx512(const float* x
 // bytes. Weights and activations keep 8 bits of mantissa there, far finer
 // than the 4-bit weights' own steps (the quality figures in
 // docs/benchmarks.md are taken with it); the row kernels below
-// kPanelFromRows stay float32.
+// kPanelFromRows stay float32. On avx512vnni machines these run a prompt's
+// layers (engine/quant/int4_native.py, call_isa).
 
 constexpr int64_t kBf16Width = 32;  // bfloat16 values a vector
 
@@ -160,23 +163,73 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void q8_d
   }
 }
 
+// The panel holds its channels in the lanes (as panel_vnni.h's do): for each
+// pair of inputs p, kBf16Vectors vectors of 16 channels' (w[2p], w[2p + 1]),
+// and a row's pair is broadcast against them. Each loaded vector then feeds
+// kTileRows products and each broadcast kBf16Vectors, with no reduction
+// across lanes at the end. A tile of inputs in the lanes (rows by four
+// channels, as tile_avx512) ran VDPBF16PS at 4.1-5.3 G a second on one
+// Zen 5 core in a bench of the tile alone, this at 7.8 (docs/benchmarks.md).
+constexpr int kBf16Vectors = 4;                         // vectors of 16 channels a tile: 24 accumulators
+constexpr int64_t kBf16Channels = 16 * kBf16Vectors;    // channels a panel
+
 template <int R>
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void tile_bf16_avx512(const uint16_t* x, int64_t ldx,
-                                                                           const uint16_t* w, int64_t kp, float* y,
-                                                                           int64_t ldy, int64_t channels) {
-  constexpr int C = kTileChannels;
-  __m512 acc[R][C];
+                                                                           const uint16_t* panel, int64_t pairs,
+                                                                           float* y, int64_t ldy, int64_t channels) {
+  constexpr int V = kBf16Vectors;
+  __m512 acc[R][V];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < kp; j += kBf16Width) {
-    __m512bh wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = (__m512bh)_mm512_loadu_si512(w + c * kp + j);
+    for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512bh wv[V];
+    for (int v = 0; v < V; ++v) wv[v] = (__m512bh)_mm512_loadu_si512(panel + (p * V + v) * 32);
     for (int r = 0; r < R; ++r) {
-      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * ldx + j);
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
+      int32_t pair;
+      std::memcpy(&pair, x + r * ldx + 2 * p, 4);
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xv, wv[v]);
     }
   }
-  for (int r = 0; r < R; ++r) store_four_sums(acc[r], y + r * ldy, channels);
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) {
+      const int64_t live = std::clamp<int64_t>(channels - 16 * v, 0, 16);
+      if (live) _mm512_mask_storeu_ps(y + r * ldy + 16 * v, __mmask16((1u << live) - 1), acc[r][v]);
+    }
+}
+
+// 16 channels' bfloat16 rows (``rows``, ``kp`` apart) into vector ``v`` of
+// each pair of a panel: a 16 x 16 transpose of 32-bit pairs, 16 pairs at a
+// time (``kp`` is a multiple of 32).
+__attribute__((target("avx512f,avx512bw"))) inline void bf16_to_lanes(const uint16_t* rows, int64_t kp, int v,
+                                                                      uint16_t* panel) {
+  constexpr int V = kBf16Vectors;
+  for (int64_t p0 = 0; p0 < kp / 2; p0 += 16) {
+    __m512i a[16], b[16];
+    for (int c = 0; c < 16; ++c) b[c] = _mm512_loadu_si512(rows + c * kp + 2 * p0);
+    for (int i = 0; i < 8; ++i) {  // pairs of channels, 32-bit interleaved
+      a[2 * i] = _mm512_unpacklo_epi32(b[2 * i], b[2 * i + 1]);
+      a[2 * i + 1] = _mm512_unpackhi_epi32(b[2 * i], b[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {  // b[4i + j], lane L: channels 4i..4i+3 of pair 4L + j
+      b[4 * i + 0] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+      b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+      b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+      b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+    }
+    for (int j = 0; j < 4; ++j) {  // the four 128-bit lanes of pair 4L + j side by side
+      const __m512i c0 = _mm512_shuffle_i32x4(b[j], b[4 + j], _MM_SHUFFLE(2, 0, 2, 0));
+      const __m512i c1 = _mm512_shuffle_i32x4(b[j], b[4 + j], _MM_SHUFFLE(3, 1, 3, 1));
+      const __m512i c2 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], _MM_SHUFFLE(2, 0, 2, 0));
+      const __m512i c3 = _mm512_shuffle_i32x4(b[8 + j], b[12 + j], _MM_SHUFFLE(3, 1, 3, 1));
+      const __m512i by_lane[4] = {_mm512_shuffle_i32x4(c0, c2, _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_i32x4(c1, c3, _MM_SHUFFLE(2, 0, 2, 0)),
+                                  _mm512_shuffle_i32x4(c0, c2, _MM_SHUFFLE(3, 1, 3, 1)),
+                                  _mm512_shuffle_i32x4(c1, c3, _MM_SHUFFLE(3, 1, 3, 1))};
+      for (int lane = 0; lane < 4; ++lane)
+        _mm512_storeu_si512(panel + ((p0 + 4 * lane + j) * V + v) * 32, by_lane[lane]);
+    }
+  }
 }
 
 // ---- the matmul --------------------------------------------------------------
@@ -238,16 +291,37 @@ inline void panel_matmul(const float* x, int64_t rows, int64_t k, int64_t out, f
     });
     return;
   }
-  const int64_t kp = bf16_padded(k);
+  const int64_t kp = bf16_padded(k), pairs = kp / 2;
   std::vector<uint16_t> xb(rows * kp);
   parallel_chunks(rows, 1, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) to_bf16_avx512(x + r * k, k, xb.data() + r * kp, kp);
   });
-  over_panels<uint16_t>(rows, out, kp, decode_bf16,
-                        [&](auto r_tag, int64_t r0, int64_t n, const uint16_t* panel, int64_t channels) {
-                          tile_bf16_avx512<decltype(r_tag)::value>(xb.data() + r0 * kp, kp, panel, kp,
-                                                                   y + r0 * out + n, out, channels);
-                        });
+  // The work is split by (row block, panel), the panels of a block next to
+  // each other: with whole panels a thread, the 9 panels of a 576-channel
+  // matrix left one thread a fifth more work than the other.
+  const int64_t block_rows = std::max<int64_t>(kTileRows, kRowBlockBytes / (kp * 2) / kTileRows * kTileRows);
+  const int64_t blocks = (rows + block_rows - 1) / block_rows, panels = (out + kBf16Channels - 1) / kBf16Channels;
+  parallel_chunks(blocks * panels, 1, 1, [&](int64_t i0, int64_t i1) {
+    // Each channel decoded to a bfloat16 row, 16 at a time (their rows stay
+    // in L1), then into the lanes.
+    uint16_t* stage = reinterpret_cast<uint16_t*>(thread_scratch(kScratchStage, 16 * kp * 2));
+    uint16_t* panel = reinterpret_cast<uint16_t*>(thread_scratch(kScratchPanel, kBf16Channels * kp * 2));
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b0 = i / panels * block_rows, n = i % panels * kBf16Channels;
+      const int64_t block = std::min(block_rows, rows - b0), channels = std::min(kBf16Channels, out - n);
+      for (int v = 0; v < kBf16Vectors; ++v) {
+        const int64_t live = std::clamp<int64_t>(channels - 16 * v, 0, 16);
+        for (int64_t c = 0; c < live; ++c) decode_bf16(n + 16 * v + c, stage + c * kp);
+        // Lanes past the last channel are never stored; zeros keep them finite.
+        std::fill(stage + live * kp, stage + 16 * kp, uint16_t(0));
+        bf16_to_lanes(stage, kp, v, panel);
+      }
+      over_tiles(block, [&](auto r_tag, int64_t r0) {
+        tile_bf16_avx512<decltype(r_tag)::value>(xb.data() + (b0 + r0) * kp, kp, panel, pairs,
+                                                 y + (b0 + r0) * out + n, out, channels);
+      });
+    }
+  });
 }
 
 }  // namespace trioserve_native
