@@ -218,13 +218,12 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """Return the residual stream after this layer's attention and MLP
         blocks; ``projections`` is ``self.projections(...)``. With ``attend``,
-        the decode rows' rotary, cache write and attention run natively in
-        one call (``native_attention``); ``meta`` plans the rest in torch,
-        None when every row decodes."""
+        the tokens' rotary, cache write and attention run natively in one
+        call (``native_attention``); without, in torch as ``meta`` plans."""
         norm_shape, eps, heads, head_dim = self.norm_shape, self.eps, self.num_heads, self.head_dim
         x = F.rms_norm(residual, norm_shape, self.input_layernorm, eps)
         qkv = projections.qkv(x)
-        if attend is not None and meta is None:
+        if attend is not None:
             attn = attend(qkv, key_cache, value_cache, heads, self.scale)
         else:
             assert meta is not None
@@ -236,13 +235,6 @@ class DecoderLayer(nn.Module):
             v = qkv[:, q_and_k * head_dim :].view(tokens, self.num_kv_heads, head_dim)
             write_kv(k, v, key_cache, value_cache, slot_mapping)
             attn = paged_attention(q, k, v, key_cache, value_cache, meta, scale=self.scale)
-            if attend is not None:
-                # The decode rows again, natively (their keys and values
-                # rewritten as that path rotates them): as in a batch of
-                # decodes only. The torch path's numbers for them are dropped.
-                rows = attend.rows
-                assert rows is not None
-                attn.index_copy_(0, rows, attend(qkv.index_select(0, rows), key_cache, value_cache, heads, self.scale))
         residual = projections.o_add(attn, residual)
         x = F.rms_norm(residual, norm_shape, self.post_attention_layernorm, eps)
         return projections.mlp_add(x, residual)
@@ -336,7 +328,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.rotary = RotaryEmbedding(config, dtype=dtype, device=device)
-        # Decode batches attend natively where that path works here (None: in torch).
+        # Every batch attends natively where that path works here (None: in torch).
         self.native_attention = NativeAttention.choose(cpu_paths, device, dtype, config.head_dim)
         self._targets = self._weight_targets()
 
@@ -358,8 +350,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             native = self.native_attention
             attend = native.bind(batch, cos, sin) if native is not None and native.runs(hidden, kv_cache.key) else None
-            # Other rows (prefill, a speculative step's verification) attend in torch.
-            meta = None if attend is not None and attend.rows is None else AttentionMetadata.build(batch, kv_cache)
+            meta = None if attend is not None else AttentionMetadata.build(batch, kv_cache)
             # ``forward`` directly, not through nn.Module's call (hook
             # checks), and each layer's pools from one unbind: a one-stream
             # decode step is bound by such per-layer overheads

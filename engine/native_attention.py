@@ -1,14 +1,18 @@
-"""Decode attention natively: one call per layer instead of some 20 ops.
+"""Attention natively: one call per layer instead of some 20 ops.
 
-For the decode rows of a batch (one query token a sequence),
-``decode_attention``
+For every token of a batch (decode rows, a speculative step's
+verification, a prompt's chunk), ``decode_attention``
 (engine/quant/csrc/decode.cpp) does what ``DecoderLayer.forward`` does
 between the q/k/v projection and the o projection: rotary on q and k, the
-new key and value written at the row's slot (rounded as the cache's dtype
-rounds them), and attention over the row's blocks, read in place from the
-pool and widened as read. The torch path gathers each row's blocks into a
+new key and value written at the token's slot (rounded as the cache's dtype
+rounds them), all of a batch's before any attends, and attention of each
+token on its own over its context's blocks, read in place from the pool
+and widened as read. The torch path gathers each row's blocks into a
 scratch buffer and widens a float16 cache into another before attending:
 at 32 rows that moves megabytes per layer that attention then reads back.
+For a prompt, per-token attention is quadratic work, as SDPA's causal
+kernel is, and measured faster than it (with rotary and the cache write
+included) at every length tried, 16 to 4,096 tokens (docs/benchmarks.md).
 
 The model runs its own projections either way, so this serves the float
 path and the compressed one alike; it needs the native library
@@ -30,9 +34,9 @@ from .quant import native
 CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Query tokens of one sequence the fused decode step (quant/native_decode.py)
 # takes in a step: a decode row, or a speculative step's verification (the
-# proposed tokens plus one). Each token is attended on its own over the
-# context up to it, which for a long prefill chunk would be quadratic work
-# that SDPA's tiled kernel does better.
+# proposed tokens plus one). A prompt's chunk goes through the model's
+# layers instead, whose linears keep bfloat16 activations for it where the
+# fused step's are int8 (quant/int4_native.py, call_isa).
 MAX_QUERY_TOKENS = 16
 
 
@@ -75,43 +79,25 @@ class NativeAttention:
         return None
 
     def runs(self, hidden: torch.Tensor, pool: torch.Tensor) -> bool:
-        """Whether a batch with these activations and pool runs here (its decode rows)."""
+        """Whether a batch with these activations and pool runs here."""
         return hidden.dtype == torch.float32 and hidden.device.type == "cpu" and pool.dtype in CACHE_DTYPES
 
-    def bind(self, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor) -> BoundAttention | None:
-        """This forward's decode rows, for every layer's call; None where it has none.
-
-        Only rows of one query token come here, also in a batch that
-        prefills others (which attend in torch), so that a sequence's decode
-        steps take the same path, and give the same numbers, whatever it is
-        batched with."""
-        decodes = [i for i, n in enumerate(batch.query_lens_cpu) if n == 1]
-        if not decodes:
-            return None
+    def bind(self, batch: ForwardBatch, cos: torch.Tensor, sin: torch.Tensor) -> BoundAttention:
+        """This forward's tokens, for every layer's call: each token's
+        rotary row, slot, block table and context (``token_rows``). A
+        token's numbers do not depend on what it is batched with."""
         tokens = batch.num_tokens
-        if len(decodes) == tokens:
-            return BoundAttention(
-                self, cos.reshape(tokens, -1).contiguous(), sin.reshape(tokens, -1).contiguous(),
-                batch.slot_mapping, batch.block_tables, batch.context_lens, None,
-            )
-        seqs = torch.tensor(decodes, dtype=torch.int64)
-        rows = batch.cu_query_lens.index_select(0, seqs)  # each decode sequence's one token
+        tables, lens = token_rows(batch.query_lens_cpu, batch.positions, batch.block_tables, batch.context_lens)
         return BoundAttention(
-            self,
-            cos.reshape(tokens, -1).index_select(0, rows),
-            sin.reshape(tokens, -1).index_select(0, rows),
-            batch.slot_mapping.index_select(0, rows),
-            batch.block_tables.index_select(0, seqs),
-            batch.context_lens.index_select(0, seqs),
-            rows,
+            self, cos.reshape(tokens, -1).contiguous(), sin.reshape(tokens, -1).contiguous(), batch.slot_mapping,
+            tables, lens,
         )
 
 
 @attrs.frozen
 class BoundAttention:
-    """``NativeAttention`` with one forward's decode rows: their rotary
-    rows, slots, block tables and contexts, and ``rows``, their token
-    indices in the batch (None: every token is one)."""
+    """``NativeAttention`` with one forward's tokens: their rotary rows,
+    slots, block tables and contexts."""
 
     attention: NativeAttention
     cos: torch.Tensor
@@ -119,13 +105,12 @@ class BoundAttention:
     slots: torch.Tensor
     block_tables: torch.Tensor
     context_lens: torch.Tensor
-    rows: torch.Tensor | None
 
     def __call__(
         self, qkv: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, num_heads: int, scale: float
     ) -> torch.Tensor:
-        """One layer: ``qkv`` ``[rows, (heads + 2 kv_heads) * head_dim]``
-        of these rows in, ``[rows, heads * head_dim]`` out."""
+        """One layer: ``qkv`` ``[tokens, (heads + 2 kv_heads) * head_dim]``
+        in, ``[tokens, heads * head_dim]`` out."""
         a = self.attention
         return a.op(  # type: ignore[operator]
             qkv, key_cache, value_cache, self.cos, self.sin, self.slots, self.block_tables, self.context_lens,
@@ -156,7 +141,6 @@ def trial(isa: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     sin = torch.cat([-angles.sin(), angles.sin()], -1)
     got_keys, got_values = keys.clone(), values.clone()
     bound = NativeAttention(native.ISAS[isa], native.ops().decode_attention).bind(batch, cos, sin)  # type: ignore[attr-defined]
-    assert bound is not None
     got = bound(qkv, got_keys, got_values, heads, head_dim**-0.5)
     qk = apply_rotary(qkv[:, : (heads + kv_heads) * head_dim].view(2, heads + kv_heads, head_dim), cos, sin)
     v = qkv[:, (heads + kv_heads) * head_dim :].view(2, kv_heads, head_dim)

@@ -372,7 +372,8 @@ def test_without_the_library_the_chooser_takes_atens_kernels_and_says_why(isas, 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_native_decode_attention_computes_what_the_torch_attention_does(isas, checkpoint, cache_dtype):
-    """The float model's decode steps with each native attention variant
+    """The float model's prompts (chunks of 6 and 13 tokens, one of 1),
+    decode steps and a mixed batch with each native attention variant
     against the same steps attended in torch: logits and cache agree."""
     from trioserve.engine.loader import load_model
     from trioserve.engine.native_attention import NativeAttention
@@ -388,8 +389,13 @@ def test_native_decode_attention_computes_what_the_torch_attention_does(isas, ch
     for isa in isas:
         attention = NativeAttention(native.ISAS[isa], native.ops().decode_attention)
         caches = [KVCache.allocate(model.config, num_blocks=40, block_size=4, dtype=cache_dtype, device="cpu") for _ in range(2)]
-        for cache in caches:
-            _step(model, cache, [SeqChunk(p, 0, t) for p, t in zip(prompts, tables)])
+        tol = 1e-5 if cache_dtype == torch.float32 else 1e-2
+        prefill = [SeqChunk(p, 0, t, num_logits=len(p)) for p, t in zip(prompts, tables)]
+        model.native_attention = attention
+        got = _step(model, caches[0], prefill)
+        model.native_attention = None
+        want = _step(model, caches[1], prefill)
+        assert (got - want).abs().max() <= tol * want.abs().max(), (isa, "prefill")
         tokens = [p[-1] for p in prompts]
         for step in range(2):
             chunks = [SeqChunk([tok], n + step, t) for tok, n, t in zip(tokens, lengths, tables)]
@@ -397,17 +403,13 @@ def test_native_decode_attention_computes_what_the_torch_attention_does(isas, ch
             got = _step(model, caches[0], chunks)
             model.native_attention = None
             want = _step(model, caches[1], chunks)
-            tol = 1e-5 if cache_dtype == torch.float32 else 1e-2
             assert (got - want).abs().max() <= tol * want.abs().max(), (isa, step)
             for a, b in ((caches[0].key, caches[1].key), (caches[0].value, caches[1].value)):
                 assert (a.float() - b.float()).abs().max() <= tol * b.float().abs().max(), (isa, step)
             tokens = want.argmax(-1).tolist()
-        # A mixed batch: the one-token row attends natively, the others in torch.
+        # A mixed batch: runs of 3 and 2 tokens over their cached context, and a decode row.
         runs = [[5, 6, 7], [8], [9, 10]]
         chunks = [SeqChunk(run, n + 2, t, num_logits=len(run)) for run, n, t in zip(runs, lengths, tables)]
-        batch = ForwardBatch.build(chunks, block_size=4, device="cpu")
-        bound = attention.bind(batch, torch.zeros(6, 1, 16), torch.zeros(6, 1, 16))
-        assert bound is not None and bound.rows.tolist() == [3]
         model.native_attention = attention
         got = _step(model, caches[0], chunks)
         model.native_attention = None
@@ -485,7 +487,7 @@ def test_native_decode_attention_stores_float16_as_torch_does_and_saturates(isas
     lens = torch.tensor([2, 2, 3])
     for isa in isas:
         attention = NativeAttention(native.ISAS[isa], native.ops().decode_attention)
-        bound = BoundAttention(attention, cos, sin, slots, tables, lens, None)
+        bound = BoundAttention(attention, cos, sin, slots, tables, lens)
         keys, values = (torch.zeros(3, 4, kv_heads, head_dim, dtype=torch.float16) for _ in range(2))
         bound(qkv, keys, values, heads, head_dim**-0.5)
         flat_k, flat_v = keys.view(-1, kv_width), values.view(-1, kv_width)
@@ -498,7 +500,7 @@ def test_native_decode_attention_stores_float16_as_torch_does_and_saturates(isas
     # One token of context: attention returns the row's own stored value.
     one = BoundAttention(
         NativeAttention(native.ISAS[isas[-1]], native.ops().decode_attention),
-        cos[:1], sin[:1], torch.tensor([0]), torch.tensor([[0]]), torch.tensor([1]), None,
+        cos[:1], sin[:1], torch.tensor([0]), torch.tensor([[0]]), torch.tensor([1]),
     )
     keys, values = (torch.zeros(1, 4, kv_heads, head_dim, dtype=torch.float16) for _ in range(2))
     out = one(qkv[:1], keys, values, heads, head_dim**-0.5).view(heads, head_dim)
@@ -512,7 +514,7 @@ def test_native_decode_attention_refuses_a_block_outside_the_pool(isas):
     attention = NativeAttention(native.ISAS["scalar"], native.ops().decode_attention)
     pool = torch.zeros(4, 4, 2, 16)
     bound = BoundAttention(
-        attention, torch.ones(1, 16), torch.zeros(1, 16), torch.tensor([1]), torch.tensor([[9]]), torch.tensor([2]), None
+        attention, torch.ones(1, 16), torch.zeros(1, 16), torch.tensor([1]), torch.tensor([[9]]), torch.tensor([2])
     )
     with pytest.raises(RuntimeError, match="row 0 block 9 out of the cache"):
         bound(torch.randn(1, 8 * 16), pool, pool.clone(), 4, 0.25)
