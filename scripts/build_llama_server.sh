@@ -3,13 +3,17 @@
 # scripts/bench_vs_llama.py, from the llama.cpp tree vendored in
 # llama-cpp-python's source distribution, outside this repository.
 #
-#   scripts/build_llama_server.sh --build DIR [--src DIR] [--sdist FILE]
+#   scripts/build_llama_server.sh --build DIR [--src DIR] [--sdist FILE] [--isa avx2]
 #
 #   --build DIR   the cmake build folder; the binary is DIR/bin/llama-server
 #   --src DIR     where the llama.cpp sources are extracted (default: the
 #                 build folder's sibling llama.cpp-src)
 #   --sdist FILE  llama_cpp_python-VERSION.tar.gz (default: downloaded with
 #                 pip download --no-deps --no-binary :all:)
+#   --isa avx2    build for AVX2 + FMA + F16C only (no AVX-512, no VNNI), to
+#                 compare on the AVX2 class from a newer CPU, beside trioserve
+#                 run with TRIOSERVE_CPU_ASSUME=avx2 and the library caps
+#                 (engine/capability.py); default: this machine's features
 #
 # Environment: JOBS (parallel compile jobs, default 2), NICE (niceness,
 # default 19), LLAMA_CPP_PYTHON_VERSION (default 0.3.36).
@@ -22,17 +26,25 @@ set -euo pipefail
 version="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 jobs="${JOBS:-2}"
 niceness="${NICE:-19}"
-build="" src="" sdist=""
+build="" src="" sdist="" isa="native"
 while [ $# -gt 0 ]; do
     case "$1" in
         --build) build="$2"; shift 2 ;;
         --src) src="$2"; shift 2 ;;
         --sdist) sdist="$2"; shift 2 ;;
-        -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+        --isa) isa="$2"; shift 2 ;;
+        -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
         *) echo "build_llama_server.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
 [ -n "$build" ] || { echo "build_llama_server.sh: --build DIR is required (see --help)" >&2; exit 2; }
+case "$isa" in
+    native) isa_flags=(-DGGML_NATIVE=ON) ;;
+    avx2) isa_flags=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+                     -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF
+                     -DGGML_AVX512_BF16=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF) ;;
+    *) echo "build_llama_server.sh: --isa $isa: expected native or avx2" >&2; exit 2 ;;
+esac
 for tool in cmake ninja tar; do
     command -v "$tool" >/dev/null || { echo "build_llama_server.sh: $tool is not installed" >&2; exit 2; }
 done
@@ -85,7 +97,7 @@ echo "llama.cpp from ${top}: commit ${commit:-unknown}"
 # it links.
 nice -n "$niceness" cmake -S "$src" -B "$build" -G Ninja \
     -DCMAKE_BUILD_TYPE=Release \
-    -DGGML_NATIVE=ON \
+    "${isa_flags[@]}" \
     -DGGML_CUDA=OFF -DGGML_VULKAN=OFF -DGGML_METAL=OFF \
     -DBUILD_SHARED_LIBS=OFF \
     -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \

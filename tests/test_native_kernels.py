@@ -137,9 +137,9 @@ def test_the_int8_4bit_rows_round_only_the_activations_and_each_row_alone(isas, 
     (a lone last block), 1 to 9 rows (passes of 8 or 4 and a remainder), a
     group of zeros (no step to divide by): within half an int8 step of each
     activation, and every row exactly what it gives alone, so a batch or a
-    speculative step's verified rows never change a sequence's result. The
-    op called with avx2int8 at more rows (as the fused decode step does) runs
-    the same rows; from the model's layers those take avx2's float32 kernel."""
+    speculative step's verified rows never change a sequence's result. From
+    the model's layers avx2int8's calls of 10 rows or more take avx2's float32
+    panels."""
     if variant not in isas:
         pytest.skip(f"this CPU cannot run {variant} ({native.ISA_REQUIREMENTS[variant]})")
     gen = torch.Generator().manual_seed(3)
@@ -158,24 +158,24 @@ def test_the_int8_4bit_rows_round_only_the_activations_and_each_row_alone(isas, 
             alone = torch.cat([linear(x[r : r + 1]) for r in range(rows)])
             assert torch.equal(got, alone), (k, rows)
         assert torch.equal(linear(torch.zeros(2, k)), torch.zeros(2, 37))
-        if variant == "avx2int8":
+        if variant == "avx2int8":  # from the layers, 10 rows or more take avx2's float32 panels
             x = torch.randn(13, k, generator=gen)
-            fused = native.ops().q4_linear(x, linear.blocks, native.ISAS[variant])
-            assert torch.equal(fused[:4], linear(x[:4])), k
-            assert (fused - F.linear(rounded_rows(x), q4.dequantize())).abs().max() <= 1e-5 * fused.abs().max(), k
             assert_matches(linear(x), x, q4.dequantize(), None, "avx2", bits=4)
             assert torch.equal(linear(x), int4_native.Int4NativeLinear.from_rtn(q4, None, "avx2")(x)), k
 
 
-def test_the_vnni_panels_compute_exactly_the_rounded_rows_and_each_row_alone(isas):
-    """avx512vnni's panels (csrc/panel_vnni.h), from 10 rows, as the fused
-    decode step calls them: 4-bit blocks and int8 in groups of 32 (Q8_0),
-    with short last panels and tiles and a group of zeros. Each result is
-    the rounded rows' matmul up to float32 rounding, far inside the int8
-    bound; and a row's result does not depend on how many rows it runs
-    with. The model's layers call the bfloat16 panels there instead."""
-    if "avx512vnni" not in isas:
-        pytest.skip("this CPU lacks AVX512_VNNI (or AVX512_BF16)")
+@pytest.mark.parametrize("variant", INT8_ROWS)
+def test_the_int8_panels_compute_exactly_the_rounded_rows_and_each_row_alone(isas, variant):
+    """avx512vnni's panels (csrc/panel_vnni.h: 4-bit blocks and int8 in
+    groups of 32, GGUF's Q8_0) and avx2int8's (csrc/panel_avx2.h: 4-bit
+    blocks), from 10 rows, as the fused decode step calls them, with short
+    last panels and tiles, a group of zeros, and at 1,536 inputs more rows
+    than a row block holds (336 and 340 rows). Each result is the rounded rows'
+    matmul up to float32 rounding, far inside the int8 bound; and a row's
+    result does not depend on how many rows it runs with. The model's layers
+    call the bfloat16 or float32 panels there instead."""
+    if variant not in isas:
+        pytest.skip(f"this CPU cannot run {variant} ({native.ISA_REQUIREMENTS[variant]})")
     from trioserve.engine.quant.rtn import Int8GroupWeight
 
     gen = torch.Generator().manual_seed(5)
@@ -184,25 +184,57 @@ def test_the_vnni_panels_compute_exactly_the_rounded_rows_and_each_row_alone(isa
         q4 = quantize_int4(w, 32)
         q8g = Int8GroupWeight(torch.randint(-127, 128, (37, k), generator=gen, dtype=torch.int8),
                               torch.rand(37, k // 32, generator=gen) * 0.01, 32)
-        vnni, ops = native.ISAS["avx512vnni"], native.ops()
-        blocks = int4_native.Int4NativeLinear.from_rtn(q4, None, "avx512vnni").blocks
-        linears = (
-            ("4-bit", lambda x: ops.q4_linear(x, blocks, vnni), q4),
-            ("Q8_0", lambda x: ops.q8g_linear(x, q8g.q, q8g.scale, vnni), q8g),
-        )
-        x = torch.randn(40, k, generator=gen)
+        index, ops = native.ISAS[variant], native.ops()
+        blocks = int4_native.Int4NativeLinear.from_rtn(q4, None, variant).blocks
+        linears = [("4-bit", lambda x: ops.q4_linear(x, blocks, index), q4)]
+        if variant == "avx512vnni":
+            linears.append(("Q8_0", lambda x: ops.q8g_linear(x, q8g.q, q8g.scale, index), q8g))
+        x = torch.randn(400 if k == 1536 else 40, k, generator=gen)
         x[3, :32] = 0.0
         for name, linear, weight in linears:
             full = linear(x)
-            for rows in (PANEL_FROM_ROWS, 13, 40):
-                got = full if rows == 40 else linear(x[:rows])
+            for rows in (PANEL_FROM_ROWS, 13, x.shape[0]):
+                got = full if rows == x.shape[0] else linear(x[:rows])
                 want = F.linear(rounded_rows(x[:rows]), weight.dequantize())
                 assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (k, rows, name)
                 assert torch.equal(got, full[:rows]), (k, rows, name)
-        # From the layers, the same call runs the bfloat16 panels.
-        layered = int4_native.Int4NativeLinear.from_rtn(q4, None, "avx512vnni")(x)
-        assert_matches(layered, x, q4.dequantize(), None, "avx512vnni", bits=4)
+        # From the layers, the same call runs the bfloat16 or float32 panels.
+        layered = int4_native.Int4NativeLinear.from_rtn(q4, None, variant)(x)
+        assert_matches(layered, x, q4.dequantize(), None, variant, bits=4)
         assert not torch.equal(layered, linears[0][1](x))
+
+
+def test_the_avx2_panels_match_the_dequantized_weights_and_keep_each_row_alone(isas):
+    """avx2's float32 panels (csrc/panel_avx2.h), from 10 rows: 4-bit blocks,
+    int8 per channel with inputs past a multiple of 8 (the transpose's tail)
+    and Q8_0, a short last panel (37 channels: 16 + 16 + 5) and tile, and at
+    1,536 inputs more rows than one row block holds (84). Each is the
+    float32 matmul of the dequantized weight, and a row's result does not
+    depend on how many rows it runs with."""
+    if "avx2" not in isas:
+        pytest.skip(f"this CPU cannot run avx2 ({native.ISA_REQUIREMENTS['avx2']})")
+    from trioserve.engine.quant.rtn import Int8GroupWeight
+
+    gen = torch.Generator().manual_seed(7)
+    avx2, ops = native.ISAS["avx2"], native.ops()
+    for k, rows in ((96, 40), (100, 40), (1536, 100)):
+        w = torch.randn(37, k, generator=gen)
+        q8 = quantize_int8(w)
+        linears = [("int8", lambda x, q8=q8: ops.q8_linear(x, q8.q, q8.scale, avx2), q8)]
+        if k % 32 == 0:
+            q4 = quantize_int4(w, 32)
+            blocks = int4_native.Int4NativeLinear.from_rtn(q4, None, "avx2").blocks
+            q8g = Int8GroupWeight(torch.randint(-127, 128, (37, k), generator=gen, dtype=torch.int8),
+                                  torch.rand(37, k // 32, generator=gen) * 0.01, 32)
+            linears += [("4-bit", lambda x, blocks=blocks: ops.q4_linear(x, blocks, avx2), q4),
+                        ("Q8_0", lambda x, q8g=q8g: ops.q8g_linear(x, q8g.q, q8g.scale, avx2), q8g)]
+        x = torch.randn(rows, k, generator=gen)
+        for name, linear, weight in linears:
+            full = linear(x)
+            want = F.linear(x, weight.dequantize())
+            assert torch.allclose(full, want, rtol=1e-4, atol=1e-4 * want.abs().max().item()), (k, name)
+            for part in (PANEL_FROM_ROWS, 13):
+                assert torch.equal(linear(x[:part]), full[:part]), (k, part, name)
 
 
 def test_from_many_rows_a_call_without_panels_runs_the_gemm_over_the_dequantized_matrix(isas):
@@ -214,8 +246,8 @@ def test_from_many_rows_a_call_without_panels_runs_the_gemm_over_the_dequantized
     # q * d + m against (q - 8) * scale + zero: the same values, rounded apart.
     assert torch.allclose(native.ops().q4_dequantize(blocks), q4.dequantize(), rtol=1e-6, atol=1e-6)
     for isa in isas:
-        # The AVX-512 variants run their panels at any row count, a prefill chunk's too.
-        panels = isa in ("avx512", *BF16_PANELS)
+        # The AVX2 and AVX-512 variants run their panels at any row count, a prefill chunk's too.
+        panels = isa != "scalar"
         assert int4_native.dequantizes(native.ISAS[isa], rows) is not panels
         assert not int4_native.dequantizes(native.ISAS[isa], rows - 1)
         for x in (torch.randn(rows - 1, 96, generator=gen), torch.randn(rows + 3, 96, generator=gen)):
@@ -420,10 +452,12 @@ def test_native_decode_attention_computes_what_the_torch_attention_does(isas, ch
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_native_decode_attention_of_64_wide_heads_matches_paged_attention(isas, cache_dtype):
-    """64-wide heads take their own path on AVX-512 (up to four query heads
-    of a KV head at a time, 16 tokens' dot products summed together): groups
-    of 1, 3, 5 (a pass of four and one) and 8 heads, contexts on both sides
-    of 16 tokens and of a block, against torch's paged attention."""
+    """64-wide heads take their own paths on AVX-512 (up to four query heads
+    of a KV head at a time, 16 tokens' dot products summed together) and on
+    AVX2 (up to three, the values' products in registers half a head a
+    pass): groups of 1, 3, 5 (passes of four and one, or three and two) and
+    8 heads, contexts on both sides of 16 tokens and of a block, against
+    torch's paged attention."""
     from trioserve.engine.attention import AttentionMetadata, paged_attention, write_kv
     from trioserve.engine.native_attention import NativeAttention
     from trioserve.engine.rotary import apply_rotary

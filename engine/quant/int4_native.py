@@ -20,17 +20,18 @@ from .rtn import Int4Weight, quantize_int4
 
 GROUP = 32
 BLOCK_BYTES = 20
-# From this many rows a call on a variant without panels (AVX2, scalar)
-# dequantizes the matrix (about 0.7 ms a million weights on one thread here)
-# and runs torch's float32 GEMM: the row kernels are GEMV-shaped, and from
-# 64-128 rows the GEMM's reuse pays for the conversion; at 512 rows (a
-# prefill chunk) it ran 1.8x the row kernel's speed (docs/benchmarks.md,
-# "Native kernels"). The AVX-512 variants' panels (csrc/panel.h) beat that
-# GEMM at every row count measured, 128 to 2,048 (1.5-3.3x in float32
-# products, 2.8-4.3x in bfloat16), so they never dequantize.
+# From this many rows a call on a variant without panels (scalar)
+# dequantizes the matrix and runs torch's float32 GEMM: the row kernels are
+# GEMV-shaped, and from 64-128 rows the GEMM's reuse pays for the
+# conversion. The AVX2 and AVX-512 variants run panels from PANEL_FROM_ROWS
+# rows instead (csrc/panel_avx2.h, csrc/panel.h): on AVX2 the float32 panels
+# ran the default model's layers 1.2-1.5x faster than that GEMM (MKL capped
+# to AVX2) at 128 to 2,048 rows; on AVX-512 1.5-3.3x in float32 products,
+# 2.8-4.3x in bfloat16 (docs/benchmarks.md). avx2int8's calls of 10 rows or
+# more from the layers run avx2's panels (call_isa).
 DEQUANTIZE_FROM_ROWS = 128
-PANEL_ISAS = frozenset({native.ISAS["avx512"], native.ISAS["avx512bf16"], native.ISAS["avx512vnni"]})
-# csrc/panel.h's kPanelFromRows: the AVX-512 variants' panels run from this many rows.
+PANEL_ISAS = frozenset(native.ISAS[name] for name in ("avx2", "avx2int8", "avx512", "avx512bf16", "avx512vnni"))
+# csrc/panel.h's kPanelFromRows: the AVX2 and AVX-512 variants' panels run from this many rows.
 PANEL_FROM_ROWS = 10
 _VNNI, _BF16 = native.ISAS["avx512vnni"], native.ISAS["avx512bf16"]
 _AVX2_INT8, _AVX2 = native.ISAS["avx2int8"], native.ISAS["avx2"]

@@ -103,6 +103,72 @@ inline Vec vexp(Vec x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 #include "attend.h"
+
+constexpr int64_t kHead64 = 64;
+constexpr int kHeadsAtOnce = 3;  // 12 value accumulators and 4 values of 16 registers
+
+// attend() for 64-wide heads, G of them (at most kHeadsAtOnce): each token's
+// key widened once for the G heads (attend() widens it per head), and the
+// values' products kept in registers, half a head (one 64-byte line of
+// float16) a pass over the context, where attend() loads and stores each
+// head's output per token. At 32 decode streams attend() took as long as
+// the 4-bit matmuls of the layers (one Zen 5, AVX2 only).
+template <typename T, int G>
+void attend_heads64(const float* q, const T* key, const T* value, const int64_t* table, int64_t context,
+                    int64_t block_size, int64_t token_stride, float scale, float* scores, float* out) {
+  for (int64_t t0 = 0; t0 < context; t0 += block_size) {
+    const T* block = key + table[t0 / block_size] * block_size * token_stride;
+    for (int64_t t = t0; t < std::min(context, t0 + block_size); ++t) {
+      const T* k = block + (t - t0) * token_stride;
+      Vec kv[8];
+      for (int j = 0; j < 8; ++j) kv[j] = vload(k + 8 * j);
+      for (int g = 0; g < G; ++g) {
+        const float* qg = q + g * kHead64;
+        Vec even = vmul(vload(qg), kv[0]), odd = vmul(vload(qg + 8), kv[1]);
+        for (int j = 2; j < 8; j += 2) {
+          even = vfma(vload(qg + 8 * j), kv[j], even);
+          odd = vfma(vload(qg + 8 * j + 8), kv[j + 1], odd);
+        }
+        scores[g * context + t] = vsum(vadd(even, odd)) * scale;
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) softmax(scores + g * context, context);
+  for (int64_t half = 0; half < kHead64; half += 32) {
+    Vec o[G][4];
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < 4; ++j) o[g][j] = vzero();
+    for (int64_t t0 = 0; t0 < context; t0 += block_size) {
+      const T* block = value + table[t0 / block_size] * block_size * token_stride + half;
+      for (int64_t t = t0; t < std::min(context, t0 + block_size); ++t) {
+        const T* v = block + (t - t0) * token_stride;
+        Vec vv[4];
+        for (int j = 0; j < 4; ++j) vv[j] = vload(v + 8 * j);
+        for (int g = 0; g < G; ++g) {
+          const Vec p = vset(scores[g * context + t]);
+          for (int j = 0; j < 4; ++j) o[g][j] = vfma(p, vv[j], o[g][j]);
+        }
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < 4; ++j) vstore(out + g * kHead64 + half + 8 * j, o[g][j]);
+  }
+}
+
+// The group in passes of up to kHeadsAtOnce heads; ``scores``: group * context floats.
+template <typename T>
+void attend64(const float* q, int64_t group, const T* key, const T* value, const int64_t* table, int64_t context,
+              int64_t block_size, int64_t token_stride, float scale, float* scores, float* out) {
+  for (int64_t g0 = 0; g0 < group; g0 += kHeadsAtOnce) {
+    const float* qg = q + g0 * kHead64;
+    float* og = out + g0 * kHead64;
+    switch (std::min<int64_t>(kHeadsAtOnce, group - g0)) {
+      case 3: attend_heads64<T, 3>(qg, key, value, table, context, block_size, token_stride, scale, scores, og); break;
+      case 2: attend_heads64<T, 2>(qg, key, value, table, context, block_size, token_stride, scale, scores, og); break;
+      default: attend_heads64<T, 1>(qg, key, value, table, context, block_size, token_stride, scale, scores, og); break;
+    }
+  }
+}
 }  // namespace avx2_isa
 #pragma GCC pop_options
 
@@ -386,6 +452,8 @@ void attention_step(float* qkv, T* key, T* value, int64_t rows, int64_t heads, i
         avx512_isa::attend64<T>(q, group, k, v, table, context, block_size, token_stride, scale, scores, o);
       else if (isa >= kAvx512 && head_dim % avx512_isa::kWidth == 0)
         avx512_isa::attend<T>(q, group, k, v, table, context, block_size, token_stride, head_dim, scale, scores.data(), o);
+      else if (isa >= kAvx2 && head_dim == avx2_isa::kHead64)
+        avx2_isa::attend64<T>(q, group, k, v, table, context, block_size, token_stride, scale, scores.data(), o);
       else if (isa >= kAvx2 && head_dim % avx2_isa::kWidth == 0)
         avx2_isa::attend<T>(q, group, k, v, table, context, block_size, token_stride, head_dim, scale, scores.data(), o);
       else

@@ -27,10 +27,14 @@ constexpr int kMaxRowsAvx2 = 4;
 
 // kAvx2Int8 is kAvx2 whose kernels for weights in groups of 32 (4-bit and
 // Q8_0) multiply int8 activations (VPMADDUBSW and VPMADDWD:
-// q4_rows_avx2_int8, q8g_rows_avx2_int8) at any row count; Python calls them
-// so for decode steps, and the 4-bit one below kPanelFromRows rows too
-// (int4_native.call_isa, int8_native.Int8GroupNativeLinear).
-// Its kernels of int8 per channel run as kAvx2's. kAvx512Bf16 runs the
+// q4_rows_avx2_int8, q8g_rows_avx2_int8, and for 4-bit weights from
+// kPanelFromRows rows the int8 panels of panel_avx2.h) at any row count;
+// Python calls them so for decode steps, and the 4-bit one below
+// kPanelFromRows rows too (int4_native.call_isa,
+// int8_native.Int8GroupNativeLinear). Its kernels of int8 per channel run as
+// kAvx2's. kAvx2 runs its row kernels below kPanelFromRows rows and the
+// float32 panels of panel_avx2.h from there (a prompt's rows, from the
+// model's layers). kAvx512Bf16 runs the
 // AVX-512 row kernels, and from kPanelFromRows rows the bfloat16 panels of
 // panel.h in place of the float32 ones. kAvx512Vnni is kAvx512Bf16 whose
 // kernels for weights in groups of 32 (4-bit, and int8 in groups: GGUF's
@@ -91,6 +95,25 @@ __attribute__((target("avx512f,avx512bw,f16c"))) inline Block512 q4_block_avx512
   const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4)));
   return {_mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(0x0F))), d, m),
           _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d, m)};
+}
+
+// The same in AVX2: elements 0..7, 8..15, 16..23, 24..31.
+struct Block256 {
+  __m256 v[4];
+};
+
+__attribute__((target("avx2,fma,f16c"))) inline Block256 q4_block_avx2(const uint8_t* p) {
+  const __m128i low = _mm_set1_epi8(0x0F);
+  const __m128 dm = block_dm(p);
+  const __m256 d = _mm256_broadcastss_ps(dm);
+  const __m256 m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
+  const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4));
+  const __m128i lo = _mm_and_si128(qs, low);
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(qs, 4), low);
+  const __m128i quarters[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+  Block256 b;
+  for (int i = 0; i < 4; ++i) b.v[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(quarters[i])), d, m);
+  return b;
 }
 
 // ---- scratch ------------------------------------------------------------------
@@ -185,29 +208,18 @@ template <int R>
 __attribute__((target("avx2,fma,f16c"))) void q4_rows_avx2(const float* x, int64_t ldx, const uint8_t* w,
                                                      int64_t groups, int64_t n0, int64_t n1, float* y,
                                                      int64_t ldy) {
-  const __m128i low = _mm_set1_epi8(0x0F);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * groups * kBlockBytes;
     __m256 acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
-      const uint8_t* p = row + g * kBlockBytes;
-      const __m128 dm = block_dm(p);
-      const __m256 d = _mm256_broadcastss_ps(dm);
-      const __m256 m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
-      const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4));
-      const __m128i lo = _mm_and_si128(qs, low);
-      const __m128i hi = _mm_and_si128(_mm_srli_epi16(qs, 4), low);
-      const __m256 w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), d, m);
-      const __m256 w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), d, m);
-      const __m256 w2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), d, m);
-      const __m256 w3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), d, m);
+      const Block256 b = q4_block_avx2(row + g * kBlockBytes);
       for (int r = 0; r < R; ++r) {
         const float* xg = x + r * ldx + g * kGroup;
-        acc[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xg), acc[r][0]);
-        acc[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xg + 8), acc[r][1]);
-        acc[r][0] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xg + 16), acc[r][0]);
-        acc[r][1] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xg + 24), acc[r][1]);
+        acc[r][0] = _mm256_fmadd_ps(b.v[0], _mm256_loadu_ps(xg), acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(b.v[1], _mm256_loadu_ps(xg + 8), acc[r][1]);
+        acc[r][0] = _mm256_fmadd_ps(b.v[2], _mm256_loadu_ps(xg + 16), acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(b.v[3], _mm256_loadu_ps(xg + 24), acc[r][1]);
       }
     }
     for (int r = 0; r < R; ++r) y[r * ldy + n] = hsum256(_mm256_add_ps(acc[r][0], acc[r][1]));
@@ -637,12 +649,16 @@ __attribute__((target("avx512f,avx512bw,f16c"))) void q8g_rows_avx512(const floa
 
 #include "panel.h"
 #include "panel_vnni.h"
+#include "panel_avx2.h"
 
 namespace trioserve_native {
 
 // ---- dispatch ------------------------------------------------------------
 
 inline bool use_panels(int64_t rows, int64_t isa) { return isa >= kAvx512 && rows >= kPanelFromRows; }
+// kAvx2's float32 panels; kAvx2Int8's from the same row count are int8 ones,
+// for 4-bit weights only (q4_matmul_avx2_int8: a decode step's rows).
+inline bool use_avx2_panels(int64_t rows, int64_t isa) { return isa == kAvx2 && rows >= kPanelFromRows; }
 
 inline void check_isa(int64_t isa) {
   TORCH_CHECK(isa >= kScalar && isa <= kAvx512Vnni, "trioserve native linear: unknown isa ", isa);
@@ -708,11 +724,20 @@ inline void q4_matmul(const float* x, int64_t rows, int64_t k, const uint8_t* w,
         [&](int64_t n, uint16_t* dst) { q4_decode_bf16_avx512(w + n * groups * kBlockBytes, groups, dst); });
     return;
   }
+  if (use_avx2_panels(rows, isa)) {
+    panel_matmul_avx2(x, rows, k, out, y,
+                      [&](int64_t n, float* dst) { q4_decode_avx2(w + n * groups * kBlockBytes, groups, dst); });
+    return;
+  }
   if (isa == kAvx512Vnni) {
     over_int8_rows<kMaxRows>(x, rows, k, out, isa, [&](auto r_tag, const QuantizedRows& xq, int64_t r0, int64_t n0,
                                                         int64_t n1) {
       q4_rows_vnni<decltype(r_tag)::value>(xq, r0, k, w, groups, n0, n1, y + r0 * out, out);
     });
+    return;
+  }
+  if (isa == kAvx2Int8 && rows >= kPanelFromRows) {
+    q4_matmul_avx2_int8(x, rows, k, w, out, y);
     return;
   }
   if (isa == kAvx2Int8) {
@@ -737,10 +762,15 @@ inline void q4_matmul(const float* x, int64_t rows, int64_t k, const uint8_t* w,
 // y[rows, out] = x[rows, k] @ (q * scale).T for int8 q [out, k] and float32 scale [out].
 inline void q8_matmul(const float* x, int64_t rows, int64_t k, const int8_t* w, const float* scale, int64_t out,
                       float* y, int64_t isa) {
+  if (isa == kAvx2Int8) isa = kAvx2;  // no int8 activations for weights per channel
   if (use_panels(rows, isa)) {
     panel_matmul(
         x, rows, k, out, y, isa, [&](int64_t n, float* dst) { q8_decode_avx512(w + n * k, scale + n, k, k, dst); },
         [&](int64_t n, uint16_t* dst) { q8_decode_bf16_avx512(w + n * k, scale + n, k, k, dst, bf16_padded(k)); });
+    return;
+  }
+  if (use_avx2_panels(rows, isa)) {
+    panel_matmul_avx2(x, rows, k, out, y, [&](int64_t n, float* dst) { q8_decode_avx2(w + n * k, scale + n, k, k, dst); });
     return;
   }
   over_rows(rows, out, isa, [&](auto r_tag, int64_t r0, int64_t n0, int64_t n1) {
@@ -770,6 +800,12 @@ inline void q8g_matmul(const float* x, int64_t rows, int64_t k, const int8_t* w,
         [&](int64_t n, uint16_t* dst) {
           q8_decode_bf16_avx512(w + n * k, scale + n * groups, k, kGroup, dst, bf16_padded(k));
         });
+    return;
+  }
+  if (use_avx2_panels(rows, isa)) {
+    panel_matmul_avx2(x, rows, k, out, y, [&](int64_t n, float* dst) {
+      q8_decode_avx2(w + n * k, scale + n * (k / kGroup), k, kGroup, dst);
+    });
     return;
   }
   if (isa == kAvx2Int8) {

@@ -32,8 +32,9 @@ constexpr int kTileRows = 6;  // 24 accumulators of 32 registers
 // From this many rows a call runs here: at 8 the row kernel still serves
 // all rows in one pass and measured faster; from 10 the panels win (by 1.2x
 // at 12 rows, 1.5x at 16 on the 30 layers of the default model, one
-// thread). AVX2, with half the registers, fits a tile of 2 x 4, and that
-// measured no faster than its row kernel at any row count, so it has none.
+// thread). AVX2, with half the registers, fits a tile of only 2 x 4 here,
+// no faster than its row kernel; its panels hold channels in the lanes
+// instead (panel_avx2.h), from the same row count.
 constexpr int64_t kPanelFromRows = 10;
 // The rows of a block (see over_panels): half of a 1 MiB L2. At 2,048 rows
 // of the default model's shapes the bfloat16 panels took 19 ms a layer
@@ -234,21 +235,41 @@ __attribute__((target("avx512f,avx512bw"))) inline void bf16_to_lanes(const uint
 
 // ---- the matmul --------------------------------------------------------------
 
-// Calls ``tile(R, r0)`` for rows [r0, r0 + R) in tiles of kTileRows.
-template <typename Tile>
+// Calls ``tile(R, r0)`` for rows [r0, r0 + R) in tiles of MaxRows (at most 6).
+template <int MaxRows = kTileRows, typename Tile>
 inline void over_tiles(int64_t rows, const Tile& tile) {
+  static_assert(MaxRows >= 1 && MaxRows <= 6, "tiles of 1 to 6 rows");
   for (int64_t r0 = 0; r0 < rows;) {
-    const int64_t left = std::min<int64_t>(kTileRows, rows - r0);
+    const int64_t left = std::min<int64_t>(MaxRows, rows - r0);
     switch (left) {
-      case 6: tile(std::integral_constant<int, 6>{}, r0); break;
-      case 5: tile(std::integral_constant<int, 5>{}, r0); break;
-      case 4: tile(std::integral_constant<int, 4>{}, r0); break;
-      case 3: tile(std::integral_constant<int, 3>{}, r0); break;
-      case 2: tile(std::integral_constant<int, 2>{}, r0); break;
+      case 6: if constexpr (MaxRows >= 6) tile(std::integral_constant<int, 6>{}, r0); break;
+      case 5: if constexpr (MaxRows >= 5) tile(std::integral_constant<int, 5>{}, r0); break;
+      case 4: if constexpr (MaxRows >= 4) tile(std::integral_constant<int, 4>{}, r0); break;
+      case 3: if constexpr (MaxRows >= 3) tile(std::integral_constant<int, 3>{}, r0); break;
+      case 2: if constexpr (MaxRows >= 2) tile(std::integral_constant<int, 2>{}, r0); break;
       default: tile(std::integral_constant<int, 1>{}, r0); break;
     }
     r0 += left;
   }
+}
+
+// Runs ``f(b0, block, n, channels)`` for rows [b0, b0 + block) against the
+// panel of channels [n, n + channels), for every block of ``block_rows``
+// rows and panel of ``panel_channels`` channels, over torch's threads
+// (parallel_chunks), the panels of a block next to each other. Split so
+// rather than by whole panels a thread: the 9 panels of a 576-channel
+// matrix of 64-channel panels left one thread a fifth more work than the
+// other.
+template <typename F>
+inline void over_blocks_and_panels(int64_t rows, int64_t block_rows, int64_t out, int64_t panel_channels, const F& f) {
+  const int64_t blocks = (rows + block_rows - 1) / block_rows;
+  const int64_t panels = (out + panel_channels - 1) / panel_channels;
+  parallel_chunks(blocks * panels, 1, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b0 = i / panels * block_rows, n = i % panels * panel_channels;
+      f(b0, std::min(block_rows, rows - b0), n, std::min(panel_channels, out - n));
+    }
+  });
 }
 
 // Output channels split across torch's threads (parallel_chunks); each thread decodes
@@ -296,31 +317,24 @@ inline void panel_matmul(const float* x, int64_t rows, int64_t k, int64_t out, f
   parallel_chunks(rows, 1, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) to_bf16_avx512(x + r * k, k, xb.data() + r * kp, kp);
   });
-  // The work is split by (row block, panel), the panels of a block next to
-  // each other: with whole panels a thread, the 9 panels of a 576-channel
-  // matrix left one thread a fifth more work than the other.
   const int64_t block_rows = std::max<int64_t>(kTileRows, kRowBlockBytes / (kp * 2) / kTileRows * kTileRows);
-  const int64_t blocks = (rows + block_rows - 1) / block_rows, panels = (out + kBf16Channels - 1) / kBf16Channels;
-  parallel_chunks(blocks * panels, 1, 1, [&](int64_t i0, int64_t i1) {
+  over_blocks_and_panels(rows, block_rows, out, kBf16Channels, [&](int64_t b0, int64_t block, int64_t n,
+                                                                   int64_t channels) {
     // Each channel decoded to a bfloat16 row, 16 at a time (their rows stay
     // in L1), then into the lanes.
     uint16_t* stage = reinterpret_cast<uint16_t*>(thread_scratch(kScratchStage, 16 * kp * 2));
     uint16_t* panel = reinterpret_cast<uint16_t*>(thread_scratch(kScratchPanel, kBf16Channels * kp * 2));
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b0 = i / panels * block_rows, n = i % panels * kBf16Channels;
-      const int64_t block = std::min(block_rows, rows - b0), channels = std::min(kBf16Channels, out - n);
-      for (int v = 0; v < kBf16Vectors; ++v) {
-        const int64_t live = std::clamp<int64_t>(channels - 16 * v, 0, 16);
-        for (int64_t c = 0; c < live; ++c) decode_bf16(n + 16 * v + c, stage + c * kp);
-        // Lanes past the last channel are never stored; zeros keep them finite.
-        std::fill(stage + live * kp, stage + 16 * kp, uint16_t(0));
-        bf16_to_lanes(stage, kp, v, panel);
-      }
-      over_tiles(block, [&](auto r_tag, int64_t r0) {
-        tile_bf16_avx512<decltype(r_tag)::value>(xb.data() + (b0 + r0) * kp, kp, panel, pairs,
-                                                 y + (b0 + r0) * out + n, out, channels);
-      });
+    for (int v = 0; v < kBf16Vectors; ++v) {
+      const int64_t live = std::clamp<int64_t>(channels - 16 * v, 0, 16);
+      for (int64_t c = 0; c < live; ++c) decode_bf16(n + 16 * v + c, stage + c * kp);
+      // Lanes past the last channel are never stored; zeros keep them finite.
+      std::fill(stage + live * kp, stage + 16 * kp, uint16_t(0));
+      bf16_to_lanes(stage, kp, v, panel);
     }
+    over_tiles(block, [&](auto r_tag, int64_t r0) {
+      tile_bf16_avx512<decltype(r_tag)::value>(xb.data() + (b0 + r0) * kp, kp, panel, pairs,
+                                               y + (b0 + r0) * out + n, out, channels);
+    });
   });
 }
 

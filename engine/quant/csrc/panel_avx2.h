@@ -1,0 +1,275 @@
+// The many-row forms of the native linears on AVX2: float32 panels with
+// their channels in the lanes (kAvx2: a prompt's rows), and int8 ones for
+// 4-bit weights (kAvx2Int8: a decode step's rows), below.
+//
+// Why: on AVX2 the row kernels decode every weight again for each 4 rows,
+// and a tile of inputs in the lanes fits only 2 rows x 4 channels in 16
+// registers (no faster than the rows: panel.h). With 16 channels in the
+// lanes of two vectors and one input of a row broadcast against them, 6
+// rows take 12 accumulators, every loaded weight vector feeds 6 FMAs and
+// every broadcast 2, and nothing is reduced across lanes at the end: the
+// shape of the classic float32 GEMM kernels for this register file. A
+// prompt's rows then run on the 4-bit blocks without dequantizing whole
+// matrices first: on one Zen 5 held to AVX2, 119-124 G products a second on
+// two threads at 128 to 2,048 rows (about the FMA units' peak), against
+// 79-101 for torch's GEMM (MKL capped to AVX2) over the dequantized matrices
+// (docs/benchmarks.md).
+//
+// A row's sums run input after input, the same at any row count from
+// kPanelFromRows; they differ in the last bits from the row kernels'
+// (two partial sums of 8 lanes, then one reduction).
+
+#pragma once
+
+#include <algorithm>
+
+namespace trioserve_native {
+
+constexpr int kAvx2PanelVectors = 2;                      // vectors of 8 channels a panel
+constexpr int64_t kAvx2PanelChannels = 8 * kAvx2PanelVectors;
+constexpr int kAvx2TileRows = 6;                          // 12 accumulators of 16 registers
+
+// ---- decoding one channel into float32 -------------------------------------
+
+__attribute__((target("avx2,fma,f16c"))) inline void q4_decode_avx2(const uint8_t* row, int64_t groups, float* dst) {
+  for (int64_t g = 0; g < groups; ++g) {
+    const Block256 b = q4_block_avx2(row + g * kBlockBytes);
+    for (int i = 0; i < 4; ++i) _mm256_storeu_ps(dst + g * kGroup + 8 * i, b.v[i]);
+  }
+}
+
+// int8 times one scale a run of ``step`` values (the channel's, or a group's).
+__attribute__((target("avx2,fma,f16c"))) inline void q8_decode_avx2(const int8_t* q, const float* scale, int64_t k,
+                                                                  int64_t step, float* dst) {
+  const int64_t body = k - k % 8;
+  for (int64_t j = 0; j < body; j += 8) {
+    const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + j)));
+    _mm256_storeu_ps(dst + j, _mm256_mul_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(scale[j / step])));
+  }
+  for (int64_t j = body; j < k; ++j) dst[j] = float(q[j]) * scale[j / step];
+}
+
+// 8 channels' float32 rows (``rows``, ``k`` apart) into vector ``v`` of each
+// input of a panel: 8 x 8 transposes; inputs past the last multiple of 8
+// one at a time.
+__attribute__((target("avx2,fma"))) inline void rows_to_lanes_avx2(const float* rows, int64_t k, int v, float* panel) {
+  constexpr int64_t C = kAvx2PanelChannels;
+  const int64_t body = k - k % 8;
+  for (int64_t j = 0; j < body; j += 8) {
+    __m256 a[8], b[8];
+    for (int c = 0; c < 8; ++c) a[c] = _mm256_loadu_ps(rows + c * k + j);
+    for (int i = 0; i < 4; ++i) {
+      b[2 * i] = _mm256_unpacklo_ps(a[2 * i], a[2 * i + 1]);
+      b[2 * i + 1] = _mm256_unpackhi_ps(a[2 * i], a[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; ++i) {
+      a[4 * i + 0] = _mm256_shuffle_ps(b[4 * i], b[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+      a[4 * i + 1] = _mm256_shuffle_ps(b[4 * i], b[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+      a[4 * i + 2] = _mm256_shuffle_ps(b[4 * i + 1], b[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+      a[4 * i + 3] = _mm256_shuffle_ps(b[4 * i + 1], b[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    // a[i], lane L: channels 0..3 (i < 4) or 4..7 of input j + (i % 4) + 4 * (L / 4)
+    for (int i = 0; i < 4; ++i) {
+      _mm256_storeu_ps(panel + (j + i) * C + 8 * v, _mm256_permute2f128_ps(a[i], a[4 + i], 0x20));
+      _mm256_storeu_ps(panel + (j + 4 + i) * C + 8 * v, _mm256_permute2f128_ps(a[i], a[4 + i], 0x31));
+    }
+  }
+  for (int64_t j = body; j < k; ++j)
+    for (int c = 0; c < 8; ++c) panel[j * C + 8 * v + c] = rows[c * k + j];
+}
+
+// ---- a tile: R rows by one panel ---------------------------------------------
+
+// A tile's R x 2 accumulators to y's rows, masked to the panel's channels (a
+// copy through memory made the compiler keep every accumulator on the stack
+// in the tile's loop).
+template <int R>
+__attribute__((target("avx2"))) inline void store_tile_avx2(const __m256 (&acc)[R][kAvx2PanelVectors], float* y,
+                                                           int64_t ldy, int64_t channels) {
+  static_assert(kAvx2PanelVectors == 2);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i live0 = _mm256_cmpgt_epi32(_mm256_set1_epi32(int32_t(channels)), lane);
+  const __m256i live1 = _mm256_cmpgt_epi32(_mm256_set1_epi32(int32_t(channels - 8)), lane);
+  for (int r = 0; r < R; ++r) {
+    _mm256_maskstore_ps(y + r * ldy, live0, acc[r][0]);
+    _mm256_maskstore_ps(y + r * ldy + 8, live1, acc[r][1]);
+  }
+}
+
+template <int R>
+__attribute__((target("avx2,fma"))) void tile_avx2(const float* x, int64_t ldx, const float* panel, int64_t k, float* y,
+                                                  int64_t ldy, int64_t channels) {
+  constexpr int V = kAvx2PanelVectors;
+  constexpr int64_t C = kAvx2PanelChannels;
+  __m256 acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < k; ++j) {
+    __m256 wv[V];
+    for (int v = 0; v < V; ++v) wv[v] = _mm256_loadu_ps(panel + j * C + 8 * v);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_set1_ps(x[r * ldx + j]);
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm256_fmadd_ps(xv, wv[v], acc[r][v]);
+    }
+  }
+  store_tile_avx2<R>(acc, y, ldy, channels);
+}
+
+// ---- the matmul --------------------------------------------------------------
+
+// y[rows, out] = x[rows, k] @ W.T, where ``decode(n, dst)`` writes channel
+// n's k float32 weights to dst. The work is split by (row block, panel), as
+// panel_matmul's bfloat16 branch: a block's rows stay in L2 while its
+// panels pass, each panel decoded once a block.
+template <typename Decode>
+inline void panel_matmul_avx2(const float* x, int64_t rows, int64_t k, int64_t out, float* y, const Decode& decode) {
+  const int64_t block_rows =
+      std::max<int64_t>(kAvx2TileRows, kRowBlockBytes / (k * 4) / kAvx2TileRows * kAvx2TileRows);
+  over_blocks_and_panels(rows, block_rows, out, kAvx2PanelChannels, [&](int64_t b0, int64_t block, int64_t n,
+                                                                        int64_t channels) {
+    float* stage = reinterpret_cast<float*>(thread_scratch(kScratchStage, 8 * k * 4));
+    float* panel = reinterpret_cast<float*>(thread_scratch(kScratchPanel, kAvx2PanelChannels * k * 4));
+    for (int v = 0; v < kAvx2PanelVectors; ++v) {
+      const int64_t live = std::clamp<int64_t>(channels - 8 * v, 0, 8);
+      for (int64_t c = 0; c < live; ++c) decode(n + 8 * v + c, stage + c * k);
+      // Lanes past the last channel are never stored; zeros keep them finite.
+      std::fill(stage + live * k, stage + 8 * k, 0.f);
+      rows_to_lanes_avx2(stage, k, v, panel);
+    }
+    over_tiles<kAvx2TileRows>(block, [&](auto r_tag, int64_t r0) {
+      tile_avx2<decltype(r_tag)::value>(x + (b0 + r0) * k, k, panel, k, y + (b0 + r0) * out + n, out, channels);
+    });
+  });
+}
+
+// ---- int8 activations (kAvx2Int8): a decode step's rows ----------------------
+// panel_vnni.h's arithmetic without VPDPBUSD, for 4-bit weights: a panel
+// holds, per block, 8 groups of 4 inputs, each 16 channels x 4 nibble bytes
+// in two vectors, then each channel's d and m (float32). VPMADDUBSW
+// multiplies a vector by a row's 4 rounded inputs broadcast and adds pairs in
+// int16 (at most 2 x 15 x 127); the block's 8 of them add in int16 too (at
+// most 30,480, so exact), and one VPMADDWD against ones sums each channel's
+// pairs in int32. The scales (d per channel times dx per row, and m times
+// the row's rounded sum) are applied once per block to 8 channels at a time.
+// In the row kernel (q4_rows_avx2_int8) every block of every channel needs
+// a VPMADDWD, a conversion and an FMA per row, and ends in a reduction.
+//
+// A row's sums run per row and channel, block after block, the same at any
+// row count from kPanelFromRows; they differ in the last bits from the row
+// kernel's (8 partial sums, then one reduction).
+
+// 8 int16 + 8 float32 accumulators, a few of them spilled: measured faster
+// than tiles of 2, 3 or 6 rows at 10 to 64 rows (one Zen 5, AVX2 only).
+constexpr int kAvx2Int8TileRows = 4;
+constexpr int64_t kAvx2Quads = kGroup / 4;  // groups of 4 inputs a block
+// Bytes of one block of a panel: the nibbles, then d and m for each channel.
+constexpr int64_t kAvx2Int8BlockBytes = kGroup * kAvx2PanelChannels + 2 * kAvx2PanelChannels * 4;
+
+// Word w of channel c (``words[c]``, 8 channels) to lane c of group w's
+// vector ``v`` in a panel block (groups ``dst`` onwards): a 4 x 4 transpose
+// of words in each 128-bit lane, channels c and c + 4 side by side.
+__attribute__((target("avx2"))) inline void words_to_lanes_avx2(const __m128i* words, int v, uint8_t* dst) {
+  __m256i a[4];
+  for (int i = 0; i < 4; ++i) a[i] = _mm256_set_m128i(words[i + 4], words[i]);
+  const __m256i t0 = _mm256_unpacklo_epi32(a[0], a[1]), t1 = _mm256_unpackhi_epi32(a[0], a[1]);
+  const __m256i t2 = _mm256_unpacklo_epi32(a[2], a[3]), t3 = _mm256_unpackhi_epi32(a[2], a[3]);
+  const __m256i groups[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
+                             _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
+  for (int i = 0; i < 4; ++i)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (i * kAvx2PanelVectors + v) * 32), groups[i]);
+}
+
+// Block b of 8 channels (``live`` of them; the rest zeros) of 4-bit rows
+// (``rows``: the first channel's, ``row_bytes`` apart) into vector ``v`` of a
+// panel block, with their d and m.
+__attribute__((target("avx2,fma,f16c"))) inline void avx2_decode_q4_int8(const uint8_t* rows, int64_t row_bytes,
+                                                                       int64_t live, int64_t b, int v,
+                                                                       uint8_t* block) {
+  const __m128i low = _mm_set1_epi8(0x0F);
+  float* d = reinterpret_cast<float*>(block + kGroup * kAvx2PanelChannels) + 8 * v;
+  float* m = d + kAvx2PanelChannels;
+  __m128i lo[8], hi[8];  // a channel's 4 words: groups 0..3 (low nibbles), 4..7 (high ones)
+  for (int c = 0; c < 8; ++c) {
+    if (c < live) {
+      const uint8_t* p = rows + c * row_bytes + b * kBlockBytes;
+      const __m128 dm = block_dm(p);
+      d[c] = _mm_cvtss_f32(dm);
+      m[c] = _mm_cvtss_f32(_mm_movehdup_ps(dm));
+      const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4));
+      lo[c] = _mm_and_si128(qs, low);
+      hi[c] = _mm_and_si128(_mm_srli_epi16(qs, 4), low);
+    } else {
+      d[c] = m[c] = 0.f;
+      lo[c] = hi[c] = _mm_setzero_si128();
+    }
+  }
+  words_to_lanes_avx2(lo, v, block);
+  words_to_lanes_avx2(hi, v, block + 4 * kAvx2PanelVectors * 32);
+}
+
+// Rows [r0, r0 + R) of the rounded activations against one panel: y's
+// channels [n, n + channels) (``y`` points at channel n of row r0).
+template <int R>
+__attribute__((target("avx2,fma,f16c"))) void tile_avx2_int8(const QuantizedRows& xq, int64_t r0, int64_t k,
+                                                           const uint8_t* panel, int64_t groups, float* y,
+                                                           int64_t ldy, int64_t channels) {
+  constexpr int V = kAvx2PanelVectors;
+  const int8_t* qx = xq.q.data() + r0 * k;
+  const float* step = xq.step.data() + r0 * groups * 2;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < groups; ++b) {
+    const uint8_t* block = panel + b * kAvx2Int8BlockBytes;
+    const float* d = reinterpret_cast<const float*>(block + kGroup * kAvx2PanelChannels);  // d, then m
+    __m256i dot[R][V];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) dot[r][v] = _mm256_setzero_si256();
+    for (int64_t q = 0; q < kAvx2Quads; ++q) {
+      __m256i wv[V];
+      for (int v = 0; v < V; ++v) wv[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + (q * V + v) * 32));
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, qx + r * k + b * kGroup + q * 4, 4);
+        const __m256i xv = _mm256_set1_epi32(four);
+        for (int v = 0; v < V; ++v) dot[r][v] = _mm256_add_epi16(dot[r][v], _mm256_maddubs_epi16(wv[v], xv));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 dx = _mm256_set1_ps(step[(r * groups + b) * 2]);
+      const __m256 sx = _mm256_set1_ps(step[(r * groups + b) * 2 + 1]);
+      for (int v = 0; v < V; ++v) {
+        const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(dot[r][v], ones));
+        acc[r][v] = _mm256_fmadd_ps(sums, _mm256_mul_ps(_mm256_loadu_ps(d + 8 * v), dx), acc[r][v]);
+        acc[r][v] = _mm256_fmadd_ps(_mm256_loadu_ps(d + kAvx2PanelChannels + 8 * v), sx, acc[r][v]);
+      }
+    }
+  }
+  store_tile_avx2<R>(acc, y, ldy, channels);
+}
+
+// y[rows, out] = x[rows, k] @ W.T for W in 4-bit blocks [out, k / 32, 20], on
+// int8 activations. The channels' rows are staged first (vnni_staged: one
+// contiguous copy, the next panel's rows fetched meanwhile).
+inline void q4_matmul_avx2_int8(const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t out, float* y) {
+  const int64_t groups = k / kGroup, row_bytes = groups * kBlockBytes;
+  const QuantizedRows xq = quantize_rows_q8(x, rows, k, 0, kAvx2Int8);
+  constexpr int T = kAvx2Int8TileRows;
+  const int64_t block_rows = std::max<int64_t>(T, kRowBlockBytes / k / T * T);
+  over_blocks_and_panels(rows, block_rows, out, kAvx2PanelChannels, [&](int64_t b0, int64_t block, int64_t n,
+                                                                        int64_t channels) {
+    uint8_t* panel = thread_scratch(kScratchPanel, groups * kAvx2Int8BlockBytes);  // every byte decoded before use
+    uint8_t* stage = thread_scratch(kScratchStage, kAvx2PanelChannels * row_bytes);
+    const uint8_t* rows_of = vnni_staged(w, row_bytes, out, n, channels, stage);
+    for (int64_t g = 0; g < groups; ++g)
+      for (int v = 0; v < kAvx2PanelVectors; ++v)
+        avx2_decode_q4_int8(rows_of + 8 * v * row_bytes, row_bytes, std::clamp<int64_t>(channels - 8 * v, 0, 8), g, v,
+                            panel + g * kAvx2Int8BlockBytes);
+    over_tiles<T>(block, [&](auto r_tag, int64_t r0) {
+      tile_avx2_int8<decltype(r_tag)::value>(xq, b0 + r0, k, panel, groups, y + (b0 + r0) * out + n, out, channels);
+    });
+  });
+}
+
+}  // namespace trioserve_native
