@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build llama.cpp's llama-server (CPU only, this machine's CPU features) for
+# Build llama.cpp's llama-server (CPU only: this machine's CPU features, or AVX2 only) for
 # scripts/bench_vs_llama.py, from the llama.cpp tree vendored in
 # llama-cpp-python's source distribution, outside this repository.
 #
@@ -33,7 +33,7 @@ while [ $# -gt 0 ]; do
         --src) src="$2"; shift 2 ;;
         --sdist) sdist="$2"; shift 2 ;;
         --isa) isa="$2"; shift 2 ;;
-        -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
         *) echo "build_llama_server.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
