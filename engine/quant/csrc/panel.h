@@ -272,6 +272,22 @@ inline void over_blocks_and_panels(int64_t rows, int64_t block_rows, int64_t out
   });
 }
 
+// The panel of channels [n, n + channels), ``Lanes`` channels a vector for
+// ``Vectors`` vectors: each vector's channels decoded to rows of ``width``
+// values in ``stage`` (``decode(n, dst)``), zeros past the last channel
+// (lanes never stored, kept finite), then ``to_lanes(stage, v)`` puts them in
+// the panel's lanes.
+template <typename T, int Lanes, int Vectors, typename Decode, typename ToLanes>
+inline void decode_panel(int64_t n, int64_t channels, int64_t width, T* stage, const Decode& decode,
+                         const ToLanes& to_lanes) {
+  for (int v = 0; v < Vectors; ++v) {
+    const int64_t live = std::clamp<int64_t>(channels - Lanes * v, 0, Lanes);
+    for (int64_t c = 0; c < live; ++c) decode(n + Lanes * v + c, stage + c * width);
+    std::fill(stage + live * width, stage + Lanes * width, T(0));
+    to_lanes(stage, v);
+  }
+}
+
 // Output channels split across torch's threads (parallel_chunks); each thread decodes
 // kTileChannels channels at a time (``decode(n, dst)``: channel n's ``width``
 // weights as T) into its own panel, and ``tile(R, r0, n, panel, channels)``
@@ -324,13 +340,8 @@ inline void panel_matmul(const float* x, int64_t rows, int64_t k, int64_t out, f
     // in L1), then into the lanes.
     uint16_t* stage = reinterpret_cast<uint16_t*>(thread_scratch(kScratchStage, 16 * kp * 2));
     uint16_t* panel = reinterpret_cast<uint16_t*>(thread_scratch(kScratchPanel, kBf16Channels * kp * 2));
-    for (int v = 0; v < kBf16Vectors; ++v) {
-      const int64_t live = std::clamp<int64_t>(channels - 16 * v, 0, 16);
-      for (int64_t c = 0; c < live; ++c) decode_bf16(n + 16 * v + c, stage + c * kp);
-      // Lanes past the last channel are never stored; zeros keep them finite.
-      std::fill(stage + live * kp, stage + 16 * kp, uint16_t(0));
-      bf16_to_lanes(stage, kp, v, panel);
-    }
+    decode_panel<uint16_t, 16, kBf16Vectors>(n, channels, kp, stage, decode_bf16,
+                                             [&](const uint16_t* rows, int v) { bf16_to_lanes(rows, kp, v, panel); });
     over_tiles(block, [&](auto r_tag, int64_t r0) {
       tile_bf16_avx512<decltype(r_tag)::value>(xb.data() + (b0 + r0) * kp, kp, panel, pairs,
                                                y + (b0 + r0) * out + n, out, channels);

@@ -129,13 +129,8 @@ inline void panel_matmul_avx2(const float* x, int64_t rows, int64_t k, int64_t o
                                                                         int64_t channels) {
     float* stage = reinterpret_cast<float*>(thread_scratch(kScratchStage, 8 * k * 4));
     float* panel = reinterpret_cast<float*>(thread_scratch(kScratchPanel, kAvx2PanelChannels * k * 4));
-    for (int v = 0; v < kAvx2PanelVectors; ++v) {
-      const int64_t live = std::clamp<int64_t>(channels - 8 * v, 0, 8);
-      for (int64_t c = 0; c < live; ++c) decode(n + 8 * v + c, stage + c * k);
-      // Lanes past the last channel are never stored; zeros keep them finite.
-      std::fill(stage + live * k, stage + 8 * k, 0.f);
-      rows_to_lanes_avx2(stage, k, v, panel);
-    }
+    decode_panel<float, 8, kAvx2PanelVectors>(n, channels, k, stage, decode,
+                                              [&](const float* rows, int v) { rows_to_lanes_avx2(rows, k, v, panel); });
     over_tiles<kAvx2TileRows>(block, [&](auto r_tag, int64_t r0) {
       tile_avx2<decltype(r_tag)::value>(x + (b0 + r0) * k, k, panel, k, y + (b0 + r0) * out + n, out, channels);
     });
