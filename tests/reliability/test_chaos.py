@@ -35,8 +35,23 @@ BURST_SIZE = 100
 ARRIVAL_SPREAD = 20.0  # seconds over which the clients arrive
 MAX_TRIES = 5  # a client refused with 429 tries again after Retry-After (at most 2 s)
 # A KV pool of 34 blocks (16 tokens each): less than 32 running sequences
-# can hold, so priorities decide who is preempted.
-ENGINE = {"max_queued_requests": 64, "max_num_seqs": 32, "max_model_len": 256, "kv_cache_memory": 24 << 20}
+# can hold, so priorities decide who is preempted. The cache's dtype is
+# pinned: "auto" picks a 16-bit one where the machine runs it well, which
+# would double the blocks in the same bytes and take the pressure away.
+ENGINE = {
+    "max_queued_requests": 64,
+    "max_num_seqs": 32,
+    "max_model_len": 256,
+    "kv_cache_memory": 24 << 20,
+    "kv_cache_dtype": "float32",
+}
+# Every LONG_EVERY-th client asks for LONG_TOKENS tokens (EOS ignored) within
+# LONG_TIMEOUT seconds: more steps than any CPU runs in that time (it would
+# take under 1.3 ms a step), so deadlines expire on every machine, however
+# fast, and not only where the load happens to be slow enough.
+LONG_EVERY = 20
+LONG_TOKENS = 160
+LONG_TIMEOUT = 0.2
 WORDS = "river stone amber quiet lantern copper meadow falcon winter orchard signal harbor velvet ember".split()
 # "shed": a lower-priority stream displaced from the full queue by a
 # burst, after its status went out (docs/reliability.md, "Overload control").
@@ -56,6 +71,7 @@ class ClientPlan:
     timeout: float | None  # the request's own deadline
     disconnect_after: int | None  # events read before hanging up (None: read to the end)
     give_up_after: float | None  # seconds before cancelling the whole request, response or not
+    ignore_eos: bool = False
 
     @classmethod
     def draw(cls, rng: random.Random) -> ClientPlan:
@@ -72,6 +88,18 @@ class ClientPlan:
             give_up_after=rng.uniform(0.0, 1.5) if 0.25 <= roll < 0.35 else None,
         )
 
+    def long_with_deadline(self) -> ClientPlan:
+        """The same arrival and prompt, asking for more than its deadline allows."""
+        return attrs.evolve(
+            self,
+            n=1,
+            max_tokens=LONG_TOKENS,
+            ignore_eos=True,
+            timeout=LONG_TIMEOUT,
+            disconnect_after=None,
+            give_up_after=None,
+        )
+
     def body(self) -> dict[str, Any]:
         body: dict[str, Any] = {
             "max_tokens": self.max_tokens,
@@ -81,6 +109,8 @@ class ClientPlan:
             "temperature": 0.8,
             "seed": 7,
         }
+        if self.ignore_eos:
+            body["ignore_eos"] = True
         if self.timeout is not None:
             body["timeout"] = self.timeout
         if self.chat:
@@ -197,6 +227,7 @@ async def server_tasks(url: str) -> int:
 async def test_chaos_of_200_streaming_clients_leaves_nothing_behind(default_loaded):
     rng = random.Random(SEED)
     plans = [ClientPlan.draw(rng) for _ in range(NUM_CLIENTS)]
+    plans[::LONG_EVERY] = [plan.long_with_deadline() for plan in plans[::LONG_EVERY]]
     burst_times = sorted(rng.uniform(1.0, ARRIVAL_SPREAD) for _ in range(NUM_BURSTS))
     config = server_config(engine=ENGINE)
     app = create_app(config, loaded=default_loaded)
