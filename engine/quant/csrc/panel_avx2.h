@@ -153,9 +153,12 @@ inline void panel_matmul_avx2(const float* x, int64_t rows, int64_t k, int64_t o
 // row count from kPanelFromRows; they differ in the last bits from the row
 // kernel's (8 partial sums, then one reduction).
 
-// 8 int16 + 8 float32 accumulators, a few of them spilled: measured faster
-// than tiles of 2, 3 or 6 rows at 10 to 64 rows (one Zen 5, AVX2 only).
-constexpr int kAvx2Int8TileRows = 4;
+// 12 int16 sums, 2 weight vectors and a broadcast in the block's loop (the
+// float32 accumulators wait in memory between blocks): 1.25-1.35x the tiles
+// of 4 rows that spilled their sums at 10 to 64 rows, and as fast as or
+// faster than tiles of 4 or 5 once those stopped spilling (one Zen 5, AVX2
+// only; docs/benchmarks.md).
+constexpr int kAvx2Int8TileRows = 6;
 constexpr int64_t kAvx2Quads = kGroup / 4;  // groups of 4 inputs a block
 // Bytes of one block of a panel: the nibbles, then d and m for each channel.
 constexpr int64_t kAvx2Int8BlockBytes = kGroup * kAvx2PanelChannels + 2 * kAvx2PanelChannels * 4;
@@ -228,7 +231,13 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2_int8(const QuantizedRows
         int32_t four;
         std::memcpy(&four, qx + r * k + b * kGroup + q * 4, 4);
         const __m256i xv = _mm256_set1_epi32(four);
-        for (int v = 0; v < V; ++v) dot[r][v] = _mm256_add_epi16(dot[r][v], _mm256_maddubs_epi16(wv[v], xv));
+        for (int v = 0; v < V; ++v) {
+          dot[r][v] = _mm256_add_epi16(dot[r][v], _mm256_maddubs_epi16(wv[v], xv));
+          // An empty barrier a sum, in order: without it GCC hoisted every
+          // row's broadcast ahead of the products and kept most of the sums
+          // on the stack (loaded, added, stored each group of 4 inputs).
+          asm volatile("" : "+x"(dot[r][v]));
+        }
       }
     }
     for (int r = 0; r < R; ++r) {
