@@ -108,9 +108,8 @@ class ClientPlan:
             "stream": True,
             "temperature": 0.8,
             "seed": 7,
+            "ignore_eos": self.ignore_eos,
         }
-        if self.ignore_eos:
-            body["ignore_eos"] = True
         if self.timeout is not None:
             body["timeout"] = self.timeout
         if self.chat:
