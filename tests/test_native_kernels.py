@@ -49,7 +49,8 @@ def test_the_library_is_built_for_this_source_and_runs_scalar_everywhere(isas):
 # panels, avx512bf16 and, called from the model's layers, avx512vnni with
 # bfloat16 products (int4_native.call_isa); below it the 4-bit kernels of
 # avx512vnni and avx2int8 round the activations to int8 in groups of 32
-# (avx2int8 takes avx2's float32 kernel from 10 rows in the layers). The op
+# (avx2int8 takes avx2's kernels from 10 rows in the layers), and from 10
+# rows avx2's 4-bit panels round them to int16 in groups of 32. The op
 # itself, called with avx512vnni from 10 rows (as the fused decode step does),
 # runs the VNNI panels on int8 activations (csrc/panel_vnni.h), and with
 # avx2int8 its int8 rows at any count.
@@ -64,6 +65,12 @@ def int8_activations(isa: str, rows: int, bits: int) -> bool:
     return isa in INT8_ROWS and bits == 4 and rows < PANEL_FROM_ROWS
 
 
+def int16_activations(isa: str, rows: int, bits: int) -> bool:
+    """Whether a linear's call of ``rows`` rows on ``isa`` runs avx2's int16
+    panels (csrc/panel_avx2_int16.h; avx2int8 from the layers takes them too)."""
+    return isa in ("avx2", "avx2int8") and bits == 4 and rows >= PANEL_FROM_ROWS
+
+
 def assert_matches(
     got: torch.Tensor,
     x: torch.Tensor,
@@ -75,13 +82,15 @@ def assert_matches(
 ) -> None:
     """``got`` is ``x @ w.T + b`` up to the order of the sums; for bfloat16
     panels, up to rounding each input and weight to bfloat16 (at most 2**-8
-    of each product, well under 2**-7 with the float32 sums); for int8
-    activations, up to rounding each input by at most half its group's step
-    (amax / 127)."""
+    of each product, well under 2**-7 with the float32 sums); for int8 or
+    int16 activations, up to rounding each input by at most half its group's
+    step (amax / 127 or amax / 32767)."""
     want = F.linear(x, w, b)
-    if int8_activations(isa, x.shape[0], bits):
+    int8, int16 = int8_activations(isa, x.shape[0], bits), int16_activations(isa, x.shape[0], bits)
+    if int8 or int16:
         groups = x.view(x.shape[0], -1, 32)
-        half_step = (groups.abs().amax(-1, keepdim=True) / 254).expand_as(groups).reshape(x.shape)
+        levels = 127 if int8 else 32767
+        half_step = (groups.abs().amax(-1, keepdim=True) / (2 * levels)).expand_as(groups).reshape(x.shape)
         bound = (half_step @ w.abs().T) * 1.01 + 1e-5
     elif isa in BF16_PANELS and x.shape[0] >= PANEL_FROM_ROWS:
         bound = (x.abs() @ w.abs().T) * 2**-7 + 1e-5
@@ -123,12 +132,13 @@ def test_each_variant_matches_the_dequantized_weights(isas, rows, out, groups, g
         assert_matches(got8, x[:, : k - 8], q8.dequantize(), b, isa)
 
 
-def rounded_rows(x: torch.Tensor) -> torch.Tensor:
-    """``x`` rounded as the VNNI kernels round it: to int8 in groups of 32, step amax / 127."""
+def rounded_rows(x: torch.Tensor, levels: int = 127) -> torch.Tensor:
+    """``x`` rounded as the VNNI kernels round it: to int8 in groups of 32,
+    step amax / 127 (``levels`` 32767: as avx2's int16 panels do)."""
     groups = x.view(x.shape[0], -1, 32)
     amax = groups.abs().amax(-1, keepdim=True)
-    scale = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
-    return (torch.round(groups * scale).clamp(-127, 127) * (amax / 127)).reshape(x.shape)
+    scale = torch.where(amax > 0, levels / amax, torch.zeros_like(amax))
+    return (torch.round(groups * scale).clamp(-levels, levels) * (amax / levels)).reshape(x.shape)
 
 
 @pytest.mark.parametrize("variant", INT8_ROWS)
@@ -138,7 +148,7 @@ def test_the_int8_4bit_rows_round_only_the_activations_and_each_row_alone(isas, 
     group of zeros (no step to divide by): within half an int8 step of each
     activation, and every row exactly what it gives alone, so a batch or a
     speculative step's verified rows never change a sequence's result. From
-    the model's layers avx2int8's calls of 10 rows or more take avx2's float32
+    the model's layers avx2int8's calls of 10 rows or more take avx2's int16
     panels."""
     if variant not in isas:
         pytest.skip(f"this CPU cannot run {variant} ({native.ISA_REQUIREMENTS[variant]})")
@@ -158,7 +168,7 @@ def test_the_int8_4bit_rows_round_only_the_activations_and_each_row_alone(isas, 
             alone = torch.cat([linear(x[r : r + 1]) for r in range(rows)])
             assert torch.equal(got, alone), (k, rows)
         assert torch.equal(linear(torch.zeros(2, k)), torch.zeros(2, 37))
-        if variant == "avx2int8":  # from the layers, 10 rows or more take avx2's float32 panels
+        if variant == "avx2int8":  # from the layers, 10 rows or more take avx2's int16 panels
             x = torch.randn(13, k, generator=gen)
             assert_matches(linear(x), x, q4.dequantize(), None, "avx2", bits=4)
             assert torch.equal(linear(x), int4_native.Int4NativeLinear.from_rtn(q4, None, "avx2")(x)), k
@@ -173,7 +183,7 @@ def test_the_int8_panels_compute_exactly_the_rounded_rows_and_each_row_alone(isa
     than a row block holds (336 and 340 rows). Each result is the rounded rows'
     matmul up to float32 rounding, far inside the int8 bound; and a row's
     result does not depend on how many rows it runs with. The model's layers
-    call the bfloat16 or float32 panels there instead."""
+    call the bfloat16 or int16 panels there instead."""
     if variant not in isas:
         pytest.skip(f"this CPU cannot run {variant} ({native.ISA_REQUIREMENTS[variant]})")
     from trioserve.engine.quant.rtn import Int8GroupWeight
@@ -198,26 +208,30 @@ def test_the_int8_panels_compute_exactly_the_rounded_rows_and_each_row_alone(isa
                 want = F.linear(rounded_rows(x[:rows]), weight.dequantize())
                 assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (k, rows, name)
                 assert torch.equal(got, full[:rows]), (k, rows, name)
-        # From the layers, the same call runs the bfloat16 or float32 panels.
+        # From the layers, the same call runs the bfloat16 or int16 panels.
         layered = int4_native.Int4NativeLinear.from_rtn(q4, None, variant)(x)
         assert_matches(layered, x, q4.dequantize(), None, variant, bits=4)
         assert not torch.equal(layered, linears[0][1](x))
 
 
 def test_the_avx2_panels_match_the_dequantized_weights_and_keep_each_row_alone(isas):
-    """avx2's float32 panels (csrc/panel_avx2.h), from 10 rows: 4-bit blocks,
-    int8 per channel with inputs past a multiple of 8 (the transpose's tail)
-    and Q8_0, a short last panel (37 channels: 16 + 16 + 5) and tile, and at
-    1,536 inputs more rows than one row block holds (84). Each is the
-    float32 matmul of the dequantized weight, and a row's result does not
-    depend on how many rows it runs with."""
+    """avx2's panels, from 10 rows: float32 ones (csrc/panel_avx2.h) for int8
+    per channel with inputs past a multiple of 8 (the transpose's tail) and
+    for Q8_0, int16 ones (csrc/panel_avx2_int16.h) for 4-bit blocks; a short
+    last panel (37 channels: 16 + 16 + 5) and tile, a group of zeros, and at
+    1,536 inputs more rows than one row block holds (84 float32 rows, 168
+    int16 ones). The float32 panels give the float32 matmul of the
+    dequantized weight; the int16 ones the matmul of the rows rounded to
+    int16 in groups of 32, up to float32 rounding, and not float32's result;
+    either way a row's result does not depend on how many rows it runs
+    with."""
     if "avx2" not in isas:
         pytest.skip(f"this CPU cannot run avx2 ({native.ISA_REQUIREMENTS['avx2']})")
     from trioserve.engine.quant.rtn import Int8GroupWeight
 
     gen = torch.Generator().manual_seed(7)
     avx2, ops = native.ISAS["avx2"], native.ops()
-    for k, rows in ((96, 40), (100, 40), (1536, 100)):
+    for k, rows in ((96, 40), (100, 40), (1536, 180)):
         w = torch.randn(37, k, generator=gen)
         q8 = quantize_int8(w)
         linears = [("int8", lambda x, q8=q8: ops.q8_linear(x, q8.q, q8.scale, avx2), q8)]
@@ -229,10 +243,16 @@ def test_the_avx2_panels_match_the_dequantized_weights_and_keep_each_row_alone(i
             linears += [("4-bit", lambda x, blocks=blocks: ops.q4_linear(x, blocks, avx2), q4),
                         ("Q8_0", lambda x, q8g=q8g: ops.q8g_linear(x, q8g.q, q8g.scale, avx2), q8g)]
         x = torch.randn(rows, k, generator=gen)
+        x[3, :32] = 0.0
         for name, linear, weight in linears:
             full = linear(x)
             want = F.linear(x, weight.dequantize())
-            assert torch.allclose(full, want, rtol=1e-4, atol=1e-4 * want.abs().max().item()), (k, name)
+            if name == "4-bit":
+                assert_matches(full, x, weight.dequantize(), None, "avx2", bits=4)
+                rounded = F.linear(rounded_rows(x, 32767), weight.dequantize())
+                assert (full - rounded).abs().max() <= 1e-5 * rounded.abs().max(), k
+            else:
+                assert torch.allclose(full, want, rtol=1e-4, atol=1e-4 * want.abs().max().item()), (k, name)
             for part in (PANEL_FROM_ROWS, 13):
                 assert torch.equal(linear(x[:part]), full[:part]), (k, part, name)
 

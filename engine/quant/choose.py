@@ -82,11 +82,14 @@ def _native(bits: int, isa: str, what: str) -> Kernel:
     # channel run as avx512bf16's. avx2int8 does the same on AVX2
     # (q4_rows_avx2_int8), its other kernels running as avx2's.
     # Called from the model's layers (a prompt), the VNNI variant's run
-    # bfloat16 panels from 10 rows, avx2int8's float32 activations.
+    # bfloat16 panels from 10 rows, avx2int8's avx2's: 4-bit panels on
+    # activations rounded to int16 in groups of 32 (csrc/panel_avx2_int16.h).
     if bits == 4 and isa == "avx512vnni":
         activations = "int8 activations in decode steps, bfloat16 products in prompts from 10 rows"
     elif bits == 4 and isa == "avx2int8":
-        activations = "int8 activations in decode steps, float32 in prompts from 10 rows"
+        activations = "int8 activations in decode steps, int16 in prompts from 10 rows"
+    elif bits == 4 and isa == "avx2":
+        activations = "float32 activations, int16 from 10 rows"
     elif isa in ("avx512bf16", "avx512vnni"):
         activations = "float32 activations, bfloat16 products from 10 rows"
     else:

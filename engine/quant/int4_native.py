@@ -6,7 +6,10 @@ byte for byte). That is
 ``Int4Weight``'s ``(q - 8) * scale + zero`` with ``d = scale`` and
 ``m = zero - 8 * scale``; a larger group is its scale repeated over each 32.
 The activations stay float32, so the result is the dequantized weight's
-matmul up to the order of the sums.
+matmul up to the order of the sums, except where a variant rounds them:
+to int8 in groups of 32 in decode steps on ``avx512vnni`` and ``avx2int8``,
+to bfloat16 in the panels of ``avx512bf16``, and to int16 in groups of 32
+in the panels of ``avx2`` (``call_isa``).
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ BLOCK_BYTES = 20
 # dequantizes the matrix and runs torch's float32 GEMM: the row kernels are
 # GEMV-shaped, and from 64-128 rows the GEMM's reuse pays for the
 # conversion. The AVX2 and AVX-512 variants run panels from PANEL_FROM_ROWS
-# rows instead (csrc/panel_avx2.h, csrc/panel.h): on AVX2 the float32 panels
-# ran the default model's layers 1.2-1.5x faster than that GEMM (MKL capped
-# to AVX2) at 128 to 2,048 rows; on AVX-512 1.5-3.3x in float32 products,
+# rows instead (csrc/panel_avx2_int16.h, csrc/panel.h): on AVX2 the float32
+# panels ran the default model's layers 1.2-1.5x faster than that GEMM (MKL
+# capped to AVX2) at 128 to 2,048 rows, and the int16 panels that replaced
+# them 1.4-1.5x faster again; on AVX-512 1.5-3.3x in float32 products,
 # 2.8-4.3x in bfloat16 (docs/benchmarks.md). avx2int8's calls of 10 rows or
 # more from the layers run avx2's panels (call_isa).
 DEQUANTIZE_FROM_ROWS = 128
@@ -49,7 +53,9 @@ def call_isa(isa: int, rows: int) -> int:
     greedy answer to "What is the capital of France?" left Paris (as
     llama-server's does), and a prompt's perplexity rose from +0.03% to
     +0.40% of float32's (docs/benchmarks.md). ``avx2int8`` likewise takes
-    ``avx2``'s float32 activations there."""
+    ``avx2``'s panels there, which round the activations to int16 in groups
+    of 32 (csrc/panel_avx2_int16.h: 15 bits and a sign, against bfloat16's 8
+    bits of mantissa)."""
     if rows >= PANEL_FROM_ROWS and isa in (_VNNI, _AVX2_INT8):
         return _BF16 if isa == _VNNI else _AVX2
     return isa

@@ -27,7 +27,7 @@ import torch
 SOURCE_DIR = Path(__file__).parent / "csrc"
 # Compiled; the headers they include count toward a build's identity too.
 SOURCES = ("linear.cpp", "decode.cpp")
-HEADERS = ("kernels.h", "panel.h", "panel_vnni.h", "panel_avx2.h", "attend.h")
+HEADERS = ("kernels.h", "panel.h", "panel_vnni.h", "panel_avx2.h", "panel_avx2_int16.h", "attend.h")
 LIBRARY_NAME = "trioserve_native"
 SWITCH_ENV = "TRIOSERVE_NATIVE_KERNELS"
 CFLAGS = ("-O3", "-fopenmp")

@@ -144,8 +144,8 @@ def decode_head(head: object) -> object | None:
     variant that has them: avx512vnni's int8 panels (csrc/panel_vnni.h; 6
     against 9 ms at 32 rows in bfloat16 panels), avx2int8's int8 rows; else
     None (``head`` itself serves). A prompt's logits keep ``head``, whose
-    calls of 10 rows or more run bfloat16 panels or float32 activations
-    (``int4_native.call_isa``)."""
+    calls of 10 rows or more run bfloat16 panels, or on AVX2 panels on
+    float32 activations (Q8_0) or int16 ones (4-bit; ``int4_native.call_isa``)."""
     if isinstance(head, Int4NativeLinear | Int8GroupNativeLinear) and head.isa in _INT8_HEADS:
         return attrs.evolve(head, int8_panels=True)
     return None

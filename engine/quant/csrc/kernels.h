@@ -32,9 +32,10 @@ constexpr int kMaxRowsAvx2 = 4;
 // Python calls them so for decode steps, and the 4-bit one below
 // kPanelFromRows rows too (int4_native.call_isa,
 // int8_native.Int8GroupNativeLinear). Its kernels of int8 per channel run as
-// kAvx2's. kAvx2 runs its row kernels below kPanelFromRows rows and the
-// float32 panels of panel_avx2.h from there (a prompt's rows, from the
-// model's layers). kAvx512Bf16 runs the
+// kAvx2's. kAvx2 runs its row kernels below kPanelFromRows rows and from
+// there panels (a prompt's rows, from the model's layers): for 4-bit weights
+// on activations rounded to int16 in groups of 32 (panel_avx2_int16.h), for
+// int8 ones the float32 panels of panel_avx2.h. kAvx512Bf16 runs the
 // AVX-512 row kernels, and from kPanelFromRows rows the bfloat16 panels of
 // panel.h in place of the float32 ones. kAvx512Vnni is kAvx512Bf16 whose
 // kernels for weights in groups of 32 (4-bit, and int8 in groups: GGUF's
@@ -303,36 +304,43 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline void quantize_row_q8
   }
 }
 
+// A group of 32 inputs ``p`` rounded in AVX2 to ``levels`` steps each side
+// of zero (step amax / levels, to nearest even) in ``r``; the step and the
+// step times the rounded values' exact sum go to ``step[0..1]``.
+__attribute__((target("avx2,fma"))) inline void round_group_avx2(const float* p, float levels, __m256i (&r)[4],
+                                                               float* step) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4];
+  for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(p + 8 * i);
+  const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                 _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+  const __m256 inv = _mm256_set1_ps(amax > 0.f ? levels / amax : 0.f);
+  for (int i = 0; i < 4; ++i) r[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+  const __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  const float dx = amax / levels;
+  step[0] = dx;
+  step[1] = dx * float(_mm_cvtsi128_si32(s));
+}
+
 // quantize_row_q8 (flip 0) in AVX2, to the same bytes and steps: the same
 // largest magnitude, reciprocal and rounding (to nearest even), and an exact
 // integer sum.
 __attribute__((target("avx2,fma,f16c"))) inline void quantize_row_q8_avx2(const float* x, int64_t k, int8_t* q,
                                                                       float* step) {
-  const __m256 sign = _mm256_set1_ps(-0.f);
   // _mm256_packs_epi32 then _epi16 interleave the four vectors by 128-bit
   // lane; this puts their 4-value pieces back in order.
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t g = 0; g < k / kGroup; ++g) {
-    const float* p = x + g * kGroup;
-    __m256 v[4];
-    for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(p + 8 * i);
-    const __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                                   _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    const float amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-    const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
     __m256i r[4];
-    for (int i = 0; i < 4; ++i) r[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+    round_group_avx2(x + g * kGroup, 127.f, r, step + 2 * g);
     const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(r[0], r[1]), _mm256_packs_epi32(r[2], r[3]));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + g * kGroup), _mm256_permutevar8x32_epi32(bytes, order));
-    const __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(r[0], r[1]), _mm256_add_epi32(r[2], r[3]));
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-    const float dx = amax / 127.f;
-    step[2 * g] = dx;
-    step[2 * g + 1] = dx * float(_mm_cvtsi128_si32(s));
   }
 }
 
@@ -650,14 +658,16 @@ __attribute__((target("avx512f,avx512bw,f16c"))) void q8g_rows_avx512(const floa
 #include "panel.h"
 #include "panel_vnni.h"
 #include "panel_avx2.h"
+#include "panel_avx2_int16.h"
 
 namespace trioserve_native {
 
 // ---- dispatch ------------------------------------------------------------
 
 inline bool use_panels(int64_t rows, int64_t isa) { return isa >= kAvx512 && rows >= kPanelFromRows; }
-// kAvx2's float32 panels; kAvx2Int8's from the same row count are int8 ones,
-// for 4-bit weights only (q4_matmul_avx2_int8: a decode step's rows).
+// kAvx2's panels (int16 activations for 4-bit weights, float32 for int8
+// ones); kAvx2Int8's from the same row count are int8 ones, for 4-bit
+// weights only (q4_matmul_avx2_int8: a decode step's rows).
 inline bool use_avx2_panels(int64_t rows, int64_t isa) { return isa == kAvx2 && rows >= kPanelFromRows; }
 
 inline void check_isa(int64_t isa) {
@@ -725,8 +735,7 @@ inline void q4_matmul(const float* x, int64_t rows, int64_t k, const uint8_t* w,
     return;
   }
   if (use_avx2_panels(rows, isa)) {
-    panel_matmul_avx2(x, rows, k, out, y,
-                      [&](int64_t n, float* dst) { q4_decode_avx2(w + n * groups * kBlockBytes, groups, dst); });
+    q4_matmul_avx2_i16(x, rows, k, w, out, y);
     return;
   }
   if (isa == kAvx512Vnni) {

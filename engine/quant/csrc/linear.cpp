@@ -1,5 +1,6 @@
 // Native linears over compressed weights, taking float32 activations (rounded
-// to int8 inside on the avx512vnni variant, kernels.h):
+// inside on some variants: to int8 in decode steps, to bfloat16 or int16 in
+// the panels; kernels.h):
 //
 //   trioserve::q4_linear(x, blocks, isa)        4-bit groups of 32, w = q * d + m
 //   trioserve::q8_linear(x, q, scale, isa)      int8 per output channel, w = q * scale

@@ -1,6 +1,7 @@
 // The many-row forms of the native linears on AVX2: float32 panels with
-// their channels in the lanes (kAvx2: a prompt's rows), and int8 ones for
-// 4-bit weights (kAvx2Int8: a decode step's rows), below.
+// their channels in the lanes (kAvx2: a prompt's rows, for int8 weights;
+// 4-bit ones take the int16 panels of panel_avx2_int16.h), and int8 ones
+// for 4-bit weights (kAvx2Int8: a decode step's rows), below.
 //
 // Why: on AVX2 the row kernels decode every weight again for each 4 rows,
 // and a tile of inputs in the lanes fits only 2 rows x 4 channels in 16
@@ -9,8 +10,9 @@
 // rows take 12 accumulators, every loaded weight vector feeds 6 FMAs and
 // every broadcast 2, and nothing is reduced across lanes at the end: the
 // shape of the classic float32 GEMM kernels for this register file. A
-// prompt's rows then run on the 4-bit blocks without dequantizing whole
-// matrices first: on one Zen 5 held to AVX2, 119-124 G products a second on
+// prompt's rows then run on the compressed weights without dequantizing
+// whole matrices first: over 4-bit blocks (as these ran them before the
+// int16 panels), on one Zen 5 held to AVX2, 119-124 G products a second on
 // two threads at 128 to 2,048 rows (about the FMA units' peak), against
 // 79-101 for torch's GEMM (MKL capped to AVX2) over the dequantized matrices
 // (docs/benchmarks.md).
@@ -31,13 +33,6 @@ constexpr int kAvx2TileRows = 6;                          // 12 accumulators of 
 
 // ---- decoding one channel into float32 -------------------------------------
 
-__attribute__((target("avx2,fma,f16c"))) inline void q4_decode_avx2(const uint8_t* row, int64_t groups, float* dst) {
-  for (int64_t g = 0; g < groups; ++g) {
-    const Block256 b = q4_block_avx2(row + g * kBlockBytes);
-    for (int i = 0; i < 4; ++i) _mm256_storeu_ps(dst + g * kGroup + 8 * i, b.v[i]);
-  }
-}
-
 // int8 times one scale a run of ``step`` values (the channel's, or a group's).
 __attribute__((target("avx2,fma,f16c"))) inline void q8_decode_avx2(const int8_t* q, const float* scale, int64_t k,
                                                                   int64_t step, float* dst) {
@@ -49,6 +44,27 @@ __attribute__((target("avx2,fma,f16c"))) inline void q8_decode_avx2(const int8_t
   for (int64_t j = body; j < k; ++j) dst[j] = float(q[j]) * scale[j / step];
 }
 
+// An 8 x 8 transpose of 32-bit words: word i of a[c] to word c of a[i].
+__attribute__((target("avx2"))) inline void transpose_8x8_avx2(__m256 (&a)[8]) {
+  __m256 b[8];
+  for (int i = 0; i < 4; ++i) {
+    b[2 * i] = _mm256_unpacklo_ps(a[2 * i], a[2 * i + 1]);
+    b[2 * i + 1] = _mm256_unpackhi_ps(a[2 * i], a[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    a[4 * i + 0] = _mm256_shuffle_ps(b[4 * i], b[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    a[4 * i + 1] = _mm256_shuffle_ps(b[4 * i], b[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    a[4 * i + 2] = _mm256_shuffle_ps(b[4 * i + 1], b[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    a[4 * i + 3] = _mm256_shuffle_ps(b[4 * i + 1], b[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  // a[i], lane L: words 0..3 (i < 4) or 4..7 of word (i % 4) + 4 * (L / 4)
+  for (int i = 0; i < 4; ++i) {
+    b[i] = _mm256_permute2f128_ps(a[i], a[4 + i], 0x20);
+    b[4 + i] = _mm256_permute2f128_ps(a[i], a[4 + i], 0x31);
+  }
+  for (int i = 0; i < 8; ++i) a[i] = b[i];
+}
+
 // 8 channels' float32 rows (``rows``, ``k`` apart) into vector ``v`` of each
 // input of a panel: 8 x 8 transposes; inputs past the last multiple of 8
 // one at a time.
@@ -56,23 +72,10 @@ __attribute__((target("avx2,fma"))) inline void rows_to_lanes_avx2(const float* 
   constexpr int64_t C = kAvx2PanelChannels;
   const int64_t body = k - k % 8;
   for (int64_t j = 0; j < body; j += 8) {
-    __m256 a[8], b[8];
+    __m256 a[8];
     for (int c = 0; c < 8; ++c) a[c] = _mm256_loadu_ps(rows + c * k + j);
-    for (int i = 0; i < 4; ++i) {
-      b[2 * i] = _mm256_unpacklo_ps(a[2 * i], a[2 * i + 1]);
-      b[2 * i + 1] = _mm256_unpackhi_ps(a[2 * i], a[2 * i + 1]);
-    }
-    for (int i = 0; i < 2; ++i) {
-      a[4 * i + 0] = _mm256_shuffle_ps(b[4 * i], b[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
-      a[4 * i + 1] = _mm256_shuffle_ps(b[4 * i], b[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
-      a[4 * i + 2] = _mm256_shuffle_ps(b[4 * i + 1], b[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
-      a[4 * i + 3] = _mm256_shuffle_ps(b[4 * i + 1], b[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
-    }
-    // a[i], lane L: channels 0..3 (i < 4) or 4..7 of input j + (i % 4) + 4 * (L / 4)
-    for (int i = 0; i < 4; ++i) {
-      _mm256_storeu_ps(panel + (j + i) * C + 8 * v, _mm256_permute2f128_ps(a[i], a[4 + i], 0x20));
-      _mm256_storeu_ps(panel + (j + 4 + i) * C + 8 * v, _mm256_permute2f128_ps(a[i], a[4 + i], 0x31));
-    }
+    transpose_8x8_avx2(a);
+    for (int i = 0; i < 8; ++i) _mm256_storeu_ps(panel + (j + i) * C + 8 * v, a[i]);
   }
   for (int64_t j = body; j < k; ++j)
     for (int c = 0; c < 8; ++c) panel[j * C + 8 * v + c] = rows[c * k + j];
@@ -205,6 +208,26 @@ __attribute__((target("avx2,fma,f16c"))) inline void avx2_decode_q4_int8(const u
   words_to_lanes_avx2(hi, v, block + 4 * kAvx2PanelVectors * 32);
 }
 
+// A block's exact int32 sums of R rows by a panel's 16 channels into the
+// float32 accumulators: d (``dm``: the block's d, then its m, per channel)
+// times each row's step dx, plus m times the row's rounded sum (``step``:
+// the rows' dx and rounded sums, [rows, groups, 2] from row r0).
+template <int R>
+__attribute__((target("avx2,fma"))) inline void add_scaled_block_avx2(const __m256i (&sums)[R][kAvx2PanelVectors],
+                                                                    const float* dm, const float* step,
+                                                                    int64_t groups, int64_t b,
+                                                                    __m256 (&acc)[R][kAvx2PanelVectors]) {
+  for (int r = 0; r < R; ++r) {
+    const __m256 dx = _mm256_set1_ps(step[(r * groups + b) * 2]);
+    const __m256 sx = _mm256_set1_ps(step[(r * groups + b) * 2 + 1]);
+    for (int v = 0; v < kAvx2PanelVectors; ++v) {
+      const __m256 s = _mm256_cvtepi32_ps(sums[r][v]);
+      acc[r][v] = _mm256_fmadd_ps(s, _mm256_mul_ps(_mm256_loadu_ps(dm + 8 * v), dx), acc[r][v]);
+      acc[r][v] = _mm256_fmadd_ps(_mm256_loadu_ps(dm + kAvx2PanelChannels + 8 * v), sx, acc[r][v]);
+    }
+  }
+}
+
 // Rows [r0, r0 + R) of the rounded activations against one panel: y's
 // channels [n, n + channels) (``y`` points at channel n of row r0).
 template <int R>
@@ -240,40 +263,50 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2_int8(const QuantizedRows
         }
       }
     }
-    for (int r = 0; r < R; ++r) {
-      const __m256 dx = _mm256_set1_ps(step[(r * groups + b) * 2]);
-      const __m256 sx = _mm256_set1_ps(step[(r * groups + b) * 2 + 1]);
-      for (int v = 0; v < V; ++v) {
-        const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(dot[r][v], ones));
-        acc[r][v] = _mm256_fmadd_ps(sums, _mm256_mul_ps(_mm256_loadu_ps(d + 8 * v), dx), acc[r][v]);
-        acc[r][v] = _mm256_fmadd_ps(_mm256_loadu_ps(d + kAvx2PanelChannels + 8 * v), sx, acc[r][v]);
-      }
-    }
+    __m256i sums[R][V];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) sums[r][v] = _mm256_madd_epi16(dot[r][v], ones);
+    add_scaled_block_avx2<R>(sums, d, step, groups, b, acc);
   }
   store_tile_avx2<R>(acc, y, ldy, channels);
+}
+
+// The 4-bit panels of the rounded rows (these int8 ones, panel_avx2_int16.h's
+// int16 ones): the rows in blocks of ``row_bytes`` bytes an input, each
+// panel's 16 channels staged (vnni_staged: one contiguous copy, the next
+// panel's rows fetched meanwhile) and decoded a block of 32 inputs at a
+// time, ``decode(rows, row_bytes, live, b, v, block)`` as
+// avx2_decode_q4_int8, into blocks of ``block_bytes``; then
+// ``tile(R, r0, n, channels, panel)`` for the block's rows in tiles of T.
+template <int T, typename Decode, typename Tile>
+inline void q4_panels_avx2(int64_t rows, int64_t k, const uint8_t* w, int64_t out, int64_t row_bytes_an_input,
+                           int64_t block_bytes, const Decode& decode, const Tile& tile) {
+  const int64_t groups = k / kGroup, row_bytes = groups * kBlockBytes;
+  const int64_t block_rows = std::max<int64_t>(T, kRowBlockBytes / (k * row_bytes_an_input) / T * T);
+  over_blocks_and_panels(rows, block_rows, out, kAvx2PanelChannels, [&](int64_t b0, int64_t block, int64_t n,
+                                                                        int64_t channels) {
+    uint8_t* panel = thread_scratch(kScratchPanel, groups * block_bytes);  // every byte decoded before use
+    uint8_t* stage = thread_scratch(kScratchStage, kAvx2PanelChannels * row_bytes);
+    const uint8_t* rows_of = vnni_staged(w, row_bytes, out, n, channels, stage);
+    for (int64_t g = 0; g < groups; ++g)
+      for (int v = 0; v < kAvx2PanelVectors; ++v)
+        decode(rows_of + 8 * v * row_bytes, row_bytes, std::clamp<int64_t>(channels - 8 * v, 0, 8), g, v,
+               panel + g * block_bytes);
+    over_tiles<T>(block, [&](auto r_tag, int64_t r0) { tile(r_tag, b0 + r0, n, channels, panel); });
+  });
 }
 
 // y[rows, out] = x[rows, k] @ W.T for W in 4-bit blocks [out, k / 32, 20], on
 // int8 activations. The channels' rows are staged first (vnni_staged: one
 // contiguous copy, the next panel's rows fetched meanwhile).
 inline void q4_matmul_avx2_int8(const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t out, float* y) {
-  const int64_t groups = k / kGroup, row_bytes = groups * kBlockBytes;
+  const int64_t groups = k / kGroup;
   const QuantizedRows xq = quantize_rows_q8(x, rows, k, 0, kAvx2Int8);
-  constexpr int T = kAvx2Int8TileRows;
-  const int64_t block_rows = std::max<int64_t>(T, kRowBlockBytes / k / T * T);
-  over_blocks_and_panels(rows, block_rows, out, kAvx2PanelChannels, [&](int64_t b0, int64_t block, int64_t n,
-                                                                        int64_t channels) {
-    uint8_t* panel = thread_scratch(kScratchPanel, groups * kAvx2Int8BlockBytes);  // every byte decoded before use
-    uint8_t* stage = thread_scratch(kScratchStage, kAvx2PanelChannels * row_bytes);
-    const uint8_t* rows_of = vnni_staged(w, row_bytes, out, n, channels, stage);
-    for (int64_t g = 0; g < groups; ++g)
-      for (int v = 0; v < kAvx2PanelVectors; ++v)
-        avx2_decode_q4_int8(rows_of + 8 * v * row_bytes, row_bytes, std::clamp<int64_t>(channels - 8 * v, 0, 8), g, v,
-                            panel + g * kAvx2Int8BlockBytes);
-    over_tiles<T>(block, [&](auto r_tag, int64_t r0) {
-      tile_avx2_int8<decltype(r_tag)::value>(xq, b0 + r0, k, panel, groups, y + (b0 + r0) * out + n, out, channels);
-    });
-  });
+  q4_panels_avx2<kAvx2Int8TileRows>(
+      rows, k, w, out, 1, kAvx2Int8BlockBytes, avx2_decode_q4_int8,
+      [&](auto r_tag, int64_t r0, int64_t n, int64_t channels, const uint8_t* panel) {
+        tile_avx2_int8<decltype(r_tag)::value>(xq, r0, k, panel, groups, y + r0 * out + n, out, channels);
+      });
 }
 
 }  // namespace trioserve_native
