@@ -594,10 +594,10 @@ def test_a_q8_0_head_runs_on_the_stored_values_without_a_copy(isas):
 
 def test_a_decode_steps_lm_head_runs_int8_activations_and_a_prompts_the_wider_ones(isas):
     """On avx512vnni the fused decode step's LM head (native_decode.decode_head)
-    runs the int8 panels at any batch size, on avx2int8 the int8 rows; the
-    head a prompt's logits use runs the bfloat16 panels from 10 rows (on
-    avx2int8 float32 activations at any count). Elsewhere there is no second
-    head."""
+    runs the int8 panels at any batch size, on avx2int8 the int8 rows below
+    10 rows and int16 panels from there; the head a prompt's logits use runs
+    the bfloat16 panels from 10 rows (on avx2int8 float32 activations at any
+    count). Elsewhere there is no second head."""
     from trioserve.engine.quant.native_decode import decode_head
     from trioserve.engine.quant.rtn import Int8GroupWeight
 
@@ -617,9 +617,42 @@ def test_a_decode_steps_lm_head_runs_int8_activations_and_a_prompts_the_wider_on
         assert torch.equal(head(x), native.ops().q8g_linear(x, table.q, table.scale, native.ISAS[wider]))
         assert not torch.equal(decoding(x), head(x))
         if isa == "avx2int8":
-            # Its int8 rows: the rounded rows' matmul, each row as alone; a
-            # prompt's head keeps float32 activations at few rows too.
-            want = F.linear(rounded_rows(x), table.dequantize())
+            # Below 10 rows its int8 rows: the rounded rows' matmul, each row
+            # as alone; a prompt's head keeps float32 activations at few rows too.
+            few = x[:3]
+            want = F.linear(rounded_rows(few), table.dequantize())
+            assert (decoding(few) - want).abs().max() <= 1e-5 * want.abs().max()
+            assert torch.equal(decoding(few), torch.cat([decoding(x[r : r + 1]) for r in range(3)]))
+            assert torch.equal(head(few), native.ops().q8g_linear(few, table.q, table.scale, native.ISAS["avx2"]))
+            # From 10 rows the int16 panels (the test below).
+            want = F.linear(rounded_rows(x, 32767), table.dequantize())
             assert (decoding(x) - want).abs().max() <= 1e-5 * want.abs().max()
-            assert torch.equal(decoding(x)[:3], torch.cat([decoding(x[r : r + 1]) for r in range(3)]))
-            assert torch.equal(head(x[:3]), native.ops().q8g_linear(x[:3], table.q, table.scale, native.ISAS["avx2"]))
+
+
+def test_a_decode_steps_q8_0_head_runs_int16_panels_from_10_rows(isas):
+    """avx2int8's Q8_0 kernel from 10 rows (csrc/panel_avx2_int16.h, as a
+    decode step's LM head calls it): weights from -128 to 127, a short last
+    panel (37 channels: 16 + 16 + 5) and tile, a group of zeros, and at 1,536
+    inputs more rows than one row block holds (168). The matmul of the rows
+    rounded to int16 in groups of 32, up to float32 rounding, and not
+    float32's result; a row's result does not depend on how many rows it
+    runs with."""
+    if "avx2int8" not in isas:
+        pytest.skip(f"this CPU cannot run avx2int8 ({native.ISA_REQUIREMENTS['avx2int8']})")
+    from trioserve.engine.quant.rtn import Int8GroupWeight
+
+    gen = torch.Generator().manual_seed(8)
+    index, ops = native.ISAS["avx2int8"], native.ops()
+    for k, rows in ((32, 20), (96, 40), (1536, 180)):
+        table = Int8GroupWeight(torch.randint(-128, 128, (37, k), generator=gen, dtype=torch.int8),
+                                torch.rand(37, k // 32, generator=gen) * 0.01, 32)
+        table.q[0, :32] = -128
+        x = torch.randn(rows, k, generator=gen)
+        x[3, :32] = 0.0
+        full = ops.q8g_linear(x, table.q, table.scale, index)
+        want = F.linear(rounded_rows(x, 32767), table.dequantize())
+        assert (full - want).abs().max() <= 1e-5 * want.abs().max(), k
+        assert not torch.equal(full, F.linear(x, table.dequantize())), k
+        for part in (PANEL_FROM_ROWS, 13):
+            assert torch.equal(ops.q8g_linear(x[:part], table.q, table.scale, index), full[:part]), (k, part)
+

@@ -28,7 +28,8 @@ constexpr int kMaxRowsAvx2 = 4;
 // kAvx2Int8 is kAvx2 whose kernels for weights in groups of 32 (4-bit and
 // Q8_0) multiply int8 activations (VPMADDUBSW and VPMADDWD:
 // q4_rows_avx2_int8, q8g_rows_avx2_int8, and for 4-bit weights from
-// kPanelFromRows rows the int8 panels of panel_avx2.h) at any row count;
+// kPanelFromRows rows the int8 panels of panel_avx2.h) at any row count,
+// except Q8_0 from kPanelFromRows rows: int16 panels (panel_avx2_int16.h);
 // Python calls them so for decode steps, and the 4-bit one below
 // kPanelFromRows rows too (int4_native.call_isa,
 // int8_native.Int8GroupNativeLinear). Its kernels of int8 per channel run as
@@ -815,6 +816,10 @@ inline void q8g_matmul(const float* x, int64_t rows, int64_t k, const int8_t* w,
     panel_matmul_avx2(x, rows, k, out, y, [&](int64_t n, float* dst) {
       q8_decode_avx2(w + n * k, scale + n * (k / kGroup), k, kGroup, dst);
     });
+    return;
+  }
+  if (isa == kAvx2Int8 && rows >= kPanelFromRows) {
+    q8g_matmul_avx2_i16(x, rows, k, w, scale, out, y);
     return;
   }
   if (isa == kAvx2Int8) {

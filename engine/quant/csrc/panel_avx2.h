@@ -210,9 +210,10 @@ __attribute__((target("avx2,fma,f16c"))) inline void avx2_decode_q4_int8(const u
 
 // A block's exact int32 sums of R rows by a panel's 16 channels into the
 // float32 accumulators: d (``dm``: the block's d, then its m, per channel)
-// times each row's step dx, plus m times the row's rounded sum (``step``:
-// the rows' dx and rounded sums, [rows, groups, 2] from row r0).
-template <int R>
+// times each row's step dx, plus (``Offset``: the weights have an m, as
+// 4-bit blocks do and Q8_0 ones do not) m times the row's rounded sum
+// (``step``: the rows' dx and rounded sums, [rows, groups, 2] from row r0).
+template <int R, bool Offset = true>
 __attribute__((target("avx2,fma"))) inline void add_scaled_block_avx2(const __m256i (&sums)[R][kAvx2PanelVectors],
                                                                     const float* dm, const float* step,
                                                                     int64_t groups, int64_t b,
@@ -223,7 +224,7 @@ __attribute__((target("avx2,fma"))) inline void add_scaled_block_avx2(const __m2
     for (int v = 0; v < kAvx2PanelVectors; ++v) {
       const __m256 s = _mm256_cvtepi32_ps(sums[r][v]);
       acc[r][v] = _mm256_fmadd_ps(s, _mm256_mul_ps(_mm256_loadu_ps(dm + 8 * v), dx), acc[r][v]);
-      acc[r][v] = _mm256_fmadd_ps(_mm256_loadu_ps(dm + kAvx2PanelChannels + 8 * v), sx, acc[r][v]);
+      if constexpr (Offset) acc[r][v] = _mm256_fmadd_ps(_mm256_loadu_ps(dm + kAvx2PanelChannels + 8 * v), sx, acc[r][v]);
     }
   }
 }
@@ -271,17 +272,19 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2_int8(const QuantizedRows
   store_tile_avx2<R>(acc, y, ldy, channels);
 }
 
-// The 4-bit panels of the rounded rows (these int8 ones, panel_avx2_int16.h's
-// int16 ones): the rows in blocks of ``row_bytes`` bytes an input, each
-// panel's 16 channels staged (vnni_staged: one contiguous copy, the next
-// panel's rows fetched meanwhile) and decoded a block of 32 inputs at a
-// time, ``decode(rows, row_bytes, live, b, v, block)`` as
-// avx2_decode_q4_int8, into blocks of ``block_bytes``; then
-// ``tile(R, r0, n, channels, panel)`` for the block's rows in tiles of T.
+// The panels of the rounded rows (the int8 ones here, panel_avx2_int16.h's
+// int16 ones) over weights of ``row_bytes`` bytes a channel (4-bit blocks,
+// or Q8_0's int8 values), the rows in blocks of ``row_bytes_an_input``
+// bytes an input: each panel's 16 channels staged (vnni_staged: one
+// contiguous copy, the next panel's rows fetched meanwhile) and decoded a
+// group of 32 inputs at a time, ``decode(rows, n, live, b, v, block)`` for
+// the 8 channels from n (``rows``: the first one's staged row, the others
+// ``row_bytes`` apart) into blocks of ``block_bytes``; then ``tile(R, r0,
+// n, channels, panel)`` for the block's rows in tiles of T.
 template <int T, typename Decode, typename Tile>
-inline void q4_panels_avx2(int64_t rows, int64_t k, const uint8_t* w, int64_t out, int64_t row_bytes_an_input,
-                           int64_t block_bytes, const Decode& decode, const Tile& tile) {
-  const int64_t groups = k / kGroup, row_bytes = groups * kBlockBytes;
+inline void panels_avx2(int64_t rows, int64_t k, const uint8_t* w, int64_t row_bytes, int64_t out,
+                        int64_t row_bytes_an_input, int64_t block_bytes, const Decode& decode, const Tile& tile) {
+  const int64_t groups = k / kGroup;
   const int64_t block_rows = std::max<int64_t>(T, kRowBlockBytes / (k * row_bytes_an_input) / T * T);
   over_blocks_and_panels(rows, block_rows, out, kAvx2PanelChannels, [&](int64_t b0, int64_t block, int64_t n,
                                                                         int64_t channels) {
@@ -290,20 +293,23 @@ inline void q4_panels_avx2(int64_t rows, int64_t k, const uint8_t* w, int64_t ou
     const uint8_t* rows_of = vnni_staged(w, row_bytes, out, n, channels, stage);
     for (int64_t g = 0; g < groups; ++g)
       for (int v = 0; v < kAvx2PanelVectors; ++v)
-        decode(rows_of + 8 * v * row_bytes, row_bytes, std::clamp<int64_t>(channels - 8 * v, 0, 8), g, v,
+        decode(rows_of + 8 * v * row_bytes, n + 8 * v, std::clamp<int64_t>(channels - 8 * v, 0, 8), g, v,
                panel + g * block_bytes);
     over_tiles<T>(block, [&](auto r_tag, int64_t r0) { tile(r_tag, b0 + r0, n, channels, panel); });
   });
 }
 
 // y[rows, out] = x[rows, k] @ W.T for W in 4-bit blocks [out, k / 32, 20], on
-// int8 activations. The channels' rows are staged first (vnni_staged: one
-// contiguous copy, the next panel's rows fetched meanwhile).
+// int8 activations (panels_avx2).
 inline void q4_matmul_avx2_int8(const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t out, float* y) {
   const int64_t groups = k / kGroup;
   const QuantizedRows xq = quantize_rows_q8(x, rows, k, 0, kAvx2Int8);
-  q4_panels_avx2<kAvx2Int8TileRows>(
-      rows, k, w, out, 1, kAvx2Int8BlockBytes, avx2_decode_q4_int8,
+  const int64_t row_bytes = groups * kBlockBytes;
+  panels_avx2<kAvx2Int8TileRows>(
+      rows, k, w, row_bytes, out, 1, kAvx2Int8BlockBytes,
+      [&](const uint8_t* rows_of, int64_t, int64_t live, int64_t b, int v, uint8_t* block) {
+        avx2_decode_q4_int8(rows_of, row_bytes, live, b, v, block);
+      },
       [&](auto r_tag, int64_t r0, int64_t n, int64_t channels, const uint8_t* panel) {
         tile_avx2_int8<decltype(r_tag)::value>(xq, r0, k, panel, groups, y + r0 * out + n, out, channels);
       });

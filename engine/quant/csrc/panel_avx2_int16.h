@@ -1,5 +1,6 @@
-// kAvx2's many-row form for 4-bit weights (a prompt's rows): activations
-// rounded to 16 bits per group of 32 inputs, products in VPMADDWD.
+// kAvx2's many-row form for 4-bit weights (a prompt's rows), and
+// kAvx2Int8's for Q8_0 ones (a decode step's LM head): activations rounded
+// to 16 bits per group of 32 inputs, products in VPMADDWD.
 //
 // Why: a prompt on AVX2 runs at the FMA units' peak in float32 (the panels
 // of panel_avx2.h: 8 products an instruction), and the prompt is what sets
@@ -15,7 +16,7 @@
 //
 // A panel block holds one group of 32 inputs of 16 channels: for each pair
 // of inputs, two vectors of 8 channels' (q[2p], q[2p + 1]) as int16 pairs,
-// then each channel's d and m (float32). A row's pair of rounded inputs is
+// then each channel's d and m (float32; Q8_0 has no m). A row's pair of rounded inputs is
 // broadcast against them; the group's 16 VPMADDWD add in int32 (at most
 // 32 x 32767 x 15, exact), and the scales are applied once a group: d times
 // the row's step dx, and m times the rounded sum. The sums of a row run
@@ -62,18 +63,29 @@ inline RoundedRows16 round_rows_i16(const float* x, int64_t rows, int64_t k) {
   return out;
 }
 
+// 8 channels' 32 inputs of one group as int16 (``words[c][h]``: channel c's
+// inputs 16h .. 16h + 15, 8 pairs) into vector ``v`` of each pair of a panel
+// block: the pairs transposed into the lanes (transpose_8x8_avx2, as
+// rows_to_lanes_avx2 does with floats).
+__attribute__((target("avx2"))) inline void pairs_to_lanes_avx2(const __m256i (&words)[8][2], int v, uint8_t* block) {
+  for (int h = 0; h < 2; ++h) {
+    __m256 a[8];
+    for (int c = 0; c < 8; ++c) a[c] = _mm256_castsi256_ps(words[c][h]);
+    transpose_8x8_avx2(a);  // a[i]: pair 8h + i of the 8 channels
+    for (int i = 0; i < 8; ++i)
+      _mm256_storeu_ps(reinterpret_cast<float*>(block + ((8 * h + i) * kAvx2PanelVectors + v) * 32), a[i]);
+  }
+}
+
 // Block b of 8 channels (``live`` of them; the rest zeros) of 4-bit rows
 // (``rows``: the first channel's, ``row_bytes`` apart) into vector ``v`` of a
-// panel block, with their d and m: the nibbles widened to int16, then pairs
-// of inputs transposed into the lanes (transpose_8x8_avx2, as
-// rows_to_lanes_avx2 does with floats).
+// panel block, with their d and m: the nibbles widened to int16.
 __attribute__((target("avx2,fma,f16c"))) inline void avx2_decode_q4_i16(const uint8_t* rows, int64_t row_bytes,
                                                                       int64_t live, int64_t b, int v,
                                                                       uint8_t* block) {
   const __m128i low = _mm_set1_epi8(0x0F);
   float* d = reinterpret_cast<float*>(block + kGroup * kAvx2PanelChannels * 2) + 8 * v;
   float* m = d + kAvx2PanelChannels;
-  // words[c][h]: channel c's inputs 16h .. 16h + 15 as int16 (8 pairs)
   __m256i words[8][2];
   for (int c = 0; c < 8; ++c) {
     if (c < live) {
@@ -89,18 +101,38 @@ __attribute__((target("avx2,fma,f16c"))) inline void avx2_decode_q4_i16(const ui
       words[c][0] = words[c][1] = _mm256_setzero_si256();
     }
   }
-  for (int h = 0; h < 2; ++h) {
-    __m256 a[8];
-    for (int c = 0; c < 8; ++c) a[c] = _mm256_castsi256_ps(words[c][h]);
-    transpose_8x8_avx2(a);  // a[i]: pair 8h + i of the 8 channels
-    for (int i = 0; i < 8; ++i)
-      _mm256_storeu_ps(reinterpret_cast<float*>(block + ((8 * h + i) * kAvx2PanelVectors + v) * 32), a[i]);
+  pairs_to_lanes_avx2(words, v, block);
+}
+
+// Group b of 8 Q8_0 channels (``live`` of them; the rest zeros: ``rows``
+// the first one's k int8 values, ``k`` apart, ``scale`` its [groups] steps,
+// the next channels' after) into vector ``v`` of a panel block: the values
+// widened to int16 (at most 32 x 127 x 32767 a group's sum, exact), d the
+// group's step, and no m.
+__attribute__((target("avx2,fma,f16c"))) inline void avx2_decode_q8_i16(const int8_t* rows, int64_t k,
+                                                                      const float* scale, int64_t live, int64_t b,
+                                                                      int v, uint8_t* block) {
+  const int64_t groups = k / kGroup;
+  float* d = reinterpret_cast<float*>(block + kGroup * kAvx2PanelChannels * 2) + 8 * v;
+  __m256i words[8][2];
+  for (int c = 0; c < 8; ++c) {
+    if (c < live) {
+      const int8_t* q = rows + c * k + b * kGroup;
+      d[c] = scale[c * groups + b];
+      words[c][0] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+      words[c][1] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)));
+    } else {
+      d[c] = 0.f;
+      words[c][0] = words[c][1] = _mm256_setzero_si256();
+    }
   }
+  pairs_to_lanes_avx2(words, v, block);
 }
 
 // Rows [r0, r0 + R) of the rounded activations against one panel: y's
-// channels [n, n + channels) (``y`` points at channel n of row r0).
-template <int R>
+// channels [n, n + channels) (``y`` points at channel n of row r0);
+// ``Offset``: the panel's weights have an m (add_scaled_block_avx2).
+template <int R, bool Offset>
 __attribute__((target("avx2,fma,f16c"))) void tile_avx2_i16(const RoundedRows16& xq, int64_t r0, int64_t k,
                                                           const uint8_t* panel, int64_t groups, float* y,
                                                           int64_t ldy, int64_t channels) {
@@ -134,21 +166,44 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2_i16(const RoundedRows16&
         }
       }
     }
-    add_scaled_block_avx2<R>(dot, d, step, groups, b, acc);
+    add_scaled_block_avx2<R, Offset>(dot, d, step, groups, b, acc);
   }
   store_tile_avx2<R>(acc, y, ldy, channels);
 }
 
 // y[rows, out] = x[rows, k] @ W.T for W in 4-bit blocks [out, k / 32, 20], on
-// activations rounded to int16 per group. Split and staged as
-// q4_matmul_avx2_int8 (q4_panels_avx2).
+// activations rounded to int16 per group (panels_avx2).
 inline void q4_matmul_avx2_i16(const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t out, float* y) {
+  const int64_t groups = k / kGroup, row_bytes = groups * kBlockBytes;
+  const RoundedRows16 xq = round_rows_i16(x, rows, k);
+  panels_avx2<kAvx2I16TileRows>(
+      rows, k, w, row_bytes, out, 2, kAvx2I16BlockBytes,
+      [&](const uint8_t* rows_of, int64_t, int64_t live, int64_t b, int v, uint8_t* block) {
+        avx2_decode_q4_i16(rows_of, row_bytes, live, b, v, block);
+      },
+      [&](auto r_tag, int64_t r0, int64_t n, int64_t channels, const uint8_t* panel) {
+        tile_avx2_i16<decltype(r_tag)::value, true>(xq, r0, k, panel, groups, y + r0 * out + n, out, channels);
+      });
+}
+
+// y[rows, out] = x[rows, k] @ (q * scale per group of 32).T for int8 q
+// [out, k] and float32 scale [out, k / 32] (GGUF's Q8_0), on activations
+// rounded to int16 per group: a decode step's LM head on kAvx2Int8. Its row
+// kernel (q8g_rows_avx2_int8) reads the whole table once for every 4 rows,
+// and a table of 30 MB (the default model's) does not stay in the caches:
+// at 32 rows that was 8 passes over memory a step. A panel's 16 channels
+// are read once for all the rows.
+inline void q8g_matmul_avx2_i16(const float* x, int64_t rows, int64_t k, const int8_t* w, const float* scale,
+                                int64_t out, float* y) {
   const int64_t groups = k / kGroup;
   const RoundedRows16 xq = round_rows_i16(x, rows, k);
-  q4_panels_avx2<kAvx2I16TileRows>(
-      rows, k, w, out, 2, kAvx2I16BlockBytes, avx2_decode_q4_i16,
+  panels_avx2<kAvx2I16TileRows>(
+      rows, k, reinterpret_cast<const uint8_t*>(w), k, out, 2, kAvx2I16BlockBytes,
+      [&](const uint8_t* rows_of, int64_t n, int64_t live, int64_t b, int v, uint8_t* block) {
+        avx2_decode_q8_i16(reinterpret_cast<const int8_t*>(rows_of), k, scale + n * groups, live, b, v, block);
+      },
       [&](auto r_tag, int64_t r0, int64_t n, int64_t channels, const uint8_t* panel) {
-        tile_avx2_i16<decltype(r_tag)::value>(xq, r0, k, panel, groups, y + r0 * out + n, out, channels);
+        tile_avx2_i16<decltype(r_tag)::value, false>(xq, r0, k, panel, groups, y + r0 * out + n, out, channels);
       });
 }
 
