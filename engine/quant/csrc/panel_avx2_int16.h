@@ -16,11 +16,12 @@
 //
 // A panel block holds one group of 32 inputs of 16 channels: for each pair
 // of inputs, two vectors of 8 channels' (q[2p], q[2p + 1]) as int16 pairs,
-// then each channel's d and m (float32; Q8_0 has no m). A row's pair of rounded inputs is
-// broadcast against them; the group's 16 VPMADDWD add in int32 (at most
-// 32 x 32767 x 15, exact), and the scales are applied once a group: d times
-// the row's step dx, and m times the rounded sum. The sums of a row run
-// group after group, the same at any row count from kPanelFromRows.
+// then each channel's d and m (float32; Q8_0 has no m). A row's pair of
+// rounded inputs is broadcast against them; the group's 16 VPMADDWD add in
+// int32 (at most 32 x 32767 x 15, exact; 32 x 32767 x 128 for Q8_0), and the
+// scales are applied once a group: d times the row's step dx, and m times
+// the rounded sum. The sums of a row run group after group, the same at any
+// row count from kPanelFromRows.
 
 #pragma once
 
@@ -107,8 +108,7 @@ __attribute__((target("avx2,fma,f16c"))) inline void avx2_decode_q4_i16(const ui
 // Group b of 8 Q8_0 channels (``live`` of them; the rest zeros: ``rows``
 // the first one's k int8 values, ``k`` apart, ``scale`` its [groups] steps,
 // the next channels' after) into vector ``v`` of a panel block: the values
-// widened to int16 (at most 32 x 127 x 32767 a group's sum, exact), d the
-// group's step, and no m.
+// (-128 to 127) widened to int16, d the group's step, and no m.
 __attribute__((target("avx2,fma,f16c"))) inline void avx2_decode_q8_i16(const int8_t* rows, int64_t k,
                                                                       const float* scale, int64_t live, int64_t b,
                                                                       int v, uint8_t* block) {
