@@ -68,6 +68,21 @@ inline void fetch_head64(const T* k, const T* v) {
   }
 }
 
+// The keys and values of a context kFetchAhead tokens ahead of the one in
+// use: the first kFetchAhead fetched at construction, then one more each
+// next() (one call per token used).
+template <typename T>
+struct FetchAhead {
+  Tokens<T> keys, values;
+  int64_t context, fetched = 0;
+  FetchAhead(Tokens<T> k, Tokens<T> v, int64_t n) : keys(k), values(v), context(n) {
+    for (; fetched < std::min(kFetchAhead, context); ++fetched) fetch_head64(keys.next(), values.next());
+  }
+  void next() {
+    if (fetched < context) fetch_head64(keys.next(), values.next()), ++fetched;
+  }
+};
+
 namespace scalar_isa {
 using Vec = float;
 constexpr int64_t kWidth = 1;
@@ -162,9 +177,7 @@ inline __m256 sums8(const __m256* v) {
 template <typename T, int G>
 void attend_heads64(const float* q, Tokens<T> keys, Tokens<T> values, int64_t context, float scale, int64_t padded,
                     float* scores, float* out) {
-  Tokens<T> ahead_keys = keys, ahead_values = values;
-  int64_t fetched = 0;
-  for (; fetched < std::min(kFetchAhead, context); ++fetched) fetch_head64(ahead_keys.next(), ahead_values.next());
+  FetchAhead<T> ahead(keys, values, context);
   const Vec scaled = vset(scale);
   for (int64_t t0 = 0; t0 < context; t0 += 8) {
     Vec part[G][8];
@@ -174,7 +187,7 @@ void attend_heads64(const float* q, Tokens<T> keys, Tokens<T> values, int64_t co
         for (int g = 0; g < G; ++g) part[g][i] = vzero();
         continue;
       }
-      if (fetched < context) fetch_head64(ahead_keys.next(), ahead_values.next()), ++fetched;
+      ahead.next();
       const T* k = keys.next();
       Vec kv[8];
       for (int j = 0; j < 8; ++j) kv[j] = vload(k + 8 * j);
@@ -310,9 +323,7 @@ void attend_head64(const float* q, Tokens<T> keys, Tokens<T> values, int64_t con
     for (int j = 0; j < 4; ++j) qv[g][j] = _mm512_mul_ps(_mm512_loadu_ps(q + g * kHead64 + 16 * j), _mm512_set1_ps(scale));
   // Each token's key and value, kFetchAhead tokens before the key is used;
   // the values are used in the second pass, after all the keys.
-  Tokens<T> ahead_keys = keys, ahead_values = values;
-  int64_t fetched = 0;
-  for (; fetched < std::min(kFetchAhead, context); ++fetched) fetch_head64(ahead_keys.next(), ahead_values.next());
+  FetchAhead<T> ahead(keys, values, context);
   for (int64_t t0 = 0; t0 < context; t0 += 16) {
     __m512 part[G][16];
     const int64_t n = std::min<int64_t>(16, context - t0);
@@ -321,7 +332,7 @@ void attend_head64(const float* q, Tokens<T> keys, Tokens<T> values, int64_t con
         for (int g = 0; g < G; ++g) part[g][i] = _mm512_setzero_ps();
         continue;
       }
-      if (fetched < context) fetch_head64(ahead_keys.next(), ahead_values.next()), ++fetched;
+      ahead.next();
       const T* k = keys.next();
       const __m512 k0 = vload(k), k1 = vload(k + 16), k2 = vload(k + 32), k3 = vload(k + 48);
       for (int g = 0; g < G; ++g)
