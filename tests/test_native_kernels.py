@@ -592,6 +592,35 @@ def test_a_q8_0_head_runs_on_the_stored_values_without_a_copy(isas):
         int8_native.Int8GroupNativeLinear.over(Int8GroupWeight(q, torch.rand(40, 6), 16), isas[0])
 
 
+@pytest.mark.parametrize("variant", INT8_ROWS)
+def test_the_int8_q8_0_rows_round_only_the_activations_and_each_row_alone(isas, variant):
+    """The Q8_0 kernels on int8 activations at one to nine rows (a decode
+    step's LM head below 10 rows; avx2int8's row kernel runs four channels a
+    pass at one row, two at two, one from three), over 37 channels (a
+    remainder in each thread's share), values in GGUF's -127..127, a group
+    of zeros: the rounded rows' matmul, every row exactly what it gives
+    alone."""
+    from trioserve.engine.quant.rtn import Int8GroupWeight
+
+    if variant not in isas:
+        pytest.skip(f"this CPU cannot run {variant} ({native.ISA_REQUIREMENTS[variant]})")
+    gen = torch.Generator().manual_seed(5)
+    isa = native.ISAS[variant]
+    for k in (32, 96, 576):
+        q = torch.randint(-127, 128, (37, k), generator=gen, dtype=torch.int8)
+        scale = torch.rand(37, k // 32, generator=gen) * 0.01
+        table = Int8GroupWeight(q, scale, 32)
+        for rows in range(1, PANEL_FROM_ROWS):
+            x = torch.randn(rows, k, generator=gen)
+            if k > 32:
+                x[0, :32] = 0.0
+            got = native.ops().q8g_linear(x, q, scale, isa)
+            want = F.linear(rounded_rows(x), table.dequantize())
+            assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (k, rows)
+            alone = torch.cat([native.ops().q8g_linear(x[r : r + 1], q, scale, isa) for r in range(rows)])
+            assert torch.equal(got, alone), (k, rows)
+
+
 def test_a_decode_steps_lm_head_runs_int8_activations_and_a_prompts_the_wider_ones(isas):
     """On avx512vnni the fused decode step's LM head (native_decode.decode_head)
     runs the int8 panels at any batch size, on avx2int8 the int8 rows below
