@@ -201,6 +201,11 @@ def add_bench_offline_parser(bench_commands) -> None:
         choices=["auto", "float32", "float16", "bfloat16", "fp8"],
         help="trioserve's KV cache (docs/api.md; default: auto)",
     )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="on CUDA, trioserve's decode steps op by op, without CUDA graphs (docs/api.md)",
+    )
     p.add_argument("--result-json", type=Path, default=None)
     from trioserve.web.engine_options import add_speculative_options
 
@@ -239,6 +244,7 @@ def _run_bench_offline(args: argparse.Namespace) -> int:
         quantization=args.quantization,
         quantization_group_size=args.quantization_group_size,
         kv_cache_dtype=args.kv_cache_dtype,
+        enforce_eager=args.enforce_eager,
     )
     from trioserve.web.engine_options import speculative_fields
 

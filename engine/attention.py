@@ -148,6 +148,37 @@ class AttentionMetadata:
             prefills=tuple(prefills),
         )
 
+    @classmethod
+    def for_decode_tables(
+        cls, block_tables: torch.Tensor, context_lens: torch.Tensor, kv_cache: KVCache
+    ) -> AttentionMetadata:
+        """Plan a batch whose every row decodes one token, from device
+        tensors alone: ``block_tables`` ``[rows, width]`` (each row's blocks,
+        padded with any valid block id) and ``context_lens`` ``[rows]``.
+
+        Every row gathers all ``width`` blocks and the mask hides what lies
+        past its context, so the plan's shapes depend on ``rows`` and
+        ``width`` only and nothing is read back to the host: a CUDA graph
+        records it once and replays it with new tables and lengths
+        (engine/cuda_graphs.py). ``build`` reads less for uneven contexts.
+        """
+        rows, width = block_tables.shape
+        span = width * kv_cache.block_size
+        positions = torch.arange(span, device=block_tables.device)
+        mask = (positions[None, :] < context_lens[:, None])[:, None, None, :]
+        shape = (rows * width, *kv_cache.key.shape[2:])
+        chunk = DecodeChunk(0, rows, block_tables.reshape(-1), 0, width, span, mask)
+        return cls(
+            num_tokens=rows,
+            block_size=kv_cache.block_size,
+            num_decodes=rows,
+            decode_token_indices=None,
+            decode_chunks=(chunk,),
+            decode_key_buffer=kv_cache.key.new_empty(shape),
+            decode_value_buffer=kv_cache.value.new_empty(shape),
+            prefills=(),
+        )
+
 
 def _plan_decode_chunks(
     batch: ForwardBatch,

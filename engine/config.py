@@ -253,6 +253,10 @@ class EngineConfig:
     # memory is flat while serving and no request waits for a kernel; False
     # starts faster and builds each as it is first met (engine/onednn.py).
     warm_up: bool = True
+    # Run CUDA decode steps op by op, as vLLM's --enforce-eager; by default
+    # a decode-only step replays a CUDA graph recorded for its shape
+    # (engine/cuda_graphs.py). No effect on CPU.
+    enforce_eager: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     # Overload control (docs/reliability.md, "Overload control").
     # Seconds a request may wait from its arrival before anything is computed
     # for it; past that it is dropped (QueueTimeout; HTTP 503). None: no bound.

@@ -19,6 +19,7 @@ import torch
 
 from .block_manager import BlockManager
 from .config import EngineConfig
+from .cuda_graphs import DecodeGraphs
 from .detokenizer import DetokenizerDelta, IncrementalDetokenizer
 from .errors import InvalidRequestError, TokenizerError
 from .faults import Fault
@@ -115,11 +116,24 @@ def build_runner(
         dtype=kv_dtype.dtype,
         device=loaded.device,
     )
+    graphs = DecodeGraphs.choose(
+        loaded.model,
+        kv_cache,
+        enforce_eager=config.enforce_eager,
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=config.resolved_max_model_len(loaded.model_config),
+    )
+    if graphs is not None:
+        log.info(
+            "CUDA graphs for decode steps of up to %d sequences, recorded as each shape is first met",
+            graphs.batch_sizes[-1],
+        )
     runner = ModelRunner(
         model=loaded.model,
         kv_cache=kv_cache,
         sampler=Sampler(loaded.model_config.vocab_size, loaded.device, logits_processors=plugins.logits_processors),
         device=loaded.device,
+        decode_graphs=graphs,
     )
     if config.warm_up:
         start = time.perf_counter()

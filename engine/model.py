@@ -351,15 +351,53 @@ class LlamaForCausalLM(nn.Module):
             native = self.native_attention
             attend = native.bind(batch, cos, sin) if native is not None and native.runs(hidden, kv_cache.key) else None
             meta = None if attend is not None else AttentionMetadata.build(batch, kv_cache)
-            # ``forward`` directly, not through nn.Module's call (hook
-            # checks), and each layer's pools from one unbind: a one-stream
-            # decode step is bound by such per-layer overheads
-            # (docs/benchmarks.md, "A lean decode step").
-            for layer, projections, keys, values in zip(self.layers, made.layers, kv_cache.key, kv_cache.value):
-                hidden = layer.forward(hidden, projections, cos, sin, keys, values, slots, meta, attend)
+            hidden = self._decoder_layers(hidden, made, cos, sin, kv_cache, slots, meta, attend)
         hidden = hidden.index_select(0, batch.logits_indices)
         hidden = F.rms_norm(hidden, (hidden.shape[-1],), self.norm, self.config.rms_norm_eps)
         return self.lm_logits(hidden, made)
+
+    def forward_decode(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: KVCache,
+    ) -> torch.Tensor:
+        """One token per row at ``positions``, as ``meta`` plans their
+        attention (``AttentionMetadata.for_decode_tables``), writing keys and
+        values at ``slot_mapping``; float32 logits for every row.
+
+        Nothing here reads a tensor back to the host or branches on a
+        batch's lengths, so a CUDA graph can record it once per shape and
+        replay it (engine/cuda_graphs.py); attention runs in torch, not on
+        the CPU's native paths.
+        """
+        made = self._projections()
+        cos, sin = self.rotary.cos_sin(positions)
+        hidden = self._decoder_layers(self.embed(input_ids), made, cos, sin, kv_cache, slot_mapping, meta, None)
+        hidden = F.rms_norm(hidden, (hidden.shape[-1],), self.norm, self.config.rms_norm_eps)
+        return self.lm_logits(hidden, made)
+
+    def _decoder_layers(
+        self,
+        hidden: torch.Tensor,
+        made: _Made,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        slot_mapping: torch.Tensor,
+        meta: AttentionMetadata | None,
+        attend: BoundAttention | None,
+    ) -> torch.Tensor:
+        """The residual stream after every layer."""
+        # ``forward`` directly, not through nn.Module's call (hook checks),
+        # and each layer's pools from one unbind: a one-stream decode step
+        # is bound by such per-layer overheads (docs/benchmarks.md, "A lean
+        # decode step").
+        for layer, projections, keys, values in zip(self.layers, made.layers, kv_cache.key, kv_cache.value):
+            hidden = layer.forward(hidden, projections, cos, sin, keys, values, slot_mapping, meta, attend)
+        return hidden
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The input embeddings of ``input_ids`` (a tensor-parallel shard

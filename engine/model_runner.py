@@ -9,6 +9,7 @@ import attrs
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from .cuda_graphs import DecodeGraphs
 from .forward_batch import ForwardBatch, SeqChunk
 from .kv_cache import KVCache
 from .plugins import PluginError
@@ -59,6 +60,9 @@ class ModelRunner:
     kv_cache: KVCache
     sampler: Sampler
     device: torch.device
+    # Decode-only steps replayed from CUDA graphs (engine/cuda_graphs.py);
+    # None runs every step op by op (CPU, or ``enforce_eager``).
+    decode_graphs: DecodeGraphs | None = None
 
     @property
     def block_size(self) -> int:
@@ -143,5 +147,9 @@ class ModelRunner:
             )
             for chunk in plan.chunks
         ]
+        if self.decode_graphs is not None:
+            logits = self.decode_graphs.run(chunks)
+            if logits is not None:
+                return logits
         batch = ForwardBatch.build(chunks, block_size=self.block_size, device=self.device)
         return self.model(batch, self.kv_cache)

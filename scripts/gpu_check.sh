@@ -17,7 +17,11 @@
 #   4. throughput probe: a random-weight model with SmolLM2-135M's exact
 #      shape through EngineCore on CUDA (bf16 and fp32) and transformers
 #      generate on CUDA for reference: $OUT/gpu_probe.json;
-#   5. `trioserve bench offline` on that model, only if it has a --device option.
+#   5. `trioserve bench offline` on that model, only if it has a --device option;
+#   6. CUDA graphs: decode steps at batch 1 and 64 with and without them
+#      (scripts/cuda_graphs_bench.py): $OUT/cuda_graphs.json.
+# GPU_CHECK_STEPS="pytest-cuda graphs" runs only the steps named (the
+# setup and the machine report always run).
 # Exit status: 0 when every step passed, else the number of failed steps.
 #
 # Dry run on a machine without CUDA (checks the script, not the GPU):
@@ -35,6 +39,10 @@ FAILED=()
 step() {  # step NAME SECONDS CMD...: run CMD under a timeout capped by the overall deadline
     local name=$1 limit=$2
     shift 2
+    if [ -n "${GPU_CHECK_STEPS:-}" ] && ! [[ " nvidia-smi info $GPU_CHECK_STEPS " == *" $name "* ]]; then
+        echo "=== [$name] not asked for (GPU_CHECK_STEPS=$GPU_CHECK_STEPS)"
+        return 0
+    fi
     local left=$((BUDGET - (SECONDS - START)))
     if ((left < 15)); then
         echo "=== [$name] SKIPPED: only ${left}s left of the ${BUDGET}s budget"
@@ -67,7 +75,7 @@ fi
 # pyproject maps engine/ -> trioserve.engine etc. (no trioserve/__init__.py:
 # a namespace package), so symlinks rebuild the installed layout.
 rm -rf /tmp/tsroot && mkdir -p /tmp/tsroot/trioserve /tmp/tsroot/trioserve-0.1.0.dist-info || return 99
-for pkg in engine actors web; do ln -s "$REPO/$pkg" "/tmp/tsroot/trioserve/$pkg" || return 99; done
+for pkg in engine actors web bench testing rpc; do ln -s "$REPO/$pkg" "/tmp/tsroot/trioserve/$pkg" || return 99; done
 printf 'Metadata-Version: 2.1\nName: trioserve\nVersion: 0.1.0\n' > /tmp/tsroot/trioserve-0.1.0.dist-info/METADATA
 export PYTHONPATH=/tmp/site:/tmp/tsroot${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONDONTWRITEBYTECODE=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -104,7 +112,7 @@ step info 60 "$PY" /tmp/gpu_info.py
 # -v and faulthandler_timeout: a hung test is named, with its stack, in the log.
 step pytest-cuda 200 env TRIOSERVE_TEST_DEVICE="$GPU_CHECK_DEVICE" "$PY" -m pytest -p no:cacheprovider -v -rfEs \
     --maxfail=25 --durations=10 -o faulthandler_timeout=120 --junitxml="$OUT/pytest_cuda.xml" \
-    tests/test_cuda_paths.py tests/test_attention.py tests/test_model_equivalence.py
+    -k "not flag" tests/test_cuda_paths.py tests/test_cuda_graphs.py tests/test_attention.py tests/test_model_equivalence.py
 
 # --- 4. throughput probe ---------------------------------------------------
 cat > /tmp/gpu_probe.py <<'EOF'
@@ -306,6 +314,11 @@ if grep -q -- '--device' <<<"$BENCH_HELP"; then
 else
     echo "=== [bench-offline] not run: 'trioserve bench offline' has no --device option here (it would load on CPU)"
 fi
+
+# --- 6. CUDA graphs against eager decode steps ------------------------------
+GRAPH_ARGS=(--device "$GPU_CHECK_DEVICE" --batch-sizes 1,64,256 --out "$OUT/cuda_graphs.json")
+[ -n "${GPU_PROBE_SMALL:-}" ] && GRAPH_ARGS+=(--small --rounds 1)
+step graphs 150 "$PY" scripts/cuda_graphs_bench.py "${GRAPH_ARGS[@]}"
 
 echo "=== done in $((SECONDS - START))s; failed steps: ${FAILED[*]:-none}"
 ls -la "$OUT"

@@ -50,6 +50,20 @@ def hf_tokenizer_folder() -> Path:
     return folder
 
 
+def write_word_tokenizer(folder: Path, vocab_size: int) -> None:
+    """Save into ``folder`` a word-level tokenizer of ``vocab_size`` tokens,
+    one word per id (``<unk>``, ``<s>``, ``</s>``, then ``w3``, ``w4``, ...), so
+    every id decodes: for machines without the default model's file."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.save_pretrained(str(folder))
+
+
 def tiny_model_config() -> ModelConfig:
     """2 layers, 64 wide, 4 query and 2 KV heads, the default model's vocabulary."""
     tok = tokenizer()
@@ -98,6 +112,24 @@ def _tiny_weights(config: ModelConfig, device: torch.device) -> LlamaForCausalLM
     return model
 
 
+def tiny_loaded_with(tokenizer: Any, device: str | torch.device = "cpu", *, path: Path | None = None) -> LoadedModel:
+    """The tiny model's weights (``tiny_loaded``'s) on ``device`` with
+    another ``tokenizer``, one of at most ``VOCAB_SIZE`` tokens: for a
+    machine without the default model's file, such as a lent GPU machine.
+    ``path`` is what ``LoadedModel.path`` says (default: the temp folder)."""
+    config = _tiny_config(tokenizer.bos_token_id, (tokenizer.eos_token_id,))
+    device = torch.device(device)
+    return LoadedModel(
+        model=_tiny_weights(config, device),
+        model_config=config,
+        tokenizer=tokenizer,
+        name="tiny-random-llama",
+        path=Path(tempfile.gettempdir()) if path is None else path,
+        dtype=torch.float32,
+        device=device,
+    )
+
+
 def tiny_worker_model() -> LoadedModel:
     """The tiny model's weights on CPU, without the tokenizer (a worker
     process runs steps only; the server has the tokenizer): what
@@ -117,16 +149,7 @@ def tiny_worker_model() -> LoadedModel:
 
 @functools.cache
 def _tiny_loaded(device: torch.device) -> LoadedModel:
-    config = tiny_model_config()
-    return LoadedModel(
-        model=_tiny_weights(config, device),
-        model_config=config,
-        tokenizer=tokenizer(),
-        name="tiny-random-llama",
-        path=default_model_path().parent,
-        dtype=torch.float32,
-        device=device,
-    )
+    return tiny_loaded_with(tokenizer(), device, path=default_model_path().parent)
 
 
 def engine_config(*, num_blocks: int | None = None, **overrides: Any) -> EngineConfig:

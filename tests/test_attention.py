@@ -142,3 +142,26 @@ def test_lone_sequence_on_scattered_blocks_is_gathered():
     (chunk,) = meta.decode_chunks
     assert chunk.blocks.tolist() == [10, 11, 12, 14, 13, 15]
     assert (out - ref).abs().max() < 1e-5
+
+
+def test_a_decode_plan_from_device_tables_matches_the_reference():
+    # The plan a CUDA graph records (engine/cuda_graphs.py): every row
+    # gathers the same number of blocks, its table padded with arbitrary
+    # valid blocks (stale keys of other sequences) that the mask must hide.
+    tables = _scattered_tables(5, seed=7)
+    contexts = [1, 4, 5, 11, 12]  # one token, a full block, mid-block, ...
+    chunks = [SeqChunk([0], ctx - 1, table) for ctx, table in zip(contexts, tables)]
+    width = 8  # more blocks than the longest context (12 tokens: 3) needs
+    padded = [table[: -(-ctx // BLOCK)] for ctx, table in zip(contexts, tables)]
+    padded = [t + [NUM_BLOCKS - 1 - i] * (width - len(t)) for i, t in enumerate(padded)]
+    kv = _cache()
+    torch.manual_seed(1)
+    query = torch.randn(len(chunks), HEADS, HEAD_DIM).to(TEST_DEVICE)
+    meta = AttentionMetadata.for_decode_tables(
+        torch.tensor(padded, device=TEST_DEVICE), torch.tensor(contexts, device=TEST_DEVICE), kv
+    )
+    assert meta.num_decodes == len(chunks) and meta.decode_token_indices is None and not meta.prefills
+    (chunk,) = meta.decode_chunks
+    assert chunk.num_blocks == width and chunk.context_len == width * BLOCK
+    out = paged_attention(query, None, None, kv.key[0], kv.value[0], meta, scale=HEAD_DIM**-0.5)
+    assert (out.cpu() - _reference(query, kv, chunks)).abs().max() < 1e-5

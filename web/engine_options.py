@@ -48,6 +48,12 @@ def add_engine_options(parser: argparse.ArgumentParser, *, several_models: bool 
     add("--max-num-batched-tokens", type=int, default=2048)
     add("--no-prefix-caching", action="store_true")
     add("--num-threads", type=int, default=None, help="torch threads for the model step (per replica)")
+    add(
+        "--enforce-eager",
+        action="store_true",
+        help="on CUDA, run decode steps op by op instead of replaying a CUDA graph recorded for each batch "
+        "shape (default: graphs on CUDA; no effect on CPU)",
+    )
     # Data parallelism (actors/replicas.py, docs/deployment.md).
     add(
         "--data-parallel-size",
@@ -200,6 +206,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConf
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
         num_threads=args.num_threads,
+        enforce_eager=args.enforce_eager,
         data_parallel_size=args.data_parallel_size,
         worker_mode=args.worker_mode,
         **tensor_parallel_fields(args),
