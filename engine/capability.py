@@ -41,10 +41,11 @@ from .quant import int8_pack as quant_int8_pack
 
 ASSUME_ENV = "TRIOSERVE_CPU_ASSUME"
 # Lowest first; the names are ATEN_CPU_CAPABILITY's, avx512bf16 is AVX-512
-# with AVX512_BF16 (the native linears' bfloat16 panels), and avx512vnni that
+# with AVX512_BF16 (the native linears' bfloat16 panels), avx512vnni that
 # with AVX512_VNNI (the native linears' int8 activations for weights in
-# groups of 32 in decode steps).
-ISA_LEVELS = ("default", "avx2", "avx512", "avx512bf16", "avx512vnni")
+# groups of 32 in decode steps), and amx that with AMX-BF16 tiles (a prompt's
+# 4-bit linears on torch's bfloat16 GEMM: quant/int4_native.py).
+ISA_LEVELS = ("default", "avx2", "avx512", "avx512bf16", "avx512vnni", "amx")
 # Variables that cap what torch's libraries use when set before torch loads:
 # shown with the paths, since they change what the trials find.
 LIBRARY_CAPS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
@@ -170,6 +171,13 @@ PROBES: tuple[Probe, ...] = (
     # trials also fail where scripts/setup.sh could not build them.
     *_native_probes("quant_int4_native_{}", "native 4-bit linear ({})", quant_int4_native.trial, native.LINEAR_ISA_ORDER),
     *_native_probes("quant_int8_native_{}", "native int8 linear ({})", quant_int8_native.trial, native.LINEAR_ISA_ORDER),
+    Probe(
+        quant_int4_native.BF16_GEMM_PATH,
+        "a prompt's native 4-bit linears as torch's bfloat16 GEMM over the matrix dequantized per call",
+        quant_int4_native.trial_bf16_gemm,
+        needs="amx",
+        requirement="AMX-BF16 tiles (with AVX512_BF16), which oneDNN's bfloat16 GEMM runs on",
+    ),
     *_native_probes("native_attention_{}", "native decode attention ({})", native_attention.trial),
     # A KV cache narrower than the model (engine/kv_dtype.py chooses among
     # them by measurement); each needs the level that converts it in hardware.

@@ -73,11 +73,16 @@ def test_every_path_is_tried_and_the_switch_only_turns_paths_off():
     no_bf16 = CpuPaths.detect(assume="avx512")
     assert [p.name for p in no_bf16.forced] == [
         "quant_int4_native_avx512vnni", "quant_int4_native_avx512bf16",
-        "quant_int8_native_avx512vnni", "quant_int8_native_avx512bf16",
+        "quant_int8_native_avx512vnni", "quant_int8_native_avx512bf16", "quant_int4_bf16_gemm",
     ]  # fmt: skip
-    # ... and without VNNI, only the variant whose 4-bit rows run on int8 activations.
+    # ... without VNNI, the variant whose 4-bit rows run on int8 activations
+    # and the GEMM that needs AMX.
     no_vnni = CpuPaths.detect(assume="avx512bf16")
-    assert [p.name for p in no_vnni.forced] == ["quant_int4_native_avx512vnni", "quant_int8_native_avx512vnni"]
+    assert [p.name for p in no_vnni.forced] == [
+        "quant_int4_native_avx512vnni", "quant_int8_native_avx512vnni", "quant_int4_bf16_gemm"
+    ]
+    # ... and without AMX, only the bfloat16 GEMM of a prompt's 4-bit linears.
+    assert [p.name for p in CpuPaths.detect(assume="avx512vnni").forced] == ["quant_int4_bf16_gemm"]
     top = CpuPaths.detect(assume=ISA_LEVELS[-1])
     assert top.forced == () and [p.available for p in top.paths] == [p.available for p in found.paths]
 
@@ -189,7 +194,7 @@ def test_the_cli_reports_a_bad_switch_in_one_line():
     )  # fmt: skip
     assert result.returncode == 2
     assert result.stderr == (
-        "trioserve: error: TRIOSERVE_CPU_ASSUME='avx3' is not a CPU level; use one of default, avx2, avx512, avx512bf16, avx512vnni\n"
+        "trioserve: error: TRIOSERVE_CPU_ASSUME='avx3' is not a CPU level; use one of default, avx2, avx512, avx512bf16, avx512vnni, amx\n"
     )
 
 

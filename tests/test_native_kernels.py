@@ -686,3 +686,57 @@ def test_a_decode_steps_q8_0_head_runs_int16_panels_from_10_rows(isas):
         for part in (PANEL_FROM_ROWS, 13):
             assert torch.equal(ops.q8g_linear(x[:part], table.q, table.scale, index), full[:part]), (k, part)
 
+
+
+def test_4_bit_blocks_dequantize_to_bfloat16_as_the_float32_matrix_rounds(isas):
+    """q4_dequantize_bf16 (a prompt's matrix for the bfloat16 GEMM) is the
+    float32 matrix rounded to nearest even, bit for bit; it needs
+    AVX512_BF16 and says so elsewhere."""
+    blocks = int4_native.pack_blocks(quantize_int4(torch.randn(37, 96, generator=torch.Generator().manual_seed(6)), 32))
+    if "avx512bf16" not in isas:
+        with pytest.raises(RuntimeError):
+            native.ops().q4_dequantize_bf16(blocks)
+        return
+    got = native.ops().q4_dequantize_bf16(blocks)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, native.ops().q4_dequantize(blocks).bfloat16())
+
+
+@pytest.mark.cpu_paths
+def test_a_prompts_4_bit_rows_run_the_bfloat16_gemm_from_the_measured_rows(cpu_paths, isas):
+    """Where the bfloat16 GEMM path works (AMX tiles; off below the amx
+    level of TRIOSERVE_CPU_ASSUME), a linear with ``gemm_from_rows`` runs
+    that many rows and more as torch's bfloat16 GEMM over the matrix
+    dequantized for the call, and fewer on its own kernel; where it does
+    not, the reason says why and the chooser never turns it on."""
+    status = cpu_paths.status(int4_native.BF16_GEMM_PATH)
+    if not status.available:
+        assert "AMX" in status.reason or "TRIOSERVE_CPU_ASSUME" in status.reason, status.reason
+        choice = choose.choose_kernel(cpu_paths, "int4", [(48, 64), (64, 32)])
+        assert choice.bf16_gemm is None and getattr(choice.make(torch.randn(48, 64), None), "gemm_from_rows", None) is None
+        return
+    gen = torch.Generator().manual_seed(7)
+    weight, bias = quantize_int4(torch.randn(40, 96, generator=gen), 32), torch.randn(40, generator=gen)
+    isa = next(i for i in ("avx512vnni", "avx512bf16") if i in isas)
+    plain = int4_native.Int4NativeLinear.from_rtn(weight, bias, isa)
+    linear = attrs.evolve(plain, gemm_from_rows=16)
+    dense = weight.dequantize()
+    for rows in (1, 12, 15, 16, 40):
+        x = torch.randn(rows, 96, generator=gen)
+        if rows < 16:
+            assert torch.equal(linear(x), plain(x)), rows
+        else:
+            want = F.linear(x.bfloat16(), dense.bfloat16()).float() + bias
+            assert torch.equal(linear(x), want), rows
+            assert_matches(linear(x), x, dense, bias, "avx512bf16", bits=4)
+    # The fused decode step's head, on int8 panels at any row count, never takes it.
+    head = attrs.evolve(linear, int8_panels=True)
+    x = torch.randn(20, 96, generator=gen)
+    assert torch.equal(head(x), attrs.evolve(plain, int8_panels=True)(x))
+
+
+def test_the_bfloat16_gemm_runs_from_the_rows_where_it_wins_and_at_every_larger_count():
+    assert int4_native.BF16_GEMM_TRIAL_ROWS == (16, 64, 512)
+    assert int4_native.gemm_from_rows((1.0, 2.0, 18.0), (0.8, 1.2, 3.8)) == 16
+    assert int4_native.gemm_from_rows((1.0, 2.0, 18.0), (1.1, 1.2, 3.8)) == 64
+    assert int4_native.gemm_from_rows((1.0, 2.0, 18.0), (0.9, 2.5, 3.8)) == 512
+    assert int4_native.gemm_from_rows((1.0, 2.0, 18.0), (0.5, 1.0, 18.0)) is None

@@ -6,16 +6,17 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import attrs
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from trioserve.engine import capability
-from trioserve.engine.capability import CpuPaths
+from trioserve.engine.capability import CpuPaths, PathStatus
 from trioserve.engine.errors import CpuCapabilityError, ModelLoadError
 from trioserve.engine.loader import load_model
-from trioserve.engine.quant import choose, gguf_weights, rtn, rtn_cache
+from trioserve.engine.quant import choose, gguf_weights, int4_native, native, rtn, rtn_cache
 from trioserve.engine.quant.load import wanted
 from trioserve.testing.quality import prompt_logits
 
@@ -208,7 +209,7 @@ def test_auto_runs_every_row_on_a_native_kernel_that_wins_many_rows(monkeypatch)
     timings = {native4.name: (0.21, 0.32, 0.62, 1.25), aten4.name: (0.19, 0.30, 1.1, 2.2)}
     monkeypatch.setattr(choose, "candidates", lambda paths, scheme: [native4, aten4])
     monkeypatch.setattr(choose, "measure", lambda kernels, shapes, group_size: timings)
-    picked = choose.choose_kernel(None, "auto", [(64, 64)])
+    picked = choose.choose_kernel(CpuPaths.detect(probes=()), "auto", [(64, 64)])
     assert picked.kernel is native4 and picked.small is None and picked.label == "int4"
 
 
@@ -219,5 +220,32 @@ def test_auto_holds_one_copy_when_the_tie_pick_is_nowhere_faster(monkeypatch):
     timings = {four.name: (1.2, 2.0, 4.0, 8.0), eight.name: (1.0, 1.0, 1.0, 1.0)}
     monkeypatch.setattr(choose, "candidates", lambda paths, scheme: [four, eight])
     monkeypatch.setattr(choose, "measure", lambda kernels, shapes, group_size: timings)
-    picked = choose.choose_kernel(None, "auto", [(64, 64)])
+    picked = choose.choose_kernel(CpuPaths.detect(probes=()), "auto", [(64, 64)])
     assert picked.kernel is eight and picked.small is None
+
+
+def test_the_chooser_runs_a_prompts_rows_on_the_bfloat16_gemm_where_it_measured_faster(monkeypatch):
+    """Where the GEMM path works, the native 4-bit kernel is measured with
+    and without it before the kernels are timed against each other; its
+    linears then take it from the measured rows, and the reason says so."""
+    try:
+        native.ops()
+    except native.NativeUnavailable as exc:
+        pytest.skip(str(exc))
+    native4 = next(k for k in choose.KERNELS if k.name == "quant_int4_native_avx512vnni")
+    paths = CpuPaths("AVX512", None, (PathStatus(int4_native.BF16_GEMM_PATH, "the GEMM", None),))
+    monkeypatch.setattr(choose, "candidates", lambda cpu_paths, scheme: [native4])
+    wins = int4_native.Bf16GemmChoice(64, (1.0, 2.0, 18.0), (1.1, 1.2, 3.8))
+    loses = int4_native.Bf16GemmChoice(None, (1.0, 2.0, 18.0), (1.1, 2.4, 19.0))
+    for measured in (wins, loses):
+        monkeypatch.setattr(int4_native, "measure_bf16_gemm", lambda isa, shapes, measured=measured: measured)
+        choice = choose.choose_kernel(paths, "auto", [(64, 64)])
+        assert choice.bf16_gemm is measured
+        assert choice.make(torch.randn(64, 64), None).gemm_from_rows == measured.from_rows
+    assert "from 64 on torch's bfloat16 GEMM (AMX)" in attrs.evolve(choice, bf16_gemm=wins).reason
+    assert "the GEMM no faster" in choice.reason and "GEMM 1.10 / 2.40 / 19.00 ms" in choice.reason
+    # Forced off (or failed): not measured, not taken.
+    off = CpuPaths("AVX512", "avx512vnni", (PathStatus(int4_native.BF16_GEMM_PATH, "the GEMM", None, "TRIOSERVE_CPU_ASSUME=avx512vnni"),))
+    monkeypatch.setattr(int4_native, "measure_bf16_gemm", lambda isa, shapes: pytest.fail("measured while off"))
+    choice = choose.choose_kernel(off, "auto", [(64, 64)])
+    assert choice.bf16_gemm is None and choice.make(torch.randn(64, 64), None).gemm_from_rows is None

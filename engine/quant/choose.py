@@ -135,6 +135,9 @@ class KernelChoice:
     timings: tuple[tuple[str, tuple[float, ...]], ...]
     small: Kernel | None = None
     max_small_rows: int = 0
+    # Whether the native 4-bit kernel runs a prompt's rows on torch's
+    # bfloat16 GEMM (AMX machines; int4_native.measure_bf16_gemm), and why.
+    bf16_gemm: int4_native.Bf16GemmChoice | None = None
 
     @property
     def label(self) -> str:
@@ -159,7 +162,8 @@ class KernelChoice:
         what = self.kernel.what
         if self.small is not None:
             what = f"{self.small.what} up to {self.max_small_rows} rows, {what} above"
-        return f"{what} (one layer at {rows} rows: {shown})"
+        gemm = f"; {self.bf16_gemm.reason}" if self.bf16_gemm is not None else ""
+        return f"{what} (one layer at {rows} rows: {shown}){gemm}"
 
 
 def candidates(cpu_paths: CpuPaths, scheme: str) -> list[Kernel]:
@@ -209,6 +213,39 @@ def measure(
     return {name: tuple(t) for name, t in best.items()}
 
 
+# The native 4-bit variants whose prompts run bfloat16 panels, which the
+# bfloat16 GEMM may replace.
+_BF16_PANEL_ISAS = ("avx512bf16", "avx512vnni")
+
+
+def _with_bf16_gemm(
+    fits: list[Kernel], cpu_paths: CpuPaths, shapes: Sequence[tuple[int, int]], group_size: int
+) -> tuple[list[Kernel], int4_native.Bf16GemmChoice | None]:
+    """``fits`` with its native 4-bit kernel running a prompt's rows on the
+    bfloat16 GEMM, where that path works here (AMX) and measures faster than
+    the panels; with the measurement, when one was made. Before the
+    kernels are timed against each other, so that choice sees it."""
+    known = {path.name for path in cpu_paths.paths}
+    if group_size % int4_native.GROUP or int4_native.BF16_GEMM_PATH not in known:
+        return fits, None
+    if not cpu_paths.available(int4_native.BF16_GEMM_PATH):
+        return fits, None
+    for i, kernel in enumerate(fits):
+        isa = kernel.name.removeprefix("quant_int4_native_")
+        if kernel.family == "native4" and isa in _BF16_PANEL_ISAS:
+            measured = int4_native.measure_bf16_gemm(isa, list(shapes))
+            if measured.from_rows is None:
+                return fits, measured
+            rows = measured.from_rows
+            faster = attrs.evolve(
+                kernel,
+                what=f"{kernel.what}; torch's bfloat16 GEMM from {rows} rows in prompts",
+                build=lambda w, b, build=kernel.build, rows=rows: attrs.evolve(build(w, b), gemm_from_rows=rows),
+            )
+            return [*fits[:i], faster, *fits[i + 1 :]], measured
+    return fits, None
+
+
 def _fastest(kernels: Sequence[Kernel], cost: Callable[[Kernel], float]) -> Kernel:
     """The cheapest of ``kernels``, or a 4-bit one within ``FOUR_BIT_TIE`` of it."""
     best = min(kernels, key=cost)
@@ -227,9 +264,10 @@ def choose_kernel(
     if scheme == "auto" and any(k % group_size for _, k in shapes):
         # Groups that do not tile the inputs: only the per-channel kernels fit.
         fits = [k for k in fits if k.bits == 8] or fits
+    fits, bf16_gemm = _with_bf16_gemm(fits, cpu_paths, shapes, group_size)
     timings = measure(fits, shapes, group_size) if len(fits) > 1 else {}
     best = _fastest(fits, lambda k: sum(timings.get(k.name, ())))
-    choice = KernelChoice(best, scheme, group_size, tuple(timings.items()))
+    choice = KernelChoice(best, scheme, group_size, tuple(timings.items()), bf16_gemm=bf16_gemm)
     if scheme != "auto" or not timings:
         return choice
     # "auto" may hold the weights twice: the fastest kernel at one row for

@@ -10,6 +10,14 @@ matmul up to the order of the sums, except where a variant rounds them:
 to int8 in groups of 32 in decode steps on ``avx512vnni`` and ``avx2int8``,
 to bfloat16 in the panels of ``avx512bf16``, and to int16 in groups of 32
 in the panels of ``avx2`` (``call_isa``).
+
+On a CPU with AMX tiles torch's bfloat16 GEMM (oneDNN) runs several times
+faster than the bfloat16 panels: there a linear with ``gemm_from_rows``
+runs calls of that many rows or more (a prompt's, through the model's
+layers) as that GEMM over the matrix dequantized to bfloat16 for the call,
+the same rounding of weights and activations as the panels'. The matrix
+lives only for the call, so no second copy of the weights is kept. Whether
+and from how many rows is measured at load (``measure_bf16_gemm``).
 """
 
 from __future__ import annotations
@@ -38,6 +46,11 @@ PANEL_ISAS = frozenset(native.ISAS[name] for name in ("avx2", "avx2int8", "avx51
 # csrc/panel.h's kPanelFromRows: the AVX2 and AVX-512 variants' panels run from this many rows.
 PANEL_FROM_ROWS = 10
 _VNNI, _BF16 = native.ISAS["avx512vnni"], native.ISAS["avx512bf16"]
+# The capability path of the bfloat16 GEMM over a call's dequantized matrix.
+BF16_GEMM_PATH = "quant_int4_bf16_gemm"
+# Rows the GEMM is timed against the panels at (measure_bf16_gemm): a short
+# prompt, a few, a long one's step.
+BF16_GEMM_TRIAL_ROWS = (16, 64, 512)
 _AVX2_INT8, _AVX2 = native.ISAS["avx2int8"], native.ISAS["avx2"]
 
 
@@ -98,6 +111,9 @@ class Int4NativeLinear:
     # decode step's LM head, native_decode.decode_head), not only below 10
     # rows (call_isa).
     int8_panels: bool = False
+    # From this many rows, torch's bfloat16 GEMM over the matrix dequantized
+    # for the call (AMX machines, measured at load: measure_bf16_gemm); None: never.
+    gemm_from_rows: int | None = None
 
     @classmethod
     def from_rtn(cls, weight: Int4Weight, bias: torch.Tensor | None, isa: str) -> Int4NativeLinear:
@@ -111,9 +127,96 @@ class Int4NativeLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if dequantizes(self.isa, x.shape[0]):
             return F.linear(x, self.ops.q4_dequantize(self.blocks), self.bias)  # type: ignore[attr-defined]
+        if self.gemm_from_rows is not None and x.shape[0] >= self.gemm_from_rows and not self.int8_panels:
+            weight = self.ops.q4_dequantize_bf16(self.blocks)  # type: ignore[attr-defined]
+            y = F.linear(x.to(torch.bfloat16), weight).float()
+            return y if self.bias is None else y.add_(self.bias)
         isa = self.isa if self.int8_panels else call_isa(self.isa, x.shape[0])
         y = self.ops.q4_linear(x, self.blocks, isa)  # type: ignore[attr-defined]
         return y if self.bias is None else y.add_(self.bias)
+
+
+def amx_tiles() -> bool:
+    """Whether this CPU has AMX tiles (and the kernel lets a process use them)."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe is not None and probe())
+
+
+def trial_bf16_gemm() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The bfloat16 GEMM path on tiny inputs (``capability.Probe``), where
+    the CPU has AMX tiles (without them oneDNN's bfloat16 GEMM is no faster
+    than the panels, so the path is not offered)."""
+    if not amx_tiles():
+        raise RuntimeError("this CPU has no AMX tiles (torch.cpu._is_amx_tile_supported)")
+    gen = torch.Generator().manual_seed(0)
+    x, w, bias = torch.randn(12, 64, generator=gen), torch.randn(40, 64, generator=gen), torch.randn(40, generator=gen)
+    weight = quantize_int4(w, 32)
+    linear = attrs.evolve(Int4NativeLinear.from_rtn(weight, bias, "avx512bf16"), gemm_from_rows=1)
+    return {"Int4NativeLinear(bf16 GEMM)": (linear(x), F.linear(x, weight.dequantize(), bias))}
+
+
+@attrs.frozen
+class Bf16GemmChoice:
+    """Whether a model's 4-bit linears run a prompt's rows as the bfloat16
+    GEMM, from how many rows (``from_rows``; None: never), and the timings
+    it was chosen by: one layer's milliseconds at ``BF16_GEMM_TRIAL_ROWS``
+    on the panels and on the GEMM."""
+
+    from_rows: int | None
+    panels_ms: tuple[float, ...]
+    gemm_ms: tuple[float, ...]
+
+    @property
+    def reason(self) -> str:
+        rows = "/".join(map(str, BF16_GEMM_TRIAL_ROWS))
+        times = (
+            f"one layer at {rows} rows: panels {' / '.join(f'{t:.2f}' for t in self.panels_ms)} ms, "
+            f"GEMM {' / '.join(f'{t:.2f}' for t in self.gemm_ms)} ms"
+        )
+        if self.from_rows is None:
+            return f"bfloat16 panels at every prompt size, the GEMM no faster ({times})"
+        return f"a prompt's rows from {self.from_rows} on torch's bfloat16 GEMM (AMX) ({times})"
+
+
+def measure_bf16_gemm(isa: str, shapes: list[tuple[int, int]], repeat: int = 3) -> Bf16GemmChoice:
+    """Time one layer's 4-bit linears (``shapes``: ``[(out, in), ...]``, on
+    random weights) on ``isa``'s panels and on the bfloat16 GEMM at
+    ``BF16_GEMM_TRIAL_ROWS``, taking turns, best of ``repeat``. The GEMM
+    runs from the fewest of those rows at which it, and at every larger
+    count, beat the panels."""
+    import time
+
+    gen = torch.Generator().manual_seed(0)
+    panels = [Int4NativeLinear.from_rtn(quantize_int4(torch.randn(out, k, generator=gen) * 0.05, GROUP), None, isa)
+              for out, k in shapes]  # fmt: skip
+    gemm = [attrs.evolve(linear, gemm_from_rows=1) for linear in panels]
+    best = {"panels": [], "gemm": []}
+    with torch.inference_mode():
+        for rows in BF16_GEMM_TRIAL_ROWS:
+            xs = [torch.randn(rows, linear.in_features, generator=gen) for linear in panels]
+            times = {"panels": float("inf"), "gemm": float("inf")}
+            for _ in range(repeat + 1):  # the first round builds caches
+                for name, linears in (("panels", panels), ("gemm", gemm)):
+                    start = time.perf_counter()
+                    for linear, x in zip(linears, xs):
+                        linear(x)
+                    times[name] = min(times[name], time.perf_counter() - start)
+            for name, t in times.items():
+                best[name].append(t * 1e3)
+    panels_ms, gemm_ms = tuple(best["panels"]), tuple(best["gemm"])
+    return Bf16GemmChoice(gemm_from_rows(panels_ms, gemm_ms), panels_ms, gemm_ms)
+
+
+def gemm_from_rows(panels_ms: tuple[float, ...], gemm_ms: tuple[float, ...]) -> int | None:
+    """The fewest of ``BF16_GEMM_TRIAL_ROWS`` from which the GEMM's times
+    (``gemm_ms``, at those rows) beat the panels' at every larger count too;
+    None where it loses at the most rows."""
+    from_rows = None
+    for rows, panels, gemm in reversed(list(zip(BF16_GEMM_TRIAL_ROWS, panels_ms, gemm_ms))):
+        if gemm >= panels:
+            break
+        from_rows = rows
+    return from_rows
 
 
 def trial(isa: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

@@ -5,6 +5,7 @@
 //   trioserve::q4_linear(x, blocks, isa)        4-bit groups of 32, w = q * d + m
 //   trioserve::q8_linear(x, q, scale, isa)      int8 per output channel, w = q * scale
 //   trioserve::q8g_linear(x, q, scale, isa)     int8 in groups of 32 (GGUF's Q8_0), w = q * scale[group]
+//   trioserve::q4_dequantize(blocks)            4-bit groups to a float32 matrix (q4_dequantize_bf16: bfloat16)
 //   trioserve::isas()                           bit i set: ISA i runs on this CPU
 //
 // Why native: ATen's packed 4-bit and int8 kernels stream their weights at
@@ -102,6 +103,26 @@ torch::Tensor q4_dequantize(const torch::Tensor& blocks_in) {
   return w;
 }
 
+// The same in bfloat16 (each weight computed in float32 as q * d + m, then
+// rounded to nearest even, as the bfloat16 panels round it): for a prompt's
+// rows on a CPU whose bfloat16 GEMM runs on AMX tiles, where torch's GEMM
+// over this matrix beats the panels (engine/quant/int4_native.py). Needs
+// AVX512_BF16.
+torch::Tensor q4_dequantize_bf16(const torch::Tensor& blocks_in) {
+  check_isa(kAvx512Bf16);
+  TORCH_CHECK(blocks_in.scalar_type() == at::kByte && blocks_in.dim() == 3 && blocks_in.size(2) == kBlockBytes,
+              "q4_dequantize_bf16: blocks must be uint8 [out, in / 32, 20]");
+  const torch::Tensor blocks = blocks_in.contiguous();
+  const int64_t out = blocks.size(0), groups = blocks.size(1);
+  torch::Tensor w = torch::empty({out, groups * kGroup}, torch::dtype(torch::kBFloat16));
+  const uint8_t* src = blocks.data_ptr<uint8_t>();
+  uint16_t* dst = reinterpret_cast<uint16_t*>(w.data_ptr<at::BFloat16>());
+  at::parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) q4_decode_bf16_avx512(src + n * groups * kBlockBytes, groups, dst + n * groups * kGroup);
+  });
+  return w;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(trioserve, m) {
@@ -109,6 +130,7 @@ TORCH_LIBRARY(trioserve, m) {
   m.def("q8_linear(Tensor x, Tensor q, Tensor scale, int isa) -> Tensor");
   m.def("isas() -> int", &supported_isas);
   m.def("q4_dequantize(Tensor blocks) -> Tensor");
+  m.def("q4_dequantize_bf16(Tensor blocks) -> Tensor");
   m.def("q8g_linear(Tensor x, Tensor q, Tensor scale, int isa) -> Tensor");
   m.def("decode_attention(Tensor qkv, Tensor key_cache, Tensor value_cache, Tensor cos, Tensor sin, Tensor slots, Tensor block_tables, Tensor context_lens, int num_heads, float scale, int isa) -> Tensor");
   m.def("decode_layers(Tensor hidden, Tensor[] weights, Tensor key_cache, Tensor value_cache, Tensor cos, Tensor sin, Tensor slots, Tensor block_tables, Tensor context_lens, int num_heads, int num_kv_heads, float eps, float scale, int isa) -> Tensor");
@@ -118,5 +140,6 @@ TORCH_LIBRARY_IMPL(trioserve, CPU, m) {
   m.impl("q4_linear", &q4_linear);
   m.impl("q8_linear", &q8_linear);
   m.impl("q4_dequantize", &q4_dequantize);
+  m.impl("q4_dequantize_bf16", &q4_dequantize_bf16);
   m.impl("q8g_linear", &q8g_linear);
 }
