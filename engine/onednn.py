@@ -65,17 +65,19 @@ def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return x if x.shape[0] == rows else F.pad(x, (0, 0, 0, rows - x.shape[0]))
 
 
-def _by_slices(call, x: torch.Tensor, *others: torch.Tensor) -> torch.Tensor:
+def by_row_buckets(call, x: torch.Tensor, *others: torch.Tensor, bucket=row_bucket) -> torch.Tensor:
     """``call(x, *others)`` over row slices of at most MAX_ROWS, each padded
-    to its bucket; the padding is cut off again."""
+    to its ``bucket`` (a row count of at most MAX_ROWS for any count up to
+    it); the padding is cut off again. For any oneDNN matmul whose row
+    count varies: it then builds a kernel for each bucket only."""
     rows = x.shape[0]
     if rows == 0:
         return call(x, *others)
     if rows <= MAX_ROWS:
-        bucket = row_bucket(rows)
-        return call(_pad_rows(x, bucket), *(_pad_rows(o, bucket) for o in others))[:rows]
+        padded = bucket(rows)
+        return call(_pad_rows(x, padded), *(_pad_rows(o, padded) for o in others))[:rows]
     parts = [
-        _by_slices(call, x[start : start + MAX_ROWS], *(o[start : start + MAX_ROWS] for o in others))
+        by_row_buckets(call, x[start : start + MAX_ROWS], *(o[start : start + MAX_ROWS] for o in others), bucket=bucket)
         for start in range(0, rows, MAX_ROWS)
     ]
     return torch.cat(parts)
@@ -88,7 +90,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, pos
     def call(rows: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, post_op, [], "")
 
-    return _by_slices(call, x)
+    return by_row_buckets(call, x)
 
 
 def linear_binary(
@@ -99,7 +101,7 @@ def linear_binary(
     def call(rows: torch.Tensor, other_rows: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise.binary(rows, other_rows, packed, bias, op)
 
-    return _by_slices(call, x, other)
+    return by_row_buckets(call, x, other)
 
 
 def trial(dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

@@ -725,13 +725,40 @@ def test_a_prompts_4_bit_rows_run_the_bfloat16_gemm_from_the_measured_rows(cpu_p
         if rows < 16:
             assert torch.equal(linear(x), plain(x)), rows
         else:
-            want = F.linear(x.bfloat16(), dense.bfloat16()).float() + bias
+            # Padded with zero rows to a power of two (int4_native.gemm_rows).
+            padded = F.pad(x, (0, 0, 0, int4_native.gemm_rows(rows) - rows))
+            want = F.linear(padded.bfloat16(), dense.bfloat16()).float()[:rows] + bias
             assert torch.equal(linear(x), want), rows
             assert_matches(linear(x), x, dense, bias, "avx512bf16", bits=4)
     # The fused decode step's head, on int8 panels at any row count, never takes it.
     head = attrs.evolve(linear, int8_panels=True)
     x = torch.randn(20, 96, generator=gen)
     assert torch.equal(head(x), attrs.evolve(plain, int8_panels=True)(x))
+
+
+@pytest.mark.cpu_paths
+def test_the_bfloat16_gemm_meets_onednn_at_few_row_counts(cpu_paths, isas, monkeypatch):
+    """oneDNN keeps a kernel for every row count it multiplies (MiBs each),
+    so however many rows a prompt has, the GEMM runs at a power of two of
+    them, past 1,024 in slices: a server's memory stays bounded."""
+    if not cpu_paths.available(int4_native.BF16_GEMM_PATH):
+        pytest.skip(cpu_paths.status(int4_native.BF16_GEMM_PATH).reason)
+    gen = torch.Generator().manual_seed(8)
+    weight = quantize_int4(torch.randn(24, 64, generator=gen), 32)
+    linear = attrs.evolve(int4_native.Int4NativeLinear.from_rtn(weight, None, "avx512bf16"), gemm_from_rows=16)
+    seen, linear_op = [], F.linear
+
+    def recording(x, w, *args):
+        seen.append(x.shape[0])
+        return linear_op(x, w, *args)
+
+    monkeypatch.setattr(int4_native.F, "linear", recording)
+    calls = [(x, linear(x)) for x in (torch.randn(rows, 64, generator=gen) for rows in (16, 17, 40, 100, 513, 1000, 1500, 2048, 2100))]
+    monkeypatch.undo()
+    assert set(seen) == {16, 32, 64, 128, 512, 1024}, seen
+    for x, got in calls:
+        assert got.shape == (x.shape[0], 24)
+        assert_matches(got, x, weight.dequantize(), None, "avx512bf16", bits=4)
 
 
 def test_the_bfloat16_gemm_runs_from_the_rows_where_it_wins_and_at_every_larger_count():
