@@ -65,20 +65,24 @@ def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return x if x.shape[0] == rows else F.pad(x, (0, 0, 0, rows - x.shape[0]))
 
 
-def by_row_buckets(call, x: torch.Tensor, *others: torch.Tensor, bucket=row_bucket) -> torch.Tensor:
-    """``call(x, *others)`` over row slices of at most MAX_ROWS, each padded
-    to its ``bucket`` (a row count of at most MAX_ROWS for any count up to
-    it); the padding is cut off again. For any oneDNN matmul whose row
-    count varies: it then builds a kernel for each bucket only."""
+def by_row_buckets(
+    call, x: torch.Tensor, *others: torch.Tensor, bucket=row_bucket, max_rows: int = MAX_ROWS
+) -> torch.Tensor:
+    """``call(x, *others)`` over row slices of at most ``max_rows``, each
+    padded to its ``bucket`` (a row count of at most ``max_rows`` for any
+    count up to it); the padding is cut off again. For any oneDNN matmul
+    whose row count varies: it then builds a kernel for each bucket only."""
     rows = x.shape[0]
     if rows == 0:
         return call(x, *others)
-    if rows <= MAX_ROWS:
+    if rows <= max_rows:
         padded = bucket(rows)
         return call(_pad_rows(x, padded), *(_pad_rows(o, padded) for o in others))[:rows]
     parts = [
-        by_row_buckets(call, x[start : start + MAX_ROWS], *(o[start : start + MAX_ROWS] for o in others), bucket=bucket)
-        for start in range(0, rows, MAX_ROWS)
+        by_row_buckets(
+            call, x[start : start + max_rows], *(o[start : start + max_rows] for o in others), bucket=bucket, max_rows=max_rows
+        )
+        for start in range(0, rows, max_rows)
     ]
     return torch.cat(parts)
 

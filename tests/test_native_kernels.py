@@ -740,7 +740,7 @@ def test_a_prompts_4_bit_rows_run_the_bfloat16_gemm_from_the_measured_rows(cpu_p
 def test_the_bfloat16_gemm_meets_onednn_at_few_row_counts(cpu_paths, isas, monkeypatch):
     """oneDNN keeps a kernel for every row count it multiplies (MiBs each),
     so however many rows a prompt has, the GEMM runs at a power of two of
-    them, past 1,024 in slices: a server's memory stays bounded."""
+    them, past 4,096 in slices: a server's memory stays bounded."""
     if not cpu_paths.available(int4_native.BF16_GEMM_PATH):
         pytest.skip(cpu_paths.status(int4_native.BF16_GEMM_PATH).reason)
     gen = torch.Generator().manual_seed(8)
@@ -753,9 +753,10 @@ def test_the_bfloat16_gemm_meets_onednn_at_few_row_counts(cpu_paths, isas, monke
         return linear_op(x, w, *args)
 
     monkeypatch.setattr(int4_native.F, "linear", recording)
-    calls = [(x, linear(x)) for x in (torch.randn(rows, 64, generator=gen) for rows in (16, 17, 40, 100, 513, 1000, 1500, 2048, 2100))]
+    counts = (16, 17, 40, 100, 513, 1000, 1500, 2048, 2100, 4097)
+    calls = [(x, linear(x)) for x in (torch.randn(rows, 64, generator=gen) for rows in counts)]
     monkeypatch.undo()
-    assert set(seen) == {16, 32, 64, 128, 512, 1024}, seen
+    assert seen == [16, 32, 64, 128, 1024, 1024, 2048, 2048, 4096, 4096, 1], seen
     for x, got in calls:
         assert got.shape == (x.shape[0], 24)
         assert_matches(got, x, weight.dequantize(), None, "avx512bf16", bits=4)

@@ -130,7 +130,9 @@ class Int4NativeLinear:
             return F.linear(x, self.ops.q4_dequantize(self.blocks), self.bias)  # type: ignore[attr-defined]
         if self.gemm_from_rows is not None and x.shape[0] >= self.gemm_from_rows and not self.int8_panels:
             weight = self.ops.q4_dequantize_bf16(self.blocks)  # type: ignore[attr-defined]
-            y = onednn.by_row_buckets(lambda rows: F.linear(rows, weight), x.to(torch.bfloat16), bucket=gemm_rows)
+            y = onednn.by_row_buckets(
+                lambda rows: F.linear(rows, weight), x.to(torch.bfloat16), bucket=gemm_rows, max_rows=GEMM_MAX_ROWS
+            )
             y = y.float()
             return y if self.bias is None else y.add_(self.bias)
         isa = self.isa if self.int8_panels else call_isa(self.isa, x.shape[0])
@@ -138,13 +140,20 @@ class Int4NativeLinear:
         return y if self.bias is None else y.add_(self.bias)
 
 
+# The most rows one bfloat16 GEMM multiplies; more go in slices of this
+# many. A slice re-reads the matrix (oneDNN reorders it for the tiles on
+# every call): one layer at 2,048 rows took 5.4 ms whole and 8.8 ms in
+# slices of 1,024 (onednn.MAX_ROWS, the packed linears').
+GEMM_MAX_ROWS = 4096
+
+
 def gemm_rows(rows: int) -> int:
     """The row count the bfloat16 GEMM runs a call of ``rows`` rows at (at
-    most ``onednn.MAX_ROWS``): the next power of two. oneDNN builds and
-    keeps a kernel for every row count it multiplies, about 2.5 MiB for one
+    most ``GEMM_MAX_ROWS``): the next power of two. oneDNN builds and keeps
+    a kernel for every row count it multiplies, about 2.5 MiB for one
     layer's four shapes on AMX (measured: 128 distinct counts took 330 MiB
     more), so a server meeting prompts of every length would grow without
-    bound; powers of two leave 7 counts from 16 to 1,024 (about 17 MiB),
+    bound; powers of two leave 9 counts from 16 to 4,096 (about 22 MiB),
     for at most twice the rows' products."""
     return 1 << (rows - 1).bit_length()
 
