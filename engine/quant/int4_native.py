@@ -22,6 +22,8 @@ and from how many rows is measured at load (``measure_bf16_gemm``).
 
 from __future__ import annotations
 
+import time
+
 import attrs
 import torch
 import torch.nn.functional as F
@@ -47,12 +49,28 @@ PANEL_ISAS = frozenset(native.ISAS[name] for name in ("avx2", "avx2int8", "avx51
 # csrc/panel.h's kPanelFromRows: the AVX2 and AVX-512 variants' panels run from this many rows.
 PANEL_FROM_ROWS = 10
 _VNNI, _BF16 = native.ISAS["avx512vnni"], native.ISAS["avx512bf16"]
+_AVX2_INT8, _AVX2 = native.ISAS["avx2int8"], native.ISAS["avx2"]
 # The capability path of the bfloat16 GEMM over a call's dequantized matrix.
 BF16_GEMM_PATH = "quant_int4_bf16_gemm"
 # Rows the GEMM is timed against the panels at (measure_bf16_gemm): a short
 # prompt, a few, a long one's step.
 BF16_GEMM_TRIAL_ROWS = (16, 64, 512)
-_AVX2_INT8, _AVX2 = native.ISAS["avx2int8"], native.ISAS["avx2"]
+# The most rows one bfloat16 GEMM multiplies; more go in slices of this
+# many. A slice re-reads the matrix (oneDNN reorders it for the tiles on
+# every call): one layer at 2,048 rows took 5.4 ms whole and 8.8 ms in
+# slices of 1,024 (onednn.MAX_ROWS, the packed linears').
+GEMM_MAX_ROWS = 4096
+
+
+def gemm_rows(rows: int) -> int:
+    """The row count the bfloat16 GEMM runs a call of ``rows`` rows at (at
+    most ``GEMM_MAX_ROWS``): the next power of two. oneDNN builds and keeps
+    a kernel for every row count it multiplies, about 2.5 MiB for one
+    layer's four shapes on AMX (measured: 128 distinct counts took 330 MiB
+    more), so a server meeting prompts of every length would grow without
+    bound; powers of two leave 9 counts from 16 to 4,096 (about 22 MiB),
+    for at most twice the rows' products."""
+    return 1 << (rows - 1).bit_length()
 
 
 def call_isa(isa: int, rows: int) -> int:
@@ -140,24 +158,6 @@ class Int4NativeLinear:
         return y if self.bias is None else y.add_(self.bias)
 
 
-# The most rows one bfloat16 GEMM multiplies; more go in slices of this
-# many. A slice re-reads the matrix (oneDNN reorders it for the tiles on
-# every call): one layer at 2,048 rows took 5.4 ms whole and 8.8 ms in
-# slices of 1,024 (onednn.MAX_ROWS, the packed linears').
-GEMM_MAX_ROWS = 4096
-
-
-def gemm_rows(rows: int) -> int:
-    """The row count the bfloat16 GEMM runs a call of ``rows`` rows at (at
-    most ``GEMM_MAX_ROWS``): the next power of two. oneDNN builds and keeps
-    a kernel for every row count it multiplies, about 2.5 MiB for one
-    layer's four shapes on AMX (measured: 128 distinct counts took 330 MiB
-    more), so a server meeting prompts of every length would grow without
-    bound; powers of two leave 9 counts from 16 to 4,096 (about 22 MiB),
-    for at most twice the rows' products."""
-    return 1 << (rows - 1).bit_length()
-
-
 def amx_tiles() -> bool:
     """Whether this CPU has AMX tiles (and the kernel lets a process use them)."""
     probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
@@ -206,8 +206,6 @@ def measure_bf16_gemm(isa: str, shapes: list[tuple[int, int]], repeat: int = 3) 
     ``BF16_GEMM_TRIAL_ROWS``, taking turns, best of ``repeat``. The GEMM
     runs from the fewest of those rows at which it, and at every larger
     count, beat the panels."""
-    import time
-
     gen = torch.Generator().manual_seed(0)
     panels = [Int4NativeLinear.from_rtn(quantize_int4(torch.randn(out, k, generator=gen) * 0.05, GROUP), None, isa)
               for out, k in shapes]  # fmt: skip
