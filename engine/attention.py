@@ -130,8 +130,7 @@ class AttentionMetadata:
             tokens = [d[1] for d in decodes]
             if len(decodes) != batch.num_tokens or tokens != list(range(len(tokens))):
                 token_indices = torch.tensor(tokens, dtype=torch.int64, device=device)
-            token_bytes = 2 * kv_cache.key[0, 0, 0].numel() * kv_cache.key.element_size()
-            chunks = _plan_decode_chunks(batch, decodes, block_size, token_bytes, decode_chunk_bytes, device)
+            chunks = _plan_decode_chunks(batch, decodes, block_size, kv_cache.token_bytes, decode_chunk_bytes, device)
             largest = max(((c.end - c.start) * c.num_blocks for c in chunks if c.blocks is not None), default=0)
             if largest:
                 shape = (largest, *kv_cache.key.shape[2:])

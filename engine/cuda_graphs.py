@@ -196,12 +196,10 @@ class DecodeGraphs:
                 return None
             longest = max(longest, chunk.start_position + 1)
         block_size = self.kv_cache.block_size
-        needed = max(1, -(-longest // block_size))
+        needed = -(-longest // block_size)
         width = min(1 << (needed - 1).bit_length(), self.max_width)
         rows = next((size for size in self.batch_sizes if size >= len(chunks)), None)
-        _, _, _, kv_heads, head_dim = self.kv_cache.key.shape
-        gathered = 2 * kv_heads * head_dim * self.kv_cache.key.element_size() * block_size * width * (rows or 0)
-        if rows is None or needed > width or gathered > self.max_gather_bytes:
+        if rows is None or needed > width or rows * width * block_size * self.kv_cache.token_bytes > self.max_gather_bytes:
             self._eager_steps += 1
             return None
         return GraphShape(rows, width)

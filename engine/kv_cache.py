@@ -105,6 +105,11 @@ class KVCache:
         return self.key.nbytes + self.value.nbytes
 
     @property
+    def token_bytes(self) -> int:
+        """Bytes one token's keys and values take in one layer's pools."""
+        return 2 * self.key[0, 0, 0].numel() * self.key.element_size()
+
+    @property
     def num_blocks(self) -> int:
         return int(self.key.shape[1])
 
