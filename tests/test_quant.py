@@ -238,7 +238,7 @@ def test_the_chooser_runs_a_prompts_rows_on_the_bfloat16_gemm_where_it_measured_
     wins = int4_native.Bf16GemmChoice(64, (1.0, 2.0, 18.0), (1.1, 1.2, 3.8))
     loses = int4_native.Bf16GemmChoice(None, (1.0, 2.0, 18.0), (1.1, 2.4, 19.0))
     for measured in (wins, loses):
-        monkeypatch.setattr(int4_native, "measure_bf16_gemm", lambda isa, shapes, measured=measured: measured)
+        monkeypatch.setattr(choose, "measure_bf16_gemm", lambda kernel, shapes, group_size, measured=measured: measured)
         choice = choose.choose_kernel(paths, "auto", [(64, 64)])
         assert choice.bf16_gemm is measured
         assert choice.make(torch.randn(64, 64), None).gemm_from_rows == measured.from_rows
@@ -246,6 +246,6 @@ def test_the_chooser_runs_a_prompts_rows_on_the_bfloat16_gemm_where_it_measured_
     assert "the GEMM no faster" in choice.reason and "GEMM 1.10 / 2.40 / 19.00 ms" in choice.reason
     # Forced off (or failed): not measured, not taken.
     off = CpuPaths("AVX512", "avx512vnni", (PathStatus(int4_native.BF16_GEMM_PATH, "the GEMM", None, "TRIOSERVE_CPU_ASSUME=avx512vnni"),))
-    monkeypatch.setattr(int4_native, "measure_bf16_gemm", lambda isa, shapes: pytest.fail("measured while off"))
+    monkeypatch.setattr(choose, "measure_bf16_gemm", lambda kernel, shapes, group_size: pytest.fail("measured while off"))
     choice = choose.choose_kernel(off, "auto", [(64, 64)])
     assert choice.bf16_gemm is None and choice.make(torch.randn(64, 64), None).gemm_from_rows is None

@@ -136,7 +136,7 @@ class KernelChoice:
     small: Kernel | None = None
     max_small_rows: int = 0
     # Whether the native 4-bit kernel runs a prompt's rows on torch's
-    # bfloat16 GEMM (AMX machines; int4_native.measure_bf16_gemm), and why.
+    # bfloat16 GEMM (AMX machines; measure_bf16_gemm), and why.
     bf16_gemm: int4_native.Bf16GemmChoice | None = None
 
     @property
@@ -189,17 +189,21 @@ def candidates(cpu_paths: CpuPaths, scheme: str) -> list[Kernel]:
 
 
 def measure(
-    kernels: Sequence[Kernel], shapes: Sequence[tuple[int, int]], group_size: int, repeat: int = 5
+    kernels: Sequence[Kernel],
+    shapes: Sequence[tuple[int, int]],
+    group_size: int,
+    repeat: int = 5,
+    rows_measured: Sequence[int] = MEASURE_ROWS,
 ) -> dict[str, tuple[float, ...]]:
     """Best-of-``repeat`` milliseconds of each kernel over ``shapes`` at each
-    of ``MEASURE_ROWS``. The kernels take turns within each round, so a
+    of ``rows_measured``. The kernels take turns within each round, so a
     burst of load from other processes hits them alike."""
     gen = torch.Generator().manual_seed(0)
     weights = [(torch.randn(out, k, generator=gen) * 0.05, k) for out, k in shapes]
     built = {kernel.name: [(kernel.make(w, None, group_size), k) for w, k in weights] for kernel in kernels}
     best: dict[str, list[float]] = {name: [] for name in built}
     with torch.inference_mode():
-        for rows in MEASURE_ROWS:
+        for rows in rows_measured:
             xs = {k: torch.randn(rows, k, generator=gen) for _, k in weights}
             times = {name: float("inf") for name in built}
             for _ in range(repeat + 1):  # the first round builds caches
@@ -233,17 +237,34 @@ def _with_bf16_gemm(
     for i, kernel in enumerate(fits):
         isa = kernel.name.removeprefix("quant_int4_native_")
         if kernel.family == "native4" and isa in _BF16_PANEL_ISAS:
-            measured = int4_native.measure_bf16_gemm(isa, list(shapes))
+            measured = measure_bf16_gemm(kernel, shapes, group_size)
             if measured.from_rows is None:
                 return fits, measured
-            rows = measured.from_rows
-            faster = attrs.evolve(
-                kernel,
-                what=f"{kernel.what}; torch's bfloat16 GEMM from {rows} rows in prompts",
-                build=lambda w, b, build=kernel.build, rows=rows: attrs.evolve(build(w, b), gemm_from_rows=rows),
-            )
-            return [*fits[:i], faster, *fits[i + 1 :]], measured
+            return [*fits[:i], _gemm_from(kernel, measured.from_rows), *fits[i + 1 :]], measured
     return fits, None
+
+
+def _gemm_from(kernel: Kernel, rows: int) -> Kernel:
+    """``kernel`` (native 4-bit) running calls of ``rows`` rows or more on the bfloat16 GEMM."""
+    return attrs.evolve(
+        kernel,
+        what=f"{kernel.what}; torch's bfloat16 GEMM from {rows} rows in prompts",
+        build=lambda w, b: attrs.evolve(kernel.build(w, b), gemm_from_rows=rows),
+    )
+
+
+def measure_bf16_gemm(
+    kernel: Kernel, shapes: Sequence[tuple[int, int]], group_size: int
+) -> int4_native.Bf16GemmChoice:
+    """Time the native 4-bit ``kernel`` over one layer's ``shapes`` on its
+    panels and on the bfloat16 GEMM at ``int4_native.BF16_GEMM_TRIAL_ROWS``
+    (``measure``, best of 3); the GEMM runs from the rows
+    ``int4_native.gemm_from_rows`` finds."""
+    gemm = attrs.evolve(_gemm_from(kernel, 1), name=f"{kernel.name} on the bfloat16 GEMM")
+    rows = int4_native.BF16_GEMM_TRIAL_ROWS
+    timings = measure([kernel, gemm], shapes, group_size, repeat=3, rows_measured=rows)
+    panels_ms, gemm_ms = timings[kernel.name], timings[gemm.name]
+    return int4_native.Bf16GemmChoice(int4_native.gemm_from_rows(panels_ms, gemm_ms), panels_ms, gemm_ms)
 
 
 def _fastest(kernels: Sequence[Kernel], cost: Callable[[Kernel], float]) -> Kernel:

@@ -17,12 +17,10 @@ runs calls of that many rows or more (a prompt's, through the model's
 layers) as that GEMM over the matrix dequantized to bfloat16 for the call,
 the same rounding of weights and activations as the panels'. The matrix
 lives only for the call, so no second copy of the weights is kept. Whether
-and from how many rows is measured at load (``measure_bf16_gemm``).
+and from how many rows is measured at load (``choose.measure_bf16_gemm``).
 """
 
 from __future__ import annotations
-
-import time
 
 import attrs
 import torch
@@ -52,7 +50,7 @@ _VNNI, _BF16 = native.ISAS["avx512vnni"], native.ISAS["avx512bf16"]
 _AVX2_INT8, _AVX2 = native.ISAS["avx2int8"], native.ISAS["avx2"]
 # The capability path of the bfloat16 GEMM over a call's dequantized matrix.
 BF16_GEMM_PATH = "quant_int4_bf16_gemm"
-# Rows the GEMM is timed against the panels at (measure_bf16_gemm): a short
+# Rows the GEMM is timed against the panels at (choose.measure_bf16_gemm): a short
 # prompt, a few, a long one's step.
 BF16_GEMM_TRIAL_ROWS = (16, 64, 512)
 # The most rows one bfloat16 GEMM multiplies; more go in slices of this
@@ -131,7 +129,7 @@ class Int4NativeLinear:
     # rows (call_isa).
     int8_panels: bool = False
     # From this many rows, torch's bfloat16 GEMM over the matrix dequantized
-    # for the call (AMX machines, measured at load: measure_bf16_gemm); None: never.
+    # for the call (AMX machines, measured at load: choose.measure_bf16_gemm); None: never.
     gemm_from_rows: int | None = None
 
     @classmethod
@@ -198,33 +196,6 @@ class Bf16GemmChoice:
         if self.from_rows is None:
             return f"bfloat16 panels at every prompt size, the GEMM no faster ({times})"
         return f"a prompt's rows from {self.from_rows} on torch's bfloat16 GEMM (AMX) ({times})"
-
-
-def measure_bf16_gemm(isa: str, shapes: list[tuple[int, int]], repeat: int = 3) -> Bf16GemmChoice:
-    """Time one layer's 4-bit linears (``shapes``: ``[(out, in), ...]``, on
-    random weights) on ``isa``'s panels and on the bfloat16 GEMM at
-    ``BF16_GEMM_TRIAL_ROWS``, taking turns, best of ``repeat``. The GEMM
-    runs from the fewest of those rows at which it, and at every larger
-    count, beat the panels."""
-    gen = torch.Generator().manual_seed(0)
-    panels = [Int4NativeLinear.from_rtn(quantize_int4(torch.randn(out, k, generator=gen) * 0.05, GROUP), None, isa)
-              for out, k in shapes]  # fmt: skip
-    gemm = [attrs.evolve(linear, gemm_from_rows=1) for linear in panels]
-    best = {"panels": [], "gemm": []}
-    with torch.inference_mode():
-        for rows in BF16_GEMM_TRIAL_ROWS:
-            xs = [torch.randn(rows, linear.in_features, generator=gen) for linear in panels]
-            times = {"panels": float("inf"), "gemm": float("inf")}
-            for _ in range(repeat + 1):  # the first round builds caches
-                for name, linears in (("panels", panels), ("gemm", gemm)):
-                    start = time.perf_counter()
-                    for linear, x in zip(linears, xs):
-                        linear(x)
-                    times[name] = min(times[name], time.perf_counter() - start)
-            for name, t in times.items():
-                best[name].append(t * 1e3)
-    panels_ms, gemm_ms = tuple(best["panels"]), tuple(best["gemm"])
-    return Bf16GemmChoice(gemm_from_rows(panels_ms, gemm_ms), panels_ms, gemm_ms)
 
 
 def gemm_from_rows(panels_ms: tuple[float, ...], gemm_ms: tuple[float, ...]) -> int | None:
