@@ -1,9 +1,10 @@
-"""Quality of the compressed paths on the default model: perplexity over
+"""Quality of the compressed paths on a model (the default one unless
+``--model``, e.g. another GGUF of it): perplexity over
 tests/data/quality_text.txt, the largest logit difference from the float32
 path (which dequantizes the same GGUF exactly), and greedy agreement over
 4 x 64 tokens (teacher-forced on float32's continuation, and free-running).
 
-    .venv/bin/python scripts/quant_quality.py [--quantization int8 int4 auto]
+    .venv/bin/python scripts/quant_quality.py [--quantization int8 int4 auto] [--model FILE.gguf]
 """
 
 from __future__ import annotations
@@ -28,16 +29,17 @@ PROMPTS = (
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quantization", nargs="+", default=["int8", "int4"], help="compressed paths to compare")
+    parser.add_argument("--model", default=None, help="a model path (default: the default model)")
     args = parser.parse_args()
     torch.set_num_threads(2)
-    reference = load_model(None, quantization="none")
+    reference = load_model(args.model, quantization="none")
     ids = reference.tokenizer(TEXT.read_text())["input_ids"]
     ref = prompt_logits(reference.model, ids)
     ref_greedy = {p: greedy_tokens(reference.model, reference.tokenizer(p)["input_ids"], 64) for p in PROMPTS}
     del reference  # one model at a time
     print(f"{len(ids)} tokens; float32 perplexity {perplexity(ref, ids):.4f}")
     for q in args.quantization:
-        loaded = load_model(None, quantization=q)
+        loaded = load_model(args.model, quantization=q)
         logits = prompt_logits(loaded.model, ids)
         ppl = perplexity(logits, ids)
         free = forced = 0

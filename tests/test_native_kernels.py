@@ -24,7 +24,7 @@ from trioserve.engine.forward_batch import ForwardBatch, SeqChunk
 from trioserve.engine.kv_cache import KVCache
 from trioserve.engine.quant import choose, int4_native, int8_native, native
 from trioserve.engine.quant.load import load_safetensors_quantized
-from trioserve.engine.quant.rtn import quantize_int4, quantize_int8
+from trioserve.engine.quant.rtn import quantize_int4, quantize_int8, quantize_int8_groups
 
 from test_quant import _checkpoint
 
@@ -699,6 +699,35 @@ def test_4_bit_blocks_dequantize_to_bfloat16_as_the_float32_matrix_rounds(isas):
         return
     got = native.ops().q4_dequantize_bf16(blocks)
     assert got.dtype == torch.bfloat16 and torch.equal(got, native.ops().q4_dequantize(blocks).bfloat16())
+
+
+def test_int8_groups_dequantize_to_bfloat16_and_run_the_gemm_from_the_rows_asked(isas):
+    """q8g_dequantize_bf16 is the int8 groups' float32 matrix rounded to
+    nearest even, bit for bit (it needs AVX512_BF16); a wider projection's
+    linear (``Int8GroupNativeLinear`` with a bias) runs ``gemm_from_rows``
+    rows and more as torch's bfloat16 GEMM over it, fewer on its kernel."""
+    gen = torch.Generator().manual_seed(8)
+    weight = quantize_int8_groups(torch.randn(40, 96, generator=gen), 32)
+    if "avx512bf16" not in isas:
+        with pytest.raises(RuntimeError):
+            native.ops().q8g_dequantize_bf16(weight.q, weight.scale)
+        return
+    got = native.ops().q8g_dequantize_bf16(weight.q, weight.scale)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, weight.dequantize().bfloat16())
+    bias = torch.randn(40, generator=gen)
+    isa = next(i for i in ("avx512vnni", "avx512bf16") if i in isas)
+    plain = int8_native.Int8GroupNativeLinear.over(weight, isa, bias)
+    linear = attrs.evolve(plain, gemm_from_rows=16)
+    for rows in (3, 15, 16, 40):
+        x = torch.randn(rows, 96, generator=gen)
+        if rows < 16:
+            assert torch.equal(linear(x), plain(x)), rows
+            kernel = native.ops().q8g_linear(x, weight.q, weight.scale, int4_native.call_isa(native.ISAS[isa], rows))
+            assert torch.equal(plain(x), kernel + bias), rows
+        else:
+            padded = F.pad(x, (0, 0, 0, int4_native.gemm_rows(rows) - rows))
+            want = F.linear(padded.bfloat16(), weight.dequantize().bfloat16()).float()[:rows] + bias
+            assert torch.equal(linear(x), want), rows
 
 
 @pytest.mark.cpu_paths

@@ -74,8 +74,8 @@ def add_engine_options(parser: argparse.ArgumentParser, *, several_models: bool 
         "--quantization",
         default="auto",
         choices=["auto", "none", "int8", "int4"],
-        help="weights kept compressed: auto keeps a GGUF's quantized matrices compressed on CPU and "
-        "loads float checkpoints as they are; int8 (per channel) / int4 (in groups) quantize any checkpoint "
+        help="weights kept compressed: auto keeps a GGUF's quantized matrices compressed on CPU (Q4_0/Q4_1/Q4_K "
+        "in 4 bits, Q5/Q6_K/Q8_0 in int8) and loads float checkpoints as they are; int8 (per channel) / int4 (in groups) quantize any checkpoint "
         "round-to-nearest once, cached in $TRIOSERVE_CACHE; none dequantizes to float, faster for large "
         "batches at twice the memory (default: auto)",
     )

@@ -44,6 +44,16 @@ MEASURE_ROWS = (1, 4, 16, 32)
 # former 1.25, and the server again held both copies: 15.9 ms a token in 896
 # MiB.
 FOUR_BIT_TIE = 1.6
+# For the most rows timed, a native kernel within this factor of a faster
+# ATen one is taken instead: the one-layer timing calls a linear alone,
+# while a native kernel also lets the fused decode step (native_decode) run
+# every layer of a batch in one call, which it does only where every
+# projection runs natively. On an AMX Xeon the two measured within 2% of
+# each other at 32 rows, either way round from one start to the next (2
+# starts of 6 took ATen's above 4 rows), and that split ran the default
+# model's 32-row decode step in 84-86 ms against 33 (docs/benchmarks.md,
+# "K-quant files").
+NATIVE_TIE = 1.5
 
 
 @attrs.frozen
@@ -58,6 +68,7 @@ class Kernel:
     # Kernels of one family are one kernel compiled for several ISAs, best
     # first: only the best that works here is a candidate.
     family: str = ""
+    isa: str = ""  # a native kernel's variant (native.ISAS)
 
     def make(self, weight: torch.Tensor | Int8Weight | Int4Weight, bias: torch.Tensor | None, group_size: int) -> Linear:
         """The linear for ``weight``: taken as it is when in this kernel's
@@ -100,6 +111,7 @@ def _native(bits: int, isa: str, what: str) -> Kernel:
         f"{what}, native kernel ({isa}, {activations})",
         lambda w, b: linear.from_rtn(w, b, isa),  # type: ignore[arg-type]
         family=f"native{bits}",
+        isa=isa,
     )
 
 
@@ -295,6 +307,11 @@ def choose_kernel(
     # the rows where it wins, the fastest at the most rows above that.
     by_rows = {rows: _fastest(fits, lambda k: timings[k.name][i]) for i, rows in enumerate(MEASURE_ROWS)}
     small, large = by_rows[MEASURE_ROWS[0]], by_rows[MEASURE_ROWS[-1]]
+    natives = [k for k in fits if k.family]
+    if natives and not large.family:
+        native_large = _fastest(natives, lambda k: timings[k.name][-1])
+        if timings[native_large.name][-1] <= NATIVE_TIE * timings[large.name][-1]:
+            large = native_large
     # A native kernel runs every row: the fused decode step (native_decode)
     # takes a batch only where all its projections run natively, and at one
     # row that step saves more than the one-layer matmul differences timed

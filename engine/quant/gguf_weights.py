@@ -1,11 +1,16 @@
 """A GGUF file's tensors, read straight from the file under Hugging Face names.
 
-Q4_0 and Q4_1 tensors come out as ``Int4Weight`` (groups of 32, exactly the
-file's values: Q4_0 is ``(q - 8) d``, Q4_1 is ``q d + m = (q - 8) d + (m + 8 d)``);
-Q8_0 as ``Int8GroupWeight`` (the file's int8 values and block scales; its
-``dequantize`` is exact, and a kernel requantizes it per channel, one more
-rounding); F32, F16 and BF16
-as float32 tensors. Any other type is a ``ModelLoadError`` naming the tensor.
+Q4_0, Q4_1 and Q4_K tensors come out as ``Int4Weight`` (groups of 32, exactly
+the file's values: Q4_0 is ``(q - 8) d``, Q4_1 is ``q d + m = (q - 8) d + (m + 8 d)``,
+and Q4_K's sub-blocks of 32 are Q4_1's form with ``d = d_super * sc`` and
+``m = -dmin * min``). Q8_0, Q5_0 and Q6_K as ``Int8GroupWeight``, exactly
+(Q8_0 ``q d`` and Q5_0 ``(q - 16) d`` in groups of 32, Q6_K ``(q - 32) d sc``
+in sub-blocks of 16); Q5_1 and Q5_K, whose 5-bit values carry an offset an
+int8 group has no room for, rounded to int8 in groups of 32 (the largest
+value of a group to 127, as Q8_0 is made: one rounding, a quarter of their
+own step or less). A kernel requantizes an int8 group per channel where it
+needs to (one more rounding). F32, F16 and BF16 as float32 tensors. Any
+other type is a ``ModelLoadError`` naming the tensor.
 llama.cpp stores a Llama's q and k rows in another order for its rotary
 layout; they are put back (a permutation of rows, so exact on quantized rows).
 """
@@ -20,12 +25,12 @@ import numpy as np
 import torch
 
 from ..errors import ModelLoadError
-from .rtn import Int4Weight, Int8GroupWeight
+from .rtn import Int4Weight, Int8GroupWeight, quantize_int8_groups
 
 Compressed = Int4Weight | Int8GroupWeight
 
-GROUP = 32  # the block size of Q4_0, Q4_1 and Q8_0
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0")
+GROUP = 32  # the block size of Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0, and a K-quant's sub-block (Q6_K's: 16)
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
 _LAYER = re.compile(r"blk\.(\d+)\.(.+)")
 _GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -84,6 +89,68 @@ def decode_q4(kind: str, data: np.ndarray) -> Int4Weight:
     return Int4Weight(q.reshape(out, -1), d, zero, GROUP)
 
 
+def decode_q4_k(data: np.ndarray) -> Int4Weight:
+    """Q4_K rows (``[out, blocks * 144]`` uint8) as an ``Int4Weight`` in
+    groups of 32: a block of 256 is float16 ``d`` and ``dmin``, 8 pairs of
+    6-bit ``(sc, min)`` and the nibbles (a 64-value chunk's low nibbles are
+    its first sub-block, the high ones its second); a value is
+    ``q d sc - dmin min``, each sub-block's step ``d sc`` and offset
+    ``dmin min`` the float32 products the reference computes."""
+    import gguf
+
+    out = data.shape[0]
+    blocks = data.reshape(out, -1, 144)
+    d, dmin = _fp16(blocks, 0), _fp16(blocks, 2)
+    sc, mins = gguf.quants.Q4_K.get_scale_min(np.ascontiguousarray(blocks[..., 4:16]).reshape(-1, 12))
+    scale = d[..., None] * torch.from_numpy(sc.astype(np.float32)).view(*d.shape, 8)
+    offset = dmin[..., None] * torch.from_numpy(mins.astype(np.float32)).view(*d.shape, 8)
+    qs = torch.from_numpy(np.ascontiguousarray(blocks[..., 16:])).view(out, -1, 4, 32)
+    q = torch.stack([qs & 0x0F, qs >> 4], dim=3)  # [out, blocks, chunk, low/high, 32]
+    scale, offset = scale.reshape(out, -1), offset.reshape(out, -1)
+    return Int4Weight(q.reshape(out, -1), scale, 8 * scale - offset, GROUP)
+
+
+def decode_q5_0(data: np.ndarray) -> Int8GroupWeight:
+    """Q5_0 rows (``[out, blocks * 22]`` uint8) as an ``Int8GroupWeight``:
+    ``(q - 16) d`` per block of 32, ``q``'s fifth bit from the block's 32-bit mask."""
+    out = data.shape[0]
+    blocks = data.reshape(out, -1, 22)
+    d = _fp16(blocks, 0)
+    high = np.ascontiguousarray(blocks[..., 2:6]).view(np.uint32)  # [out, blocks, 1]
+    high = ((high >> np.arange(GROUP, dtype=np.uint32)) & 1).astype(np.uint8)
+    q = _nibbles(blocks[..., 6:]) | torch.from_numpy(high << 4)
+    return Int8GroupWeight((q.to(torch.int8) - 16).reshape(out, -1), d, GROUP)
+
+
+def decode_q6_k(data: np.ndarray) -> Int8GroupWeight:
+    """Q6_K rows (``[out, blocks * 210]`` uint8) as an ``Int8GroupWeight`` in
+    groups of 16: a block of 256 holds each value's low 4 bits (128 bytes),
+    its high 2 bits (64 bytes), 16 int8 scales and a float16 ``d``; a value
+    is ``(q - 32) d sc``. Each half of 128 values takes its low bits from 64
+    bytes (low nibbles first) and its high bits from 32 (two bits a value,
+    lowest first)."""
+    out = data.shape[0]
+    blocks = data.reshape(out, -1, 210)
+    n = blocks.shape[1]
+    low = np.ascontiguousarray(blocks[..., :128]).reshape(out, n, 2, 1, 64)
+    low = (low >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 0x0F  # [out, n, half, 2, 64]
+    high = np.ascontiguousarray(blocks[..., 128:192]).reshape(out, n, 2, 1, 32)
+    high = (high >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)) & 0x03  # [out, n, half, 4, 32]
+    q = (low.reshape(out, n, 256) | (high.reshape(out, n, 256) << 4)).astype(np.int8) - np.int8(32)
+    sc = torch.from_numpy(np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).astype(np.float32))
+    scale = _fp16(blocks, 208)[..., None] * sc  # [out, n, 16]
+    return Int8GroupWeight(torch.from_numpy(q.reshape(out, -1)), scale.reshape(out, -1), 16)
+
+
+def requantize_int8(kind: str, data: np.ndarray) -> Int8GroupWeight:
+    """Rows of ``kind`` (Q5_1, Q5_K) dequantized by gguf's reference and
+    rounded to int8 in groups of 32."""
+    import gguf
+
+    dense = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[kind])
+    return quantize_int8_groups(torch.from_numpy(np.ascontiguousarray(dense)), GROUP)
+
+
 def decode_q8_0_blocks(data: np.ndarray) -> Int8GroupWeight:
     """Q8_0 rows (``[out, blocks * 34]`` uint8) as an ``Int8GroupWeight``: ``q * d`` per block of 32."""
     out = data.shape[0]
@@ -96,6 +163,9 @@ def decode_q8_0_blocks(data: np.ndarray) -> Int8GroupWeight:
 def decode_q8_0(data: np.ndarray) -> torch.Tensor:
     """Q8_0 rows as float32: ``q * d`` per block of 32, exactly."""
     return decode_q8_0_blocks(data).dequantize()
+
+
+_DECODERS = {"Q4_K": decode_q4_k, "Q5_0": decode_q5_0, "Q6_K": decode_q6_k, "Q8_0": decode_q8_0_blocks}
 
 
 def _unpermute(weight: torch.Tensor | Compressed, heads: int) -> torch.Tensor | Compressed:
@@ -137,8 +207,10 @@ def read_tensors(path: Path, *, num_heads: int, num_kv_heads: int) -> Iterator[t
         data = np.asarray(tensor.data)
         if kind in ("Q4_0", "Q4_1"):
             value: torch.Tensor | Compressed = decode_q4(kind, data)
-        elif kind == "Q8_0":
-            value = decode_q8_0_blocks(data)
+        elif kind in _DECODERS:
+            value = _DECODERS[kind](data)
+        elif kind in ("Q5_1", "Q5_K"):
+            value = requantize_int8(kind, data)
         elif kind == "BF16":
             bits = np.ascontiguousarray(data).view(np.uint16).astype(np.uint32) << 16
             value = torch.from_numpy(bits.view(np.float32))

@@ -145,15 +145,20 @@ class Int4NativeLinear:
         if dequantizes(self.isa, x.shape[0]):
             return F.linear(x, self.ops.q4_dequantize(self.blocks), self.bias)  # type: ignore[attr-defined]
         if self.gemm_from_rows is not None and x.shape[0] >= self.gemm_from_rows and not self.int8_panels:
-            weight = self.ops.q4_dequantize_bf16(self.blocks)  # type: ignore[attr-defined]
-            y = onednn.by_row_buckets(
-                lambda rows: F.linear(rows, weight), x.to(torch.bfloat16), bucket=gemm_rows, max_rows=GEMM_MAX_ROWS
-            )
-            y = y.float()
+            y = bf16_gemm(x, self.ops.q4_dequantize_bf16(self.blocks))  # type: ignore[attr-defined]
             return y if self.bias is None else y.add_(self.bias)
         isa = self.isa if self.int8_panels else call_isa(self.isa, x.shape[0])
         y = self.ops.q4_linear(x, self.blocks, isa)  # type: ignore[attr-defined]
         return y if self.bias is None else y.add_(self.bias)
+
+
+def bf16_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` in float32 for a bfloat16 ``weight``, on torch's
+    bfloat16 GEMM (``x`` rounded to bfloat16), rows padded as ``gemm_rows`` says."""
+    y = onednn.by_row_buckets(
+        lambda rows: F.linear(rows, weight), x.to(torch.bfloat16), bucket=gemm_rows, max_rows=GEMM_MAX_ROWS
+    )
+    return y.float()
 
 
 def amx_tiles() -> bool:

@@ -1,7 +1,8 @@
 """int8 on the native kernels (``csrc/linear.cpp``, loaded by ``native``),
 float32 activations: per channel, ``x @ (q * scale).T`` with the scale
 applied once per output after the int8 row's dot product; or in groups of
-32 (GGUF's Q8_0), which a tied LM head runs on the embedding table itself."""
+32 (GGUF's Q8_0), which a tied LM head runs on the embedding table itself
+and the projections a GGUF stores wider than 4 bits run on (``quant.load``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from . import native
-from .int4_native import call_isa, dequantizes
+from .int4_native import bf16_gemm, call_isa, dequantizes
 from .rtn import Int8GroupWeight, Int8Weight, quantize_int8
 
 GROUP = 32
@@ -57,32 +58,43 @@ class Int8NativeLinear:
 
 @attrs.frozen
 class Int8GroupNativeLinear:
-    """``x @ W.T`` with ``W = q * scale`` per group of 32, over ``weight``'s
-    own tensors (shared, not copied: a tied LM head and the embeddings are
-    one table)."""
+    """``x @ W.T + bias`` with ``W = q * scale`` per group of 32, over
+    ``weight``'s own tensors (shared, not copied: a tied LM head and the
+    embeddings are one table)."""
 
     weight: Int8GroupWeight
     isa: int
     ops: object  # torch.ops.trioserve, loaded
     int8_panels: bool = False  # as Int4NativeLinear's
+    bias: torch.Tensor | None = None
+    gemm_from_rows: int | None = None  # as Int4NativeLinear's (the chooser's measurement of the 4-bit panels)
 
     @classmethod
-    def over(cls, weight: Int8GroupWeight, isa: str) -> Int8GroupNativeLinear:
+    def over(
+        cls, weight: Int8GroupWeight, isa: str, bias: torch.Tensor | None = None, gemm_from_rows: int | None = None
+    ) -> Int8GroupNativeLinear:
         if weight.group_size != GROUP:
             raise ValueError(f"int8 group size {weight.group_size}: the native kernel runs groups of {GROUP}")
-        return cls(weight, native.ISAS[isa], native.ops())
+        return cls(weight, native.ISAS[isa], native.ops(), bias=bias, gemm_from_rows=gemm_from_rows)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._product(x)
+        return y if self.bias is None else y.add_(self.bias)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
+        if self.gemm_from_rows is not None and x.shape[0] >= self.gemm_from_rows and not self.int8_panels:
+            return bf16_gemm(x, self.ops.q8g_dequantize_bf16(w.q, w.scale))  # type: ignore[attr-defined]
         if dequantizes(self.isa, x.shape[0]):  # as int4_native
             return F.linear(x, w.dequantize())
         if self.int8_panels:
             isa = self.isa
         elif self.isa == _AVX2_INT8:
-            # A prompt's logits keep float32 activations at any row count, as
-            # avx512vnni's Q8_0 rows below 10 do: with int8 ones the default
-            # model's greedy answer to "What is the capital of France?" left
-            # Paris. Decode steps take the int8 rows (decode_head).
+            # A prompt's calls (its logits; a layer's wider projections) keep
+            # float32 activations at any row count, as avx512vnni's Q8_0 rows
+            # below 10 do: with int8 ones the default model's greedy answer
+            # to "What is the capital of France?" left Paris. Decode steps
+            # take the int8 rows (decode_head, native_decode).
             isa = _AVX2
         else:
             isa = call_isa(self.isa, x.shape[0])

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
+import attrs
 import torch
 
 from ..capability import CpuPaths
@@ -23,10 +24,10 @@ from ..config import ModelConfig
 from ..errors import CpuCapabilityError, ModelLoadError
 from ..model import LlamaForCausalLM, ProjectionChoice
 from . import gguf_weights, int4_pack, int8_native, native, rtn_cache
-from .choose import Kernel, KernelChoice, Linear, choose_kernel
+from .choose import KERNELS, Kernel, KernelChoice, Linear, candidates, choose_kernel
 from .embedding import CompressedEmbedding
 from .projections import QuantizedProjections
-from .rtn import Int4Weight, Int8GroupWeight, Int8Weight, check_group_size
+from .rtn import Int4Weight, Int8GroupWeight, Int8Weight, check_group_size, quantize_int8_groups
 
 logger = logging.getLogger(__name__)
 
@@ -65,17 +66,73 @@ def _bias(parts: dict[str, Tensor], names: tuple[str, ...], rows: list[int]) -> 
     )
 
 
-def _build_layer(parts: dict[str, Tensor], choice: KernelChoice, index: int) -> QuantizedProjections:
+@attrs.frozen
+class _Wide:
+    """How a projection any of whose matrices a file stores at more than 4
+    bits is built (a GGUF's Q8_0, Q6_K or Q5 tensors, as K-quant mixes such
+    as Q4_K_M keep their most sensitive matrices) when the model's kernel is
+    4-bit: int8 rather than rounded to 4 bits."""
+
+    build: Callable[[list[Tensor], torch.Tensor | None], Linear]
+    what: str
+
+    @classmethod
+    def beside(cls, cpu_paths: CpuPaths, choice: KernelChoice) -> _Wide | None:
+        """For "auto" on a 4-bit kernel (``int4`` asks for 4 bits throughout):
+        int8 in groups of 32 on the native kernel of the same variant (a
+        Q8_0 or Q5_0 matrix exactly; the fused decode step takes the layer;
+        a prompt's rows on the bfloat16 GEMM from where the 4-bit kernel's
+        do), else int8 per channel on the int8 kernel here."""
+        if choice.scheme != "auto" or choice.kernel.bits != 4:
+            return None
+        isa = choice.kernel.isa
+        name = f"quant_int8_native_{isa}"
+        if isa and name in {p.name for p in cpu_paths.paths} and cpu_paths.available(name):
+            rows = choice.bf16_gemm.from_rows if choice.bf16_gemm is not None else None
+
+            def native_groups(parts: list[Tensor], bias: torch.Tensor | None) -> Linear:
+                return int8_native.Int8GroupNativeLinear.over(_int8_groups(parts), isa, bias, rows)
+
+            return cls(native_groups, f"int8 in groups of 32, native kernel ({isa})")
+        kernel = _eight_bit_kernel(cpu_paths, choice.kernel)
+        return cls(lambda parts, bias: kernel.make(_cat(parts), bias, choice.group_size), kernel.what)
+
+
+def _int8_groups(parts: list[Tensor]) -> Int8GroupWeight:
+    """Matrices stacked by rows as int8 in groups of 32: one stored in such
+    groups taken as it is, any other rounded into them from its values (a
+    group's largest magnitude to 127)."""
+    grouped = [
+        p if isinstance(p, Int8GroupWeight) and p.group_size == int8_native.GROUP
+        else quantize_int8_groups(p if isinstance(p, torch.Tensor) else p.dequantize(), int8_native.GROUP)
+        for p in parts
+    ]
+    return Int8GroupWeight(
+        torch.cat([g.q for g in grouped]).contiguous(), torch.cat([g.scale for g in grouped]).contiguous(), int8_native.GROUP
+    )
+
+
+def _build_layer(
+    parts: dict[str, Tensor], choice: KernelChoice, index: int, wide: _Wide | None
+) -> tuple[QuantizedProjections, int]:
+    """One layer's projections, and how many of them were built ``wide``."""
+    widened = 0
+
     def make(names: tuple[str, ...]) -> object:
+        nonlocal widened
         weights = [parts[f"{n}.weight"] for n in names]
         rows = [w.shape[0] if isinstance(w, torch.Tensor) else w.q.shape[0] for w in weights]
+        if wide is not None and any(isinstance(w, Int8GroupWeight | Int8Weight) for w in weights):
+            widened += 1
+            return wide.build(weights, _bias(parts, names, rows))
         for n, w in zip(names, weights):
             shape = tuple(w.shape if isinstance(w, torch.Tensor) else w.q.shape)
             if 4 in (choice.kernel.bits, choice.small.bits if choice.small else 0):
                 check_group_size(shape, choice.group_size, f"model.layers.{index}.{n}_proj.weight")
         return choice.make(_cat(weights), _bias(parts, names, rows))
 
-    return QuantizedProjections(make(("q", "k", "v")), make(("o",)), make(("gate", "up")), make(("down",)))
+    made = QuantizedProjections(make(("q", "k", "v")), make(("o",)), make(("gate", "up")), make(("down",)))
+    return made, widened
 
 
 def quantization_choice(
@@ -110,6 +167,8 @@ def build_quantized(
     model = LlamaForCausalLM(config, dtype=torch.float32, device="cpu", cpu_paths=cpu_paths, quantization=projection)
     pending: dict[int, dict[str, Tensor]] = {}
     layers: dict[int, QuantizedProjections] = {}
+    wide = _Wide.beside(cpu_paths, choice)
+    widened = 0
     head: Tensor | None = None
     embedding: CompressedEmbedding | None = None
     loaded: set[str] = set()
@@ -122,14 +181,17 @@ def build_quantized(
             parts = pending.setdefault(index, {})
             parts[f"{match.group(3)}.{match.group(4)}"] = tensor
             if all(f"{p}.weight" in parts for p in _PARTS):
-                layers[index] = _build_layer(pending.pop(index), choice, index)
+                layers[index], n = _build_layer(pending.pop(index), choice, index, wide)
+                widened += n
             continue
         if name == "lm_head.weight" and not config.tie_word_embeddings:
-            head = tensor  # kept compressed (below): the model has no float parameter for it
+            head = _in_native_groups(tensor)  # kept compressed (below): the model has no float parameter for it
             continue
         if name == "model.embed_tokens.weight" and isinstance(tensor, (Int4Weight, Int8GroupWeight)):
-            # Kept as the file has it: a float32 copy would be the largest
-            # tensor of a small model (113 MB for SmolLM2's 49,152 x 576).
+            # Kept compressed (as the file has it, or Q6_K's groups of 16 in
+            # groups of 32): a float32 copy would be the largest tensor of a
+            # small model (113 MB for SmolLM2's 49,152 x 576).
+            tensor = _in_native_groups(tensor)
             embedding = CompressedEmbedding(tensor)
             if config.tie_word_embeddings:
                 head = tensor
@@ -152,34 +214,55 @@ def build_quantized(
     if model.required_weight_names() - loaded:
         raise ModelLoadError(f"{source}: missing weights {sorted(model.required_weight_names() - loaded)[:8]}")
     assert head is not None
-    head_linear = _shared_head(cpu_paths, head) or _head_kernel(cpu_paths, choice.kernel).make(
+    head_linear = _shared_head(cpu_paths, head, choice.kernel) or _eight_bit_kernel(cpu_paths, choice.kernel).make(
         head, None, choice.group_size
     )
     model.set_quantized([layers[i] for i in range(config.num_hidden_layers)], head_linear, embedding)
+    if widened:
+        assert wide is not None
+        logger.info(
+            "%s: %d of %d projections stored at more than 4 bits run %s",
+            source.name, widened, 4 * config.num_hidden_layers, wide.what,
+        )
     return model
 
 
-def _shared_head(cpu_paths: CpuPaths, head: Tensor) -> Linear | None:
+def _in_native_groups(tensor: Tensor) -> Tensor:
+    """An int8 table in groups of other than 32 (Q6_K's 16) rounded into
+    groups of 32, which the native Q8_0 kernel runs (one more rounding: a
+    group's largest value to 127); anything else as it is."""
+    if isinstance(tensor, Int8GroupWeight) and tensor.group_size != int8_native.GROUP:
+        return quantize_int8_groups(tensor.dequantize(), int8_native.GROUP)
+    return tensor
+
+
+def _shared_head(cpu_paths: CpuPaths, head: Tensor, kernel: Kernel) -> Linear | None:
     """A head stored as int8 in groups of 32 (GGUF's Q8_0) on the native
-    kernel, over the stored values themselves: nothing requantized, and a
-    tied head shares the embeddings' table. None where that does not run here."""
+    kernel (``kernel``'s variant where it is native, else the best here),
+    over the stored values themselves: nothing requantized, and a tied head
+    shares the embeddings' table. None where that does not run here."""
     if not isinstance(head, Int8GroupWeight) or head.group_size != int8_native.GROUP:
         return None
     known = {p.name for p in cpu_paths.paths}
-    for isa in native.LINEAR_ISA_ORDER:
+    for isa in ((kernel.isa,) if kernel.isa else ()) + native.LINEAR_ISA_ORDER:
         name = f"quant_int8_native_{isa}"
         if name in known and cpu_paths.available(name):
             return int8_native.Int8GroupNativeLinear.over(head, isa)
     return None
 
 
-def _head_kernel(cpu_paths: CpuPaths, kernel: Kernel) -> Kernel:
-    # The LM head is a fifth of the weights a decode step streams; int8 per
-    # channel keeps it close to its float values (a 4-bit head moves logits more).
+def _eight_bit_kernel(cpu_paths: CpuPaths, kernel: Kernel) -> Kernel:
+    """The int8-per-channel kernel beside ``kernel``, for an LM head not in
+    Q8_0 groups (a fifth of the weights a decode step streams; a 4-bit head
+    moves logits more) and, without the native kernels, the projections a
+    file stores wider than 4 bits: ``kernel`` itself when it is 8-bit, else
+    the native int8 kernel of its variant, else the best int8 kernel here."""
     if kernel.bits == 8:
         return kernel
-    from .choose import candidates
-
+    known = {p.name for p in cpu_paths.paths}
+    sibling = f"quant_int8_native_{kernel.isa}"
+    if kernel.isa and sibling in known and cpu_paths.available(sibling):
+        return next(k for k in KERNELS if k.name == sibling)
     return candidates(cpu_paths, "int8")[0]
 
 

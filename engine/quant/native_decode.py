@@ -25,7 +25,7 @@ from .projections import QuantizedProjections
 from .row_split import RowSplitLinear
 
 from ..native_attention import CACHE_DTYPES, MAX_QUERY_TOKENS
-NativeLinear = Int4NativeLinear | Int8NativeLinear
+NativeLinear = Int4NativeLinear | Int8NativeLinear | Int8GroupNativeLinear
 _EMPTY = torch.empty(0)
 _INT8_HEADS = frozenset({native.ISAS["avx512vnni"], native.ISAS["avx2int8"]})
 
@@ -35,14 +35,18 @@ def _native(linear: object) -> tuple[NativeLinear, int] | None:
     if isinstance(linear, RowSplitLinear):
         found = _native(linear.small)
         return None if found is None else (found[0], min(found[1], linear.max_small_rows))
-    if isinstance(linear, Int4NativeLinear | Int8NativeLinear):
+    if isinstance(linear, Int4NativeLinear | Int8NativeLinear | Int8GroupNativeLinear):
         return linear, 1 << 30
     return None
 
 
 def _parts(linear: NativeLinear) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight and scale csrc/decode.cpp takes: 4-bit blocks and no scale,
+    or int8 and its scales per channel ``[out]`` or per group ``[out, in / 32]``."""
     if isinstance(linear, Int4NativeLinear):
         return linear.blocks, _EMPTY
+    if isinstance(linear, Int8GroupNativeLinear):
+        return linear.weight.q, linear.weight.scale
     return linear.q, linear.scale
 
 

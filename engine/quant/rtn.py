@@ -2,11 +2,11 @@
 
 ``Int8Weight``: symmetric int8 per output channel, ``w = q * scale``.
 ``Int8GroupWeight``: int8 in groups along the input dimension, ``w = q * scale``
-per group: exactly GGUF's Q8_0 (groups of 32).
+per group: exactly GGUF's Q8_0 and Q5_0 (groups of 32) and Q6_K (16).
 ``Int4Weight``: 4 bits per weight in groups along the input dimension,
 ``w = (q - 8) * scale + zero`` with ``q`` in 0..15: the convention of torch's
-packed int4 kernel, and exactly GGUF's Q4_0 (``zero = 0``) and Q4_1
-(``zero = m + 8 d``).
+packed int4 kernel, and exactly GGUF's Q4_0 (``zero = 0``), Q4_1
+(``zero = m + 8 d``) and Q4_K (a sub-block's ``d sc`` and ``8 d sc - dmin min``).
 """
 
 from __future__ import annotations
@@ -71,6 +71,19 @@ def quantize_int8(weight: torch.Tensor) -> Int8Weight:
     scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
     q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
     return Int8Weight(q, scale)
+
+
+def quantize_int8_groups(weight: torch.Tensor, group_size: int, name: str = "weight") -> Int8GroupWeight:
+    """Symmetric int8 of a float ``[out, in]`` weight in groups of
+    ``group_size`` inputs, as GGUF's Q8_0 is made (a group's largest
+    magnitude to 127), with float32 steps."""
+    check_group_size(tuple(weight.shape), group_size, name)
+    out, k = weight.shape
+    w = weight.float().view(out, k // group_size, group_size)
+    scale = w.abs().amax(dim=-1) / 127
+    divisor = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero group stays zero
+    q = torch.round(w / divisor[..., None]).clamp(-127, 127).to(torch.int8)
+    return Int8GroupWeight(q.view(out, k), scale, group_size)
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int, name: str = "weight") -> Int4Weight:

@@ -389,7 +389,10 @@ enum Part : int64_t {
 };
 
 struct Linear {
-  const torch::Tensor& weight;  // uint8 [out, in / 32, 20] 4-bit blocks, or int8 [out, in]
+  // uint8 [out, in / 32, 20] 4-bit blocks, or int8 [out, in] with a float32
+  // scale per channel ([out]) or per group of 32 inputs ([out, in / 32]:
+  // GGUF's Q8_0, what a file's wider matrices are held in)
+  const torch::Tensor& weight;
   const torch::Tensor& scale;
   const torch::Tensor& bias;
 
@@ -397,6 +400,7 @@ struct Linear {
 
   void operator()(const float* x, int64_t rows, int64_t k, float* y, int64_t isa) const {
     if (weight.dim() == 3) q4_matmul(x, rows, k, weight.data_ptr<uint8_t>(), out(), y, isa);
+    else if (scale.dim() == 2) q8g_matmul(x, rows, k, weight.data_ptr<int8_t>(), scale.data_ptr<float>(), out(), y, isa);
     else q8_matmul(x, rows, k, weight.data_ptr<int8_t>(), scale.data_ptr<float>(), out(), y, isa);
     if (bias.numel() == 0) return;
     const float* b = bias.data_ptr<float>();
@@ -413,7 +417,10 @@ void check_linear(const torch::Tensor& w, const torch::Tensor& scale, const torc
   } else {
     TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.size(1) == in, what, ": int8 weight must be [out, ",
                 in, "]");
-    TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == w.size(0), what, ": scale must be float32 [out]");
+    const bool per_channel = scale.dim() == 1 && scale.numel() == w.size(0);
+    const bool per_group = scale.dim() == 2 && in % kGroup == 0 && scale.size(0) == w.size(0) && scale.size(1) * kGroup == in;
+    TORCH_CHECK(scale.scalar_type() == at::kFloat && (per_channel || per_group), what,
+                ": scale must be float32 [out] or [out, in / 32]");
   }
   TORCH_CHECK(w.is_contiguous() && scale.is_contiguous() && bias.is_contiguous(), what, ": tensors must be contiguous");
   TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == at::kFloat && bias.numel() == w.size(0)), what,

@@ -6,6 +6,7 @@
 //   trioserve::q8_linear(x, q, scale, isa)      int8 per output channel, w = q * scale
 //   trioserve::q8g_linear(x, q, scale, isa)     int8 in groups of 32 (GGUF's Q8_0), w = q * scale[group]
 //   trioserve::q4_dequantize(blocks)            4-bit groups to a float32 matrix (q4_dequantize_bf16: bfloat16)
+//   trioserve::q8g_dequantize_bf16(q, scale)    int8 groups of 32 to a bfloat16 matrix
 //   trioserve::isas()                           bit i set: ISA i runs on this CPU
 //
 // Why native: ATen's packed 4-bit and int8 kernels stream their weights at
@@ -61,15 +62,19 @@ torch::Tensor q8_linear(const torch::Tensor& x_in, const torch::Tensor& q_in, co
   return y;
 }
 
+void check_q8g(const torch::Tensor& q, const torch::Tensor& scale, const char* what) {
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 2 && q.size(1) % kGroup == 0, what,
+              ": q must be int8 [out, in], in a multiple of 32");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 2 && scale.size(0) == q.size(0) &&
+                  scale.size(1) * kGroup == q.size(1),
+              what, ": scale must be float32 [out, in / 32]");
+}
+
 torch::Tensor q8g_linear(const torch::Tensor& x_in, const torch::Tensor& q_in, const torch::Tensor& scale_in,
                          int64_t isa) {
   check_isa(isa);
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2, "q8g_linear: x must be float32 [rows, in]");
-  TORCH_CHECK(q_in.scalar_type() == at::kChar && q_in.dim() == 2 && q_in.size(1) % kGroup == 0,
-              "q8g_linear: q must be int8 [out, in], in a multiple of 32");
-  TORCH_CHECK(scale_in.scalar_type() == at::kFloat && scale_in.dim() == 2 && scale_in.size(0) == q_in.size(0) &&
-                  scale_in.size(1) * kGroup == q_in.size(1),
-              "q8g_linear: scale must be float32 [out, in / 32]");
+  check_q8g(q_in, scale_in, "q8g_linear");
   TORCH_CHECK(x_in.size(1) == q_in.size(1), "q8g_linear: x has ", x_in.size(1), " inputs, the weight ", q_in.size(1));
   const torch::Tensor x = x_in.contiguous();
   const torch::Tensor q = q_in.contiguous();
@@ -123,6 +128,26 @@ torch::Tensor q4_dequantize_bf16(const torch::Tensor& blocks_in) {
   return w;
 }
 
+// The bfloat16 weight [out, k] of int8 in groups of 32 (each weight q *
+// scale in float32, rounded to nearest even, as the bfloat16 panels round
+// it): q4_dequantize_bf16's counterpart for the int8 groups a GGUF's wider
+// matrices are held in (engine/quant/int8_native.py). Needs AVX512_BF16.
+torch::Tensor q8g_dequantize_bf16(const torch::Tensor& q_in, const torch::Tensor& scale_in) {
+  check_isa(kAvx512Bf16);
+  check_q8g(q_in, scale_in, "q8g_dequantize_bf16");
+  const torch::Tensor q = q_in.contiguous();
+  const torch::Tensor scale = scale_in.contiguous();
+  const int64_t out = q.size(0), k = q.size(1);
+  torch::Tensor w = torch::empty({out, k}, torch::dtype(torch::kBFloat16));
+  const int8_t* src = q.data_ptr<int8_t>();
+  const float* steps = scale.data_ptr<float>();
+  uint16_t* dst = reinterpret_cast<uint16_t*>(w.data_ptr<at::BFloat16>());
+  at::parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) q8_decode_bf16_avx512(src + n * k, steps + n * (k / kGroup), k, kGroup, dst + n * k, k);
+  });
+  return w;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(trioserve, m) {
@@ -132,6 +157,7 @@ TORCH_LIBRARY(trioserve, m) {
   m.def("q4_dequantize(Tensor blocks) -> Tensor");
   m.def("q4_dequantize_bf16(Tensor blocks) -> Tensor");
   m.def("q8g_linear(Tensor x, Tensor q, Tensor scale, int isa) -> Tensor");
+  m.def("q8g_dequantize_bf16(Tensor q, Tensor scale) -> Tensor");
   m.def("decode_attention(Tensor qkv, Tensor key_cache, Tensor value_cache, Tensor cos, Tensor sin, Tensor slots, Tensor block_tables, Tensor context_lens, int num_heads, float scale, int isa) -> Tensor");
   m.def("decode_layers(Tensor hidden, Tensor[] weights, Tensor key_cache, Tensor value_cache, Tensor cos, Tensor sin, Tensor slots, Tensor block_tables, Tensor context_lens, int num_heads, int num_kv_heads, float eps, float scale, int isa) -> Tensor");
 }
@@ -142,4 +168,5 @@ TORCH_LIBRARY_IMPL(trioserve, CPU, m) {
   m.impl("q4_dequantize", &q4_dequantize);
   m.impl("q4_dequantize_bf16", &q4_dequantize_bf16);
   m.impl("q8g_linear", &q8g_linear);
+  m.impl("q8g_dequantize_bf16", &q8g_dequantize_bf16);
 }

@@ -1,0 +1,275 @@
+"""GGUF's K-quants and 5-bit types (engine/quant/gguf_weights): each decodes
+like gguf's own reference, and a file that mixes them, as llama.cpp's
+Q4_K_M does, loads compressed with its wider matrices kept wide."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from trioserve.engine.config import ModelConfig, RopeScaling
+from trioserve.engine.errors import ModelLoadError
+from trioserve.engine.forward_batch import ForwardBatch, SeqChunk
+from trioserve.engine.kv_cache import KVCache
+from trioserve.engine.model import LlamaForCausalLM
+from trioserve.engine.quant import gguf_weights
+from trioserve.engine.quant.int4_native import Int4NativeLinear
+from trioserve.engine.quant.int8_native import Int8GroupNativeLinear
+from trioserve.engine.quant.choose import KERNELS, KernelChoice, candidates
+from trioserve.engine.quant.load import load_gguf_quantized, quantization_choice
+from trioserve.engine.quant.rtn import Int4Weight, Int8GroupWeight, quantize_int8_groups
+from trioserve.testing.quality import prompt_logits
+
+from test_quant import _write_gguf
+
+# Where each type keeps its float16 scales, and values that keep a tiny
+# model's weights near 0.1 at most (the other bytes are random).
+_SCALES = {"Q4_K": ((0, 2), 1e-4), "Q5_K": ((0, 2), 5e-5), "Q6_K": ((208,), 2e-5), "Q5_0": ((0,), 5e-3)}
+
+
+def _random_blocks(kind: str, out: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """``[out, k]`` weights of ``kind`` as raw blocks: random bytes, with
+    float16 scales drawn small and positive."""
+    import gguf
+
+    values, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+    data = rng.integers(0, 256, size=(out, k // values, size), dtype=np.uint8)
+    at, high = _SCALES[kind]
+    for offset in at:
+        scales = rng.uniform(high / 4, high, size=(out, k // values)).astype(np.float16)
+        data[..., offset : offset + 2] = scales.view(np.uint8).reshape(out, k // values, 2)
+    return data.reshape(out, -1)
+
+
+def _reference(kind: str, data: np.ndarray) -> torch.Tensor:
+    import gguf
+
+    return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(data, gguf.GGMLQuantizationType[kind])))
+
+
+@pytest.mark.parametrize("kind", ["Q5_0", "Q6_K"])
+def test_q5_0_and_q6_k_decode_to_int8_groups_exactly(kind):
+    data = _random_blocks(kind, 6, 512, np.random.default_rng(0))
+    got = gguf_weights.decode_q5_0(data) if kind == "Q5_0" else gguf_weights.decode_q6_k(data)
+    assert isinstance(got, Int8GroupWeight) and got.q.dtype == torch.int8
+    assert got.group_size == (32 if kind == "Q5_0" else 16)
+    assert torch.equal(got.dequantize(), _reference(kind, data))
+
+
+def test_q4_k_decodes_to_4_bit_groups_of_32_as_the_reference_computes():
+    data = _random_blocks("Q4_K", 6, 512, np.random.default_rng(1))
+    got = gguf_weights.decode_q4_k(data)
+    assert isinstance(got, Int4Weight) and got.group_size == 32 and int(got.q.max()) <= 15
+    reference = _reference("Q4_K", data)
+    # (q - 8) d + (8 d - min) against q d - min: float32's last bit apart.
+    assert (got.dequantize() - reference).abs().max() <= 1e-6 * reference.abs().max()
+
+
+@pytest.mark.parametrize("kind", ["Q5_1", "Q5_K"])
+def test_q5_1_and_q5_k_are_rounded_to_int8_groups_within_half_a_step(kind):
+    import gguf
+
+    rng = np.random.default_rng(2)
+    if kind == "Q5_1":
+        data = gguf.quants.quantize(rng.standard_normal((6, 512)).astype(np.float32), gguf.GGMLQuantizationType.Q5_1)
+    else:
+        data = _random_blocks(kind, 6, 512, rng)
+    got = gguf_weights.requantize_int8(kind, data)
+    reference = _reference(kind, data)
+    assert got.group_size == 32
+    step = got.scale.repeat_interleave(32, dim=1)
+    # A value half way between two steps may round either way in float32.
+    assert ((got.dequantize() - reference).abs() <= step / 2 + 1e-6 * reference.abs().max()).all()
+    # Each group's largest magnitude is kept to float32's rounding.
+    largest = reference.abs().view(6, -1, 32).amax(-1)
+    assert torch.allclose(got.scale * 127, largest, rtol=1e-6)
+
+
+def _write(path: Path, tensors: dict[str, tuple[str, np.ndarray]]) -> None:
+    """A GGUF of ``{name: (kind, data)}``: float32 arrays as they are, else raw blocks of ``kind``."""
+    import gguf
+
+    _write_gguf(path, {n: (d, None if k == "F32" else gguf.GGMLQuantizationType[k]) for n, (k, d) in tensors.items()})
+
+
+def test_a_type_with_no_mapping_is_refused_naming_the_tensor(tmp_path):
+    path = tmp_path / "q3.gguf"
+    import gguf
+
+    values, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q3_K]
+    _write(path, {"blk.0.ffn_down.weight": ("Q3_K", np.zeros((4, 256 // values * size), np.uint8))})
+    with pytest.raises(
+        ModelLoadError, match=r"tensor 'blk\.0\.ffn_down\.weight' has GGUF type Q3_K.*Q4_K.*Q6_K.*--quantization none"
+    ):
+        list(gguf_weights.read_tensors(path, num_heads=4, num_kv_heads=2))
+
+
+# A model whose input dimensions are multiples of 256, as K-quants need.
+_CONFIG = ModelConfig(
+    architecture="LlamaForCausalLM",
+    vocab_size=384,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    rope_scaling=RopeScaling(),
+    tie_word_embeddings=True,
+    attention_bias=False,
+    bos_token_id=1,
+    eos_token_ids=(2,),
+)
+# Layer 0 as llama.cpp's Q4_K_M stores a layer whose V and down matrices it
+# keeps wider; layer 1 all 4-bit but for a Q5_0 output projection (Q4_K's
+# fallback where a row is not a multiple of 256).
+_LAYERS = (
+    {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K", "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K"},
+    {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q4_K", "attn_output": "Q5_0", "ffn_gate": "Q4_K", "ffn_up": "Q5_K", "ffn_down": "Q4_K"},
+)
+
+
+def _shape(name: str) -> tuple[int, int]:
+    c = _CONFIG
+    kv = c.num_key_value_heads * c.head_dim
+    return {
+        "attn_q": (c.hidden_size, c.hidden_size), "attn_k": (kv, c.hidden_size), "attn_v": (kv, c.hidden_size),
+        "attn_output": (c.hidden_size, c.hidden_size), "ffn_gate": (c.intermediate_size, c.hidden_size),
+        "ffn_up": (c.intermediate_size, c.hidden_size), "ffn_down": (c.hidden_size, c.intermediate_size),
+    }[name]
+
+
+@pytest.fixture(scope="module")
+def mixed_gguf(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
+    """The mixed file, and its tensors dequantized by gguf's reference under
+    Hugging Face names (q and k rows put back in their order)."""
+    rng = np.random.default_rng(3)
+    tensors: dict[str, tuple[str, np.ndarray]] = {
+        "token_embd.weight": ("Q6_K", _random_blocks("Q6_K", _CONFIG.vocab_size, _CONFIG.hidden_size, rng)),
+        "output_norm.weight": ("F32", (1 + 0.1 * rng.standard_normal(_CONFIG.hidden_size)).astype(np.float32)),
+    }
+    for i, kinds in enumerate(_LAYERS):
+        for part in ("attn_norm", "ffn_norm"):
+            tensors[f"blk.{i}.{part}.weight"] = ("F32", (1 + 0.1 * rng.standard_normal(_CONFIG.hidden_size)).astype(np.float32))
+        for part, kind in kinds.items():
+            tensors[f"blk.{i}.{part}.weight"] = (kind, _random_blocks(kind, *_shape(part), rng))
+    path = tmp_path_factory.mktemp("kquants") / "mixed.gguf"
+    _write(path, tensors)
+    dense = {}
+    for name, (kind, data) in tensors.items():
+        value = torch.from_numpy(data) if kind == "F32" else _reference(kind, data)
+        hf = gguf_weights.hf_name(name)
+        if hf.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = _CONFIG.num_attention_heads if "q_proj" in hf else _CONFIG.num_key_value_heads
+            value = gguf_weights._unpermute(value, heads)
+        dense[hf] = value
+    return path, dense
+
+
+def _decode_step(model: LlamaForCausalLM, prompt: list[int], token: int) -> torch.Tensor:
+    """The logits of one decode step after ``prompt``, over a fresh cache."""
+    cache = KVCache.allocate(model.config, num_blocks=8, block_size=16, dtype=torch.float32, device="cpu")
+    table = [1, 2, 3]
+    with torch.inference_mode():
+        for chunk in (SeqChunk(prompt, 0, table), SeqChunk([token], len(prompt), table)):
+            logits = model(ForwardBatch.build([chunk], block_size=16, device="cpu"), cache)
+    return logits
+
+
+# The projections of _LAYERS with a matrix wider than 4 bits.
+_WIDE = (
+    "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.v_proj",
+    "model.layers.0.mlp.down_proj", "model.layers.1.self_attn.o_proj", "model.layers.1.mlp.gate_proj",
+    "model.layers.1.mlp.up_proj",
+)
+
+
+@pytest.mark.cpu_paths
+def test_a_q4_k_m_style_file_loads_compressed_with_its_wider_matrices_in_int8(cpu_paths, mixed_gguf):
+    """With "auto" on the best 4-bit kernel here (the one it takes wherever a
+    4-bit kernel is within reach of the fastest), the projections stored in
+    4 bits run on it; one with a Q6_K, Q5_0 or Q5_K matrix runs int8
+    (in groups of 32 on the native kernels) rather than being rounded to 4
+    bits; the Q6_K embeddings
+    become one int8 table in groups of 32 shared with the LM head; and where
+    the native kernels run, a decode step still runs all layers in one call."""
+    path, dense = mixed_gguf
+    choice = KernelChoice(candidates(cpu_paths, "int4")[0], "auto", 32, ())
+    model = load_gguf_quantized(path, _CONFIG, choice, cpu_paths)
+    made = model._projections()
+    layer0, layer1 = made.layers
+    # The wider kernel: int8 per channel (native or ATen, as the 4-bit one is).
+    four_bit, eight_bit = type(layer1.qkv_linear), type(layer0.qkv_linear)
+    assert eight_bit is not four_bit
+    assert type(layer0.o_linear) is type(layer0.gate_up_linear) is four_bit  # all Q4_K
+    assert type(layer0.down_linear) is type(layer1.o_linear) is type(layer1.gate_up_linear) is eight_bit
+    assert type(layer1.down_linear) is four_bit
+    embedding = model._embedding.weight
+    assert isinstance(embedding, Int8GroupWeight) and embedding.group_size == 32
+    # Rounded once from Q6_K's groups of 16: within half a step of the file's values.
+    step = embedding.scale.repeat_interleave(32, dim=1)
+    table = dense["model.embed_tokens.weight"]
+    assert ((embedding.dequantize() - table).abs() <= step / 2 + 1e-6 * table.abs().max()).all()
+    if four_bit is Int4NativeLinear:
+        assert eight_bit is Int8GroupNativeLinear and layer0.qkv_linear.isa == layer1.qkv_linear.isa
+        assert layer1.o_linear.weight.q.shape == (256, 256)  # Q5_0's values as the file has them
+        assert isinstance(made.head, Int8GroupNativeLinear) and made.head.weight is embedding
+        assert made.decode is not None and made.decode.isa == layer1.qkv_linear.isa  # the fused step takes them
+
+
+def _float_kernel_choice(cpu_paths) -> KernelChoice:
+    """"auto" on the native 4-bit variant that multiplies a decode step's
+    rows in float32 (AVX-512's, else AVX2's, else scalar), so that the
+    logits follow the weights' rounding alone."""
+    for isa in ("avx512", "avx2", "scalar"):
+        name = f"quant_int4_native_{isa}"
+        if cpu_paths.available(name):
+            return KernelChoice(next(k for k in KERNELS if k.name == name), "auto", 32, ())
+    if os.environ.get("CI") == "true":
+        pytest.fail("scripts/setup.sh must build the native kernels under CI")
+    pytest.skip("the native kernels are not built here")
+
+
+@pytest.mark.cpu_paths
+def test_a_mixed_files_logits_are_its_weights_rounded_as_documented(cpu_paths, mixed_gguf):
+    """Against a float model over the file's values (gguf's own
+    dequantization) with the documented roundings applied (in a projection
+    with a wider matrix, each matrix not in Q5_0 or Q8_0 to int8 groups of
+    32; the Q6_K table likewise), a prompt's logits and a fused decode
+    step's agree to the kernels' float rounding: every other value, Q4_K's
+    included, reached the kernels as the file has it."""
+    path, dense = mixed_gguf
+    model = load_gguf_quantized(path, _CONFIG, _float_kernel_choice(cpu_paths), cpu_paths)
+    assert model._projections().decode is not None
+    kinds = {gguf_weights.hf_name(f"blk.{i}.{part}.weight"): kind for i, layer in enumerate(_LAYERS) for part, kind in layer.items()}
+
+    def rounded(name: str, value: torch.Tensor) -> torch.Tensor:
+        exact = name.removesuffix(".weight") in _WIDE and kinds[name] in ("Q5_0", "Q8_0")
+        if name == "model.embed_tokens.weight" or (name.removesuffix(".weight") in _WIDE and not exact):
+            return quantize_int8_groups(value, 32).dequantize()
+        return value
+
+    reference = LlamaForCausalLM(_CONFIG, dtype=torch.float32, device="cpu", cpu_paths=cpu_paths)
+    reference.load_weights([(name, rounded(name, value)) for name, value in dense.items()])
+    prompt = [int(t) for t in np.random.default_rng(4).integers(3, _CONFIG.vocab_size, 24)]
+    # A prompt's 24 rows run int16 activations on AVX2 (steps of 1/32767 of a group's largest).
+    got, want = prompt_logits(model, prompt), prompt_logits(reference, prompt)
+    assert (got - want).abs().max() <= 2e-3 * want.abs().max()
+    got, want = _decode_step(model, prompt, 7), _decode_step(reference, prompt, 7)
+    assert (got - want).abs().max() <= 2e-3 * want.abs().max()
+
+
+@pytest.mark.cpu_paths
+def test_int4_asked_for_rounds_every_projection_to_4_bits(cpu_paths, mixed_gguf):
+    path, _ = mixed_gguf
+    choice = quantization_choice(cpu_paths, torch.device("cpu"), torch.float32, "int4", _CONFIG, 32)
+    model = load_gguf_quantized(path, _CONFIG, choice, cpu_paths)
+    kinds = {type(getattr(layer, f"{p}_linear")) for layer in model._projections().layers for p in ("qkv", "o", "gate_up", "down")}
+    assert len(kinds) == 1 and "Int8" not in kinds.pop().__name__
