@@ -211,6 +211,8 @@ def test_a_q4_k_m_style_file_loads_compressed_with_its_wider_matrices_in_int8(cp
     assert type(layer0.o_linear) is type(layer0.gate_up_linear) is four_bit  # all Q4_K
     assert type(layer0.down_linear) is type(layer1.o_linear) is type(layer1.gate_up_linear) is eight_bit
     assert type(layer1.down_linear) is four_bit
+    assert model.projection_choice.quantization == "int4+int8"
+    assert "4 of 8 projections stored wider than 4 bits" in model.projection_choice.reason
     embedding = model._embedding.weight
     assert isinstance(embedding, Int8GroupWeight) and embedding.group_size == 32
     # Rounded once from Q6_K's groups of 16: within half a step of the file's values.

@@ -219,10 +219,14 @@ def build_quantized(
     )
     model.set_quantized([layers[i] for i in range(config.num_hidden_layers)], head_linear, embedding)
     if widened:
+        # What the model holds, for the load log and /version: "int8" where
+        # every projection was stored wider (a Q6_K or Q8_0 file).
         assert wide is not None
-        logger.info(
-            "%s: %d of %d projections stored at more than 4 bits run %s",
-            source.name, widened, 4 * config.num_hidden_layers, wide.what,
+        every = 4 * config.num_hidden_layers
+        model.projection_choice = attrs.evolve(
+            projection,
+            quantization="int8" if widened == every else f"{choice.label}+int8",
+            reason=f"{projection.reason}; {widened} of {every} projections stored wider than 4 bits: {wide.what}",
         )
     return model
 
