@@ -21,7 +21,7 @@ from trioserve.engine.quant.int4_native import Int4NativeLinear
 from trioserve.engine.quant.int8_native import Int8GroupNativeLinear
 from trioserve.engine.quant.choose import KERNELS, KernelChoice, candidates
 from trioserve.engine.quant.load import load_gguf_quantized, quantization_choice
-from trioserve.engine.quant.rtn import Int4Weight, Int8GroupWeight, quantize_int8_groups
+from trioserve.engine.quant.rtn import Int4Weight, Int8GroupWeight, quantize_int8_groups, regroup_int8
 from trioserve.testing.quality import prompt_logits
 
 from test_quant import _write_gguf
@@ -67,6 +67,26 @@ def test_q4_k_decodes_to_4_bit_groups_of_32_as_the_reference_computes():
     reference = _reference("Q4_K", data)
     # (q - 8) d + (8 d - min) against q d - min: float32's last bit apart.
     assert (got.dequantize() - reference).abs().max() <= 1e-6 * reference.abs().max()
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
+def test_a_table_decodes_a_slice_of_rows_at_a_time_as_whole(kind):
+    decode = {"Q4_K": gguf_weights.decode_q4_k, "Q6_K": gguf_weights.decode_q6_k}.get(
+        kind, lambda rows: gguf_weights.requantize_int8(kind, rows)
+    )
+    data = _random_blocks(kind, 10, 512, np.random.default_rng(6))
+    whole, sliced = decode(data), gguf_weights.by_rows(decode, data, rows_at_once=3)  # a remainder of one row
+    assert type(sliced) is type(whole) and sliced.group_size == whole.group_size
+    for name in ("q", "scale", "zero"):
+        if hasattr(whole, name):
+            assert torch.equal(getattr(sliced, name), getattr(whole, name)), name
+
+
+def test_q6_k_groups_of_16_regroup_into_32_a_slice_of_rows_at_a_time_as_whole():
+    table = gguf_weights.decode_q6_k(_random_blocks("Q6_K", 10, 512, np.random.default_rng(5)))
+    whole = quantize_int8_groups(table.dequantize(), 32)
+    sliced = regroup_int8(table, 32, rows_at_once=3)  # a remainder of one row
+    assert torch.equal(sliced.q, whole.q) and torch.equal(sliced.scale, whole.scale) and sliced.group_size == 32
 
 
 @pytest.mark.parametrize("kind", ["Q5_1", "Q5_K"])

@@ -18,7 +18,7 @@ layout; they are put back (a permutation of rows, so exact on quantized rows).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -151,6 +151,23 @@ def requantize_int8(kind: str, data: np.ndarray) -> Int8GroupWeight:
     return quantize_int8_groups(torch.from_numpy(np.ascontiguousarray(dense)), GROUP)
 
 
+def by_rows(decode: Callable[[np.ndarray], Compressed], data: np.ndarray, rows_at_once: int = 4096) -> Compressed:
+    """``decode(data)``, ``rows_at_once`` rows of blocks at a time: a
+    vocabulary's table (151,936 rows for Qwen2.5) decoded whole would pass
+    through several bytes a value of temporaries (float32 ones for Q5_1 and
+    Q5_K), where the result holds one."""
+    if data.shape[0] <= rows_at_once:
+        return decode(data)
+    parts = [decode(data[i : i + rows_at_once]) for i in range(0, data.shape[0], rows_at_once)]
+    first = parts[0]
+    if isinstance(first, Int4Weight):
+        return Int4Weight(
+            torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+            torch.cat([p.zero for p in parts]), first.group_size,  # type: ignore[union-attr]
+        )
+    return Int8GroupWeight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), first.group_size)
+
+
 def decode_q8_0_blocks(data: np.ndarray) -> Int8GroupWeight:
     """Q8_0 rows (``[out, blocks * 34]`` uint8) as an ``Int8GroupWeight``: ``q * d`` per block of 32."""
     out = data.shape[0]
@@ -205,12 +222,11 @@ def read_tensors(path: Path, *, num_heads: int, num_kv_heads: int) -> Iterator[t
                 f"compressed (supported: {', '.join(SUPPORTED_TYPES)}); use --quantization none to dequantize it"
             )
         data = np.asarray(tensor.data)
-        if kind in ("Q4_0", "Q4_1"):
-            value: torch.Tensor | Compressed = decode_q4(kind, data)
+        if kind in ("Q4_0", "Q4_1", "Q5_1", "Q5_K"):
+            rows_of = decode_q4 if kind.startswith("Q4") else requantize_int8
+            value: torch.Tensor | Compressed = by_rows(lambda rows: rows_of(kind, rows), data)
         elif kind in _DECODERS:
-            value = _DECODERS[kind](data)
-        elif kind in ("Q5_1", "Q5_K"):
-            value = requantize_int8(kind, data)
+            value = by_rows(_DECODERS[kind], data)
         elif kind == "BF16":
             bits = np.ascontiguousarray(data).view(np.uint16).astype(np.uint32) << 16
             value = torch.from_numpy(bits.view(np.float32))

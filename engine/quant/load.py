@@ -27,7 +27,7 @@ from . import gguf_weights, int4_pack, int8_native, native, rtn_cache
 from .choose import KERNELS, Kernel, KernelChoice, Linear, candidates, choose_kernel
 from .embedding import CompressedEmbedding
 from .projections import QuantizedProjections
-from .rtn import Int4Weight, Int8GroupWeight, Int8Weight, check_group_size, quantize_int8_groups
+from .rtn import Int4Weight, Int8GroupWeight, Int8Weight, check_group_size, quantize_int8_groups, regroup_int8
 
 logger = logging.getLogger(__name__)
 
@@ -236,7 +236,7 @@ def _in_native_groups(tensor: Tensor) -> Tensor:
     groups of 32, which the native Q8_0 kernel runs (one more rounding: a
     group's largest value to 127); anything else as it is."""
     if isinstance(tensor, Int8GroupWeight) and tensor.group_size != int8_native.GROUP:
-        return quantize_int8_groups(tensor.dequantize(), int8_native.GROUP)
+        return regroup_int8(tensor, int8_native.GROUP)
     return tensor
 
 

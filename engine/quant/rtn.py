@@ -86,6 +86,23 @@ def quantize_int8_groups(weight: torch.Tensor, group_size: int, name: str = "wei
     return Int8GroupWeight(q.view(out, k), scale, group_size)
 
 
+def regroup_int8(weight: Int8GroupWeight, group_size: int, rows_at_once: int = 4096) -> Int8GroupWeight:
+    """``weight`` rounded into int8 groups of ``group_size`` (``quantize_int8_groups``
+    of its values), ``rows_at_once`` rows at a time: a vocabulary's table
+    (151,936 x 1,536 for Qwen2.5-1.5B) would otherwise pass through float32
+    whole, several of its sizes at once."""
+    out, k = weight.q.shape
+    check_group_size((out, k), group_size)
+    q = torch.empty(out, k, dtype=torch.int8)
+    scale = torch.empty(out, k // group_size)
+    for start in range(0, out, rows_at_once):
+        rows = slice(start, start + rows_at_once)
+        part = Int8GroupWeight(weight.q[rows], weight.scale[rows], weight.group_size)
+        done = quantize_int8_groups(part.dequantize(), group_size)
+        q[rows], scale[rows] = done.q, done.scale
+    return Int8GroupWeight(q, scale, group_size)
+
+
 def quantize_int4(weight: torch.Tensor, group_size: int, name: str = "weight") -> Int4Weight:
     """Asymmetric 4-bit of a float ``[out, in]`` weight in groups of ``group_size`` inputs."""
     check_group_size(tuple(weight.shape), group_size, name)
