@@ -17,9 +17,9 @@ from trioserve.engine.forward_batch import ForwardBatch, SeqChunk
 from trioserve.engine.kv_cache import KVCache
 from trioserve.engine.model import LlamaForCausalLM
 from trioserve.engine.quant import gguf_weights
+from trioserve.engine.quant.choose import KERNELS, KernelChoice, candidates
 from trioserve.engine.quant.int4_native import Int4NativeLinear
 from trioserve.engine.quant.int8_native import Int8GroupNativeLinear
-from trioserve.engine.quant.choose import KERNELS, KernelChoice, candidates
 from trioserve.engine.quant.load import load_gguf_quantized, quantization_choice
 from trioserve.engine.quant.rtn import Int4Weight, Int8GroupWeight, quantize_int8_groups, regroup_int8
 from trioserve.testing.quality import prompt_logits
@@ -148,8 +148,8 @@ _CONFIG = ModelConfig(
     eos_token_ids=(2,),
 )
 # Layer 0 as llama.cpp's Q4_K_M stores a layer whose V and down matrices it
-# keeps wider; layer 1 all 4-bit but for a Q5_0 output projection (Q4_K's
-# fallback where a row is not a multiple of 256).
+# keeps wider; layer 1 4-bit but for a Q5_0 output projection (Q4_K's
+# fallback where a row is not a multiple of 256) and a Q5_K up projection.
 _LAYERS = (
     {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K", "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K"},
     {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q4_K", "attn_output": "Q5_0", "ffn_gate": "Q4_K", "ffn_up": "Q5_K", "ffn_down": "Q4_K"},
@@ -215,17 +215,17 @@ _WIDE = (
 def test_a_q4_k_m_style_file_loads_compressed_with_its_wider_matrices_in_int8(cpu_paths, mixed_gguf):
     """With "auto" on the best 4-bit kernel here (the one it takes wherever a
     4-bit kernel is within reach of the fastest), the projections stored in
-    4 bits run on it; one with a Q6_K, Q5_0 or Q5_K matrix runs int8
-    (in groups of 32 on the native kernels) rather than being rounded to 4
-    bits; the Q6_K embeddings
-    become one int8 table in groups of 32 shared with the LM head; and where
-    the native kernels run, a decode step still runs all layers in one call."""
+    4 bits run on it; one with a Q6_K, Q5_0 or Q5_K matrix runs int8 (in
+    groups of 32 on the native kernels) rather than being rounded to 4
+    bits; the Q6_K embeddings become one int8 table in groups of 32 shared
+    with the LM head; and where the native kernels run, a decode step still
+    runs all layers in one call."""
     path, dense = mixed_gguf
     choice = KernelChoice(candidates(cpu_paths, "int4")[0], "auto", 32, ())
     model = load_gguf_quantized(path, _CONFIG, choice, cpu_paths)
     made = model._projections()
     layer0, layer1 = made.layers
-    # The wider kernel: int8 per channel (native or ATen, as the 4-bit one is).
+    # The wider kernel: int8 groups on the native kernels, int8 per channel on ATen's.
     four_bit, eight_bit = type(layer1.qkv_linear), type(layer0.qkv_linear)
     assert eight_bit is not four_bit
     assert type(layer0.o_linear) is type(layer0.gate_up_linear) is four_bit  # all Q4_K
