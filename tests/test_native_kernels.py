@@ -143,13 +143,13 @@ def rounded_rows(x: torch.Tensor, levels: int = 127) -> torch.Tensor:
 
 @pytest.mark.parametrize("variant", INT8_ROWS)
 def test_the_int8_4bit_rows_round_only_the_activations_and_each_row_alone(isas, variant):
-    """avx512vnni's and avx2int8's 4-bit row kernels: an odd number of blocks
-    (a lone last block), 1 to 9 rows (passes of 8 or 4 and a remainder), a
-    group of zeros (no step to divide by): within half an int8 step of each
-    activation, and every row exactly what it gives alone, so a batch or a
-    speculative step's verified rows never change a sequence's result. From
-    the model's layers avx2int8's calls of 10 rows or more take avx2's int16
-    panels."""
+    """avx512vnni's (its panels) and avx2int8's (its row kernel) 4-bit calls
+    of 1 to 9 rows: an odd number of blocks (a lone last block), passes of 4
+    and a remainder, a group of zeros (no step to divide by): within half an
+    int8 step of each activation, and every row exactly what it gives alone,
+    so a batch or a speculative step's verified rows never change a
+    sequence's result. From the model's layers avx2int8's calls of 10 rows
+    or more take avx2's int16 panels."""
     if variant not in isas:
         pytest.skip(f"this CPU cannot run {variant} ({native.ISA_REQUIREMENTS[variant]})")
     gen = torch.Generator().manual_seed(3)
@@ -182,8 +182,9 @@ def test_the_int8_panels_compute_exactly_the_rounded_rows_and_each_row_alone(isa
     last panels and tiles, a group of zeros, and at 1,536 inputs more rows
     than a row block holds (336 and 340 rows). Each result is the rounded rows'
     matmul up to float32 rounding, far inside the int8 bound; and a row's
-    result does not depend on how many rows it runs with. The model's layers
-    call the bfloat16 or int16 panels there instead."""
+    result does not depend on how many rows it runs with: avx512vnni's
+    4-bit panels run at every row count, so from 1 row on. The model's
+    layers call the bfloat16 or int16 panels from 10 rows instead."""
     if variant not in isas:
         pytest.skip(f"this CPU cannot run {variant} ({native.ISA_REQUIREMENTS[variant]})")
     from trioserve.engine.quant.rtn import Int8GroupWeight
@@ -208,6 +209,11 @@ def test_the_int8_panels_compute_exactly_the_rounded_rows_and_each_row_alone(isa
                 want = F.linear(rounded_rows(x[:rows]), weight.dequantize())
                 assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (k, rows, name)
                 assert torch.equal(got, full[:rows]), (k, rows, name)
+        if variant == "avx512vnni":  # a decode step of any size: one sequence's bits whatever the batch
+            four_bit = linears[0][1]
+            full = four_bit(x)
+            for rows in (1, 2, 5, 9):
+                assert torch.equal(four_bit(x[:rows]), full[:rows]), (k, rows)
         # From the layers, the same call runs the bfloat16 or int16 panels.
         layered = int4_native.Int4NativeLinear.from_rtn(q4, None, variant)(x)
         assert_matches(layered, x, q4.dequantize(), None, variant, bits=4)

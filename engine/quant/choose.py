@@ -88,8 +88,8 @@ class Kernel:
 def _native(bits: int, isa: str, what: str) -> Kernel:
     linear = int4_native.Int4NativeLinear if bits == 4 else int8_native.Int8NativeLinear
     # avx512vnni rounds a 4-bit call's activations to int8 below 10 rows and
-    # in decode steps at any batch size (csrc/kernels.h's q4_rows_vnni,
-    # csrc/panel_vnni.h; int4_native.call_isa); its kernels of int8 per
+    # in decode steps at any batch size (csrc/panel_vnni.h's panels at every
+    # row count; int4_native.call_isa); its kernels of int8 per
     # channel run as avx512bf16's. avx2int8 does the same on AVX2
     # (q4_rows_avx2_int8), its other kernels running as avx2's.
     # Called from the model's layers (a prompt), the VNNI variant's run

@@ -40,10 +40,18 @@ constexpr int kMaxRowsAvx2 = 4;
 // AVX-512 row kernels, and from kPanelFromRows rows the bfloat16 panels of
 // panel.h in place of the float32 ones. kAvx512Vnni is kAvx512Bf16 whose
 // kernels for weights in groups of 32 (4-bit, and int8 in groups: GGUF's
-// Q8_0) multiply int8 activations with VPDPBUSD: the 4-bit row kernel
-// (q4_rows_vnni) and the panels of panel_vnni.h (which Python calls only
-// for decode steps: int4_native.call_isa). Its kernels of int8 per channel,
-// and its Q8_0 rows below kPanelFromRows, run as on kAvx512Bf16.
+// Q8_0) multiply int8 activations with VPDPBUSD in the panels of
+// panel_vnni.h (which Python calls from 10 rows only for decode steps:
+// int4_native.call_isa); its 4-bit calls run them at every row count. A row
+// kernel (VPDPBUSD over a channel's blocks, the scales applied per row and
+// pair of blocks) ran one row in 4.39 ms for the default model's 30 layers
+// against the panels' 4.95 on a 2-core Xeon with AMX, but 5 rows in 7.96
+// against 6.47 and 9 in 15.64 against 7.96, and it summed in another order
+// than the panels: a step's rows gave other bits below 10 rows than from
+// 10, so a batch's size could move a sequence's result, and a speculative
+// step's verification had to stay below 10 rows to match one-token steps.
+// Its kernels of int8 per channel, and its Q8_0 rows below kPanelFromRows,
+// run as on kAvx512Bf16.
 enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx2Int8 = 2, kAvx512 = 3, kAvx512Bf16 = 4, kAvx512Vnni = 5 };
 
 inline int64_t supported_isas() {
@@ -363,74 +371,9 @@ inline QuantizedRows quantize_rows_q8(const float* x, int64_t rows, int64_t k, u
   return out;
 }
 
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")
-// Blocks g and g + 1 of one channel (``second``: false for a lone last block)
-// against R rows: acc[r] += their int32 dots times d dx, accm[r] += m sum x
-// (lanes 1 and 3 of accm; lanes 0 and 2 collect d dx, never read).
-template <int R, bool second>
-inline void q4_vnni_pair(const uint8_t* p, const int8_t* qx, int64_t ldq, const float* step, int64_t lds, __m512* acc,
-                         __m128* accm) {
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  // Lanes 0-7 take d dx of the first block, lanes 8-15 of the second.
-  const __m512i spread = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
-  const __m256i first = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4)));
-  const __m256i next = second ? _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 24)))
-                              : _mm256_setzero_si256();
-  // Each block as [nibbles, nibbles >> 4]: its elements 0..15, then 16..31.
-  const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(first), next, 1);
-  const __m512i wq = _mm512_and_si512(_mm512_mask_blend_epi32(0xF0F0, q, _mm512_srli_epi16(q, 4)), low);
-  int32_t dm0, dm1 = 0;
-  std::memcpy(&dm0, p, 4);
-  if (second) std::memcpy(&dm1, p + kBlockBytes, 4);
-  const __m128 dm = _mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128(dm0), dm1, 1));  // d0 m0 d1 m1
-  for (int r = 0; r < R; ++r) {
-    const __m512i xv = second ? _mm512_loadu_si512(qx + r * ldq) : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, qx + r * ldq);
-    const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, xv);
-    const __m128 xs = second ? _mm_loadu_ps(step + r * lds) : _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(step + r * lds)));
-    const __m128 s = _mm_mul_ps(dm, xs);
-    accm[r] = _mm_add_ps(accm[r], s);
-    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(s)), acc[r]);
-  }
-}
-
-template <int R>
-void q4_rows_vnni(const QuantizedRows& xq, int64_t r0, int64_t k, const uint8_t* w, int64_t groups, int64_t n0,
-                  int64_t n1, float* y, int64_t ldy) {
-  const int8_t* qx = xq.q.data() + r0 * k;
-  const float* step = xq.step.data() + r0 * groups * 2;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = w + n * groups * kBlockBytes;
-    // Two accumulators (alternate pairs of blocks) and the same order of
-    // sums at every row count, as in q4_rows_avx512.
-    __m512 acc[2][R];
-    __m128 accm[R];
-    for (int r = 0; r < R; ++r) {
-      acc[0][r] = acc[1][r] = _mm512_setzero_ps();
-      accm[r] = _mm_setzero_ps();
-    }
-    int64_t g = 0;
-    for (; g + 4 <= groups; g += 4) {
-      q4_vnni_pair<R, true>(row + g * kBlockBytes, qx + g * kGroup, k, step + 2 * g, 2 * groups, acc[0], accm);
-      q4_vnni_pair<R, true>(row + (g + 2) * kBlockBytes, qx + (g + 2) * kGroup, k, step + 2 * (g + 2), 2 * groups,
-                            acc[1], accm);
-    }
-    if (g + 2 <= groups) {
-      q4_vnni_pair<R, true>(row + g * kBlockBytes, qx + g * kGroup, k, step + 2 * g, 2 * groups, acc[0], accm);
-      g += 2;
-    }
-    if (g < groups) q4_vnni_pair<R, false>(row + g * kBlockBytes, qx + g * kGroup, k, step + 2 * g, 2 * groups, acc[1], accm);
-    for (int r = 0; r < R; ++r) {
-      const __m128 m = accm[r];
-      y[r * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][r], acc[1][r])) +
-                       (_mm_cvtss_f32(_mm_movehdup_ps(m)) + _mm_cvtss_f32(_mm_shuffle_ps(m, m, 3)));
-    }
-  }
-}
-#pragma GCC pop_options
-
 // ---- 4-bit against int8 activations (AVX2) ---------------------------------
-// q4_rows_vnni's arithmetic without VPDPBUSD: VPMADDUBSW multiplies the 32
+// int8 activations against 4-bit weights as avx512vnni's panels
+// (panel_vnni.h) take them, without VPDPBUSD: VPMADDUBSW multiplies the 32
 // nibbles (unsigned) by the 32 rounded activations (signed) and adds pairs in
 // int16 (at most 2 x 15 x 127, so never saturating), VPMADDWD adds those
 // pairs in int32; the block's dot is exact, and d dx and m dx sum qx are
@@ -794,7 +737,7 @@ inline void over_int8_rows(const float* x, int64_t rows, int64_t k, int64_t out,
 // y[rows, out] = x[rows, k] @ W.T for W in 4-bit blocks [out, k / 32, 20].
 inline void q4_matmul(const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t out, float* y, int64_t isa) {
   const int64_t groups = k / kGroup;
-  if (use_panels(rows, isa) && isa == kAvx512Vnni) {
+  if (isa == kAvx512Vnni) {  // its panels at every row count (kernels.h's header)
     q4_matmul_vnni(x, rows, k, w, out, y);
     return;
   }
@@ -807,13 +750,6 @@ inline void q4_matmul(const float* x, int64_t rows, int64_t k, const uint8_t* w,
   }
   if (use_avx2_panels(rows, isa)) {
     q4_matmul_avx2_i16(x, rows, k, w, out, y);
-    return;
-  }
-  if (isa == kAvx512Vnni) {
-    over_int8_rows<kMaxRows>(x, rows, k, out, isa, [&](auto r_tag, const QuantizedRows& xq, int64_t r0, int64_t n0,
-                                                        int64_t n1) {
-      q4_rows_vnni<decltype(r_tag)::value>(xq, r0, k, w, groups, n0, n1, y + r0 * out, out);
-    });
     return;
   }
   if (isa == kAvx2Int8 && rows >= kPanelFromRows) {
