@@ -46,7 +46,7 @@ constexpr int kMaxRowsAvx2 = 4;
 // kernel (VPDPBUSD over a channel's blocks, the scales applied per row and
 // pair of blocks) ran one row in 4.39 ms for the default model's 30 layers
 // against the panels' 4.95 on a 2-core Xeon with AMX, but 5 rows in 7.96
-// against 6.47 and 9 in 15.64 against 7.96, and it summed in another order
+// against 5.83 and 9 in 15.64 against 7.76, and it summed in another order
 // than the panels: a step's rows gave other bits below 10 rows than from
 // 10, so a batch's size could move a sequence's result, and a speculative
 // step's verification had to stay below 10 rows to match one-token steps.
