@@ -212,7 +212,7 @@ def choose_kv_dtype(
         return KVDtypeChoice(model_dtype, asked, "the model's dtype (16 bits already)")
     assert cpu_paths is not None
     known = {p.name for p in cpu_paths.paths}
-    usable = [d for d in CPU_PREFERENCE if kv_path(d) in known and cpu_paths.available(kv_path(d))]
+    usable = [d for d in CPU_PREFERENCE if cpu_paths.works(kv_path(d))]
     off = "; ".join(cpu_paths.status(kv_path(d)).reason for d in CPU_PREFERENCE if d not in usable and kv_path(d) in known)
     if not usable:
         return KVDtypeChoice(torch.float32, asked, f"no 16-bit cache runs well here ({off or 'no path for one'})")

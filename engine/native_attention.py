@@ -72,9 +72,8 @@ class NativeAttention:
         model whose heads rotary can halve; else None."""
         if torch.device(device).type != "cpu" or dtype != torch.float32 or cpu_paths is None or head_dim % 2:
             return None
-        known = {p.name for p in cpu_paths.paths}  # type: ignore[attr-defined]
         for isa in native.ISA_ORDER:
-            if path_name(isa) in known and cpu_paths.available(path_name(isa)):  # type: ignore[attr-defined]
+            if cpu_paths.works(path_name(isa)):  # type: ignore[attr-defined]
                 return cls(native.ISAS[isa], native.ops().decode_attention)  # type: ignore[attr-defined]
         return None
 

@@ -184,7 +184,7 @@ def candidates(cpu_paths: CpuPaths, scheme: str) -> list[Kernel]:
     if scheme not in SCHEMES:
         raise ValueError(f"quantization {scheme!r} is not one of {', '.join(SCHEMES)}")
     known = {p.name for p in cpu_paths.paths}
-    usable = [k for k in KERNELS if k.name in known and cpu_paths.available(k.name)]
+    usable = [k for k in KERNELS if cpu_paths.works(k.name)]
     best_of_family: dict[str, Kernel] = {}
     for k in usable:
         best_of_family.setdefault(k.family or k.name, k)
@@ -241,14 +241,10 @@ def _with_bf16_gemm(
     bfloat16 GEMM, where that path works here (AMX) and measures faster than
     the panels; with the measurement, when one was made. Before the
     kernels are timed against each other, so that choice sees it."""
-    known = {path.name for path in cpu_paths.paths}
-    if group_size % int4_native.GROUP or int4_native.BF16_GEMM_PATH not in known:
-        return fits, None
-    if not cpu_paths.available(int4_native.BF16_GEMM_PATH):
+    if group_size % int4_native.GROUP or not cpu_paths.works(int4_native.BF16_GEMM_PATH):
         return fits, None
     for i, kernel in enumerate(fits):
-        isa = kernel.name.removeprefix("quant_int4_native_")
-        if kernel.family == "native4" and isa in _BF16_PANEL_ISAS:
+        if kernel.family == "native4" and kernel.isa in _BF16_PANEL_ISAS:
             measured = measure_bf16_gemm(kernel, shapes, group_size)
             if measured.from_rows is None:
                 return fits, measured

@@ -85,16 +85,15 @@ class _Wide:
         do), else int8 per channel on the int8 kernel here."""
         if choice.scheme != "auto" or choice.kernel.bits != 4:
             return None
+        kernel = _eight_bit_kernel(cpu_paths, choice.kernel)
         isa = choice.kernel.isa
-        name = f"quant_int8_native_{isa}"
-        if isa and name in {p.name for p in cpu_paths.paths} and cpu_paths.available(name):
+        if isa and kernel.isa == isa:
             rows = choice.bf16_gemm.from_rows if choice.bf16_gemm is not None else None
 
             def native_groups(parts: list[Tensor], bias: torch.Tensor | None) -> Linear:
                 return int8_native.Int8GroupNativeLinear.over(_int8_groups(parts), isa, bias, rows)
 
             return cls(native_groups, f"int8 in groups of 32, native kernel ({isa})")
-        kernel = _eight_bit_kernel(cpu_paths, choice.kernel)
         return cls(lambda parts, bias: kernel.make(_cat(parts), bias, choice.group_size), kernel.what)
 
 
@@ -247,10 +246,8 @@ def _shared_head(cpu_paths: CpuPaths, head: Tensor, kernel: Kernel) -> Linear | 
     shares the embeddings' table. None where that does not run here."""
     if not isinstance(head, Int8GroupWeight) or head.group_size != int8_native.GROUP:
         return None
-    known = {p.name for p in cpu_paths.paths}
     for isa in ((kernel.isa,) if kernel.isa else ()) + native.LINEAR_ISA_ORDER:
-        name = f"quant_int8_native_{isa}"
-        if name in known and cpu_paths.available(name):
+        if cpu_paths.works(f"quant_int8_native_{isa}"):
             return int8_native.Int8GroupNativeLinear.over(head, isa)
     return None
 
@@ -263,9 +260,8 @@ def _eight_bit_kernel(cpu_paths: CpuPaths, kernel: Kernel) -> Kernel:
     the native int8 kernel of its variant, else the best int8 kernel here."""
     if kernel.bits == 8:
         return kernel
-    known = {p.name for p in cpu_paths.paths}
     sibling = f"quant_int8_native_{kernel.isa}"
-    if kernel.isa and sibling in known and cpu_paths.available(sibling):
+    if kernel.isa and cpu_paths.works(sibling):
         return next(k for k in KERNELS if k.name == sibling)
     return candidates(cpu_paths, "int8")[0]
 
