@@ -35,6 +35,7 @@ from trioserve.engine.config import EngineConfig
 from trioserve.engine.engine_core import EngineCore, Prompt
 from trioserve.engine.kv_batch import KVResult
 from trioserve.engine.loader import LoadedModel
+from trioserve.engine.model import ProjectionChoice
 from trioserve.engine.outputs import RequestOutput
 from trioserve.engine.sampling_params import SamplingParams
 from trioserve.engine.sequence import FinishReason
@@ -106,6 +107,14 @@ class Engine:
     @property
     def max_model_len(self) -> int:
         return self.core.max_model_len
+
+    @property
+    def projection_choice(self) -> ProjectionChoice:
+        """How the model runs its projections: with ``worker_mode="process"``
+        as the worker process reported once it loaded the model (the server
+        holds no weights and times no kernel), else the loaded model's."""
+        reported = getattr(self._executor, "worker_projection_choice", None)
+        return reported if reported is not None else self.core.loaded.projection_choice
 
     @property
     def closed(self) -> bool:

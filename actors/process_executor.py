@@ -51,6 +51,7 @@ from trioserve.engine.config import EngineConfig
 from trioserve.engine.engine_core import EngineCore
 from trioserve.engine.kv_dtype import KVDtypeChoice
 from trioserve.engine.loader import LoadedModel, describe_model
+from trioserve.engine.model import ProjectionChoice
 from trioserve.engine.model_runner import RunnerOutput
 from trioserve.engine.step_plan import StepPlan
 from trioserve.engine.step_thread import StepThread
@@ -171,6 +172,8 @@ class ProcessExecutor(Executor):
         self._stopping = False
         self._supervisor = trio.CancelScope()
         self._last_exit: str | None = None
+        # How the latest ready worker's model runs its projections (its report).
+        self.worker_projection_choice: ProjectionChoice | None = None
 
     # -- the actor ------------------------------------------------------------------
 
@@ -224,6 +227,7 @@ class ProcessExecutor(Executor):
                 raise message.error
             assert isinstance(message, WorkerReady), f"unexpected message {type(message).__name__}"
             ready = True
+            self.worker_projection_choice = message.projection_choice
         except trio.TooSlowError:
             raise WorkerUnavailable(f"the worker process did not start within {self.start_timeout:g} s") from None
         finally:

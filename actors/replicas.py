@@ -43,6 +43,7 @@ from trioserve.engine.faults import Fault
 from trioserve.engine.kv_batch import KVResult
 from trioserve.engine.kv_dtype import KVDtypeChoice
 from trioserve.engine.loader import LoadedModel, load_model_for
+from trioserve.engine.model import ProjectionChoice
 from trioserve.engine.placement import ParallelConfigError, PinnedStepThread, ReplicaPlacement, plan_replicas
 
 from .admission import AdmissionQueue
@@ -178,6 +179,12 @@ class ReplicatedEngine(Engine):
             allocator=_Combined([replica.allocator for replica in self.replicas]),  # type: ignore[arg-type]
             executor=_Combined([replica.executor for replica in self.replicas]),  # type: ignore[arg-type]
         )
+
+    @property
+    def projection_choice(self) -> ProjectionChoice:
+        """The first replica's (every replica loads the same model on the same CPU)."""
+        reported = getattr(self.replicas[0].executor, "worker_projection_choice", None)
+        return reported if reported is not None else self.replicas[0].core.loaded.projection_choice
 
     def _on_request_closed(self, actor: RequestActor) -> None:
         super()._on_request_closed(actor)

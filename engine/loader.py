@@ -236,8 +236,10 @@ def load_model(
 class RemoteModel:
     """What the server process knows of a model whose weights another
     process holds (``worker_mode="process"``): the CPU paths found here and
-    the projection choice the worker's model makes from them (the same
-    function of the same CPU). It has no weights and cannot run."""
+    the float projection choice made from them. A compressed model's
+    kernels are timed where it loads, so the worker reports its own choice
+    once ready (``Engine.projection_choice``). It has no weights and cannot
+    run."""
 
     cpu_paths: CpuPaths | None
     projection_choice: ProjectionChoice

@@ -39,6 +39,7 @@ import attrs
 
 from .config import EngineConfig
 from .loader import LoadedModel, load_model_for
+from .model import ProjectionChoice
 from .step_plan import StepPlan, TokenMask
 
 log = logging.getLogger(__name__)
@@ -74,9 +75,12 @@ class StopWorker:
 
 @attrs.frozen
 class WorkerReady:
-    """The runner is built; the worker takes plans."""
+    """The runner is built; the worker takes plans. ``projection_choice``:
+    how the model the worker loaded runs its projections (the kernels
+    timed there, which the server, holding no weights, cannot know)."""
 
     pid: int
+    projection_choice: ProjectionChoice | None = None
 
 
 @attrs.frozen
@@ -143,7 +147,8 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def _build(spec: WorkerSpec) -> Any:
+def _build(spec: WorkerSpec) -> tuple[Any, ProjectionChoice]:
+    """The model runner, and how its model runs its projections."""
     # Imported here: the engine core imports this module's siblings only.
     from .engine_core import build_runner
 
@@ -158,7 +163,7 @@ def _build(spec: WorkerSpec) -> Any:
         loaded = load_model_for(config)
     else:
         loaded = spec.model()
-    return build_runner(loaded, config, spec.num_blocks)
+    return build_runner(loaded, config, spec.num_blocks), loaded.projection_choice
 
 
 def _masked_step(runner: Any, plan: StepPlan, sock: socket.socket) -> Any:
@@ -190,12 +195,12 @@ def worker_main(spec: WorkerSpec, sock: socket.socket) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     with sock:
         try:
-            runner = _build(spec)
+            runner, projection_choice = _build(spec)
         except Exception as exc:
             log.error("cannot build the model runner: %s", exc)
             send_frame(sock, WorkerStartFailed(portable(exc)))
             return
-        send_frame(sock, WorkerReady(os.getpid()))
+        send_frame(sock, WorkerReady(os.getpid(), projection_choice))
         while True:
             try:
                 message = recv_frame(sock)

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 import trio
@@ -20,6 +21,7 @@ import trio.testing
 
 from actor_fixtures import assert_clean, prompts, tiny_loaded
 from factories import FakeRunner, make_request, make_scheduler, step
+from test_loader import make_checkpoint
 
 from trioserve import testing
 from trioserve.actors import open_engine
@@ -31,6 +33,7 @@ from trioserve.engine.step_plan import SamplingRow
 from trioserve.web.cli import build_parser
 from trioserve.web.engine_options import engine_config_from_args
 from trioserve.web.health import model_health
+from trioserve.web.routes import cpu_report
 
 WORKER_MODEL = testing.tiny_model.tiny_worker_model
 # Wall seconds a worker may take to exit once it should (a safety bound on
@@ -229,6 +232,29 @@ async def test_process_mode_matches_thread_mode_and_survives_sigkill_of_the_work
         assert_clean(engine)
         last_pid = executor.worker_pid
     assert not alive(last_pid) and executor.statistics().worker_state == "stopped"
+
+
+async def test_the_engine_reports_the_kernels_its_worker_chose(tmp_path, monkeypatch):
+    # The server reads only the checkpoint's config and tokenizer (its choice
+    # is the float path's); the worker quantizes the weights, times the
+    # kernels, and says what it chose when it is ready.
+    monkeypatch.setenv("TRIOSERVE_CACHE", str(tmp_path / "cache"))  # the worker's int8 copy
+    folder = tmp_path / "ckpt"
+    make_checkpoint(folder)
+    config = EngineConfig(
+        model=str(folder), worker_mode="process", quantization="int8", num_threads=1, max_num_seqs=2,
+        max_model_len=64, kv_cache_dtype="float32", warm_up=False,
+    )  # fmt: skip
+    async with open_engine(config) as engine:
+        assert engine.core.loaded.projection_choice.quantization is None
+        worker_choice = engine.projection_choice
+        assert worker_choice.quantization == "int8"
+        assert worker_choice == engine._executor.worker_projection_choice
+        async for _ in engine.generate("hello world", SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)):
+            pass
+    # And in what /version reports (its CPU part, from the host's served models).
+    host = types.SimpleNamespace(models={"ckpt": types.SimpleNamespace(engine=engine)})
+    assert cpu_report(host)["models"]["ckpt"] == worker_choice.as_json()
 
 
 async def test_a_worker_past_its_restarts_fails_its_requests_with_a_clear_error():

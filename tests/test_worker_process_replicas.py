@@ -40,6 +40,8 @@ async def test_sigkill_of_one_replicas_worker_under_32_streams_loses_no_token():
         executors = [replica.executor for replica in engine.replicas]
         pids = [executor.worker_pid for executor in executors]
         assert len(set(pids)) == 2 and all(pid is not None and pid != os.getpid() and alive(pid) for pid in pids)
+        # What the workers report having loaded is what the engine reports.
+        assert engine.projection_choice == executors[0].worker_projection_choice is not None
 
         # Kill replica 0's worker once streams on both replicas have tokens.
         received = 0

@@ -159,7 +159,7 @@ class ModelHost:
                         "serving %s (max_model_len %d; %s)",
                         spec.name,
                         engine.max_model_len,
-                        engine.core.loaded.projection_choice.summary,
+                        engine.projection_choice.summary,
                     )
                 if not self._drain_requested.is_set():
                     self.state = HostState.READY

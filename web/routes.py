@@ -173,7 +173,7 @@ def cpu_report(host: ModelHost) -> dict[str, object] | None:
         loaded = served.engine.core.loaded
         if loaded.cpu_paths is not None:
             paths = paths or loaded.cpu_paths
-            chosen[name] = loaded.projection_choice.as_json()
+            chosen[name] = served.engine.projection_choice.as_json()
     return None if paths is None else {**paths.as_json(), "models": chosen}
 
 
