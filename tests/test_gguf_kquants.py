@@ -128,6 +128,36 @@ def test_a_type_with_no_mapping_is_refused_naming_the_tensor(tmp_path):
         list(gguf_weights.read_tensors(path, num_heads=4, num_kv_heads=2))
 
 
+def test_scales_that_the_kernels_cannot_hold_are_refused_naming_the_tensor(tmp_path):
+    import gguf
+
+    rng = np.random.default_rng(3)
+    # Q4_K: a float16 d of 2,000 times a 6-bit scale of 63 is a step of
+    # 126,000, past float16's largest (the native blocks' scales).
+    wide = _random_blocks("Q4_K", 4, 256, rng).reshape(4, 1, 144)
+    wide[..., 0:2] = np.full((4, 1), 2000.0, np.float16).view(np.uint8).reshape(4, 1, 2)
+    wide[..., 4:16] = 0xFF  # every 6-bit scale and min 63
+    path = tmp_path / "wide.gguf"
+    _write(path, {"blk.0.ffn_up.weight": ("Q4_K", wide.reshape(4, -1))})
+    refused = r"tensor 'blk\.0\.ffn_up\.weight' \(Q4_K\) has a group scale of 1\.26e\+05.*float16.*--quantization none"
+    with pytest.raises(ModelLoadError, match=refused):
+        list(gguf_weights.read_tensors(path, num_heads=4, num_kv_heads=2))
+    # Q8_0 with a NaN scale in one block: a damaged file.
+    values, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_0]
+    damaged = rng.integers(-20, 20, size=(4, 64 // values, size)).astype(np.int8).view(np.uint8)
+    damaged[..., 0:2] = np.full((4, 64 // values), 0.01, np.float16).view(np.uint8).reshape(4, -1, 2)
+    damaged[2, 1, 0:2] = np.array([np.nan], np.float16).view(np.uint8)
+    path = tmp_path / "nan.gguf"
+    _write(path, {"token_embd.weight": ("Q8_0", damaged.reshape(4, -1))})
+    with pytest.raises(ModelLoadError, match=r"tensor 'token_embd\.weight' \(Q8_0\) has scales that are not finite"):
+        list(gguf_weights.read_tensors(path, num_heads=4, num_kv_heads=2))
+    # The same tensors with ordinary scales load.
+    ordinary = _random_blocks("Q4_K", 4, 256, rng)
+    _write(tmp_path / "ok.gguf", {"blk.0.ffn_up.weight": ("Q4_K", ordinary)})
+    [(name, weight)] = gguf_weights.read_tensors(tmp_path / "ok.gguf", num_heads=4, num_kv_heads=2)
+    assert name == "model.layers.0.mlp.up_proj.weight" and torch.isfinite(weight.scale).all()
+
+
 # A model whose input dimensions are multiples of 256, as K-quants need.
 _CONFIG = ModelConfig(
     architecture="LlamaForCausalLM",

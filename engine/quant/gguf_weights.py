@@ -10,7 +10,9 @@ int8 group has no room for, rounded to int8 in groups of 32 (the largest
 value of a group to 127, as Q8_0 is made: one rounding, a quarter of their
 own step or less). A kernel requantizes an int8 group per channel where it
 needs to (one more rounding). F32, F16 and BF16 as float32 tensors. Any
-other type is a ``ModelLoadError`` naming the tensor.
+other type is a ``ModelLoadError`` naming the tensor, as is a quantized
+tensor whose scales are not finite (a damaged file) or, for 4-bit groups,
+beyond float16's range (the native kernel's blocks hold them in float16).
 llama.cpp stores a Llama's q and k rows in another order for its rotary
 layout; they are put back (a permutation of rows, so exact on quantized rows).
 """
@@ -54,6 +56,10 @@ _IN_LAYER = {
 }
 # Derived from the config, never loaded.
 _SKIPPED = ("rope_freqs.weight",)
+# The largest finite float16: the native 4-bit blocks hold a group's step
+# and offset in float16 (int4_native.pack_blocks). A Q4_K sub-block's step
+# is a float16 times a 6-bit scale, so a file can go past it.
+_FLOAT16_MAX = 65504.0
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -201,6 +207,25 @@ def _unpermute(weight: torch.Tensor | Compressed, heads: int) -> torch.Tensor | 
     return rows(weight)
 
 
+def _check_scales(path: Path, name: str, kind: str, weight: Compressed) -> None:
+    """Raise ``ModelLoadError`` naming tensor ``name`` when ``weight``'s
+    scales are not finite, or a 4-bit group's step or offset does not fit
+    in float16: either would come out of every matmul as inf or NaN."""
+    parts = (weight.scale, weight.zero) if isinstance(weight, Int4Weight) else (weight.scale,)
+    if not all(bool(torch.isfinite(part).all()) for part in parts):
+        raise ModelLoadError(
+            f"{path}: tensor {name!r} ({kind}) has scales that are not finite numbers: the file is damaged"
+        )
+    if isinstance(weight, Int4Weight):
+        largest = max(float(weight.scale.abs().max()), float((weight.zero - 8 * weight.scale).abs().max()))
+        if largest > _FLOAT16_MAX:
+            raise ModelLoadError(
+                f"{path}: tensor {name!r} ({kind}) has a group scale of {largest:.4g}, beyond float16's range "
+                f"({_FLOAT16_MAX:g}), which the native 4-bit kernel holds scales in; use --quantization none to "
+                f"dequantize it"
+            )
+
+
 def read_tensors(path: Path, *, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor | Compressed]]:
     """Yield ``(hf_name, tensor)`` for every tensor of the GGUF at ``path``, one at a time."""
     import gguf
@@ -232,6 +257,8 @@ def read_tensors(path: Path, *, num_heads: int, num_kv_heads: int) -> Iterator[t
             value = torch.from_numpy(bits.view(np.float32))
         else:
             value = torch.from_numpy(np.array(data, dtype=np.float32))
+        if isinstance(value, Int4Weight | Int8GroupWeight):
+            _check_scales(path, tensor.name, kind, value)
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             value = _unpermute(value, num_heads if "q_proj" in name else num_kv_heads)
         yield name, value
