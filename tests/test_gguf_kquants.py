@@ -151,7 +151,7 @@ def test_scales_that_the_kernels_cannot_hold_are_refused_naming_the_tensor(tmp_p
     _write(path, {"token_embd.weight": ("Q8_0", damaged.reshape(4, -1))})
     with pytest.raises(ModelLoadError, match=r"tensor 'token_embd\.weight' \(Q8_0\) has scales that are not finite"):
         list(gguf_weights.read_tensors(path, num_heads=4, num_kv_heads=2))
-    # The same tensors with ordinary scales load.
+    # A Q4_K tensor with ordinary scales loads.
     ordinary = _random_blocks("Q4_K", 4, 256, rng)
     _write(tmp_path / "ok.gguf", {"blk.0.ffn_up.weight": ("Q4_K", ordinary)})
     [(name, weight)] = gguf_weights.read_tensors(tmp_path / "ok.gguf", num_heads=4, num_kv_heads=2)
