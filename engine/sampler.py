@@ -25,6 +25,7 @@ from typing import Any
 import attrs
 import torch
 
+from .argmax import argmax
 from .grammar import unpack_bitmask
 from .plugins import PluginError
 from .sampling_params import SamplingParams
@@ -179,7 +180,7 @@ def _exponential_race(probs: torch.Tensor, generator: torch.Generator | None = N
     # from turning 0/0 into a NaN that argmax would pick.
     noise = torch.empty_like(probs).exponential_(generator=generator)
     noise.clamp_min_(torch.finfo(probs.dtype).tiny)
-    return (probs / noise).argmax(dim=-1)
+    return argmax(probs / noise)
 
 
 class Sampler:
@@ -273,11 +274,11 @@ class Sampler:
             logits = _apply_token_mask(logits, rows, token_mask)
         random_rows = [i for i, p in enumerate(params) if p.temperature >= _GREEDY_EPS]
         if not random_rows:
-            tokens = logits.argmax(dim=-1)
+            tokens = argmax(logits)
         elif len(random_rows) == len(rows):
             tokens = self._sample_random(logits, rows, random_rows)
         else:
-            tokens = logits.argmax(dim=-1)
+            tokens = argmax(logits)
             tokens[random_rows] = self._sample_random(logits, [rows[i] for i in random_rows], random_rows)
         token_ids = tokens.tolist()
         logprobs: list[TokenLogprobs | None] = [None] * len(rows)

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
+from .argmax import argmax
 from .sampling_params import SamplingParams
 from .validators import integer_at_least
 
@@ -118,7 +119,7 @@ def verify_greedy(logits: torch.Tensor, draft: Sequence[int]) -> list[int]:
     """The tokens greedy decoding emits from ``logits`` [k + 1, V] (already
     processed) for the proposal ``draft`` (k tokens): the agreeing prefix
     and the model's own next token."""
-    choice = logits.argmax(dim=-1).tolist()
+    choice = argmax(logits).tolist()
     out: list[int] = []
     for j, token in enumerate(draft):
         out.append(choice[j])
@@ -153,4 +154,4 @@ def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
     # with probability weights[i] / sum(weights).
     noise = torch.empty_like(weights).exponential_(generator=generator)
     noise.clamp_min_(torch.finfo(weights.dtype).tiny)
-    return int((weights / noise).argmax())
+    return int(argmax(weights / noise, dim=0))

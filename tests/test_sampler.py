@@ -9,6 +9,7 @@ import torch
 from hypothesis import assume, given, settings
 
 from trioserve.engine import sampler as sampler_module
+from trioserve.engine.argmax import argmax
 from trioserve.engine.sampler import (
     Sampler,
     apply_penalties,
@@ -142,6 +143,29 @@ def test_truncation_matches_a_reference(ints, k, p, min_p):
         torch.tensor([logits]), torch.tensor([k]), torch.tensor([p], dtype=torch.float32), torch.tensor([min_p])
     )
     assert kept(out[0]) == expected
+
+
+# A few values, so that rows hold ties, with -inf and NaN among them.
+_CELLS = st.sampled_from([-2.0, -1.0, 0.0, 0.5, 3.0, float("-inf"), float("inf"), float("nan")])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    rows=st.integers(1, 5),
+    width=st.integers(1, 70),
+    data=st.data(),
+)
+def test_the_fast_argmax_gives_what_argmax_gives_ties_and_nans_included(rows, width, data):
+    # Greedy tokens, speculative verification and the exponential race use
+    # engine/argmax.py's torch.max indices for their speed; they must be
+    # argmax's own (a row's first largest value, NaN the largest) on the
+    # torch this runs, or greedy output would change with it.
+    cells = data.draw(st.lists(_CELLS, min_size=rows * width, max_size=rows * width))
+    x = torch.tensor(cells, dtype=torch.float32).view(rows, width)
+    assert torch.equal(argmax(x), x.argmax(dim=-1))
+    assert torch.equal(argmax(x[0], dim=0), x[0].argmax())
+    wide = torch.randn(rows, 49152, generator=torch.Generator().manual_seed(width)).mul_(4).round_()  # many ties
+    assert torch.equal(argmax(wide), wide.argmax(dim=-1))
 
 
 # --- penalties -----------------------------------------------------------------
