@@ -113,8 +113,13 @@ class Engine:
         """How the model runs its projections: with ``worker_mode="process"``
         as the worker process reported once it loaded the model (the server
         holds no weights and times no kernel), else the loaded model's."""
-        reported = getattr(self._executor, "worker_projection_choice", None)
-        return reported if reported is not None else self.core.loaded.projection_choice
+        return self._projection_choice_of(self._executor, self.core)
+
+    @staticmethod
+    def _projection_choice_of(executor: Any, core: EngineCore) -> ProjectionChoice:
+        """What ``executor``'s worker process reported, else ``core``'s loaded model's."""
+        reported = getattr(executor, "worker_projection_choice", None)
+        return reported if reported is not None else core.loaded.projection_choice
 
     @property
     def closed(self) -> bool:

@@ -183,8 +183,7 @@ class ReplicatedEngine(Engine):
     @property
     def projection_choice(self) -> ProjectionChoice:
         """The first replica's (every replica loads the same model on the same CPU)."""
-        reported = getattr(self.replicas[0].executor, "worker_projection_choice", None)
-        return reported if reported is not None else self.replicas[0].core.loaded.projection_choice
+        return self._projection_choice_of(self.replicas[0].executor, self.replicas[0].core)
 
     def _on_request_closed(self, actor: RequestActor) -> None:
         super()._on_request_closed(actor)
