@@ -27,6 +27,7 @@ from .capability import CpuPaths
 from .config import EngineConfig, ModelConfig
 from .errors import CpuCapabilityError, ModelLoadError
 from .gguf_cache import Progress
+from .heap_trim import fix_heap_thresholds
 from .model import LlamaForCausalLM, ProjectionChoice, choose_projections
 from .tokenizer import eos_token_ids, load_tokenizer
 
@@ -184,6 +185,9 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, torch_device)
     cpu_paths = _check_cpu(torch_device, torch_dtype, cpu_paths)
     source, name = resolve_source(model)
+    # Before the weights' blocks come and go, so that loading leaves no
+    # arena a large free top (heap_trim.py).
+    fix_heap_thresholds()
     folder = gguf_cache.ensure_converted(source, cache_dir) if source.is_file() else source
     model_config = read_model_config(folder)
     compressed = quant_load.wanted(

@@ -1,6 +1,7 @@
 """Giving freed heap memory back (engine/heap_trim.py): glibc returns the
-free pages of a fragmented heap, and the engine trims once it goes idle
-after running steps, in process and through the actors."""
+free pages of a fragmented heap, and a thread's free arena top once the
+thresholds are pinned; the engine trims once it goes idle after running
+steps, in process and through the actors."""
 
 from __future__ import annotations
 
@@ -52,6 +53,53 @@ def test_trimming_gives_a_fragmented_heaps_free_pages_back():
         assert result["before"] - result["after"] >= 150, result  # of the 190 MiB freed
     else:
         assert result["before"] - result["after"] < 20, result  # nothing to call: nothing returned
+
+
+# A thread's arena with 30 MB freed at its top, after a 20 MiB block (from a
+# mapping of its own) raised glibc's moving trim threshold to 40 MiB: that
+# top stays resident through malloc_trim unless the thresholds are pinned.
+THREAD_TOP = textwrap.dedent(
+    """
+    import json, sys, threading
+    from trioserve.engine.heap_trim import fix_heap_thresholds, trim_heap
+
+    def rss():
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) >> 10 for line in f if line.startswith("VmRSS:"))
+
+    fixed = fix_heap_thresholds() if sys.argv[1] == "fixed" else None
+    sizes = {}
+
+    def work():
+        big = bytearray(20 << 20)
+        del big
+        blocks = [bytearray(100_000) for _ in range(300)]
+        sizes["before"] = rss()
+        del blocks
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    trim_heap()
+    print(json.dumps({"fixed": fixed, "returned": sizes["before"] - rss()}))
+    """
+)
+
+
+def test_pinned_thresholds_give_a_threads_free_arena_top_back():
+    import json
+
+    def returned(mode: str) -> dict:
+        out = subprocess.run(
+            [sys.executable, "-c", THREAD_TOP, mode], capture_output=True, text=True, timeout=60, check=True
+        )
+        return json.loads(out.stdout)
+
+    fixed, moving = returned("fixed"), returned("moving")
+    assert fixed["fixed"] is GLIBC
+    if GLIBC:
+        # Of the 30 MB freed (glibc's own thresholds returned: moving["returned"]).
+        assert fixed["returned"] >= 20, (fixed, moving)
 
 
 def _greedy(max_tokens: int) -> SamplingParams:

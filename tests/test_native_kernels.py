@@ -209,11 +209,14 @@ def test_the_int8_panels_compute_exactly_the_rounded_rows_and_each_row_alone(isa
                 want = F.linear(rounded_rows(x[:rows]), weight.dequantize())
                 assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (k, rows, name)
                 assert torch.equal(got, full[:rows]), (k, rows, name)
-        if variant == "avx512vnni":  # a decode step of any size: one sequence's bits whatever the batch
-            four_bit = linears[0][1]
-            full = four_bit(x)
-            for rows in (1, 2, 5, 9):
-                assert torch.equal(four_bit(x[:rows]), full[:rows]), (k, rows)
+        if variant == "avx512vnni":
+            # A decode step of any size, and its LM head: one sequence's bits
+            # whatever the batch (the row kernels of csrc/rows_vnni.h up to
+            # 8 rows, the panels from 9).
+            for name, linear, _ in linears:
+                full = linear(x)
+                for rows in (1, 2, 3, 4, 5, 7, 8, 9):
+                    assert torch.equal(linear(x[:rows]), full[:rows]), (k, rows, name)
         # From the layers, the same call runs the bfloat16 or int16 panels.
         layered = int4_native.Int4NativeLinear.from_rtn(q4, None, variant)(x)
         assert_matches(layered, x, q4.dequantize(), None, variant, bits=4)
@@ -602,11 +605,11 @@ def test_a_q8_0_head_runs_on_the_stored_values_without_a_copy(isas):
 def test_the_q8_0_rows_below_the_panels_round_as_documented_and_each_row_alone(isas, variant):
     """The Q8_0 kernels at one to nine rows (a decode step's LM head below
     10 rows), over 37 channels (a remainder in each thread's share), values
-    in GGUF's -127..127, a group of zeros. avx2int8 rounds the activations
-    to int8 (its row kernel runs four channels a pass at one row, two at
-    two, one from three): the rounded rows' matmul; avx512vnni runs the
-    AVX-512 float rows there, as avx512bf16 does (kernels.h): the float
-    rows' matmul. Every row is exactly what it gives alone."""
+    in GGUF's -127..127, a group of zeros. Both round the activations to
+    int8: avx2int8's row kernel runs four channels a pass at one row, two at
+    two, one from three; avx512vnni's (csrc/rows_vnni.h) 16 a pass up to 8
+    rows, its panels from 9. The rounded rows' matmul, and every row
+    exactly what it gives alone."""
     from trioserve.engine.quant.rtn import Int8GroupWeight
 
     if variant not in isas:
@@ -622,7 +625,7 @@ def test_the_q8_0_rows_below_the_panels_round_as_documented_and_each_row_alone(i
             if k > 32:
                 x[0, :32] = 0.0
             got = native.ops().q8g_linear(x, q, scale, isa)
-            want = F.linear(rounded_rows(x) if variant == "avx2int8" else x, table.dequantize())
+            want = F.linear(rounded_rows(x), table.dequantize())
             assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (k, rows)
             alone = torch.cat([native.ops().q8g_linear(x[r : r + 1], q, scale, isa) for r in range(rows)])
             assert torch.equal(got, alone), (k, rows)
@@ -630,10 +633,12 @@ def test_the_q8_0_rows_below_the_panels_round_as_documented_and_each_row_alone(i
 
 def test_a_decode_steps_lm_head_runs_int8_activations_and_a_prompts_the_wider_ones(isas):
     """On avx512vnni the fused decode step's LM head (native_decode.decode_head)
-    runs the int8 panels at any batch size, on avx2int8 the int8 rows below
-    10 rows and int16 panels from there; the head a prompt's logits use runs
-    the bfloat16 panels from 10 rows (on avx2int8 float32 activations at any
-    count). Elsewhere there is no second head."""
+    runs int8 activations at any batch size (its row kernels up to 8 rows,
+    its panels from 9), on avx2int8 the int8 rows below 10 rows and int16
+    panels from there; the head a prompt's logits use keeps float32
+    activations below 10 rows and runs the bfloat16 panels from 10 (on
+    avx2int8 float32 activations at any count). Elsewhere there is no
+    second head."""
     from trioserve.engine.quant.native_decode import decode_head
     from trioserve.engine.quant.rtn import Int8GroupWeight
 
@@ -652,14 +657,16 @@ def test_a_decode_steps_lm_head_runs_int8_activations_and_a_prompts_the_wider_on
         wider = "avx512bf16" if isa == "avx512vnni" else "avx2"
         assert torch.equal(head(x), native.ops().q8g_linear(x, table.q, table.scale, native.ISAS[wider]))
         assert not torch.equal(decoding(x), head(x))
+        # Below 10 rows too, a prompt's head keeps float32 activations (the
+        # float matmul) and a decode step's rounds them (the rounded rows').
+        few = x[:3]
+        floats, rounded = F.linear(few, table.dequantize()), F.linear(rounded_rows(few), table.dequantize())
+        assert torch.equal(head(few), native.ops().q8g_linear(few, table.q, table.scale, native.ISAS[wider]))
+        assert (head(few) - floats).abs().max() <= 1e-5 * floats.abs().max()
+        assert (decoding(few) - rounded).abs().max() <= 1e-5 * rounded.abs().max()
+        assert (decoding(few) - floats).abs().max() > 1e-4 * floats.abs().max()
+        assert torch.equal(decoding(few), torch.cat([decoding(x[r : r + 1]) for r in range(3)]))
         if isa == "avx2int8":
-            # Below 10 rows its int8 rows: the rounded rows' matmul, each row
-            # as alone; a prompt's head keeps float32 activations at few rows too.
-            few = x[:3]
-            want = F.linear(rounded_rows(few), table.dequantize())
-            assert (decoding(few) - want).abs().max() <= 1e-5 * want.abs().max()
-            assert torch.equal(decoding(few), torch.cat([decoding(x[r : r + 1]) for r in range(3)]))
-            assert torch.equal(head(few), native.ops().q8g_linear(few, table.q, table.scale, native.ISAS["avx2"]))
             # From 10 rows the int16 panels (the test below).
             want = F.linear(rounded_rows(x, 32767), table.dequantize())
             assert (decoding(x) - want).abs().max() <= 1e-5 * want.abs().max()
@@ -728,7 +735,8 @@ def test_int8_groups_dequantize_to_bfloat16_and_run_the_gemm_from_the_rows_asked
         x = torch.randn(rows, 96, generator=gen)
         if rows < 16:
             assert torch.equal(linear(x), plain(x)), rows
-            kernel = native.ops().q8g_linear(x, weight.q, weight.scale, int4_native.call_isa(native.ISAS[isa], rows))
+            # From the layers, float32 activations below 10 rows (avx512bf16's rows, on either variant).
+            kernel = native.ops().q8g_linear(x, weight.q, weight.scale, native.ISAS["avx512bf16"])
             assert torch.equal(plain(x), kernel + bias), rows
         else:
             padded = F.pad(x, (0, 0, 0, int4_native.gemm_rows(rows) - rows))

@@ -16,6 +16,7 @@ from .rtn import Int8GroupWeight, Int8Weight, quantize_int8
 
 GROUP = 32
 _AVX2_INT8, _AVX2 = native.ISAS["avx2int8"], native.ISAS["avx2"]
+_VNNI, _BF16 = native.ISAS["avx512vnni"], native.ISAS["avx512bf16"]
 
 
 @attrs.frozen
@@ -89,13 +90,14 @@ class Int8GroupNativeLinear:
             return F.linear(x, w.dequantize())
         if self.int8_panels:
             isa = self.isa
-        elif self.isa == _AVX2_INT8:
+        elif self.isa in (_AVX2_INT8, _VNNI):
             # A prompt's calls (its logits; a layer's wider projections) keep
-            # float32 activations at any row count, as avx512vnni's Q8_0 rows
-            # below 10 do: with int8 ones the default model's greedy answer
-            # to "What is the capital of France?" left Paris. Decode steps
-            # take the int8 rows (decode_head, native_decode).
-            isa = _AVX2
+            # wider activations at any row count: float32 rows, and from 10
+            # rows avx512bf16's bfloat16 panels or avx2's float32 ones. With
+            # int8 ones the default model's greedy answer to "What is the
+            # capital of France?" left Paris. Decode steps take the int8
+            # kernels (decode_head, native_decode).
+            isa = _AVX2 if self.isa == _AVX2_INT8 else _BF16
         else:
             isa = call_isa(self.isa, x.shape[0])
         return self.ops.q8g_linear(x, w.q, w.scale, isa)  # type: ignore[attr-defined]

@@ -27,7 +27,7 @@ import torch
 SOURCE_DIR = Path(__file__).parent / "csrc"
 # Compiled; the headers they include count toward a build's identity too.
 SOURCES = ("linear.cpp", "decode.cpp")
-HEADERS = ("kernels.h", "panel.h", "panel_vnni.h", "panel_avx2.h", "panel_avx2_int16.h", "attend.h")
+HEADERS = ("kernels.h", "panel.h", "panel_vnni.h", "rows_vnni.h", "panel_avx2.h", "panel_avx2_int16.h", "attend.h")
 LIBRARY_NAME = "trioserve_native"
 SWITCH_ENV = "TRIOSERVE_NATIVE_KERNELS"
 CFLAGS = ("-O3", "-fopenmp")
@@ -37,8 +37,9 @@ CFLAGS = ("-O3", "-fopenmp")
 # q4_rows_avx2_int8, q8g_rows_avx2_int8),
 # ``avx512bf16`` AVX-512 with the many-row panels in bfloat16 products
 # (csrc/panel.h), and ``avx512vnni`` that with int8 activations against the
-# weights stored in groups of 32, 4-bit and Q8_0 (csrc/panel_vnni.h, at
-# every row count for 4-bit weights; int4_native.call_isa says which calls);
+# weights stored in groups of 32, 4-bit and Q8_0 (csrc/panel_vnni.h, and
+# csrc/rows_vnni.h at few rows with the panels' bits; int4_native.call_isa
+# and int8_native say which calls);
 # only the linears have them.
 ISAS = {"scalar": 0, "avx2": 1, "avx2int8": 2, "avx512": 3, "avx512bf16": 4, "avx512vnni": 5}
 # The variants best first, the order in which a caller takes the first that works.

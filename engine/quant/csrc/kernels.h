@@ -41,17 +41,17 @@ constexpr int kMaxRowsAvx2 = 4;
 // panel.h in place of the float32 ones. kAvx512Vnni is kAvx512Bf16 whose
 // kernels for weights in groups of 32 (4-bit, and int8 in groups: GGUF's
 // Q8_0) multiply int8 activations with VPDPBUSD in the panels of
-// panel_vnni.h (which Python calls from 10 rows only for decode steps:
-// int4_native.call_isa); its 4-bit calls run them at every row count. A row
-// kernel (VPDPBUSD over a channel's blocks, the scales applied per row and
-// pair of blocks) ran one row in 4.39 ms for the default model's 30 layers
-// against the panels' 4.95 on a 2-core Xeon with AMX, but 5 rows in 7.96
-// against 5.83 and 9 in 15.64 against 7.76, and it summed in another order
-// than the panels: a step's rows gave other bits below 10 rows than from
-// 10, so a batch's size could move a sequence's result, and a speculative
-// step's verification had to stay below 10 rows to match one-token steps.
-// Its kernels of int8 per channel, and its Q8_0 rows below kPanelFromRows,
-// run as on kAvx512Bf16.
+// panel_vnni.h, and up to kVnniRowsMax rows in the row kernels of
+// rows_vnni.h, which give the panels' bits: a row's result does not depend
+// on how many rows run with it, at any batch size (Python calls them for
+// decode steps and their LM head; a prompt's 4-bit calls below 10 rows
+// too, and from 10 rows the bfloat16 panels: int4_native.call_isa). An
+// earlier row kernel summed in another order than the panels (the scales
+// applied per row and pair of blocks), so a batch's size could move a
+// sequence's result and a speculative step's verification had to stay
+// below 10 rows to match one-token steps. Its kernels of int8 per channel
+// run as on kAvx512Bf16, and Python runs a prompt's Q8_0 calls on
+// kAvx512Bf16 (float32 activations: int8_native.Int8GroupNativeLinear).
 enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx2Int8 = 2, kAvx512 = 3, kAvx512Bf16 = 4, kAvx512Vnni = 5 };
 
 inline int64_t supported_isas() {
@@ -671,6 +671,7 @@ __attribute__((target("avx512f,avx512bw,f16c"))) void q8g_rows_avx512(const floa
 
 #include "panel.h"
 #include "panel_vnni.h"
+#include "rows_vnni.h"
 #include "panel_avx2.h"
 #include "panel_avx2_int16.h"
 
@@ -737,8 +738,9 @@ inline void over_int8_rows(const float* x, int64_t rows, int64_t k, int64_t out,
 // y[rows, out] = x[rows, k] @ W.T for W in 4-bit blocks [out, k / 32, 20].
 inline void q4_matmul(const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t out, float* y, int64_t isa) {
   const int64_t groups = k / kGroup;
-  if (isa == kAvx512Vnni) {  // its panels at every row count (kernels.h's header)
-    q4_matmul_vnni(x, rows, k, w, out, y);
+  if (isa == kAvx512Vnni) {  // the panels' bits at every row count (kernels.h's header)
+    if (rows <= kVnniRowsMax) q4_rows_vnni(x, rows, k, w, out, y);
+    else q4_matmul_vnni(x, rows, k, w, out, y);
     return;
   }
   if (use_panels(rows, isa)) {
@@ -804,8 +806,9 @@ inline void q8_matmul(const float* x, int64_t rows, int64_t k, const int8_t* w, 
 // y[rows, out] = x[rows, k] @ (q * scale per group of 32).T.
 inline void q8g_matmul(const float* x, int64_t rows, int64_t k, const int8_t* w, const float* scale, int64_t out,
                        float* y, int64_t isa) {
-  if (use_panels(rows, isa) && isa == kAvx512Vnni) {
-    q8g_matmul_vnni(x, rows, k, w, scale, out, y);
+  if (isa == kAvx512Vnni) {  // int8 activations, the panels' bits at every row count
+    if (rows <= kVnniRowsMax) q8g_rows_vnni(x, rows, k, w, scale, out, y);
+    else q8g_matmul_vnni(x, rows, k, w, scale, out, y);
     return;
   }
   if (use_panels(rows, isa)) {

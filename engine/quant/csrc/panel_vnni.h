@@ -27,9 +27,8 @@
 // its first token).
 //
 // A row's result depends on that row alone (its sums run per row and
-// channel, block after block), but not in the row kernels' order, so it may
-// differ in the last bits between a call of fewer than kPanelFromRows rows
-// and one of more.
+// channel, block after block); rows_vnni.h's row kernels, which serve
+// calls of few rows, give the same bits.
 
 #pragma once
 
