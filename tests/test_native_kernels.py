@@ -217,6 +217,7 @@ def test_the_int8_panels_compute_exactly_the_rounded_rows_and_each_row_alone(isa
                 full = linear(x)
                 for rows in (1, 2, 3, 4, 5, 7, 8, 9):
                     assert torch.equal(linear(x[:rows]), full[:rows]), (k, rows, name)
+                assert linear(x[:0]).shape == (0, 37), name  # no rows: nothing to run
         # From the layers, the same call runs the bfloat16 or int16 panels.
         layered = int4_native.Int4NativeLinear.from_rtn(q4, None, variant)(x)
         assert_matches(layered, x, q4.dequantize(), None, variant, bits=4)

@@ -175,7 +175,8 @@ inline void over_vnni_rows(int64_t rows, int64_t out, int64_t channel_bytes, con
   at::parallel_for(0, passes, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n = p * kVnniRowChannels, live = std::min(kVnniRowChannels, out - n);
-      // The pass after next: the next one's blocks are on their way already.
+      // The pass after next, as fetch_pass_ahead does on AVX2 (where it was
+      // measured; here it was not measured apart).
       const int64_t next = std::min(out, n + 2 * kVnniRowChannels);
       const int64_t ahead_bytes = std::min(kVnniRowChannels, out - next) * channel_bytes;
       const uint8_t* ahead = w + next * channel_bytes;
@@ -196,7 +197,8 @@ inline void over_vnni_rows(int64_t rows, int64_t out, int64_t channel_bytes, con
 // y[rows, out] = x[rows, k] @ W.T for W in 4-bit blocks [out, k / 32, 20],
 // rows <= kVnniRowsMax: the bits of q4_matmul_vnni.
 inline void q4_rows_vnni(const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t out, float* y) {
-  TORCH_CHECK(rows >= 1 && rows <= kVnniRowsMax, "q4_rows_vnni: ", rows, " rows");
+  TORCH_CHECK(rows >= 0 && rows <= kVnniRowsMax, "q4_rows_vnni: ", rows, " rows");
+  if (rows == 0) return;
   const int64_t groups = k / kGroup;
   const QuantizedRows xq = quantize_rows_q8(x, rows, k);
   over_vnni_rows(rows, out, groups * kBlockBytes, w, [&](auto r_tag, int64_t n, int64_t live, const uint8_t* ahead,
@@ -208,7 +210,8 @@ inline void q4_rows_vnni(const float* x, int64_t rows, int64_t k, const uint8_t*
 // The same for Q8_0 (int8 q [out, k], float32 scale [out, k / 32]): the bits of q8g_matmul_vnni.
 inline void q8g_rows_vnni(const float* x, int64_t rows, int64_t k, const int8_t* w, const float* scale, int64_t out,
                           float* y) {
-  TORCH_CHECK(rows >= 1 && rows <= kVnniRowsMax, "q8g_rows_vnni: ", rows, " rows");
+  TORCH_CHECK(rows >= 0 && rows <= kVnniRowsMax, "q8g_rows_vnni: ", rows, " rows");
+  if (rows == 0) return;
   const QuantizedRows xq = quantize_rows_q8(x, rows, k, 0x80);
   over_vnni_rows(rows, out, k, reinterpret_cast<const uint8_t*>(w), [&](auto r_tag, int64_t n, int64_t live,
                                                                         const uint8_t* ahead, int64_t ahead_bytes) {
