@@ -9,10 +9,10 @@ free pages inside every arena (docs/benchmarks.md, "Resident memory").
 
 What it leaves is the free top of each thread's arena: glibc shrinks that
 only when a free leaves it above the trim threshold, and that threshold
-follows the largest block freed (up to 64 MiB). A server's resident memory
-after the same 500 requests then read 768 to 813 MiB from start to start
-(the step thread's arena holding 25 MiB more or less of free top), with
-the same bytes in use. ``fix_heap_thresholds`` pins the thresholds before a
+follows the largest block freed (up to 64 MiB). The engine core's
+resident memory after the same 500 requests read 768 to 813 MiB from start
+to start (the step thread's arena holding 25 MiB more or less of free
+top), with the same bytes in use; the server's 795 to 841. ``fix_heap_thresholds`` pins the thresholds before a
 model loads: a top above 4 MiB is cut back to 2 MiB when a block is freed,
 and blocks up to 32 MiB come from the arenas (where the moving threshold
 ends up anyway) rather than from fresh mappings faulted in on every call.

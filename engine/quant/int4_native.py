@@ -75,8 +75,9 @@ def call_isa(isa: int, rows: int) -> int:
     """The variant a call of ``rows`` rows from the model's layers runs.
 
     ``avx512vnni``'s int8 kernels (csrc/panel_vnni.h, and csrc/rows_vnni.h
-    with the same bits at up to 8 rows) are for decode steps and a speculative step's verification, which run in
-    the fused call (``native_decode``, which passes ``isa`` itself, and its
+    with the same bits at up to 8 rows) are for decode steps and a
+    speculative step's verification, which run in the fused call
+    (``native_decode``, which passes ``isa`` itself, and its
     ``decode_head``). A prompt or a mixed batch of 10 rows or more, which
     runs through the model's layers, takes ``avx512bf16``'s bfloat16 panels
     instead: with int8 activations in the prompt the default model's
