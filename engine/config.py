@@ -312,7 +312,7 @@ class EngineConfig:
     speculative: str | None = attrs.field(default=None, validator=_speculative)
     num_speculative_tokens: int = attrs.field(default=4, validator=integer_at_least(1))
     speculative_max_ngram: int = attrs.field(default=4, validator=integer_at_least(1))
-    speculative_min_ngram: int = attrs.field(default=1, validator=integer_at_least(1))
+    speculative_min_ngram: int = attrs.field(default=2, validator=integer_at_least(1))
     # Plugins to load by entry-point name (engine/plugins.py; --plugins).
     plugins: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     # Compressed weights (engine/quant, docs/api.md): "auto" keeps a GGUF's

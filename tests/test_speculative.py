@@ -66,7 +66,7 @@ def run_core(speculative: str | None, requests: list[tuple[str, str, SamplingPar
 
 
 def test_ngram_proposer_takes_the_most_recent_longest_match():
-    proposer = NgramProposer(num_speculative_tokens=3, max_ngram=3)
+    proposer = NgramProposer(num_speculative_tokens=3, max_ngram=3, min_ngram=1)
     # "1 2 3" recurs: the most recent earlier match is at 4, followed by 9 8.
     assert proposer.propose([1, 2, 3, 7, 1, 2, 3, 9, 8, 1, 2, 3], limit=10) == (9, 8, 1)
     assert proposer.propose([1, 2, 3, 7, 1, 2, 3, 9, 8, 1, 2, 3], limit=2) == (9, 8)
@@ -74,13 +74,13 @@ def test_ngram_proposer_takes_the_most_recent_longest_match():
     assert proposer.propose([5, 6, 7, 5], limit=10) == (6, 7, 5)
     assert proposer.propose([1, 2, 3, 4], limit=10) == ()
     assert proposer.propose([1, 2, 1], limit=0) == ()
-    assert NgramProposer(min_ngram=2).propose([5, 6, 7, 5], limit=10) == ()
+    assert NgramProposer().propose([5, 6, 7, 5], limit=10) == ()  # 2-grams at least by default
     with pytest.raises(ValueError, match="min_ngram"):
         NgramProposer(max_ngram=2, min_ngram=3)
 
 
 def test_a_proposal_is_as_long_as_the_last_one_earned():
-    proposer = NgramProposer(num_speculative_tokens=4)
+    proposer = NgramProposer(num_speculative_tokens=4, min_ngram=1)
     assert proposer.next_limit(4, 0) == 1  # all rejected: one token next time
     assert proposer.next_limit(4, 2) == 3  # one more than were accepted
     assert proposer.next_limit(1, 1) == 3  # all accepted: two more

@@ -158,7 +158,7 @@ def add_speculative_options(parser: argparse.ArgumentParser) -> list[argparse.Ac
     )
     add("--num-speculative-tokens", type=count, default=4, help="tokens proposed per sequence and step (default: 4)")
     add("--speculative-max-ngram", type=count, default=4, help="longest n-gram matched (default: 4)")
-    add("--speculative-min-ngram", type=count, default=1, help="shortest n-gram matched (default: 1)")
+    add("--speculative-min-ngram", type=count, default=2, help="shortest n-gram matched (default: 2)")
     return actions
 
 
