@@ -312,7 +312,12 @@ class EngineConfig:
     speculative: str | None = attrs.field(default=None, validator=_speculative)
     num_speculative_tokens: int = attrs.field(default=4, validator=integer_at_least(1))
     speculative_max_ngram: int = attrs.field(default=4, validator=integer_at_least(1))
-    speculative_min_ngram: int = attrs.field(default=2, validator=integer_at_least(1))
+    # 2 by default (1-gram proposals verified more rows than they saved:
+    # docs/benchmarks.md), or the longest when that is 1.
+    speculative_min_ngram: int = attrs.field(
+        default=attrs.Factory(lambda self: min(2, self.speculative_max_ngram), takes_self=True),
+        validator=integer_at_least(1),
+    )
     # Plugins to load by entry-point name (engine/plugins.py; --plugins).
     plugins: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     # Compressed weights (engine/quant, docs/api.md): "auto" keeps a GGUF's

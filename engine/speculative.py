@@ -53,7 +53,9 @@ class NgramProposer:
 
     num_speculative_tokens: int = attrs.field(default=4, validator=integer_at_least(1))
     max_ngram: int = attrs.field(default=4, validator=integer_at_least(1))
-    min_ngram: int = attrs.field(default=2, validator=integer_at_least(1))
+    min_ngram: int = attrs.field(  # as EngineConfig.speculative_min_ngram
+        default=attrs.Factory(lambda self: min(2, self.max_ngram), takes_self=True), validator=integer_at_least(1)
+    )
 
     def __attrs_post_init__(self) -> None:
         if self.min_ngram > self.max_ngram:

@@ -112,6 +112,10 @@ def test_config_refuses_an_unknown_method():
         engine_config(speculative="eagle")
     with pytest.raises(ValueError, match="speculative_min_ngram"):
         engine_config(speculative="ngram", speculative_max_ngram=1, speculative_min_ngram=2)
+    # The shortest n-gram defaults to 2, or to the longest when that is 1.
+    assert engine_config(speculative="ngram").speculative_min_ngram == 2
+    assert engine_config(speculative="ngram", speculative_max_ngram=1).speculative_min_ngram == 1
+    assert NgramProposer(max_ngram=1).min_ngram == 1 and NgramProposer().min_ngram == 2
 
 
 # -- greedy: identical output ------------------------------------------------------

@@ -158,18 +158,21 @@ def add_speculative_options(parser: argparse.ArgumentParser) -> list[argparse.Ac
     )
     add("--num-speculative-tokens", type=count, default=4, help="tokens proposed per sequence and step (default: 4)")
     add("--speculative-max-ngram", type=count, default=4, help="longest n-gram matched (default: 4)")
-    add("--speculative-min-ngram", type=count, default=2, help="shortest n-gram matched (default: 2)")
+    add("--speculative-min-ngram", type=count, default=None,
+        help="shortest n-gram matched (default: 2, or the longest when that is 1)")
     return actions
 
 
 def speculative_fields(args: argparse.Namespace) -> dict:
     """The ``EngineConfig`` fields that ``add_speculative_options`` set."""
-    return dict(
+    fields = dict(
         speculative=args.speculative,
         num_speculative_tokens=args.num_speculative_tokens,
         speculative_max_ngram=args.speculative_max_ngram,
-        speculative_min_ngram=args.speculative_min_ngram,
     )
+    if args.speculative_min_ngram is not None:  # else EngineConfig's default, which follows the longest
+        fields["speculative_min_ngram"] = args.speculative_min_ngram
+    return fields
 
 
 def add_structured_output_options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
