@@ -67,6 +67,12 @@ inline void vnni_transpose16(const __m512i* lanes, uint8_t* dst, int64_t stride)
   _mm512_storeu_si512(dst + 3 * stride, _mm512_shuffle_i32x4(t2, t3, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// Lane i: i * stride (a gather's offsets for 16 channels ``stride`` apart).
+inline __m512i vnni_lane_offsets(int64_t stride) {
+  return _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                            _mm512_set1_epi32(int32_t(stride)));
+}
+
 // 16 bytes at ``rows + c * row_bytes`` for each of four channels c0..c0+3
 // (zeros past ``channels``), one 128-bit lane each.
 inline __m512i vnni_four_rows(const uint8_t* rows, int64_t row_bytes, int c0, int64_t channels) {
@@ -87,8 +93,7 @@ inline void vnni_decode_q4(const uint8_t* rows, int64_t row_bytes, int64_t live,
   const uint8_t* base = rows + b * kBlockBytes;
   const __mmask16 mask = __mmask16((1u << live) - 1);
   // d and m: a float16 pair at the start of each channel's block.
-  const __m512i offsets = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                             _mm512_set1_epi32(int32_t(row_bytes)));
+  const __m512i offsets = vnni_lane_offsets(row_bytes);
   const __m512i dm = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, offsets, base, 1);
   _mm512_storeu_ps(d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm)));
   _mm512_storeu_ps(m, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16))));

@@ -67,8 +67,7 @@ inline void vnni_rows_q4(const QuantizedRows& xq, int64_t k, const uint8_t* w, i
   const float* step = xq.step.data();
   const uint8_t* first = w + n * row_bytes;
   const __mmask16 mask = __mmask16((1u << live) - 1);
-  const __m512i offsets = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                             _mm512_set1_epi32(int32_t(row_bytes)));
+  const __m512i offsets = vnni_lane_offsets(row_bytes);
   const __m512i low = _mm512_set1_epi8(0x0F);
   const auto nibbles = [&](int64_t c, int64_t b) {
     return c < live ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(first + c * row_bytes + b * kBlockBytes + 4))
@@ -123,8 +122,7 @@ inline void vnni_rows_q8(const QuantizedRows& xq, int64_t k, const int8_t* w, co
   const float* step = xq.step.data();
   const int8_t* first = w + n * k;
   const __mmask16 mask = __mmask16((1u << live) - 1);
-  const __m512i offsets = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                             _mm512_set1_epi32(int32_t(groups)));
+  const __m512i offsets = vnni_lane_offsets(groups);
   const __m512i ones = _mm512_set1_epi8(1);
   const auto block = [&](int64_t c, int64_t b) {
     return c < live ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(first + c * k + b * kGroup))
