@@ -182,9 +182,10 @@ def test_the_int8_panels_compute_exactly_the_rounded_rows_and_each_row_alone(isa
     last panels and tiles, a group of zeros, and at 1,536 inputs more rows
     than a row block holds (336 and 340 rows). Each result is the rounded rows'
     matmul up to float32 rounding, far inside the int8 bound; and a row's
-    result does not depend on how many rows it runs with: avx512vnni's
-    4-bit panels run at every row count, so from 1 row on. The model's
-    layers call the bfloat16 or int16 panels from 10 rows instead."""
+    result does not depend on how many rows it runs with, from 1 row on:
+    below the panels the row kernels (csrc/rows_vnni.h, csrc/rows_avx2.h)
+    give the panels' bits. The model's layers call the bfloat16 or int16
+    panels from 10 rows instead."""
     if variant not in isas:
         pytest.skip(f"this CPU cannot run {variant} ({native.ISA_REQUIREMENTS[variant]})")
     from trioserve.engine.quant.rtn import Int8GroupWeight
@@ -209,15 +210,15 @@ def test_the_int8_panels_compute_exactly_the_rounded_rows_and_each_row_alone(isa
                 want = F.linear(rounded_rows(x[:rows]), weight.dequantize())
                 assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (k, rows, name)
                 assert torch.equal(got, full[:rows]), (k, rows, name)
-        if variant == "avx512vnni":
-            # A decode step of any size, and its LM head: one sequence's bits
-            # whatever the batch (the row kernels of csrc/rows_vnni.h up to
-            # 8 rows, the panels from 9).
-            for name, linear, _ in linears:
-                full = linear(x)
-                for rows in (1, 2, 3, 4, 5, 7, 8, 9):
-                    assert torch.equal(linear(x[:rows]), full[:rows]), (k, rows, name)
-                assert linear(x[:0]).shape == (0, 37), name  # no rows: nothing to run
+        # A decode step of any size, and its LM head: one sequence's bits
+        # whatever the batch (the row kernels of csrc/rows_vnni.h up to 8
+        # rows and the panels from 9; on avx2int8 those of csrc/rows_avx2.h
+        # below 10 rows).
+        for name, linear, _ in linears:
+            full = linear(x)
+            for rows in (1, 2, 3, 4, 5, 7, 8, 9):
+                assert torch.equal(linear(x[:rows]), full[:rows]), (k, rows, name)
+            assert linear(x[:0]).shape == (0, 37), name  # no rows: nothing to run
         # From the layers, the same call runs the bfloat16 or int16 panels.
         layered = int4_native.Int4NativeLinear.from_rtn(q4, None, variant)(x)
         assert_matches(layered, x, q4.dequantize(), None, variant, bits=4)
@@ -402,6 +403,47 @@ def test_a_verified_run_computes_bit_for_bit_what_one_token_steps_do(isas, check
         one_by_one = torch.cat([_step(model, caches[1], [SeqChunk([t], len(prompt) + i, table)]) for i, t in enumerate(run)])
         assert torch.equal(together, one_by_one), isa
         assert torch.equal(caches[0].key, caches[1].key) and torch.equal(caches[0].value, caches[1].value), isa
+
+
+def test_a_decode_steps_logits_do_not_depend_on_the_sequences_beside_them(isas, checkpoint, tmp_path, monkeypatch):
+    """On the int8 kernels (avx512vnni, avx2int8) a sequence's logits and
+    cache in a decode step are the same bits alone, in a batch of 5 (the
+    row kernels) and in one of 12 (the panels), LM head included: how busy
+    the server is never changes a greedy token. The head is in Q8_0 groups,
+    as a GGUF file's (a float checkpoint's int8-per-channel head runs float32
+    activations, in bfloat16 or float32 panels from 10 rows)."""
+    from trioserve.engine.quant import load
+
+    variants = [isa for isa in INT8_ROWS if isa in isas]
+    if not variants:
+        pytest.skip("this CPU runs neither avx512vnni nor avx2int8")
+    def q8_0_head(cpu_paths, head, kernel):
+        dense = head if isinstance(head, torch.Tensor) else head.dequantize()
+        return int8_native.Int8GroupNativeLinear.over(quantize_int8_groups(dense, 32), kernel.isa)
+
+    monkeypatch.setattr(load, "_shared_head", q8_0_head)
+    for isa in variants:
+        model = _native_model(checkpoint, tmp_path, isa)
+        assert model._projections().decode_head is not None
+        rng = random.Random(1)
+        lengths = [rng.randrange(3, 12) for _ in range(12)]
+        prompts = [[rng.randrange(3, 64) for _ in range(n)] for n in lengths]
+        tables = [list(range(1 + 4 * i, 5 + 4 * i)) for i in range(12)]
+        caches = [KVCache.allocate(model.config, num_blocks=49, block_size=4, dtype=torch.float16, device="cpu") for _ in range(3)]
+        for cache in caches:
+            _step(model, cache, [SeqChunk(p, 0, t) for p, t in zip(prompts, tables)])
+        tokens = [p[-1] for p in prompts]
+        for step in range(2):
+            chunks = [SeqChunk([tok], n + step, t) for tok, n, t in zip(tokens, lengths, tables)]
+            assert model._projections().decode.runs([1] * 12, torch.float16)
+            together = _step(model, caches[0], chunks)
+            alone = torch.cat([_step(model, caches[1], [chunk]) for chunk in chunks])
+            in_fives = torch.cat([_step(model, caches[2], chunks[i : i + 5]) for i in range(0, 12, 5)])
+            for other in caches[1:]:
+                assert torch.equal(caches[0].key, other.key) and torch.equal(caches[0].value, other.value), (isa, step)
+            assert torch.equal(together, alone), (isa, step)
+            assert torch.equal(together, in_fives), (isa, step)
+            tokens = together.argmax(-1).tolist()
 
 
 def test_batches_the_fused_step_does_not_take_go_through_the_layers(isas, checkpoint, tmp_path):
@@ -606,11 +648,11 @@ def test_a_q8_0_head_runs_on_the_stored_values_without_a_copy(isas):
 def test_the_q8_0_rows_below_the_panels_round_as_documented_and_each_row_alone(isas, variant):
     """The Q8_0 kernels at one to nine rows (a decode step's LM head below
     10 rows), over 37 channels (a remainder in each thread's share), values
-    in GGUF's -127..127, a group of zeros. Both round the activations to
-    int8: avx2int8's row kernel runs four channels a pass at one row, two at
-    two, one from three; avx512vnni's (csrc/rows_vnni.h) 16 a pass up to 8
-    rows, its panels from 9. The rounded rows' matmul, and every row
-    exactly what it gives alone."""
+    in GGUF's -127..127, a group of zeros. Each rounds the activations as
+    its panels do: avx512vnni to int8 (csrc/rows_vnni.h, 16 channels a pass
+    up to 8 rows, its panels from 9), avx2int8 to int16 (csrc/rows_avx2.h,
+    four channels a pass at one row, two at two, one from three). The
+    rounded rows' matmul, and every row exactly what it gives alone."""
     from trioserve.engine.quant.rtn import Int8GroupWeight
 
     if variant not in isas:
@@ -626,7 +668,7 @@ def test_the_q8_0_rows_below_the_panels_round_as_documented_and_each_row_alone(i
             if k > 32:
                 x[0, :32] = 0.0
             got = native.ops().q8g_linear(x, q, scale, isa)
-            want = F.linear(rounded_rows(x), table.dequantize())
+            want = F.linear(rounded_rows(x, 32767 if variant == "avx2int8" else 127), table.dequantize())
             assert (got - want).abs().max() <= 1e-5 * want.abs().max(), (k, rows)
             alone = torch.cat([native.ops().q8g_linear(x[r : r + 1], q, scale, isa) for r in range(rows)])
             assert torch.equal(got, alone), (k, rows)
@@ -635,8 +677,8 @@ def test_the_q8_0_rows_below_the_panels_round_as_documented_and_each_row_alone(i
 def test_a_decode_steps_lm_head_runs_int8_activations_and_a_prompts_the_wider_ones(isas):
     """On avx512vnni the fused decode step's LM head (native_decode.decode_head)
     runs int8 activations at any batch size (its row kernels up to 8 rows,
-    its panels from 9), on avx2int8 the int8 rows below 10 rows and int16
-    panels from there; the head a prompt's logits use keeps float32
+    its panels from 9), on avx2int8 int16 ones (its row kernels below 10
+    rows, its panels from 10); the head a prompt's logits use keeps float32
     activations below 10 rows and runs the bfloat16 panels from 10 (on
     avx2int8 float32 activations at any count). Elsewhere there is no
     second head."""
@@ -661,12 +703,15 @@ def test_a_decode_steps_lm_head_runs_int8_activations_and_a_prompts_the_wider_on
         # Below 10 rows too, a prompt's head keeps float32 activations (the
         # float matmul) and a decode step's rounds them (the rounded rows').
         few = x[:3]
-        floats, rounded = F.linear(few, table.dequantize()), F.linear(rounded_rows(few), table.dequantize())
+        levels = 32767 if isa == "avx2int8" else 127
+        floats, rounded = F.linear(few, table.dequantize()), F.linear(rounded_rows(few, levels), table.dequantize())
         assert torch.equal(head(few), native.ops().q8g_linear(few, table.q, table.scale, native.ISAS[wider]))
         assert (head(few) - floats).abs().max() <= 1e-5 * floats.abs().max()
         assert (decoding(few) - rounded).abs().max() <= 1e-5 * rounded.abs().max()
-        assert (decoding(few) - floats).abs().max() > 1e-4 * floats.abs().max()
+        assert not torch.equal(decoding(few), head(few))
         assert torch.equal(decoding(few), torch.cat([decoding(x[r : r + 1]) for r in range(3)]))
+        # A row's logits are the same bits in a step of any size.
+        assert torch.equal(decoding(few), decoding(x)[:3])
         if isa == "avx2int8":
             # From 10 rows the int16 panels (the test below).
             want = F.linear(rounded_rows(x, 32767), table.dequantize())
@@ -680,7 +725,7 @@ def test_a_decode_steps_q8_0_head_runs_int16_panels_from_10_rows(isas):
     inputs more rows than one row block holds (168). The matmul of the rows
     rounded to int16 in groups of 32, up to float32 rounding, and not
     float32's result; a row's result does not depend on how many rows it
-    runs with."""
+    runs with, below 10 rows either (csrc/rows_avx2.h: the panels' bits)."""
     if "avx2int8" not in isas:
         pytest.skip(f"this CPU cannot run avx2int8 ({native.ISA_REQUIREMENTS['avx2int8']})")
     from trioserve.engine.quant.rtn import Int8GroupWeight
@@ -697,7 +742,7 @@ def test_a_decode_steps_q8_0_head_runs_int16_panels_from_10_rows(isas):
         want = F.linear(rounded_rows(x, 32767), table.dequantize())
         assert (full - want).abs().max() <= 1e-5 * want.abs().max(), k
         assert not torch.equal(full, F.linear(x, table.dequantize())), k
-        for part in (PANEL_FROM_ROWS, 13):
+        for part in (1, 2, 3, 4, 5, 7, 8, 9, PANEL_FROM_ROWS, 13):
             assert torch.equal(ops.q8g_linear(x[:part], table.q, table.scale, index), full[:part]), (k, part)
 
 

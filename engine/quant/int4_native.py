@@ -125,9 +125,9 @@ class Int4NativeLinear:
     out_features: int
     isa: int
     ops: object  # torch.ops.trioserve, loaded
-    # avx512vnni's int8 panels, or avx2int8's int8 rows, at any row count (a
-    # decode step's LM head, native_decode.decode_head), not only below 10
-    # rows (call_isa).
+    # avx512vnni's or avx2int8's int8 kernels at any row count (a decode
+    # step's LM head, native_decode.decode_head), not only below 10 rows
+    # (call_isa).
     int8_panels: bool = False
     # From this many rows, torch's bfloat16 GEMM over the matrix dequantized
     # for the call (AMX machines, measured at load: choose.measure_bf16_gemm); None: never.

@@ -25,12 +25,14 @@ constexpr int64_t kBlockBytes = 20;  // float16 d, float16 m, 16 bytes of nibble
 constexpr int kMaxRows = 8;
 constexpr int kMaxRowsAvx2 = 4;
 
-// kAvx2Int8 is kAvx2 whose kernels for weights in groups of 32 (4-bit and
-// Q8_0) multiply int8 activations (VPMADDUBSW and VPMADDWD:
-// q4_rows_avx2_int8, q8g_rows_avx2_int8, and for 4-bit weights from
-// kPanelFromRows rows the int8 panels of panel_avx2.h) at any row count,
-// except Q8_0 from kPanelFromRows rows: int16 panels (panel_avx2_int16.h);
-// Python calls them so for decode steps, and the 4-bit one below
+// kAvx2Int8 is kAvx2 whose kernels for weights in groups of 32 multiply
+// rounded activations at any row count: 4-bit ones int8 activations
+// (VPMADDUBSW and VPMADDWD: the int8 panels of panel_avx2.h from
+// kPanelFromRows rows, below them the row kernels of rows_avx2.h), Q8_0
+// ones int16 activations (VPMADDWD: the int16 panels of panel_avx2_int16.h,
+// and rows_avx2.h's row kernels below them). The row kernels give the
+// panels' bits, so a row's result does not depend on how many rows run
+// with it. Python calls them so for decode steps, and the 4-bit one below
 // kPanelFromRows rows too (int4_native.call_isa,
 // int8_native.Int8GroupNativeLinear). Its kernels of int8 per channel run as
 // kAvx2's. kAvx2 runs its row kernels below kPanelFromRows rows and from
@@ -377,100 +379,11 @@ inline QuantizedRows quantize_rows_q8(const float* x, int64_t rows, int64_t k, u
 // nibbles (unsigned) by the 32 rounded activations (signed) and adds pairs in
 // int16 (at most 2 x 15 x 127, so never saturating), VPMADDWD adds those
 // pairs in int32; the block's dot is exact, and d dx and m dx sum qx are
-// applied once per block. At one row the float kernel (q4_rows_avx2) widens
-// every nibble to a float and runs two FMAs per 8 weights: on a Zen 1 core,
-// which splits 256-bit operations in two, it took 20.7 ms for the default
-// model's matmuls of a token against llama-server's whole 15.8 ms step.
-
-// The row kernels on int8 activations run C channels a pass (one, or a few
-// at few rows) by rows [r0, r0 + R): a block's loads of the rows'
-// activations serve all C, and the C * R sums are independent chains. At
-// one row a channel's sum is one chain of FMAs, one a block, and a channel
-// at a time the 4-bit loop ran at some 7.7 cycles a block on a Zen 3 with
-// the weights in cache (4.8 four at a time). Each channel's operations, and
-// so its bits, are those of one channel alone.
-template <int R>
-constexpr int kChannelsAtOnce = R == 1 ? 4 : R == 2 ? 2 : 1;
-
-// C channels' rows are C streams through one stretch of memory, which the
-// hardware prefetchers followed worse than one: four at a time without
-// this, the default model's 30 layers at one row took about 1.2x the time
-// of one at a time, with it about 0.75x (2 threads, weights from memory,
-// the builds taking turns). Each block (``g``) of a pass fetches the part
-// of the pass kAheadPasses on that it reaches at the same block: ``bytes``
-// a block, at most two lines. Near the end of the weights the hint points
-// past them, which a prefetch may do (it never faults).
-constexpr int64_t kAheadPasses = 2;
-inline void fetch_pass_ahead(const void* pass_start, int64_t pass_bytes, int64_t g, int64_t bytes) {
-  const char* at = static_cast<const char*>(pass_start) + kAheadPasses * pass_bytes + g * bytes;
-  _mm_prefetch(at, _MM_HINT_T0);
-  _mm_prefetch(at + 64, _MM_HINT_T0);
-}
-
-// ``pass(C, n)`` over channels [n0, n1) for R rows: kChannelsAtOnce<R> a
-// pass, the rest one at a time.
-template <int R, typename Pass>
-inline void in_passes(int64_t n0, int64_t n1, const Pass& pass) {
-  constexpr int C = kChannelsAtOnce<R>;
-  int64_t n = n0;
-  for (; n + C <= n1; n += C) pass(std::integral_constant<int, C>{}, n);
-  for (; n < n1; ++n) pass(std::integral_constant<int, 1>{}, n);
-}
-
-template <int R, int C>
-__attribute__((target("avx2,fma,f16c"))) inline void q4_channels_avx2_int8(const int8_t* qx, const float* step,
-                                                                         int64_t k, const uint8_t* w,
-                                                                         int64_t groups, int64_t n, float* y,
-                                                                         int64_t ldy) {
-  const __m128i low = _mm_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[R][C];
-  __m128 accm[R][C];  // lane 1: m dx sum qx; lane 0 collects d dx, never read
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) {
-      acc[r][c] = _mm256_setzero_ps();
-      accm[r][c] = _mm_setzero_ps();
-    }
-  for (int64_t g = 0; g < groups; ++g) {
-    __m256i xv[R];
-    __m128 xs[R];
-    for (int r = 0; r < R; ++r) {
-      xv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + r * k + g * kGroup));
-      xs[r] = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(step + r * 2 * groups + 2 * g)));
-    }
-    if constexpr (C > 1) fetch_pass_ahead(w + n * groups * kBlockBytes, C * groups * kBlockBytes, g, C * kBlockBytes);
-    for (int c = 0; c < C; ++c) {
-      const uint8_t* p = w + ((n + c) * groups + g) * kBlockBytes;
-      const __m128 dm = block_dm(p);  // d m 0 0
-      const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 4));
-      // Elements 0..15 (low nibbles), then 16..31 (high ones).
-      const __m256i wq = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(qs, low)),
-                                                 _mm_and_si128(_mm_srli_epi16(qs, 4), low), 1);
-      for (int r = 0; r < R; ++r) {
-        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wq, xv[r]), ones);
-        const __m128 s = _mm_mul_ps(dm, xs[r]);  // d dx, m dx sum qx
-        accm[r][c] = _mm_add_ps(accm[r][c], s);
-        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcastss_ps(s), acc[r][c]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c)
-      y[r * ldy + n + c] = hsum256(acc[r][c]) + _mm_cvtss_f32(_mm_movehdup_ps(accm[r][c]));
-}
-
-template <int R>
-__attribute__((target("avx2,fma,f16c"))) void q4_rows_avx2_int8(const QuantizedRows& xq, int64_t r0, int64_t k,
-                                                          const uint8_t* w, int64_t groups, int64_t n0, int64_t n1,
-                                                          float* y, int64_t ldy) {
-  const int8_t* qx = xq.q.data() + r0 * k;
-  const float* step = xq.step.data() + r0 * groups * 2;
-  // Each row's sums in the same order at every row count and channel
-  // grouping: a row's result does not depend on the rows it runs with.
-  in_passes<R>(n0, n1, [&](auto c_tag, int64_t n) {
-    q4_channels_avx2_int8<R, decltype(c_tag)::value>(qx, step, k, w, groups, n, y, ldy);
-  });
-}
+// applied once per block (the row kernels are in rows_avx2.h, the panels in
+// panel_avx2.h). At one row the float kernel (q4_rows_avx2) widens every
+// nibble to a float and runs two FMAs per 8 weights: on a Zen 1 core, which
+// splits 256-bit operations in two, it took 20.7 ms for the default model's
+// matmuls of a token against llama-server's whole 15.8 ms step.
 
 // ---- int8 per channel ----------------------------------------------------
 
@@ -591,55 +504,6 @@ __attribute__((target("avx2,fma,f16c"))) void q8g_rows_avx2(const float* x, int6
   }
 }
 
-// Q8_0 against int8 activations (kAvx2Int8): the weights are signed, so
-// VPMADDUBSW takes their magnitudes against the activations given the
-// weights' signs (VPSIGNB; at most 2 x 128 x 127 a pair, inside int16). The
-// LM head of a one-stream step (49,152 x 576 for the default model) took a
-// fifth of that step in the float kernel above. Here C channels by rows
-// [r0, r0 + R) from channel n (kChannelsAtOnce).
-template <int R, int C>
-__attribute__((target("avx2,fma,f16c"))) inline void q8g_channels_avx2_int8(const int8_t* qx, const float* step,
-                                                                          int64_t k, const int8_t* w,
-                                                                          const float* scale, int64_t n, float* y,
-                                                                          int64_t ldy) {
-  const int64_t groups = k / kGroup;
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    if constexpr (C > 1) fetch_pass_ahead(w + n * k, C * k, g, C * kGroup);
-    __m256i xv[R];
-    __m256 dx[R];
-    for (int r = 0; r < R; ++r) {
-      xv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + r * k + g * kGroup));
-      dx[r] = _mm256_broadcast_ss(step + r * 2 * groups + 2 * g);
-    }
-    for (int c = 0; c < C; ++c) {
-      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (n + c) * k + g * kGroup));
-      const __m256i magnitude = _mm256_abs_epi8(q);
-      const __m256 d = _mm256_broadcast_ss(scale + (n + c) * groups + g);
-      for (int r = 0; r < R; ++r) {
-        const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xv[r], q)), ones);
-        acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, dx[r]), acc[r][c]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) y[r * ldy + n + c] = hsum256(acc[r][c]);
-}
-
-template <int R>
-__attribute__((target("avx2,fma,f16c"))) void q8g_rows_avx2_int8(const QuantizedRows& xq, int64_t r0, int64_t k,
-                                                           const int8_t* w, const float* scale, int64_t n0,
-                                                           int64_t n1, float* y, int64_t ldy) {
-  const int8_t* qx = xq.q.data() + r0 * k;
-  const float* step = xq.step.data() + r0 * (k / kGroup) * 2;
-  in_passes<R>(n0, n1, [&](auto c_tag, int64_t n) {
-    q8g_channels_avx2_int8<R, decltype(c_tag)::value>(qx, step, k, w, scale, n, y, ldy);
-  });
-}
-
 template <int R>
 __attribute__((target("avx512f,avx512bw,f16c"))) void q8g_rows_avx512(const float* x, int64_t ldx, const int8_t* w,
                                                                 const float* scale, int64_t k, int64_t n0,
@@ -674,6 +538,7 @@ __attribute__((target("avx512f,avx512bw,f16c"))) void q8g_rows_avx512(const floa
 #include "rows_vnni.h"
 #include "panel_avx2.h"
 #include "panel_avx2_int16.h"
+#include "rows_avx2.h"
 
 namespace trioserve_native {
 
@@ -702,7 +567,9 @@ inline void over_rows(int64_t rows, int64_t out, int64_t isa, const Kernel& kern
   // A chunk of output channels per task big enough that a task's weights
   // (a few KiB a channel) outweigh the cost of handing it out.
   const int64_t grain = 16;
-  const int64_t chunk = isa >= kAvx512 ? kMaxRows : kMaxRowsAvx2;
+  // avx2int8's row kernels (rows_avx2.h) hold R x C sums in one vector, so
+  // take 8 rows a pass as AVX-512's do.
+  const int64_t chunk = isa >= kAvx512 || isa == kAvx2Int8 ? kMaxRows : kMaxRowsAvx2;
   // A static split (one contiguous range a thread, which the prefetchers
   // stream best): at one row, taking chunks (parallel_chunks) made the
   // default model's fused layers 0.7-1.0 ms slower a token.
@@ -759,7 +626,7 @@ inline void q4_matmul(const float* x, int64_t rows, int64_t k, const uint8_t* w,
     return;
   }
   if (isa == kAvx2Int8) {
-    over_int8_rows<kMaxRowsAvx2>(x, rows, k, out, isa, [&](auto r_tag, const QuantizedRows& xq, int64_t r0,
+    over_int8_rows<kMaxRows>(x, rows, k, out, isa, [&](auto r_tag, const QuantizedRows& xq, int64_t r0,
                                                             int64_t n0, int64_t n1) {
       q4_rows_avx2_int8<decltype(r_tag)::value>(xq, r0, k, w, groups, n0, n1, y + r0 * out, out);
     });
@@ -831,10 +698,10 @@ inline void q8g_matmul(const float* x, int64_t rows, int64_t k, const int8_t* w,
     q8g_matmul_avx2_i16(x, rows, k, w, scale, out, y);
     return;
   }
-  if (isa == kAvx2Int8) {
-    over_int8_rows<kMaxRowsAvx2>(x, rows, k, out, isa, [&](auto r_tag, const QuantizedRows& xq, int64_t r0,
-                                                            int64_t n0, int64_t n1) {
-      q8g_rows_avx2_int8<decltype(r_tag)::value>(xq, r0, k, w, scale, n0, n1, y + r0 * out, out);
+  if (isa == kAvx2Int8) {  // the int16 panels' bits (rows_avx2.h)
+    const RoundedRows16 xq = round_rows_i16(x, rows, k);
+    over_rows(rows, out, isa, [&](auto r_tag, int64_t r0, int64_t n0, int64_t n1) {
+      q8g_rows_avx2_i16<decltype(r_tag)::value>(xq, r0, k, w, scale, n0, n1, y + r0 * out, out);
     });
     return;
   }

@@ -149,12 +149,11 @@ inline void panel_matmul_avx2(const float* x, int64_t rows, int64_t k, int64_t o
 // most 30,480, so exact), and one VPMADDWD against ones sums each channel's
 // pairs in int32. The scales (d per channel times dx per row, and m times
 // the row's rounded sum) are applied once per block to 8 channels at a time.
-// In the row kernel (q4_rows_avx2_int8) every block of every channel needs
-// a VPMADDWD, a conversion and an FMA per row, and ends in a reduction.
+// In the row kernel (q4_rows_avx2_int8, rows_avx2.h) every block of every
+// channel needs a VPMADDWD and a reduction across the lanes per row.
 //
 // A row's sums run per row and channel, block after block, the same at any
-// row count from kPanelFromRows; they differ in the last bits from the row
-// kernel's (8 partial sums, then one reduction).
+// row count: below kPanelFromRows the row kernel runs the same operations.
 
 // 12 int16 sums, 2 weight vectors and a broadcast in the block's loop (the
 // float32 accumulators wait in memory between blocks): 1.25-1.35x the tiles

@@ -188,11 +188,11 @@ inline void q4_matmul_avx2_i16(const float* x, int64_t rows, int64_t k, const ui
 
 // y[rows, out] = x[rows, k] @ (q * scale per group of 32).T for int8 q
 // [out, k] and float32 scale [out, k / 32] (GGUF's Q8_0), on activations
-// rounded to int16 per group: a decode step's LM head on kAvx2Int8. Its row
-// kernel (q8g_rows_avx2_int8) reads the whole table once for every 4 rows,
-// and a table of 30 MB (the default model's) does not stay in the caches:
-// at 32 rows that was 8 passes over memory a step. A panel's 16 channels
-// are read once for all the rows.
+// rounded to int16 per group: a decode step's LM head on kAvx2Int8. The row
+// kernel (q8g_rows_avx2_i16, rows_avx2.h, below kPanelFromRows rows) reads
+// the whole table once for every 4 rows, and a table of 30 MB (the default
+// model's) does not stay in the caches: at 32 rows that was 8 passes over
+// memory a step. A panel's 16 channels are read once for all the rows.
 inline void q8g_matmul_avx2_i16(const float* x, int64_t rows, int64_t k, const int8_t* w, const float* scale,
                                 int64_t out, float* y) {
   const int64_t groups = k / kGroup;
