@@ -144,7 +144,7 @@ def rounded_rows(x: torch.Tensor, levels: int = 127) -> torch.Tensor:
 @pytest.mark.parametrize("variant", INT8_ROWS)
 def test_the_int8_4bit_rows_round_only_the_activations_and_each_row_alone(isas, variant):
     """avx512vnni's (its panels) and avx2int8's (its row kernel) 4-bit calls
-    of 1 to 9 rows: an odd number of blocks (a lone last block), passes of 4
+    of 1 to 9 rows: an odd number of blocks (a lone last block), passes of 8
     and a remainder, a group of zeros (no step to divide by): within half an
     int8 step of each activation, and every row exactly what it gives alone,
     so a batch or a speculative step's verified rows never change a
@@ -352,7 +352,9 @@ def test_the_fused_decode_step_computes_what_the_layers_do(isas, checkpoint, tmp
         model = _native_model(checkpoint, tmp_path, isa)
         made = model._projections()
         assert made.decode is not None and made.decode.isa == native.ISAS[isa]
-        layered = attrs.evolve(made, decode=None)
+        # The layers' path with the head the fused step runs (on rounded
+        # activations where the variant has one, native_decode.decode_head).
+        layered = attrs.evolve(made, decode=None, head=made.decode_head or made.head)
         rng = random.Random(0)
         blocks = list(range(1, 40))
         rng.shuffle(blocks)
@@ -405,26 +407,19 @@ def test_a_verified_run_computes_bit_for_bit_what_one_token_steps_do(isas, check
         assert torch.equal(caches[0].key, caches[1].key) and torch.equal(caches[0].value, caches[1].value), isa
 
 
-def test_a_decode_steps_logits_do_not_depend_on_the_sequences_beside_them(isas, checkpoint, tmp_path, monkeypatch):
+def test_a_decode_steps_logits_do_not_depend_on_the_sequences_beside_them(isas, checkpoint, tmp_path):
     """On the int8 kernels (avx512vnni, avx2int8) a sequence's logits and
     cache in a decode step are the same bits alone, in a batch of 5 (the
-    row kernels) and in one of 12 (the panels), LM head included: how busy
-    the server is never changes a greedy token. The head is in Q8_0 groups,
-    as a GGUF file's (a float checkpoint's int8-per-channel head runs float32
-    activations, in bfloat16 or float32 panels from 10 rows)."""
-    from trioserve.engine.quant import load
-
+    row kernels) and in one of 12 (the panels), LM head included (in int8
+    groups of 32, as a GGUF file's and, since rtn_cache's format 3, a float
+    checkpoint's): how busy the server is never changes a greedy token."""
     variants = [isa for isa in INT8_ROWS if isa in isas]
     if not variants:
         pytest.skip("this CPU runs neither avx512vnni nor avx2int8")
-    def q8_0_head(cpu_paths, head, kernel):
-        dense = head if isinstance(head, torch.Tensor) else head.dequantize()
-        return int8_native.Int8GroupNativeLinear.over(quantize_int8_groups(dense, 32), kernel.isa)
-
-    monkeypatch.setattr(load, "_shared_head", q8_0_head)
     for isa in variants:
         model = _native_model(checkpoint, tmp_path, isa)
-        assert model._projections().decode_head is not None
+        made = model._projections()
+        assert isinstance(made.head, int8_native.Int8GroupNativeLinear) and made.decode_head is not None
         rng = random.Random(1)
         lengths = [rng.randrange(3, 12) for _ in range(12)]
         prompts = [[rng.randrange(3, 64) for _ in range(n)] for n in lengths]
@@ -651,8 +646,9 @@ def test_the_q8_0_rows_below_the_panels_round_as_documented_and_each_row_alone(i
     in GGUF's -127..127, a group of zeros. Each rounds the activations as
     its panels do: avx512vnni to int8 (csrc/rows_vnni.h, 16 channels a pass
     up to 8 rows, its panels from 9), avx2int8 to int16 (csrc/rows_avx2.h,
-    four channels a pass at one row, two at two, one from three). The
-    rounded rows' matmul, and every row exactly what it gives alone."""
+    four channels a pass at one and two rows, two at three and four, one
+    from five, 8 rows a pass). The rounded rows' matmul, and every row
+    exactly what it gives alone."""
     from trioserve.engine.quant.rtn import Int8GroupWeight
 
     if variant not in isas:
@@ -674,7 +670,7 @@ def test_the_q8_0_rows_below_the_panels_round_as_documented_and_each_row_alone(i
             assert torch.equal(got, alone), (k, rows)
 
 
-def test_a_decode_steps_lm_head_runs_int8_activations_and_a_prompts_the_wider_ones(isas):
+def test_a_decode_steps_lm_head_runs_rounded_activations_and_a_prompts_the_wider_ones(isas):
     """On avx512vnni the fused decode step's LM head (native_decode.decode_head)
     runs int8 activations at any batch size (its row kernels up to 8 rows,
     its panels from 9), on avx2int8 int16 ones (its row kernels below 10

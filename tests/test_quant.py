@@ -174,6 +174,17 @@ def test_a_float_checkpoint_quantizes_once_into_the_cache(tmp_path, scheme, grou
     ref, got, got_again = (prompt_logits(m.model, ids) for m in (float_model, quant, again))
     assert torch.equal(got, got_again)
     assert (got - ref).abs().max() <= (0.05 if scheme == "int8" else 0.25) * ref.abs().max()
+    # The untied LM head is kept in int8 groups of 32 (a step a group), each
+    # value within half its group's step; where the native int8 kernels run,
+    # the model runs those groups as they are.
+    head = dict(rtn_cache.read(entries[0]))["lm_head.weight"]
+    assert isinstance(head, rtn.Int8GroupWeight) and head.group_size == rtn_cache.HEAD_GROUP == 32
+    float_head = float_model.model.lm_head.detach().view(64, 2, 32)
+    error = (head.dequantize().view(64, 2, 32) - float_head).abs().amax(-1)
+    assert (error <= head.scale / 2 * (1 + 1e-5)).all()
+    made = quant.model._projections()
+    if any(pinned.works(f"quant_int8_native_{isa}") for isa in native.LINEAR_ISA_ORDER):
+        assert torch.equal(made.head.weight.q, head.q) and torch.equal(made.head.weight.scale, head.scale)
 
 
 def test_a_group_size_that_does_not_divide_a_dimension_is_refused_at_load(tmp_path):
@@ -237,6 +248,22 @@ def test_auto_takes_a_native_kernel_within_the_tie_of_a_faster_aten_one_at_the_m
             assert picked.kernel is aten4 and picked.small is native4 and picked.max_small_rows == 4
         else:
             assert picked.kernel is native4 and picked.small is None
+
+
+@pytest.mark.parametrize("scheme", ["int4", "int8"])
+def test_an_asked_scheme_takes_a_native_kernel_within_the_tie_of_a_faster_aten_one(monkeypatch, scheme):
+    """``--quantization int4|int8`` holds one kernel for every row; a native
+    one within ``NATIVE_TIE`` of a faster ATen one over the rows timed is
+    taken, for the fused decode step only it runs; slower by more, ATen's."""
+    bits = int(scheme[-1])
+    native = next(k for k in choose.KERNELS if k.family == f"native{bits}")
+    aten = next(k for k in choose.KERNELS if k.bits == bits and not k.family)
+    monkeypatch.setattr(choose, "candidates", lambda paths, scheme: [native, aten])
+    for native_total, taken in ((2.93, native), (2.92 * choose.NATIVE_TIE * 1.01, aten)):
+        timings = {native.name: (0.09, 0.12, 1.05, native_total - 1.26), aten.name: (0.16, 0.26, 0.84, 1.66)}
+        monkeypatch.setattr(choose, "measure", lambda kernels, shapes, group_size, t=timings: t)
+        picked = choose.choose_kernel(CpuPaths.detect(probes=()), scheme, [(64, 64)])
+        assert picked.kernel is taken and picked.small is None and picked.label == scheme, native_total
 
 
 def test_auto_holds_one_copy_when_the_tie_pick_is_nowhere_faster(monkeypatch):

@@ -240,24 +240,38 @@ def _in_native_groups(tensor: Tensor) -> Tensor:
 
 
 def _shared_head(cpu_paths: CpuPaths, head: Tensor, kernel: Kernel) -> Linear | None:
-    """A head stored as int8 in groups of 32 (GGUF's Q8_0) on the native
-    kernel (``kernel``'s variant where it is native, else the best here),
-    over the stored values themselves: nothing requantized, and a tied head
-    shares the embeddings' table. None where that does not run here."""
+    """The LM head in int8 groups of 32 (GGUF's Q8_0) on the native kernel
+    (``kernel``'s variant where it is native, else the best here). A head
+    stored so runs over the stored values themselves: nothing requantized,
+    and a tied head shares the embeddings' table. A float head (tied to
+    float embeddings) is rounded into such groups here, as rtn_cache keeps
+    an untied one: a step a group is finer than one a channel, and on
+    avx512vnni and avx2int8 a decode step's logits then have the same bits
+    at any batch size (an int8-per-channel head runs float32 activations,
+    in bfloat16 or float32 panels from 10 rows). None where that does not
+    run here, or for a head in another format (a 4-bit one)."""
+    isa = next(
+        (i for i in ((kernel.isa,) if kernel.isa else ()) + native.LINEAR_ISA_ORDER
+         if cpu_paths.works(f"quant_int8_native_{i}")),
+        None,
+    )
+    if isa is None:
+        return None
+    if isinstance(head, torch.Tensor) and head.shape[-1] % int8_native.GROUP == 0:
+        head = quantize_int8_groups(head, int8_native.GROUP, "lm_head.weight")
     if not isinstance(head, Int8GroupWeight) or head.group_size != int8_native.GROUP:
         return None
-    for isa in ((kernel.isa,) if kernel.isa else ()) + native.LINEAR_ISA_ORDER:
-        if cpu_paths.works(f"quant_int8_native_{isa}"):
-            return int8_native.Int8GroupNativeLinear.over(head, isa)
-    return None
+    return int8_native.Int8GroupNativeLinear.over(head, isa)
 
 
 def _eight_bit_kernel(cpu_paths: CpuPaths, kernel: Kernel) -> Kernel:
-    """The int8-per-channel kernel beside ``kernel``, for an LM head not in
-    Q8_0 groups (a fifth of the weights a decode step streams; a 4-bit head
-    moves logits more) and, without the native kernels, the projections a
-    file stores wider than 4 bits: ``kernel`` itself when it is 8-bit, else
-    the native int8 kernel of its variant, else the best int8 kernel here."""
+    """The int8-per-channel kernel beside ``kernel``, for an LM head that
+    _shared_head does not run (a fifth of the weights a decode step streams;
+    a 4-bit head moves logits more; without the native kernels a head in
+    groups is rounded per channel once more) and, without the native
+    kernels, the projections a file stores wider than 4 bits: ``kernel``
+    itself when it is 8-bit, else the native int8 kernel of its variant,
+    else the best int8 kernel here."""
     if kernel.bits == 8:
         return kernel
     sibling = f"quant_int8_native_{kernel.isa}"

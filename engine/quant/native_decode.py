@@ -143,16 +143,17 @@ def _bias(linear: NativeLinear) -> torch.Tensor:
 
 
 def decode_head(head: object) -> object | None:
-    """The LM head for a decode step's logits: ``head`` on int8 activations
-    at any batch size, where it is a native 4-bit or Q8_0 linear on a
-    variant that has them: avx512vnni's int8 panels (csrc/panel_vnni.h; 6
-    against 9 ms at 32 rows in bfloat16 panels) and, up to 8 rows, its row
-    kernels with the panels' bits (csrc/rows_vnni.h); avx2int8's int8
-    activations for a 4-bit head and int16 ones for a Q8_0 head, in panels
-    from 10 rows and below them row kernels with the panels' bits
-    (csrc/rows_avx2.h); else None (``head`` itself serves). A prompt's logits keep ``head``: float32
-    activations, from 10 rows in bfloat16 panels, or on AVX2 panels on
-    float32 activations (Q8_0) or int16 ones (4-bit; ``int4_native.call_isa``)."""
+    """The LM head for a decode step's logits: ``head`` on rounded
+    activations at any batch size, where it is a native 4-bit or Q8_0
+    linear on a variant that has them: avx512vnni's int8 panels
+    (csrc/panel_vnni.h; 6 against 9 ms at 32 rows in bfloat16 panels) and,
+    up to 8 rows, its row kernels with the panels' bits (csrc/rows_vnni.h);
+    avx2int8's int8 activations for a 4-bit head and int16 ones for a Q8_0
+    head, in panels from 10 rows and below them row kernels with the
+    panels' bits (csrc/rows_avx2.h); else None (``head`` itself serves). A
+    prompt's logits keep ``head``: float32 activations, from 10 rows in
+    bfloat16 panels, or on AVX2 panels on float32 activations (Q8_0) or
+    int16 ones (4-bit; ``int4_native.call_isa``)."""
     if isinstance(head, Int4NativeLinear | Int8GroupNativeLinear) and head.isa in _INT8_HEADS:
         return attrs.evolve(head, int8_panels=True)
     return None
