@@ -116,14 +116,17 @@ inline __m256i avx2_lane_sums(const __m256i (&p)[L]) {
 
 // The rows' step dx and step times rounded sum sx of every group (``step``:
 // [rows, groups, 2] from the pass's first row), 8 of each a group
-// (``table``: [groups, 2, 8]; rows past R zeros), read by every pass.
+// ([groups, 2, 8]; rows past R zeros), read by every pass: in the thread's
+// scratch (thread_scratch), which a row kernel's call holds nothing else in.
 template <int R>
-inline void row_steps(const float* step, int64_t groups, float* table) {
+inline float* row_steps(const float* step, int64_t groups) {
+  float* table = reinterpret_cast<float*>(thread_scratch(kScratchStage, groups * 16 * sizeof(float)));
   for (int64_t g = 0; g < groups; ++g)
     for (int r = 0; r < 8; ++r) {
       table[g * 16 + r] = r < R ? step[r * 2 * groups + 2 * g] : 0.f;
       table[g * 16 + 8 + r] = r < R ? step[r * 2 * groups + 2 * g + 1] : 0.f;
     }
+  return table;
 }
 
 // Adds one block to the pass's sums: ``dots[l]`` the block's int32 partial
@@ -196,11 +199,10 @@ inline void q4_channels_avx2_int8(const int8_t* qx, const float* steps, int64_t 
 template <int R>
 void q4_rows_avx2_int8(const QuantizedRows& xq, int64_t r0, int64_t k, const uint8_t* w, int64_t groups, int64_t n0,
                        int64_t n1, float* y, int64_t ldy) {
-  std::vector<float> steps(groups * 16);
-  row_steps<R>(xq.step.data() + r0 * groups * 2, groups, steps.data());
+  float* steps = row_steps<R>(xq.step.data() + r0 * groups * 2, groups);
   const int8_t* qx = xq.q.data() + r0 * k;
   in_passes<R>(n0, n1, [&](auto c_tag, int64_t n) {
-    q4_channels_avx2_int8<R, decltype(c_tag)::value>(qx, steps.data(), k, w, groups, n, y, ldy);
+    q4_channels_avx2_int8<R, decltype(c_tag)::value>(qx, steps, k, w, groups, n, y, ldy);
   });
 }
 
@@ -241,11 +243,10 @@ template <int R>
 void q8g_rows_avx2_i16(const RoundedRows16& xq, int64_t r0, int64_t k, const int8_t* w, const float* scale,
                        int64_t n0, int64_t n1, float* y, int64_t ldy) {
   const int64_t groups = k / kGroup;
-  std::vector<float> steps(groups * 16);
-  row_steps<R>(xq.step.data() + r0 * groups * 2, groups, steps.data());
+  float* steps = row_steps<R>(xq.step.data() + r0 * groups * 2, groups);
   const int16_t* qx = xq.q.data() + r0 * k;
   in_passes<R>(n0, n1, [&](auto c_tag, int64_t n) {
-    q8g_channels_avx2_i16<R, decltype(c_tag)::value>(qx, steps.data(), k, w, scale, n, y, ldy);
+    q8g_channels_avx2_i16<R, decltype(c_tag)::value>(qx, steps, k, w, scale, n, y, ldy);
   });
 }
 
