@@ -284,6 +284,16 @@ def _fastest(kernels: Sequence[Kernel], cost: Callable[[Kernel], float]) -> Kern
     return best
 
 
+def _native_within_tie(fits: Sequence[Kernel], picked: Kernel, cost: Callable[[Kernel], float]) -> Kernel:
+    """``picked``, or the fastest native kernel of ``fits`` by ``cost`` where
+    ``picked`` is not native and that one costs at most NATIVE_TIE times it."""
+    natives = [k for k in fits if k.family]
+    if not natives or picked.family:
+        return picked
+    native = _fastest(natives, cost)
+    return native if cost(native) <= NATIVE_TIE * cost(picked) else picked
+
+
 def choose_kernel(
     cpu_paths: CpuPaths, scheme: str, shapes: Sequence[tuple[int, int]], group_size: int = 32
 ) -> KernelChoice:
@@ -306,21 +316,12 @@ def choose_kernel(
         # 4-bit kernel summed 2.92 ms against the native one's 2.93, and
         # SmolLM2 from float safetensors quantized to int4 then decoded one
         # stream at 14.2-14.6 ms a step, against 6.2-7.1 on the native one.
-        natives = [k for k in fits if k.family]
-        if natives and not best.family:
-            native = _fastest(natives, lambda k: sum(timings[k.name]))
-            if sum(timings[native.name]) <= NATIVE_TIE * sum(timings[best.name]):
-                choice = attrs.evolve(choice, kernel=native)
-        return choice
+        return attrs.evolve(choice, kernel=_native_within_tie(fits, best, lambda k: sum(timings[k.name])))
     # "auto" may hold the weights twice: the fastest kernel at one row for
     # the rows where it wins, the fastest at the most rows above that.
     by_rows = {rows: _fastest(fits, lambda k: timings[k.name][i]) for i, rows in enumerate(MEASURE_ROWS)}
     small, large = by_rows[MEASURE_ROWS[0]], by_rows[MEASURE_ROWS[-1]]
-    natives = [k for k in fits if k.family]
-    if natives and not large.family:
-        native_large = _fastest(natives, lambda k: timings[k.name][-1])
-        if timings[native_large.name][-1] <= NATIVE_TIE * timings[large.name][-1]:
-            large = native_large
+    large = _native_within_tie(fits, large, lambda k: timings[k.name][-1])
     # A native kernel runs every row: the fused decode step (native_decode)
     # takes a batch only where all its projections run natively, and at one
     # row that step saves more than the one-layer matmul differences timed
