@@ -287,6 +287,55 @@ def test_from_many_rows_a_call_without_panels_runs_the_gemm_over_the_dequantized
                 assert_matches(linear.from_rtn(held, b, isa)(x), x, held.dequantize(), b, isa, bits=bits)
 
 
+@given(st.integers(1, 4), st.integers(1, 3), st.integers(0, 2**31 - 1))
+@settings(max_examples=20, deadline=None)
+def test_lanes_blocks_are_a_permutation_of_the_blocks(panels, groups, seed):
+    blocks = torch.randint(0, 256, (16 * panels, groups, 20), dtype=torch.uint8,
+                           generator=torch.Generator().manual_seed(seed))
+    lanes = int4_native.to_lanes(blocks)
+    assert lanes.shape == (panels, groups, int4_native.LANES_BLOCK_BYTES)
+    assert torch.equal(int4_native.from_lanes(lanes), blocks)
+    assert torch.equal(lanes.flatten().sort().values, blocks.flatten().sort().values)
+
+
+def test_avx2int8_holds_4_bit_weights_as_lanes_blocks_with_the_blocks_bits(isas):
+    """avx2int8 keeps a 4-bit matrix of whole panels of 16 channels as lanes
+    blocks (csrc/lanes_avx2.h: the same bytes, channels in the vector lanes),
+    and every call gives the bits the kernels over GGUF's blocks give: its
+    int8 kernels at every row count (rows_avx2.h's below 10 rows, the
+    panels' from 10), and the int16 panels a prompt's rows take from the
+    layers (isa avx2 from 10 rows). Where the channels are no whole panels
+    the blocks stay as they are. The layout is in the shape, and a kernel
+    that cannot read lanes blocks refuses them."""
+    if "avx2int8" not in isas:
+        pytest.skip(f"this CPU cannot run avx2int8 ({native.ISA_REQUIREMENTS['avx2int8']})")
+    gen = torch.Generator().manual_seed(11)
+    ops, int8, avx2 = native.ops(), native.ISAS["avx2int8"], native.ISAS["avx2"]
+    for out, k in ((16, 32), (48, 96), (64, 1536)):
+        q4 = quantize_int4(torch.randn(out, k, generator=gen), 32)
+        linear = int4_native.Int4NativeLinear.from_rtn(q4, None, "avx2int8")
+        blocks = int4_native.pack_blocks(q4)
+        assert linear.blocks.shape == (out // 16, k // 32, 320) and linear.nbytes == blocks.numel()
+        assert torch.equal(linear.row_blocks(), blocks)
+        x = torch.randn(40, k, generator=gen)
+        x[3, :32] = 0.0
+        for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, PANEL_FROM_ROWS, 13, 40):
+            got = ops.q4_linear(x[:rows], linear.blocks, int8)
+            assert torch.equal(got, ops.q4_linear(x[:rows], blocks, int8)), (out, k, rows)
+            # The model's layers: int8 below 10 rows, the int16 panels from there.
+            assert torch.equal(linear(x[:rows]), attrs.evolve(linear, blocks=blocks)(x[:rows])), (out, k, rows)
+        for rows in (PANEL_FROM_ROWS, 40):
+            assert torch.equal(ops.q4_linear(x[:rows], linear.blocks, avx2), ops.q4_linear(x[:rows], blocks, avx2))
+        assert ops.q4_linear(x[:0], linear.blocks, int8).shape == (0, out)
+    kept = int4_native.Int4NativeLinear.from_rtn(quantize_int4(torch.randn(40, 64, generator=gen), 32), None, "avx2int8")
+    assert kept.blocks.shape == (40, 2, 20)  # 16 + 16 + 8 channels: no whole panels
+    lanes = int4_native.Int4NativeLinear.from_rtn(quantize_int4(torch.randn(32, 64, generator=gen), 32), None, "avx2int8")
+    with pytest.raises(RuntimeError, match="lanes blocks run on isa 2 .avx2int8., or 1 .avx2. from 10 rows; not isa 1 at 3 rows"):
+        ops.q4_linear(torch.randn(3, 64), lanes.blocks, avx2)
+    with pytest.raises(RuntimeError, match=r"blocks must be uint8 \[out, in / 32, 20\], or lanes blocks"):
+        ops.q4_linear(torch.randn(3, 64), lanes.blocks[..., :300], int8)
+
+
 def test_a_variant_the_cpu_lacks_or_a_bad_shape_is_refused(isas):
     q = quantize_int4(torch.randn(8, 64), 32)
     linear = int4_native.Int4NativeLinear.from_rtn(q, None, "scalar")

@@ -91,7 +91,8 @@ def _native(bits: int, isa: str, what: str) -> Kernel:
     # in decode steps at any batch size (csrc/panel_vnni.h's panels at every
     # row count; int4_native.call_isa); its kernels of int8 per
     # channel run as avx512bf16's. avx2int8 does the same on AVX2
-    # (csrc/panel_avx2.h, csrc/rows_avx2.h), its other kernels running as avx2's.
+    # (csrc/lanes_avx2.h, csrc/panel_avx2.h, csrc/rows_avx2.h), its other
+    # kernels running as avx2's.
     # Called from the model's layers (a prompt), the VNNI variant's run
     # bfloat16 panels from 10 rows, avx2int8's avx2's: 4-bit panels on
     # activations rounded to int16 in groups of 32 (csrc/panel_avx2_int16.h).

@@ -11,6 +11,11 @@ to int8 in groups of 32 in decode steps on ``avx512vnni`` and ``avx2int8``,
 to bfloat16 in the panels of ``avx512bf16``, and to int16 in groups of 32
 in the panels of ``avx2`` (``call_isa``).
 
+On ``avx2int8`` a matrix of whole panels of 16 channels is held as lanes
+blocks instead (``to_lanes``: the same bytes, each block's nibbles with 8
+channels in a vector's lanes), which its kernels read as they lie at every
+row count (csrc/lanes_avx2.h); the kernels tell the layouts by shape.
+
 On a CPU with AMX tiles torch's bfloat16 GEMM (oneDNN) runs several times
 faster than the bfloat16 panels: there a linear with ``gemm_from_rows``
 runs calls of that many rows or more (a prompt's, through the model's
@@ -115,10 +120,48 @@ def pack_blocks(weight: Int4Weight) -> torch.Tensor:
     return blocks
 
 
+# Lanes blocks (csrc/lanes_avx2.h): avx2int8's 4-bit weights with 16
+# channels a panel in the lanes, as many bytes as the blocks.
+LANES_CHANNELS = 16
+LANES_BLOCK_BYTES = LANES_CHANNELS * BLOCK_BYTES
+
+
+def lanes_layout(isa: int, out: int) -> bool:
+    """Whether a 4-bit matrix of ``out`` channels for variant ``isa`` is
+    stored as lanes blocks: on ``avx2int8``, where its decode steps then
+    read the weights as they lie (no sums across lanes, no panels staged
+    each call: csrc/lanes_avx2.h), for whole panels of 16 channels."""
+    return isa == _AVX2_INT8 and out % LANES_CHANNELS == 0
+
+
+def to_lanes(blocks: torch.Tensor) -> torch.Tensor:
+    """Blocks ``[out, in // 32, 20]`` (``out`` a multiple of 16) as lanes
+    blocks ``[out // 16, in // 32, 320]``: per panel of 16 channels and
+    block, for q = 0..3 and each half v of the channels, channel 8v + c's
+    nibble bytes 4q..4q+3 at 4c; then the 16 d, then the 16 m (float16)."""
+    out, groups, _ = blocks.shape
+    panels = out // LANES_CHANNELS
+    by_panel = blocks.view(panels, 2, 8, groups, BLOCK_BYTES)
+    nibbles = by_panel[..., 4:].reshape(panels, 2, 8, groups, 4, 4).permute(0, 3, 4, 1, 2, 5)
+    scales = by_panel[..., :4].reshape(panels, LANES_CHANNELS, groups, 2, 2).permute(0, 2, 3, 1, 4)
+    return torch.cat([nibbles.reshape(panels, groups, -1), scales.reshape(panels, groups, -1)], dim=2).contiguous()
+
+
+def from_lanes(lanes: torch.Tensor) -> torch.Tensor:
+    """``to_lanes``'s inverse: the blocks ``[out, in // 32, 20]``."""
+    panels, groups, _ = lanes.shape
+    nibbles = lanes[..., :256].reshape(panels, groups, 4, 2, 8, 4).permute(0, 3, 4, 1, 2, 5)
+    scales = lanes[..., 256:].reshape(panels, groups, 2, LANES_CHANNELS, 2).permute(0, 3, 1, 2, 4)
+    out = panels * LANES_CHANNELS
+    return torch.cat([scales.reshape(out, groups, 4), nibbles.reshape(out, groups, 16)], dim=2).contiguous()
+
+
 @attrs.frozen
 class Int4NativeLinear:
     """``x @ W.T + bias`` with ``W`` in 4-bit blocks, on one ISA variant of the native kernel."""
 
+    # Blocks ``[out, in // 32, 20]``, or lanes blocks ``[out // 16, in // 32,
+    # 320]`` where ``lanes_layout`` says (the kernels tell them by shape).
     blocks: torch.Tensor
     bias: torch.Tensor | None
     in_features: int
@@ -136,17 +179,22 @@ class Int4NativeLinear:
     @classmethod
     def from_rtn(cls, weight: Int4Weight, bias: torch.Tensor | None, isa: str) -> Int4NativeLinear:
         out, k = weight.q.shape
-        return cls(pack_blocks(weight), bias, k, out, native.ISAS[isa], native.ops())
+        blocks, index = pack_blocks(weight), native.ISAS[isa]
+        return cls(to_lanes(blocks) if lanes_layout(index, out) else blocks, bias, k, out, index, native.ops())
 
     @property
     def nbytes(self) -> int:
         return self.blocks.numel()
 
+    def row_blocks(self) -> torch.Tensor:
+        """The weights as blocks ``[out, in // 32, 20]``, whichever layout they are held in."""
+        return from_lanes(self.blocks) if self.blocks.shape[2] == LANES_BLOCK_BYTES else self.blocks
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if dequantizes(self.isa, x.shape[0]):
-            return F.linear(x, self.ops.q4_dequantize(self.blocks), self.bias)  # type: ignore[attr-defined]
+            return F.linear(x, self.ops.q4_dequantize(self.row_blocks()), self.bias)  # type: ignore[attr-defined]
         if self.gemm_from_rows is not None and x.shape[0] >= self.gemm_from_rows and not self.int8_panels:
-            y = bf16_gemm(x, self.ops.q4_dequantize_bf16(self.blocks))  # type: ignore[attr-defined]
+            y = bf16_gemm(x, self.ops.q4_dequantize_bf16(self.row_blocks()))  # type: ignore[attr-defined]
             return y if self.bias is None else y.add_(self.bias)
         isa = self.isa if self.int8_panels else call_isa(self.isa, x.shape[0])
         y = self.ops.q4_linear(x, self.blocks, isa)  # type: ignore[attr-defined]

@@ -388,18 +388,22 @@ enum Part : int64_t {
   kParts
 };
 
+// A linear weight's output channels, in either 4-bit layout or int8.
+int64_t out_channels(const torch::Tensor& w) { return w.dim() == 3 ? q4_out(w) : w.size(0); }
+
 struct Linear {
-  // uint8 [out, in / 32, 20] 4-bit blocks, or int8 [out, in] with a float32
+  // uint8 [out, in / 32, 20] 4-bit blocks (or [out / 16, in / 32, 320]
+  // lanes blocks: lanes_avx2.h), or int8 [out, in] with a float32
   // scale per channel ([out]) or per group of 32 inputs ([out, in / 32]:
   // GGUF's Q8_0, what a file's wider matrices are held in)
   const torch::Tensor& weight;
   const torch::Tensor& scale;
   const torch::Tensor& bias;
 
-  int64_t out() const { return weight.size(0); }
+  int64_t out() const { return out_channels(weight); }
 
   void operator()(const float* x, int64_t rows, int64_t k, float* y, int64_t isa) const {
-    if (weight.dim() == 3) q4_matmul(x, rows, k, weight.data_ptr<uint8_t>(), out(), y, isa);
+    if (weight.dim() == 3) q4_blocks_matmul(x, rows, k, weight, y, isa);
     else if (scale.dim() == 2) q8g_matmul(x, rows, k, weight.data_ptr<int8_t>(), scale.data_ptr<float>(), out(), y, isa);
     else q8_matmul(x, rows, k, weight.data_ptr<int8_t>(), scale.data_ptr<float>(), out(), y, isa);
     if (bias.numel() == 0) return;
@@ -412,8 +416,8 @@ struct Linear {
 void check_linear(const torch::Tensor& w, const torch::Tensor& scale, const torch::Tensor& bias, int64_t in,
                   const char* what) {
   if (w.dim() == 3) {
-    TORCH_CHECK(w.scalar_type() == at::kByte && w.size(2) == kBlockBytes && w.size(1) * kGroup == in, what,
-                ": 4-bit blocks must be uint8 [out, ", in / kGroup, ", 20]");
+    TORCH_CHECK(is_q4_blocks(w) && w.size(1) * kGroup == in, what, ": 4-bit blocks must be uint8 [out, ",
+                in / kGroup, ", 20] or lanes blocks [out / 16, ", in / kGroup, ", 320]");
   } else {
     TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.size(1) == in, what, ": int8 weight must be [out, ",
                 in, "]");
@@ -423,7 +427,7 @@ void check_linear(const torch::Tensor& w, const torch::Tensor& scale, const torc
                 ": scale must be float32 [out] or [out, in / 32]");
   }
   TORCH_CHECK(w.is_contiguous() && scale.is_contiguous() && bias.is_contiguous(), what, ": tensors must be contiguous");
-  TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == at::kFloat && bias.numel() == w.size(0)), what,
+  TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == at::kFloat && bias.numel() == out_channels(w)), what,
               ": bias must be float32 [out]");
 }
 
@@ -519,7 +523,7 @@ torch::Tensor decode_impl(const torch::Tensor& hidden, const std::vector<torch::
   const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim;
   const int64_t qkv_out = q_width + 2 * kv_width;
   const int64_t layer_stride = key_cache.stride(0);
-  const int64_t inter = weights[kGateUp].size(0) / 2;
+  const int64_t inter = out_channels(weights[kGateUp]) / 2;
 
   torch::Tensor residual = hidden.clone();
   auto buffer = [&](int64_t n) { return torch::empty({rows, n}, hidden.options()); };
@@ -615,11 +619,12 @@ torch::Tensor decode_layers(const torch::Tensor& hidden, std::vector<torch::Tens
     const torch::Tensor* w = weights.data() + l * kParts;
     TORCH_CHECK(w[kInputNorm].numel() == dim && w[kPostNorm].numel() == dim, "decode_layers: norm weights");
     check_linear(w[kQkv], w[kQkvScale], w[kQkvBias], dim, "decode_layers qkv");
-    TORCH_CHECK(w[kQkv].size(0) == q_width + 2 * kv_width, "decode_layers: qkv rows");
+    TORCH_CHECK(out_channels(w[kQkv]) == q_width + 2 * kv_width, "decode_layers: qkv rows");
     check_linear(w[kO], w[kOScale], w[kOBias], q_width, "decode_layers o");
     check_linear(w[kGateUp], w[kGateUpScale], torch::Tensor(), dim, "decode_layers gate_up");
-    check_linear(w[kDown], w[kDownScale], torch::Tensor(), w[kGateUp].size(0) / 2, "decode_layers down");
-    TORCH_CHECK(w[kO].size(0) == dim && w[kDown].size(0) == dim && w[kGateUp].size(0) == weights[kGateUp].size(0),
+    check_linear(w[kDown], w[kDownScale], torch::Tensor(), out_channels(w[kGateUp]) / 2, "decode_layers down");
+    TORCH_CHECK(out_channels(w[kO]) == dim && out_channels(w[kDown]) == dim &&
+                    out_channels(w[kGateUp]) == out_channels(weights[kGateUp]),
                 "decode_layers: layer ", l, " shapes");
   }
   switch (key_cache.scalar_type()) {

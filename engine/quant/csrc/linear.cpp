@@ -2,7 +2,7 @@
 // inside on some variants: to int8 in decode steps, to bfloat16 or int16 in
 // the panels; kernels.h):
 //
-//   trioserve::q4_linear(x, blocks, isa)        4-bit groups of 32, w = q * d + m
+//   trioserve::q4_linear(x, blocks, isa)        4-bit groups of 32, w = q * d + m (either layout: lanes_avx2.h)
 //   trioserve::q8_linear(x, q, scale, isa)      int8 per output channel, w = q * scale
 //   trioserve::q8g_linear(x, q, scale, isa)     int8 in groups of 32 (GGUF's Q8_0), w = q * scale[group]
 //   trioserve::q4_dequantize(blocks)            4-bit groups to a float32 matrix (q4_dequantize_bf16: bfloat16)
@@ -34,14 +34,14 @@ using namespace trioserve_native;
 torch::Tensor q4_linear(const torch::Tensor& x_in, const torch::Tensor& blocks_in, int64_t isa) {
   check_isa(isa);
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2, "q4_linear: x must be float32 [rows, in]");
-  TORCH_CHECK(blocks_in.scalar_type() == at::kByte && blocks_in.dim() == 3 && blocks_in.size(2) == kBlockBytes,
-              "q4_linear: blocks must be uint8 [out, in / 32, 20]");
+  TORCH_CHECK(is_q4_blocks(blocks_in),
+              "q4_linear: blocks must be uint8 [out, in / 32, 20], or lanes blocks [out / 16, in / 32, 320]");
   TORCH_CHECK(x_in.size(1) == blocks_in.size(1) * kGroup, "q4_linear: x has ", x_in.size(1), " inputs, the weight ",
               blocks_in.size(1) * kGroup);
   const torch::Tensor x = x_in.contiguous();
   const torch::Tensor blocks = blocks_in.contiguous();
-  torch::Tensor y = torch::empty({x.size(0), blocks.size(0)}, x.options());
-  q4_matmul(x.data_ptr<float>(), x.size(0), x.size(1), blocks.data_ptr<uint8_t>(), blocks.size(0), y.data_ptr<float>(), isa);
+  torch::Tensor y = torch::empty({x.size(0), q4_out(blocks)}, x.options());
+  q4_blocks_matmul(x.data_ptr<float>(), x.size(0), x.size(1), blocks, y.data_ptr<float>(), isa);
   return y;
 }
 

@@ -154,6 +154,8 @@ inline void panel_matmul_avx2(const float* x, int64_t rows, int64_t k, int64_t o
 //
 // A row's sums run per row and channel, block after block, the same at any
 // row count: below kPanelFromRows the row kernel runs the same operations.
+// Weights held as lanes blocks (lanes_avx2.h) skip these panels: they are
+// in the lanes already.
 
 // 12 int16 sums, 2 weight vectors and a broadcast in the block's loop (the
 // float32 accumulators wait in memory between blocks): 1.25-1.35x the tiles
@@ -276,9 +278,10 @@ __attribute__((target("avx2,fma,f16c"))) void tile_avx2_int8(const QuantizedRows
 // or Q8_0's int8 values), the rows in blocks of ``row_bytes_an_input``
 // bytes an input: each panel's 16 channels staged (vnni_staged: one
 // contiguous copy, the next panel's rows fetched meanwhile) and decoded a
-// group of 32 inputs at a time, ``decode(rows, n, live, b, v, block)`` for
-// the 8 channels from n (``rows``: the first one's staged row, the others
-// ``row_bytes`` apart) into blocks of ``block_bytes``; then ``tile(R, r0,
+// group of 32 inputs at a time, ``decode(panel, n, live, b, v, block)`` for
+// vector v's 8 channels from n (``panel``: the panel's staged bytes, its
+// first channel's row first, the others ``row_bytes`` apart) into blocks of
+// ``block_bytes``; then ``tile(R, r0,
 // n, channels, panel)`` for the block's rows in tiles of T.
 template <int T, typename Decode, typename Tile>
 inline void panels_avx2(int64_t rows, int64_t k, const uint8_t* w, int64_t row_bytes, int64_t out,
@@ -292,8 +295,7 @@ inline void panels_avx2(int64_t rows, int64_t k, const uint8_t* w, int64_t row_b
     const uint8_t* rows_of = vnni_staged(w, row_bytes, out, n, channels, stage);
     for (int64_t g = 0; g < groups; ++g)
       for (int v = 0; v < kAvx2PanelVectors; ++v)
-        decode(rows_of + 8 * v * row_bytes, n + 8 * v, std::clamp<int64_t>(channels - 8 * v, 0, 8), g, v,
-               panel + g * block_bytes);
+        decode(rows_of, n + 8 * v, std::clamp<int64_t>(channels - 8 * v, 0, 8), g, v, panel + g * block_bytes);
     over_tiles<T>(block, [&](auto r_tag, int64_t r0) { tile(r_tag, b0 + r0, n, channels, panel); });
   });
 }
@@ -306,8 +308,8 @@ inline void q4_matmul_avx2_int8(const float* x, int64_t rows, int64_t k, const u
   const int64_t row_bytes = groups * kBlockBytes;
   panels_avx2<kAvx2Int8TileRows>(
       rows, k, w, row_bytes, out, 1, kAvx2Int8BlockBytes,
-      [&](const uint8_t* rows_of, int64_t, int64_t live, int64_t b, int v, uint8_t* block) {
-        avx2_decode_q4_int8(rows_of, row_bytes, live, b, v, block);
+      [&](const uint8_t* panel, int64_t, int64_t live, int64_t b, int v, uint8_t* block) {
+        avx2_decode_q4_int8(panel + 8 * v * row_bytes, row_bytes, live, b, v, block);
       },
       [&](auto r_tag, int64_t r0, int64_t n, int64_t channels, const uint8_t* panel) {
         tile_avx2_int8<decltype(r_tag)::value>(xq, r0, k, panel, groups, y + r0 * out + n, out, channels);

@@ -178,8 +178,8 @@ inline void q4_matmul_avx2_i16(const float* x, int64_t rows, int64_t k, const ui
   const RoundedRows16 xq = round_rows_i16(x, rows, k);
   panels_avx2<kAvx2I16TileRows>(
       rows, k, w, row_bytes, out, 2, kAvx2I16BlockBytes,
-      [&](const uint8_t* rows_of, int64_t, int64_t live, int64_t b, int v, uint8_t* block) {
-        avx2_decode_q4_i16(rows_of, row_bytes, live, b, v, block);
+      [&](const uint8_t* panel, int64_t, int64_t live, int64_t b, int v, uint8_t* block) {
+        avx2_decode_q4_i16(panel + 8 * v * row_bytes, row_bytes, live, b, v, block);
       },
       [&](auto r_tag, int64_t r0, int64_t n, int64_t channels, const uint8_t* panel) {
         tile_avx2_i16<decltype(r_tag)::value, true>(xq, r0, k, panel, groups, y + r0 * out + n, out, channels);
@@ -199,8 +199,8 @@ inline void q8g_matmul_avx2_i16(const float* x, int64_t rows, int64_t k, const i
   const RoundedRows16 xq = round_rows_i16(x, rows, k);
   panels_avx2<kAvx2I16TileRows>(
       rows, k, reinterpret_cast<const uint8_t*>(w), k, out, 2, kAvx2I16BlockBytes,
-      [&](const uint8_t* rows_of, int64_t n, int64_t live, int64_t b, int v, uint8_t* block) {
-        avx2_decode_q8_i16(reinterpret_cast<const int8_t*>(rows_of), k, scale + n * groups, live, b, v, block);
+      [&](const uint8_t* panel, int64_t n, int64_t live, int64_t b, int v, uint8_t* block) {
+        avx2_decode_q8_i16(reinterpret_cast<const int8_t*>(panel + 8 * v * k), k, scale + n * groups, live, b, v, block);
       },
       [&](auto r_tag, int64_t r0, int64_t n, int64_t channels, const uint8_t* panel) {
         tile_avx2_i16<decltype(r_tag)::value, false>(xq, r0, k, panel, groups, y + r0 * out + n, out, channels);

@@ -19,6 +19,10 @@
 // is bit for bit the panels', whichever kernel its call's row count takes.
 // The weights are read where they lie, up to 8 rows and several channels a
 // pass (kAvx2RowChannels), the pass after next fetched ahead.
+//
+// A 4-bit matrix of whole panels of 16 channels is held as lanes blocks on
+// avx2int8 (lanes_avx2.h), whose one kernel runs every row count with these
+// bits and no sums across lanes; the 4-bit kernel here serves the others.
 
 #pragma once
 
