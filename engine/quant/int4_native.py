@@ -124,6 +124,7 @@ def pack_blocks(weight: Int4Weight) -> torch.Tensor:
 # channels a panel in the lanes, as many bytes as the blocks.
 LANES_CHANNELS = 16
 LANES_BLOCK_BYTES = LANES_CHANNELS * BLOCK_BYTES
+LANES_NIBBLE_BYTES = LANES_CHANNELS * GROUP // 2  # then the 16 d and 16 m
 
 
 def lanes_layout(isa: int, out: int) -> bool:
@@ -150,8 +151,8 @@ def to_lanes(blocks: torch.Tensor) -> torch.Tensor:
 def from_lanes(lanes: torch.Tensor) -> torch.Tensor:
     """``to_lanes``'s inverse: the blocks ``[out, in // 32, 20]``."""
     panels, groups, _ = lanes.shape
-    nibbles = lanes[..., :256].reshape(panels, groups, 4, 2, 8, 4).permute(0, 3, 4, 1, 2, 5)
-    scales = lanes[..., 256:].reshape(panels, groups, 2, LANES_CHANNELS, 2).permute(0, 3, 1, 2, 4)
+    nibbles = lanes[..., :LANES_NIBBLE_BYTES].reshape(panels, groups, 4, 2, 8, 4).permute(0, 3, 4, 1, 2, 5)
+    scales = lanes[..., LANES_NIBBLE_BYTES:].reshape(panels, groups, 2, LANES_CHANNELS, 2).permute(0, 3, 1, 2, 4)
     out = panels * LANES_CHANNELS
     return torch.cat([scales.reshape(out, groups, 4), nibbles.reshape(out, groups, 16)], dim=2).contiguous()
 
