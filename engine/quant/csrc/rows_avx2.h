@@ -85,10 +85,26 @@ struct Lanes {
     return _mm256_setr_epi32(2 * channel(0) + s, 2 * channel(1) + s, 2 * channel(2) + s, 2 * channel(3) + s,
                              2 * channel(4) + s, 2 * channel(5) + s, 2 * channel(6) + s, 2 * channel(7) + s);
   }
-  static __m256i channels_apart(int64_t stride) {  // each lane's channel times ``stride``
-    const __m256i lanes = _mm256_setr_epi32(channel(0), channel(1), channel(2), channel(3), channel(4), channel(5),
-                                            channel(6), channel(7));
-    return _mm256_mullo_epi32(lanes, _mm256_set1_epi32(int32_t(stride)));
+  // The channels' values (``values``: channel c's at element c * stride)
+  // in their lanes: one broadcast for one channel, else C loads and a
+  // permutation. A gather (VGATHERDPS) did this before, one a block and
+  // pass: the default model's Q8_0 head (one channel a pass from 5 rows)
+  // took 2.44-2.45 ms at 5 rows and 3.34-3.44 at 8, now 2.06-2.10 and
+  // 2.74-2.87 (the AMX Xeon held to AVX2, 2 threads).
+  static __m256 of_channels(const float* values, int64_t stride) {
+    if constexpr (C == 1) {
+      return _mm256_broadcast_ss(values);
+    } else {
+      static_assert(C == 2 || C == 4);
+      // In registers: four stores and a wider load would stall on forwarding.
+      const __m128 pairs = _mm_unpacklo_ps(_mm_load_ss(values), _mm_load_ss(values + stride));
+      __m128 first = pairs;
+      if constexpr (C == 4)
+        first = _mm_movelh_ps(pairs, _mm_unpacklo_ps(_mm_load_ss(values + 2 * stride), _mm_load_ss(values + 3 * stride)));
+      return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(first),
+                                      _mm256_setr_epi32(channel(0), channel(1), channel(2), channel(3), channel(4),
+                                                        channel(5), channel(6), channel(7)));
+    }
   }
   // The rows' values (``rows``: row r's at element r) in their lanes.
   static __m256 of_rows(const float* rows) {
@@ -219,12 +235,11 @@ inline void q8g_channels_avx2_i16(const int16_t* qx, const float* steps, int64_t
                                   const float* scale, int64_t n, float* y, int64_t ldy) {
   constexpr int L = R * C;
   const int64_t groups = k / kGroup;
-  const __m256i scales_apart = Lanes<R, C>::channels_apart(groups);  // a lane's channel's scales
   __m256 acc = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     fetch_pass_ahead(w + n * k, C * k, g, C * kGroup);
     const __m256 dx = Lanes<R, C>::of_rows(steps + g * 16);
-    const __m256 d = _mm256_i32gather_ps(scale + n * groups + g, scales_apart, 4);  // each lane's channel's d
+    const __m256 d = Lanes<R, C>::of_channels(scale + n * groups + g, groups);  // each lane's channel's d
     __m256i dots[L];
     for (int c = 0; c < C; ++c) {
       const int8_t* q = w + (n + c) * k + g * kGroup;
