@@ -97,9 +97,7 @@ inline void tile_lanes_avx2(const int8_t* qx, const float* step, int64_t k, cons
       for (int r = 0; r < R; ++r) {
         const __m256 dx = _mm256_set1_ps(step[(r * groups + b) * 2]);
         const __m256 sx = _mm256_set1_ps(step[(r * groups + b) * 2 + 1]);
-        const __m256 s = _mm256_cvtepi32_ps(_mm256_madd_epi16(dot[r][v], ones));
-        acc[r][v] = _mm256_fmadd_ps(s, _mm256_mul_ps(d, dx), acc[r][v]);
-        acc[r][v] = _mm256_fmadd_ps(m, sx, acc[r][v]);
+        acc[r][v] = add_scaled_dot_avx2<true>(acc[r][v], _mm256_madd_epi16(dot[r][v], ones), d, dx, m, sx);
       }
     }
   }

@@ -209,11 +209,26 @@ __attribute__((target("avx2,fma,f16c"))) inline void avx2_decode_q4_int8(const u
   words_to_lanes_avx2(hi, v, block + 4 * kAvx2PanelVectors * 32);
 }
 
+// One block's exact int32 dots ``dot`` (8 lanes: channels, or a row
+// kernel's rows x channels) into ``acc``: the dot times d dx, then, with
+// ``Offset``, m times the row's step times its rounded sum (``sx``). Every
+// avx2int8 kernel of weights in groups of 32 (these panels, the row
+// kernels of rows_avx2.h, the lanes kernel of lanes_avx2.h) applies its
+// scales through this, so a row's bits are the same whichever runs it.
+template <bool Offset>
+__attribute__((target("avx2,fma"))) inline __m256 add_scaled_dot_avx2(__m256 acc, __m256i dot, __m256 d, __m256 dx,
+                                                                     __m256 m, __m256 sx) {
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, dx), acc);
+  if constexpr (Offset) acc = _mm256_fmadd_ps(m, sx, acc);
+  return acc;
+}
+
 // A block's exact int32 sums of R rows by a panel's 16 channels into the
-// float32 accumulators: d (``dm``: the block's d, then its m, per channel)
-// times each row's step dx, plus (``Offset``: the weights have an m, as
-// 4-bit blocks do and Q8_0 ones do not) m times the row's rounded sum
-// (``step``: the rows' dx and rounded sums, [rows, groups, 2] from row r0).
+// float32 accumulators (add_scaled_dot_avx2): d (``dm``: the block's d,
+// then its m, per channel) times each row's step dx, plus (``Offset``: the
+// weights have an m, as 4-bit blocks do and Q8_0 ones do not) m times the
+// row's rounded sum (``step``: the rows' dx and rounded sums, [rows,
+// groups, 2] from row r0).
 template <int R, bool Offset = true>
 __attribute__((target("avx2,fma"))) inline void add_scaled_block_avx2(const __m256i (&sums)[R][kAvx2PanelVectors],
                                                                     const float* dm, const float* step,
@@ -223,9 +238,9 @@ __attribute__((target("avx2,fma"))) inline void add_scaled_block_avx2(const __m2
     const __m256 dx = _mm256_set1_ps(step[(r * groups + b) * 2]);
     const __m256 sx = _mm256_set1_ps(step[(r * groups + b) * 2 + 1]);
     for (int v = 0; v < kAvx2PanelVectors; ++v) {
-      const __m256 s = _mm256_cvtepi32_ps(sums[r][v]);
-      acc[r][v] = _mm256_fmadd_ps(s, _mm256_mul_ps(_mm256_loadu_ps(dm + 8 * v), dx), acc[r][v]);
-      if constexpr (Offset) acc[r][v] = _mm256_fmadd_ps(_mm256_loadu_ps(dm + kAvx2PanelChannels + 8 * v), sx, acc[r][v]);
+      const __m256 d = _mm256_loadu_ps(dm + 8 * v);
+      const __m256 m = Offset ? _mm256_loadu_ps(dm + kAvx2PanelChannels + 8 * v) : d;  // no m: not read
+      acc[r][v] = add_scaled_dot_avx2<Offset>(acc[r][v], sums[r][v], d, dx, m, sx);
     }
   }
 }

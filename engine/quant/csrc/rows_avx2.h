@@ -151,12 +151,10 @@ inline float* row_steps(const float* step, int64_t groups) {
 
 // Adds one block to the pass's sums: ``dots[l]`` the block's int32 partial
 // dots of lane l (any split over the vector's lanes), d, dx, m and sx in
-// their lanes. As add_scaled_block_avx2: fma(dot, d * dx, acc), then, with
-// an offset, fma(m, sx, acc).
+// their lanes, through the panels' add_scaled_dot_avx2.
 template <int L, bool Offset>
 inline void add_block_exact(const __m256i (&dots)[L], __m256 d, __m256 dx, __m256 m, __m256 sx, __m256& acc) {
-  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(avx2_lane_sums<L>(dots)), _mm256_mul_ps(d, dx), acc);
-  if constexpr (Offset) acc = _mm256_fmadd_ps(m, sx, acc);
+  acc = add_scaled_dot_avx2<Offset>(acc, avx2_lane_sums<L>(dots), d, dx, m, sx);
 }
 
 template <int R, int C>
