@@ -16,11 +16,12 @@ from trioserve.engine.errors import ModelLoadError
 from trioserve.engine.forward_batch import ForwardBatch, SeqChunk
 from trioserve.engine.kv_cache import KVCache
 from trioserve.engine.model import LlamaForCausalLM
-from trioserve.engine.quant import gguf_weights
+from trioserve.engine.quant import gguf_weights, native
 from trioserve.engine.quant.choose import KERNELS, KernelChoice, candidates
 from trioserve.engine.quant.int4_native import Int4NativeLinear
 from trioserve.engine.quant.int8_native import Int8GroupNativeLinear
 from trioserve.engine.quant.load import load_gguf_quantized, quantization_choice
+from trioserve.engine.quant.q8_lanes import Q8Lanes
 from trioserve.engine.quant.rtn import Int4Weight, Int8GroupWeight, quantize_int8_groups, regroup_int8
 from trioserve.testing.quality import prompt_logits
 
@@ -263,16 +264,19 @@ def test_a_q4_k_m_style_file_loads_compressed_with_its_wider_matrices_in_int8(cp
     assert type(layer1.down_linear) is four_bit
     assert model.projection_choice.quantization == "int4+int8"
     assert "4 of 8 projections stored wider than 4 bits" in model.projection_choice.reason
-    embedding = model._embedding.weight
+    table = model._embedding.weight
+    # On avx2int8 the one table is held as the LM head's Q8_0 lanes blocks (the same values).
+    embedding = table.groups() if isinstance(table, Q8Lanes) else table
     assert isinstance(embedding, Int8GroupWeight) and embedding.group_size == 32
     # Rounded once from Q6_K's groups of 16: within half a step of the file's values.
     step = embedding.scale.repeat_interleave(32, dim=1)
-    table = dense["model.embed_tokens.weight"]
-    assert ((embedding.dequantize() - table).abs() <= step / 2 + 1e-6 * table.abs().max()).all()
+    dense_table = dense["model.embed_tokens.weight"]
+    assert ((embedding.dequantize() - dense_table).abs() <= step / 2 + 1e-6 * dense_table.abs().max()).all()
     if four_bit is Int4NativeLinear:
         assert eight_bit is Int8GroupNativeLinear and layer0.qkv_linear.isa == layer1.qkv_linear.isa
         assert layer1.o_linear.weight.q.shape == (256, 256)  # Q5_0's values as the file has them
-        assert isinstance(made.head, Int8GroupNativeLinear) and made.head.weight is embedding
+        assert isinstance(made.head, Int8GroupNativeLinear) and made.head.weight is table
+        assert isinstance(table, Q8Lanes) == (made.head.isa == native.ISAS["avx2int8"])
         assert made.decode is not None and made.decode.isa == layer1.qkv_linear.isa  # the fused step takes them
 
 

@@ -13,26 +13,35 @@ from __future__ import annotations
 import attrs
 import torch
 
+from .q8_lanes import Q8Lanes
 from .rtn import Int4Weight, Int8GroupWeight
 
 
 @attrs.frozen
 class CompressedEmbedding:
-    """``weight``'s rows, dequantized on lookup."""
+    """``weight``'s rows, dequantized on lookup (a ``Q8Lanes`` table: the
+    LM head's, which a tied model's embeddings share)."""
 
-    weight: Int4Weight | Int8GroupWeight
+    weight: Int4Weight | Int8GroupWeight | Q8Lanes
 
     @property
     def num_embeddings(self) -> int:
-        return self.weight.q.shape[0]
+        return self._shape[0]
 
     @property
     def embedding_dim(self) -> int:
-        return self.weight.q.shape[1]
+        return self._shape[1]
+
+    @property
+    def _shape(self) -> tuple[int, int]:
+        w = self.weight
+        return w.shape if isinstance(w, Q8Lanes) else (w.q.shape[0], w.q.shape[1])
 
     @property
     def nbytes(self) -> int:
         w = self.weight
+        if isinstance(w, Q8Lanes):
+            return w.nbytes
         zero = w.zero.nbytes if isinstance(w, Int4Weight) else 0
         return w.q.nbytes + w.scale.nbytes + zero
 
@@ -40,6 +49,8 @@ class CompressedEmbedding:
         """Float32 ``[*input_ids.shape, embedding_dim]``, the rows of ``input_ids``."""
         w = self.weight
         flat = input_ids.reshape(-1)
+        if isinstance(w, Q8Lanes):
+            return w.lookup(flat).view(*input_ids.shape, self.embedding_dim)
         q = w.q.index_select(0, flat)
         scale = w.scale.index_select(0, flat)
         if isinstance(w, Int4Weight):

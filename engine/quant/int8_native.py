@@ -2,7 +2,9 @@
 float32 activations: per channel, ``x @ (q * scale).T`` with the scale
 applied once per output after the int8 row's dot product; or in groups of
 32 (GGUF's Q8_0), which a tied LM head runs on the embedding table itself
-and the projections a GGUF stores wider than 4 bits run on (``quant.load``)."""
+(on avx2int8 laid out as Q8_0 lanes blocks, which the embeddings read too:
+``q8_lanes``) and the projections a GGUF stores wider than 4 bits run on
+(``quant.load``)."""
 
 from __future__ import annotations
 
@@ -10,12 +12,14 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from . import native
+from . import native, q8_lanes
 from .int4_native import bf16_gemm, call_isa, dequantizes
+from .q8_lanes import Q8Lanes
 from .rtn import Int8GroupWeight, Int8Weight, quantize_int8
 
 GROUP = 32
 _AVX2_INT8, _AVX2 = native.ISAS["avx2int8"], native.ISAS["avx2"]
+_NO_STEPS = torch.empty(0)  # Q8_0 lanes blocks hold their steps
 _VNNI, _BF16 = native.ISAS["avx512vnni"], native.ISAS["avx512bf16"]
 
 
@@ -61,9 +65,10 @@ class Int8NativeLinear:
 class Int8GroupNativeLinear:
     """``x @ W.T + bias`` with ``W = q * scale`` per group of 32, over
     ``weight``'s own tensors (shared, not copied: a tied LM head and the
-    embeddings are one table)."""
+    embeddings are one table). An avx2int8 LM head is held as Q8_0 lanes
+    blocks (``in_lanes``)."""
 
-    weight: Int8GroupWeight
+    weight: Int8GroupWeight | Q8Lanes
     isa: int
     ops: object  # torch.ops.trioserve, loaded
     int8_panels: bool = False  # as Int4NativeLinear's
@@ -78,12 +83,26 @@ class Int8GroupNativeLinear:
             raise ValueError(f"int8 group size {weight.group_size}: the native kernel runs groups of {GROUP}")
         return cls(weight, native.ISAS[isa], native.ops(), bias=bias, gemm_from_rows=gemm_from_rows)
 
+    def in_lanes(self) -> Int8GroupNativeLinear:
+        """This linear over its table as Q8_0 lanes blocks where it runs on
+        avx2int8 and the table has whole panels of 16 channels (an LM head:
+        the fused decode step takes a projection's groups as they are), else
+        itself."""
+        w = self.weight
+        if self.isa != _AVX2_INT8 or not isinstance(w, Int8GroupWeight) or not q8_lanes.fits(w):
+            return self
+        return attrs.evolve(self, weight=Q8Lanes.of(w, self.ops))
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self._product(x)
         return y if self.bias is None else y.add_(self.bias)
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
+        if isinstance(w, Q8Lanes):
+            # int16 activations at any row count: a decode step's bits, and as
+            # wide as a prompt's 4-bit calls on AVX2 (int4_native.call_isa).
+            return self.ops.q8g_linear(x, w.blocks, _NO_STEPS, _AVX2_INT8)  # type: ignore[attr-defined]
         if self.gemm_from_rows is not None and x.shape[0] >= self.gemm_from_rows and not self.int8_panels:
             return bf16_gemm(x, self.ops.q8g_dequantize_bf16(w.q, w.scale))  # type: ignore[attr-defined]
         if dequantizes(self.isa, x.shape[0]):  # as int4_native

@@ -205,10 +205,11 @@ def build_quantized(
     if missing or head is None:
         what = f"layers {missing[:8]} lack projections" if missing else "no lm_head.weight"
         raise ModelLoadError(f"{source}: incomplete checkpoint: {what}")
-    if embedding is not None and tuple(embedding.weight.q.shape) != (config.vocab_size, config.hidden_size):
+    got = None if embedding is None else (embedding.num_embeddings, embedding.embedding_dim)
+    if got is not None and got != (config.vocab_size, config.hidden_size):
         raise ModelLoadError(
             f"{source}: weight 'model.embed_tokens.weight': expected shape "
-            f"{(config.vocab_size, config.hidden_size)}, got {tuple(embedding.weight.q.shape)}"
+            f"{(config.vocab_size, config.hidden_size)}, got {got}"
         )
     if model.required_weight_names() - loaded:
         raise ModelLoadError(f"{source}: missing weights {sorted(model.required_weight_names() - loaded)[:8]}")
@@ -216,6 +217,13 @@ def build_quantized(
     head_linear = _shared_head(cpu_paths, head, choice.kernel) or _eight_bit_kernel(cpu_paths, choice.kernel).make(
         head, None, choice.group_size
     )
+    shared = embedding is not None and embedding.weight is head
+    if isinstance(head_linear, int8_native.Int8GroupNativeLinear):
+        head_linear = head_linear.in_lanes()
+        if shared:
+            # One table: the embeddings look their rows up in the head's lanes
+            # blocks, and the groups they replace are freed.
+            embedding = CompressedEmbedding(head_linear.weight)
     model.set_quantized([layers[i] for i in range(config.num_hidden_layers)], head_linear, embedding)
     if widened:
         # What the model holds, for the load log and /version: "int8" where

@@ -27,14 +27,18 @@ import torch
 SOURCE_DIR = Path(__file__).parent / "csrc"
 # Compiled; the headers they include count toward a build's identity too.
 SOURCES = ("linear.cpp", "decode.cpp")
-HEADERS = ("kernels.h", "panel.h", "panel_vnni.h", "rows_vnni.h", "panel_avx2.h", "panel_avx2_int16.h", "rows_avx2.h", "lanes_avx2.h", "attend.h")
+HEADERS = (
+    "kernels.h", "panel.h", "panel_vnni.h", "rows_vnni.h", "panel_avx2.h", "panel_avx2_int16.h", "rows_avx2.h",
+    "lanes_avx2.h", "q8_lanes_avx2.h", "attend.h",
+)
 LIBRARY_NAME = "trioserve_native"
 SWITCH_ENV = "TRIOSERVE_NATIVE_KERNELS"
 CFLAGS = ("-O3", "-fopenmp")
 # The ``isa`` argument of the library's kernels, lowest first.
 # ``avx2int8`` is AVX2 with int8 activations against 4-bit weights and int16
 # ones against Q8_0 in decode steps, and 4-bit calls below 10 rows
-# (csrc/lanes_avx2.h over 4-bit weights held as lanes blocks; else
+# (csrc/lanes_avx2.h over 4-bit weights held as lanes blocks, and
+# csrc/q8_lanes_avx2.h over a Q8_0 LM head held so at every call; else
 # csrc/panel_avx2.h, csrc/panel_avx2_int16.h, and csrc/rows_avx2.h at few
 # rows with the panels' bits),
 # ``avx512bf16`` AVX-512 with the many-row panels in bfloat16 products

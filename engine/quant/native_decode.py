@@ -151,10 +151,12 @@ def decode_head(head: object) -> object | None:
     avx2int8's int8 activations for a 4-bit head and int16 ones for a Q8_0
     head, in panels from 10 rows and below them row kernels with the
     panels' bits (csrc/rows_avx2.h; a 4-bit head held as lanes blocks runs
-    csrc/lanes_avx2.h at every row count); else None (``head`` itself serves). A
-    prompt's logits keep ``head``: float32 activations, from 10 rows in
-    bfloat16 panels, or on AVX2 panels on float32 activations (Q8_0) or
-    int16 ones (4-bit; ``int4_native.call_isa``)."""
+    csrc/lanes_avx2.h at every row count, a Q8_0 one csrc/q8_lanes_avx2.h);
+    else None (``head`` itself serves). A prompt's logits keep ``head``:
+    float32 activations, from 10 rows in bfloat16 panels, or on AVX2 panels
+    on float32 activations (Q8_0) or int16 ones (4-bit;
+    ``int4_native.call_isa``; a Q8_0 head in lanes blocks: int16 at any row
+    count)."""
     if isinstance(head, Int4NativeLinear | Int8GroupNativeLinear) and head.isa in _INT8_HEADS:
         return attrs.evolve(head, int8_panels=True)
     return None

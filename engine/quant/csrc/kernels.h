@@ -36,7 +36,8 @@ constexpr int kMaxRowsAvx2 = 4;
 // kPanelFromRows rows too (int4_native.call_isa,
 // int8_native.Int8GroupNativeLinear). Its 4-bit weights of whole panels of
 // 16 channels are held as lanes blocks instead, one kernel with the same
-// bits at every row count (lanes_avx2.h). Its kernels of int8 per channel run as
+// bits at every row count (lanes_avx2.h), and a Q8_0 LM head likewise as
+// Q8_0 lanes blocks on the int16 tile (q8_lanes_avx2.h). Its kernels of int8 per channel run as
 // kAvx2's. kAvx2 runs its row kernels below kPanelFromRows rows and from
 // there panels (a prompt's rows, from the model's layers): for 4-bit weights
 // on activations rounded to int16 in groups of 32 (panel_avx2_int16.h), for
@@ -723,3 +724,4 @@ inline void q8g_matmul(const float* x, int64_t rows, int64_t k, const int8_t* w,
 
 // Last: its dispatch takes either layout of 4-bit weights (q4_matmul's too).
 #include "lanes_avx2.h"
+#include "q8_lanes_avx2.h"

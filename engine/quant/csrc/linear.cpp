@@ -5,8 +5,10 @@
 //   trioserve::q4_linear(x, blocks, isa)        4-bit groups of 32, w = q * d + m (either layout: lanes_avx2.h)
 //   trioserve::q8_linear(x, q, scale, isa)      int8 per output channel, w = q * scale
 //   trioserve::q8g_linear(x, q, scale, isa)     int8 in groups of 32 (GGUF's Q8_0), w = q * scale[group]
+//                                               (or Q8_0 lanes blocks as q, their steps inside: q8_lanes_avx2.h)
 //   trioserve::q4_dequantize(blocks)            4-bit groups to a float32 matrix (q4_dequantize_bf16: bfloat16)
 //   trioserve::q8g_dequantize_bf16(q, scale)    int8 groups of 32 to a bfloat16 matrix
+//   trioserve::q8g_lanes_rows(lanes, ids)       rows of Q8_0 lanes blocks to float32 (embeddings)
 //   trioserve::isas()                           bit i set: ISA i runs on this CPU
 //
 // Why native: ATen's packed 4-bit and int8 kernels stream their weights at
@@ -74,6 +76,20 @@ torch::Tensor q8g_linear(const torch::Tensor& x_in, const torch::Tensor& q_in, c
                          int64_t isa) {
   check_isa(isa);
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2, "q8g_linear: x must be float32 [rows, in]");
+  if (q_in.scalar_type() == at::kByte) {  // Q8_0 lanes blocks (q8_lanes_avx2.h); their steps inside
+    TORCH_CHECK(q_in.dim() == 3 && q_in.size(2) == kQ8LanesBlockBytes, "q8g_linear: lanes blocks must be uint8 [out / ",
+                kLanesChannels, ", in / 32, ", kQ8LanesBlockBytes, "]");
+    TORCH_CHECK(isa == kAvx2Int8, "q8g_linear: Q8_0 lanes blocks run on isa ", int64_t(kAvx2Int8),
+                " (avx2int8), not isa ", isa);
+    TORCH_CHECK(x_in.size(1) == q_in.size(1) * kGroup, "q8g_linear: x has ", x_in.size(1), " inputs, the weight ",
+                q_in.size(1) * kGroup);
+    const torch::Tensor x = x_in.contiguous();
+    const torch::Tensor lanes = q_in.contiguous();
+    const int64_t out = lanes.size(0) * kLanesChannels;
+    torch::Tensor y = torch::empty({x.size(0), out}, x.options());
+    q8g_lanes_matmul(x.data_ptr<float>(), x.size(0), x.size(1), lanes.data_ptr<uint8_t>(), out, y.data_ptr<float>());
+    return y;
+  }
   check_q8g(q_in, scale_in, "q8g_linear");
   TORCH_CHECK(x_in.size(1) == q_in.size(1), "q8g_linear: x has ", x_in.size(1), " inputs, the weight ", q_in.size(1));
   const torch::Tensor x = x_in.contiguous();
@@ -82,6 +98,24 @@ torch::Tensor q8g_linear(const torch::Tensor& x_in, const torch::Tensor& q_in, c
   torch::Tensor y = torch::empty({x.size(0), q.size(0)}, x.options());
   q8g_matmul(x.data_ptr<float>(), x.size(0), x.size(1), q.data_ptr<int8_t>(), scale.data_ptr<float>(), q.size(0),
              y.data_ptr<float>(), isa);
+  return y;
+}
+
+// Rows ``ids`` of a Q8_0 table held as lanes blocks (q8_lanes_avx2.h),
+// dequantized: float32 [n, in], a tied model's embeddings.
+torch::Tensor q8g_lanes_rows(const torch::Tensor& lanes_in, const torch::Tensor& ids_in) {
+  TORCH_CHECK(lanes_in.scalar_type() == at::kByte && lanes_in.dim() == 3 && lanes_in.size(2) == kQ8LanesBlockBytes,
+              "q8g_lanes_rows: lanes blocks must be uint8 [out / ", kLanesChannels, ", in / 32, ",
+              kQ8LanesBlockBytes, "]");
+  TORCH_CHECK(ids_in.scalar_type() == at::kLong && ids_in.dim() == 1, "q8g_lanes_rows: ids must be int64 [n]");
+  const torch::Tensor lanes = lanes_in.contiguous();
+  const torch::Tensor ids = ids_in.contiguous();
+  const int64_t out = lanes.size(0) * kLanesChannels, k = lanes.size(1) * kGroup, n = ids.size(0);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t r = 0; r < n; ++r)  // here, not inside the parallel loop, which may not throw
+    TORCH_CHECK(id[r] >= 0 && id[r] < out, "q8g_lanes_rows: id ", id[r], " is outside the table's ", out, " rows");
+  torch::Tensor y = torch::empty({n, k}, torch::dtype(torch::kFloat32));
+  q8g_lanes_dequantize(lanes.data_ptr<uint8_t>(), k, id, n, y.data_ptr<float>());
   return y;
 }
 
@@ -158,6 +192,7 @@ TORCH_LIBRARY(trioserve, m) {
   m.def("q4_dequantize_bf16(Tensor blocks) -> Tensor");
   m.def("q8g_linear(Tensor x, Tensor q, Tensor scale, int isa) -> Tensor");
   m.def("q8g_dequantize_bf16(Tensor q, Tensor scale) -> Tensor");
+  m.def("q8g_lanes_rows(Tensor lanes, Tensor ids) -> Tensor");
   m.def("decode_attention(Tensor qkv, Tensor key_cache, Tensor value_cache, Tensor cos, Tensor sin, Tensor slots, Tensor block_tables, Tensor context_lens, int num_heads, float scale, int isa) -> Tensor");
   m.def("decode_layers(Tensor hidden, Tensor[] weights, Tensor key_cache, Tensor value_cache, Tensor cos, Tensor sin, Tensor slots, Tensor block_tables, Tensor context_lens, int num_heads, int num_kv_heads, float eps, float scale, int isa) -> Tensor");
 }
@@ -169,4 +204,5 @@ TORCH_LIBRARY_IMPL(trioserve, CPU, m) {
   m.impl("q4_dequantize_bf16", &q4_dequantize_bf16);
   m.impl("q8g_linear", &q8g_linear);
   m.impl("q8g_dequantize_bf16", &q8g_dequantize_bf16);
+  m.impl("q8g_lanes_rows", &q8g_lanes_rows);
 }

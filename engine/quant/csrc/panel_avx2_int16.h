@@ -30,9 +30,20 @@
 namespace trioserve_native {
 
 constexpr int kAvx2I16TileRows = 6;                 // 12 int32 sums, 2 weight vectors, a broadcast
+// Blocks a narrow tile fetches ahead, into L2, a line every other pair.
+// The default model's Q8_0 head, 20 copies taken in turn (from memory), at
+// 1 / 2 / 5 rows: 1.79-2.00 / 2.23-2.31 / 3.00-3.20 ms over GGUF's groups
+// (rows_avx2.h); lanes blocks without fetching 2.21 / 2.66 / 3.93, all 9
+// lines at a block's start into L1 2 blocks on 1.85-2.02 / 2.13-2.18 /
+// 2.63-2.78, into L2 16 on 1.83-1.88 / 1.98-2.03 / 2.42-2.48, spread as
+// here 8 on 1.82 / 1.76 / 2.07 (the AMX Xeon held to AVX2, 2 threads).
+constexpr int64_t kAvx2I16Ahead = 8;
 constexpr int64_t kAvx2I16Pairs = kGroup / 2;       // pairs of inputs a group
 // Bytes of one block of a panel: the int16 weights, then d and m for each channel.
 constexpr int64_t kAvx2I16BlockBytes = kGroup * kAvx2PanelChannels * 2 + 2 * kAvx2PanelChannels * 4;
+// The same block with int8 weights and no m (Q8_0 lanes blocks, q8_lanes_avx2.h):
+// 576 bytes, as many as the 16 channels' Q8_0 groups.
+constexpr int64_t kAvx2I16NarrowBlockBytes = kGroup * kAvx2PanelChannels + kAvx2PanelChannels * 4;
 
 // A row's int16 groups and, per group, dx and dx times the rounded sum.
 struct RoundedRows16 {
@@ -132,25 +143,41 @@ __attribute__((target("avx2,fma,f16c"))) inline void avx2_decode_q8_i16(const in
 // Rows [r0, r0 + R) of the rounded activations against one panel: y's
 // channels [n, n + channels) (``y`` points at channel n of row r0);
 // ``Offset``: the panel's weights have an m (add_scaled_block_avx2).
-template <int R, bool Offset>
+// ``Narrow``: the panel is a Q8_0 lanes panel as it lies in memory
+// (q8_lanes_avx2.h: int8 pairs, widened here, and each block fetches the
+// one kAvx2I16Ahead blocks on), not one staged here in int16.
+template <int R, bool Offset, bool Narrow = false>
 __attribute__((target("avx2,fma,f16c"))) void tile_avx2_i16(const RoundedRows16& xq, int64_t r0, int64_t k,
                                                           const uint8_t* panel, int64_t groups, float* y,
                                                           int64_t ldy, int64_t channels) {
   constexpr int V = kAvx2PanelVectors;
+  constexpr int64_t block_bytes = Narrow ? kAvx2I16NarrowBlockBytes : kAvx2I16BlockBytes;
+  constexpr int64_t weight_bytes = kGroup * kAvx2PanelChannels * (Narrow ? 1 : 2);
   const int16_t* qx = xq.q.data() + r0 * k;
   const float* step = xq.step.data() + r0 * groups * 2;
   __m256 acc[R][V];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_ps();
   for (int64_t b = 0; b < groups; ++b) {
-    const uint8_t* block = panel + b * kAvx2I16BlockBytes;
-    const float* d = reinterpret_cast<const float*>(block + kGroup * kAvx2PanelChannels * 2);  // d, then m
+    const uint8_t* block = panel + b * block_bytes;
+    // Near the last panel this points past the weights, as a prefetch may (it never faults).
+    [[maybe_unused]] const char* ahead = reinterpret_cast<const char*>(block + kAvx2I16Ahead * block_bytes);
+    const float* d = reinterpret_cast<const float*>(block + weight_bytes);  // d, then m
     __m256i dot[R][V];
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < V; ++v) dot[r][v] = _mm256_setzero_si256();
     for (int64_t p = 0; p < kAvx2I16Pairs; ++p) {
+      if constexpr (Narrow) {  // the block's 9 lines, one every other pair: the values', then the steps'
+        if (p % 2 == 0) _mm_prefetch(ahead + 32 * p, _MM_HINT_T1);
+        else if (p == 1) _mm_prefetch(ahead + weight_bytes, _MM_HINT_T1);
+      }
       __m256i wv[V];
-      for (int v = 0; v < V; ++v) wv[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + (p * V + v) * 32));
+      for (int v = 0; v < V; ++v) {
+        if constexpr (Narrow)
+          wv[v] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + p * 32 + 16 * v)));
+        else
+          wv[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + (p * V + v) * 32));
+      }
       for (int r = 0; r < R; ++r) {
         int32_t pair;
         std::memcpy(&pair, qx + r * k + b * kGroup + 2 * p, 4);
