@@ -119,6 +119,16 @@ inline void lanes_to_blocks(const uint8_t* block, int v, uint8_t* blocks) {
 
 #pragma GCC pop_options
 
+// ``run(p0, p1)`` over panels [0, panels) of a lanes layout (this one's, or
+// q8_lanes_avx2.h's) on torch's threads: for a few rows one contiguous run
+// of panels a thread, which the prefetchers stream best (as over_rows); for
+// more, chunks taken in turn (parallel_chunks).
+template <typename Run>
+inline void over_lanes_panels(int64_t panels, int64_t rows, const Run& run) {
+  if (rows < kPanelFromRows) at::parallel_for(0, panels, 1, run);
+  else parallel_chunks(panels, 1, 1, run);
+}
+
 // y[rows, out] = x[rows, k] @ W.T for W in lanes blocks [out / 16, k / 32,
 // 320]: on kAvx2Int8 at any row count (int8 activations, as its panels),
 // on kAvx2 from kPanelFromRows rows (a prompt's: the int16 panels of
@@ -151,11 +161,7 @@ inline void q4_lanes_matmul(const float* x, int64_t rows, int64_t k, const uint8
                                                 w + p * panel_bytes, groups, y + r0 * out + p * kLanesChannels, out);
       });
   };
-  const int64_t panels = out / kLanesChannels;
-  // A few rows: one contiguous run of panels a thread, which the prefetchers
-  // stream best (as over_rows); more: chunks taken in turn (parallel_chunks).
-  if (rows < kPanelFromRows) at::parallel_for(0, panels, 1, run);
-  else parallel_chunks(panels, 1, 1, run);
+  over_lanes_panels(out / kLanesChannels, rows, run);
 }
 
 // A 4-bit weight tensor in either layout: GGUF's blocks [out, in / 32, 20],

@@ -44,10 +44,7 @@ inline void q8g_lanes_matmul(const float* x, int64_t rows, int64_t k, const uint
                                                            y + r0 * out + p * kLanesChannels, out, kLanesChannels);
       });
   };
-  const int64_t panels = out / kLanesChannels;
-  // As q4_lanes_matmul: a contiguous run of panels a thread for a few rows.
-  if (rows < kPanelFromRows) at::parallel_for(0, panels, 1, run);
-  else parallel_chunks(panels, 1, 1, run);
+  over_lanes_panels(out / kLanesChannels, rows, run);
 }
 
 // Rows ``ids`` (each below ``out``) of Q8_0 lanes blocks, dequantized into
