@@ -344,6 +344,13 @@ class EngineConfig:
     # float32 one in the same bytes.
     kv_cache_dtype: str = attrs.field(default="auto", validator=_kv_cache_dtype)
 
+    # Batch invariance (docs/architecture.md, "Same request, same answer"):
+    # a request's tokens and logprobs do not depend on its batch mates, the
+    # prefix cache, chunking, preemption or speculation. False keeps the
+    # faster arithmetic for prompts that a decode step does not share
+    # (--no-batch-invariant), at the cost of that guarantee.
+    batch_invariant: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
+
     def __attrs_post_init__(self) -> None:
         if self.kv_cache_dtype == "fp8" and self.device is not None and str(self.device).startswith("cpu"):
             raise ValueError(

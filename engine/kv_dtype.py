@@ -14,12 +14,13 @@ anything is computed.
   then bfloat16) whose
   capability path (``kv_cache_<dtype>`` in ``capability.PROBES``: a write
   into a paged pool, a gather and an attention over it, checked against
-  float32) works here and whose measured read of one decode layer costs at
-  most ``MAX_SLOWDOWN`` times the float32 one; else float32. The paths name
-  the instructions that make the conversions cheap (F16C comes with AVX2,
-  bfloat16's conversion instructions with AVX-512 BF16 or AVX-NE-CONVERT),
-  so ``TRIOSERVE_CPU_ASSUME`` turns them off like any other path; the
-  measurement catches a build whose conversions are slow anyway.
+  float32) works here; else float32. The paths name the instructions that
+  make the conversions cheap (F16C comes with AVX2, bfloat16's conversion
+  instructions with AVX-512 BF16 or AVX-NE-CONVERT), so
+  ``TRIOSERVE_CPU_ASSUME`` turns them off like any other path. The choice
+  is a rule, not a timing: a read timed at load once put two engines on one
+  model on different caches, and a near tie in the greedy tokens went apart
+  (issue 39). ``measure`` stays for the benchmark that compares them.
 
 An explicit dtype is taken where its path works (on CPU, the trial must
 pass; the switch does not refuse it), else ``CpuCapabilityError`` names the
@@ -53,16 +54,6 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 # it saturates at 65504 (kv_cache.to_cache), far above any key or value
 # these models compute. bfloat16, with float32's range, is the next choice.
 CPU_PREFERENCE = (torch.float16, torch.bfloat16)
-# A 16-bit cache is taken while its read costs at most this many times the
-# float32 read: the conversion is one more pass over what attention reads,
-# and the bound is there for a build whose conversions crawl. It sits well
-# above the noise, since every engine measures for itself: on the 2-core
-# AMD EPYC the ratio was 1.1-1.3 (float16) and 1.05-1.15 (bfloat16), with
-# ATen capped at AVX2 up to 1.5, and with ATen's plain C++ kernels 1.5-1.8.
-# At 2.0 a loaded CI machine once measured float16 over it for one engine
-# and under it for the next, in one process, so two engines on one model
-# kept different caches and a near tie in the greedy tokens went apart.
-MAX_SLOWDOWN = 4.0
 # The measured read: this many decode rows of this many context tokens.
 MEASURE_ROWS = 16
 MEASURE_CONTEXT = 256
@@ -190,13 +181,11 @@ def choose_kv_dtype(
     device: torch.device | str,
     cpu_paths: CpuPaths | None,
     config: ModelConfig,
-    timings: dict[torch.dtype, float] | None = None,
 ) -> KVDtypeChoice:
     """The cache dtype for ``kv_cache_dtype=asked`` under a model in
     ``model_dtype`` on ``device`` (see the module's docstring); on CPU,
-    ``cpu_paths`` is what this machine runs. ``timings`` (milliseconds by
-    dtype, float32's included) stands in for ``measure``'s, for tests that
-    decide a given measurement. Raises ``CpuCapabilityError`` naming
+    ``cpu_paths`` is what this machine runs. A pure function of these (no
+    timing), so two starts on one machine store the same bits. Raises ``CpuCapabilityError`` naming
     ``kv_cache_dtype`` for a dtype this machine cannot hold the cache in."""
     if asked not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}, got {asked!r}")
@@ -216,17 +205,8 @@ def choose_kv_dtype(
     off = "; ".join(cpu_paths.status(kv_path(d)).reason for d in CPU_PREFERENCE if d not in usable and kv_path(d) in known)
     if not usable:
         return KVDtypeChoice(torch.float32, asked, f"no 16-bit cache runs well here ({off or 'no path for one'})")
-    if timings is None:
-        timings = measure((torch.float32, *usable), config)
-    base = timings[torch.float32]
-    shown = ", ".join(f"{kv_dtype_name(d)} {timings[d]:.2f}" for d in (torch.float32, *usable))
-    measured = f"one decode layer's cache read at {MEASURE_ROWS} rows x {MEASURE_CONTEXT} tokens: {shown} ms"
-    for dtype in usable:
-        if timings[dtype] <= MAX_SLOWDOWN * base:
-            return KVDtypeChoice(dtype, asked, f"half the bytes of float32, read at {timings[dtype] / base:.2f}x its time ({measured})")
-    return KVDtypeChoice(
-        torch.float32, asked, f"every 16-bit cache reads over {MAX_SLOWDOWN:g}x slower than float32 here ({measured})"
-    )
+    dtype = usable[0]
+    return KVDtypeChoice(dtype, asked, f"half the bytes of float32; {cpu_paths.status(kv_path(dtype)).reason}")
 
 
 def refuse_before_load(asked: str, device: torch.device) -> None:

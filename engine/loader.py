@@ -149,6 +149,7 @@ def load_model_for(config: EngineConfig) -> LoadedModel:
         device=config.device,
         quantization=config.quantization,
         quantization_group_size=config.quantization_group_size,
+        batch_invariant=config.batch_invariant,
     )
 
 
@@ -161,6 +162,7 @@ def load_model(
     cpu_paths: CpuPaths | None = None,
     quantization: str = "none",
     quantization_group_size: int = 32,
+    batch_invariant: bool = True,
 ) -> LoadedModel:
     """Load ``model``: ``None`` or ``"SmolLM2-135M-Instruct"`` for the default,
     a checkpoint folder, or a ``.gguf`` file (converted once into
@@ -176,6 +178,10 @@ def load_model(
     ``"int8"`` / ``"int4"`` compress any checkpoint (round to nearest, per
     channel or in groups of ``quantization_group_size``); ``"none"``
     dequantizes a GGUF to float as before.
+
+    ``batch_invariant`` (``LlamaForCausalLM.invariance``): every token on
+    one arithmetic, whatever shares its step; False lets prompts take
+    faster arithmetic that decode steps do not share.
 
     Raises ``ModelLoadError`` naming the file or field at fault, and its
     ``CpuCapabilityError`` for a dtype or quantization this CPU cannot run,
@@ -197,7 +203,8 @@ def load_model(
     if compressed:
         try:
             choice = quant_load.quantization_choice(
-                cpu_paths, torch_device, torch_dtype, quantization, model_config, quantization_group_size
+                cpu_paths, torch_device, torch_dtype, quantization, model_config, quantization_group_size,
+                batch_invariant=batch_invariant,
             )
         except CpuCapabilityError as exc:
             if quantization != "auto":
@@ -222,9 +229,13 @@ def load_model(
         raise tokenizer_error
     tokenizer = tokenizer_future.result()
     eos = eos_token_ids(tokenizer, model_config.eos_token_ids, folder)
+    loaded.batch_invariant = batch_invariant
+    loaded.projection_choice = attrs.evolve(loaded.projection_choice, invariance=loaded.invariance())
     choice = loaded.projection_choice
     # A fallback is a warning: the user asked for a dtype this CPU runs slowly.
     logger.log(logging.WARNING if choice.fallback else logging.INFO, "%s: %s", name, choice)
+    # Where a request's tokens may depend on what shares its steps, say so.
+    logger.log(logging.INFO if choice.invariance.invariant else logging.WARNING, "%s: %s", name, choice.invariance)
     return LoadedModel(
         model=loaded,
         model_config=attrs.evolve(model_config, eos_token_ids=eos),

@@ -33,6 +33,7 @@ from .errors import CpuCapabilityError, ModelLoadError
 from .forward_batch import ForwardBatch
 from .kv_cache import KVCache
 from .native_attention import BoundAttention, NativeAttention, token_rows
+from .quant.native import ISAS as NATIVE_ISAS
 from .quant.native_decode import NativeDecode, decode_head
 from .quant.projections import QuantizedProjections
 from .rotary import RotaryEmbedding, apply_rotary
@@ -48,6 +49,22 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Pa
 
 
 @attrs.frozen
+class Invariance:
+    """Whether a request's tokens and logprobs are independent of what
+    shares its steps (batch mates, the prefix cache, chunking, preemption,
+    speculation), and why: shown in the load log and ``/version``."""
+
+    invariant: bool
+    reason: str
+
+    def as_json(self) -> dict[str, object]:
+        return {"invariant": self.invariant, "reason": self.reason}
+
+    def __str__(self) -> str:
+        return f"{'batch-invariant' if self.invariant else 'NOT batch-invariant'}: {self.reason}"
+
+
+@attrs.frozen
 class ProjectionChoice:
     """How a model runs its projections, and why: shown at startup, in the
     load log and in ``/version``. ``fallback``: the packed path would have
@@ -59,6 +76,8 @@ class ProjectionChoice:
     reason: str
     fallback: bool = False
     quantization: str | None = None  # e.g. "int4": compressed projections (engine/quant)
+    # Set once the model is built (``LlamaForCausalLM.invariance``).
+    invariance: Invariance | None = None
 
     def as_json(self) -> dict[str, object]:
         return {
@@ -68,6 +87,7 @@ class ProjectionChoice:
             "fallback": self.fallback,
             "reason": self.reason,
             "quantization": self.quantization,
+            "invariance": None if self.invariance is None else self.invariance.as_json(),
         }
 
     @property
@@ -297,10 +317,15 @@ class LlamaForCausalLM(nn.Module):
         pack_weights: bool | None = None,
         cpu_paths: CpuPaths | None = None,
         quantization: ProjectionChoice | None = None,
+        batch_invariant: bool = True,
     ):
         super().__init__()
         self.config = config
         self.dtype = dtype
+        # Every token through one arithmetic, whatever shares its step
+        # (``forward``, ``invariance``); False lets prompts take the faster
+        # arithmetic of the layers in torch.
+        self.batch_invariant = batch_invariant
         if cpu_paths is None and torch.device(device).type == "cpu":
             cpu_paths = CpuPaths.from_environment()
         if cpu_paths is not None and torch.device(device).type == "cpu":
@@ -332,6 +357,43 @@ class LlamaForCausalLM(nn.Module):
         self.native_attention = NativeAttention.choose(cpu_paths, device, dtype, config.head_dim)
         self._targets = self._weight_targets()
 
+    def invariance(self) -> Invariance:
+        """Whether this model, as built and set (``batch_invariant``), gives a
+        token the same bits whatever shares its step, and why."""
+        device = self.embed_tokens.device
+        if device.type != "cpu":
+            return Invariance(
+                False,
+                f"on {device.type}, torch's GEMMs and attention choose their kernels and reduction splits "
+                "by the batch's shape (docs/architecture.md, \"Same request, same answer\")",
+            )
+        made = self._quantized
+        if made is None:
+            return Invariance(
+                False,
+                "float projections run oneDNN/MKL GEMMs, whose blocking follows the row count "
+                "(compressed weights on the native kernels are invariant: --quantization auto on a GGUF, int4)",
+            )
+        if made.decode is None or made.decode_head is None:
+            return Invariance(
+                False,
+                "the projections or LM head run outside the fused native step (no native build, "
+                "or a kernel whose arithmetic changes with the row count)",
+            )
+        isa = next(name for name, index in NATIVE_ISAS.items() if index == made.decode.isa)
+        if not self.batch_invariant:
+            return Invariance(
+                False,
+                f"--no-batch-invariant: prompts run the layers in torch on wider activations, decode steps the "
+                f"fused native step ({isa}, int8 activations), so a token's bits depend on which computed it",
+            )
+        return Invariance(
+            True,
+            f"every token (prompts, decode steps, verification) runs the fused native step ({isa}): "
+            "activations rounded per row in groups of 32, integer products, sums in a fixed order, "
+            "attention per token over its own context",
+        )
+
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """Run ``batch``, writing its keys and values into ``kv_cache``.
 
@@ -342,7 +404,10 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary.cos_sin(batch.positions)
         hidden = self.embed(batch.input_ids)
         slots = batch.slot_mapping
-        if made.decode is not None and made.decode.runs(batch.query_lens_cpu, kv_cache.key.dtype):
+        fused = made.decode is not None and made.decode.runs(
+            batch.query_lens_cpu, kv_cache.key.dtype, prompts=self.batch_invariant
+        )
+        if fused:
             tables, lens = token_rows(batch.query_lens_cpu, batch.positions, batch.block_tables, batch.context_lens)
             hidden = made.decode(hidden, cos, sin, kv_cache.key, kv_cache.value, slots, tables, lens)
             if made.decode_head is not None:

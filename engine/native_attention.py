@@ -33,10 +33,12 @@ from .quant import native
 # The cache dtypes the op reads and writes.
 CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Query tokens of one sequence the fused decode step (quant/native_decode.py)
-# takes in a step: a decode row, or a speculative step's verification (the
-# proposed tokens plus one). A prompt's chunk goes through the model's
-# layers instead, whose linears keep bfloat16 activations for it where the
-# fused step's are int8 (quant/int4_native.py, call_isa).
+# takes in a step outside batch-invariant mode: a decode row, or a
+# speculative step's verification (the proposed tokens plus one). There a
+# prompt's chunk goes through the model's layers instead, whose linears keep
+# wider activations for it where the fused step's are int8
+# (quant/int4_native.py, call_isa); a batch-invariant model (the default)
+# runs every token on the fused step.
 MAX_QUERY_TOKENS = 16
 
 

@@ -18,12 +18,14 @@ processed as the sampler would (bias, temperature, top-k/top-p/min-p):
 - greedy: accept the longest prefix of the proposal that equals the argmax
   at each position, then the model's own argmax after it, so the output is
   the one plain greedy decoding gives;
-- sampled: rejection sampling for a deterministic (one-hot) draft. Proposal
-  ``x`` at position j is accepted with probability ``p_j(x)``; on rejection
-  a token is drawn from ``p_j`` with ``x`` removed and renormalised, and
-  verification stops; if all ``k`` are accepted, a bonus token is drawn
-  from ``p_k``. Each emitted token then has exactly the distribution ``p``
-  the plain sampler draws from.
+- sampled: each position's token is drawn from ``p_j`` exactly as a
+  one-token step draws it (the same noise from the sequence's generator),
+  and the proposal is kept while the draws agree with it; the first
+  disagreeing draw, or a bonus draw from ``p_k`` after all ``k``, ends the
+  chunk. A proposed ``x`` is kept with probability ``p_j(x)``, as
+  rejection sampling of a one-hot draft would, each emitted token has the
+  distribution ``p`` the plain sampler draws from, and a seeded sequence
+  emits the same tokens with speculation on or off.
 
 Sequences that do not speculate (the scheduler decides, ``may_speculate``):
 structured output (the mask is for one position), logprobs, penalties
@@ -132,21 +134,21 @@ def verify_greedy(logits: torch.Tensor, draft: Sequence[int]) -> list[int]:
 
 
 def verify_sampled(probs: torch.Tensor, draft: Sequence[int], generator: torch.Generator | None) -> list[int]:
-    """Rejection sampling of the one-hot proposal ``draft`` (k tokens)
-    against the target distributions ``probs`` [k + 1, V]; the tokens
-    emitted (the accepted prefix, then a corrected or bonus draw)."""
-    device = probs.device
-    uniform = torch.rand(len(draft), generator=generator, device=device, dtype=torch.float64) if draft else None
+    """The tokens emitted for the one-hot proposal ``draft`` (k tokens)
+    against the target distributions ``probs`` [k + 1, V]: each position's
+    token is drawn as a one-token step draws it (the exponential race, one
+    vocabulary of noise from ``generator`` a token), and the proposal is
+    kept while it agrees; the first disagreeing draw, or the bonus draw
+    after an agreeing run, ends it. Each token is distributed as the
+    target's, a proposed token kept with probability p(token) (what
+    rejection sampling gives a one-hot proposal), and a seeded sequence
+    draws the same noise for the same token with speculation on or off, so
+    it emits the same tokens either way (issue 39)."""
     out: list[int] = []
     for j, token in enumerate(draft):
-        p = probs[j]
-        if float(uniform[j]) < float(p[token]):
-            out.append(token)
-            continue
-        residual = p.clone()
-        residual[token] = 0.0
-        out.append(_draw(residual, generator))
-        return out
+        out.append(_draw(probs[j], generator))
+        if out[-1] != token:
+            return out
     out.append(_draw(probs[len(draft)], generator))
     return out
 

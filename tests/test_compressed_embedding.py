@@ -95,7 +95,6 @@ REFERENCE = KernelChoice(
     Kernel("reference", 8, "F.linear over the dequantized weights", lambda w, b: lambda x: F.linear(x, w.dequantize(), b)),
     "int8",
     32,
-    (),
 )
 
 

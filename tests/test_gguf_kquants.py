@@ -252,7 +252,7 @@ def test_a_q4_k_m_style_file_loads_compressed_with_its_wider_matrices_in_int8(cp
     with the LM head; and where the native kernels run, a decode step still
     runs all layers in one call."""
     path, dense = mixed_gguf
-    choice = KernelChoice(candidates(cpu_paths, "int4")[0], "auto", 32, ())
+    choice = KernelChoice(candidates(cpu_paths, "int4")[0], "auto", 32)
     model = load_gguf_quantized(path, _CONFIG, choice, cpu_paths)
     made = model._projections()
     layer0, layer1 = made.layers
@@ -287,7 +287,7 @@ def _float_kernel_choice(cpu_paths) -> KernelChoice:
     for isa in ("avx512", "avx2", "scalar"):
         name = f"quant_int4_native_{isa}"
         if cpu_paths.available(name):
-            return KernelChoice(next(k for k in KERNELS if k.name == name), "auto", 32, ())
+            return KernelChoice(next(k for k in KERNELS if k.name == name), "auto", 32)
     if os.environ.get("CI") == "true":
         pytest.fail("scripts/setup.sh must build the native kernels under CI")
     pytest.skip("the native kernels are not built here")

@@ -369,7 +369,7 @@ def checkpoint(tmp_path_factory):
 def _native_model(checkpoint, cache_dir, isa: str):
     config = ModelConfig.from_hf_config(json.loads((checkpoint / "config.json").read_text()))
     kernel = next(k for k in choose.KERNELS if k.name == f"quant_int4_native_{isa}")
-    choice = choose.KernelChoice(kernel, "int4", 32, ())
+    choice = choose.KernelChoice(kernel, "int4", 32)
     return load_safetensors_quantized(checkpoint, config, choice, CpuPaths.from_environment({}), cache_dir)
 
 
@@ -495,10 +495,11 @@ def test_batches_the_fused_step_does_not_take_go_through_the_layers(isas, checkp
     decode = model._projections().decode
     assert decode is not None
     assert decode.runs([1, 2], torch.float32)  # a speculative step's verification
-    assert not decode.runs([1, 17], torch.float32)  # a prefill chunk
+    assert not decode.runs([1, 17], torch.float32)  # a prefill chunk, outside batch-invariant mode
+    assert decode.runs([1, 17, 300], torch.float32, prompts=True)  # batch-invariant: every token
     assert decode.runs([1, 1, 1], torch.float16)
-    assert not attrs.evolve(decode, max_rows=2).runs([1, 1, 1], torch.float32)  # more rows than its kernels serve
     assert not decode.runs([1], torch.uint8)  # an fp8 pool
+    assert not decode.runs([5], torch.uint8, prompts=True)
 
 
 def test_without_the_library_the_chooser_takes_atens_kernels_and_says_why(isas, checkpoint, monkeypatch, tmp_path):
@@ -512,7 +513,7 @@ def test_without_the_library_the_chooser_takes_atens_kernels_and_says_why(isas, 
             assert not paths.available(kernel.name)
             assert "turned off by TRIOSERVE_NATIVE_KERNELS=0" in paths.status(kernel.name).reason
     picked = choose.choose_kernel(paths, "int4", [(48, 64), (64, 32)])
-    assert picked.kernel.name == "quant_int4_pack_bfloat16" and picked.small is None
+    assert picked.kernel.name == "quant_int4_pack_bfloat16"
     config = ModelConfig.from_hf_config(json.loads((checkpoint / "config.json").read_text()))
     model = load_safetensors_quantized(checkpoint, config, picked, paths, tmp_path / "cache")
     assert model._projections().decode is None
@@ -836,7 +837,7 @@ def test_int8_groups_dequantize_to_bfloat16_and_run_the_gemm_from_the_rows_asked
 
 
 @pytest.mark.cpu_paths
-def test_a_prompts_4_bit_rows_run_the_bfloat16_gemm_from_the_measured_rows(cpu_paths, isas):
+def test_a_prompts_4_bit_rows_run_the_bfloat16_gemm_from_the_set_rows(cpu_paths, isas):
     """Where the bfloat16 GEMM path works (AMX tiles; off below the amx
     level of TRIOSERVE_CPU_ASSUME), a linear with ``gemm_from_rows`` runs
     that many rows and more as torch's bfloat16 GEMM over the matrix
@@ -845,8 +846,8 @@ def test_a_prompts_4_bit_rows_run_the_bfloat16_gemm_from_the_measured_rows(cpu_p
     status = cpu_paths.status(int4_native.BF16_GEMM_PATH)
     if not status.available:
         assert "AMX" in status.reason or "TRIOSERVE_CPU_ASSUME" in status.reason, status.reason
-        choice = choose.choose_kernel(cpu_paths, "int4", [(48, 64), (64, 32)])
-        assert choice.bf16_gemm is None and getattr(choice.make(torch.randn(48, 64), None), "gemm_from_rows", None) is None
+        choice = choose.choose_kernel(cpu_paths, "int4", [(48, 64), (64, 32)], batch_invariant=False)
+        assert choice.gemm_from_rows is None and getattr(choice.make(torch.randn(48, 64), None), "gemm_from_rows", None) is None
         return
     gen = torch.Generator().manual_seed(7)
     weight, bias = quantize_int4(torch.randn(40, 96, generator=gen), 32), torch.randn(40, generator=gen)
@@ -894,11 +895,3 @@ def test_the_bfloat16_gemm_meets_onednn_at_few_row_counts(cpu_paths, isas, monke
     for x, got in calls:
         assert got.shape == (x.shape[0], 24)
         assert_matches(got, x, weight.dequantize(), None, "avx512bf16", bits=4)
-
-
-def test_the_bfloat16_gemm_runs_from_the_rows_where_it_wins_and_at_every_larger_count():
-    assert int4_native.BF16_GEMM_TRIAL_ROWS == (16, 64, 512)
-    assert int4_native.gemm_from_rows((1.0, 2.0, 18.0), (0.8, 1.2, 3.8)) == 16
-    assert int4_native.gemm_from_rows((1.0, 2.0, 18.0), (1.1, 1.2, 3.8)) == 64
-    assert int4_native.gemm_from_rows((1.0, 2.0, 18.0), (0.9, 2.5, 3.8)) == 512
-    assert int4_native.gemm_from_rows((1.0, 2.0, 18.0), (0.5, 1.0, 18.0)) is None

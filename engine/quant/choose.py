@@ -1,12 +1,13 @@
-"""Which compressed-weight kernel a model runs, by capability and a measurement.
+"""Which compressed-weight kernel a model runs: a rule, not a measurement.
 
 Each kernel (``KERNELS``) is a capability path with a trial
 (``capability.PROBES``), so ``TRIOSERVE_CPU_ASSUME`` and the library caps
-turn it off like any other path. Among those that work here and store the
-scheme asked for (4 or 8 bits), ``choose_kernel`` times one decoder layer's
-projections at 1 row (a one-stream decode step) and at 32 rows (a batched
-one) on random weights, a few milliseconds in all, and keeps the fastest
-sum. Which one wins depends on the CPU (docs/benchmarks.md).
+turn it off like any other path. ``choose_kernel`` takes the first that
+works here and stores the scheme asked for (``RULE``): the choice is a pure
+function of the CPU's features, the shapes and the flags, so two starts of
+a server on one machine compute the same bits (issue 39; the load-time
+timing it replaced could pick differently from one start to the next).
+``measure`` stays for the benchmarks that compare the kernels.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import torch
 from ..capability import CpuPaths
 from ..errors import CpuCapabilityError
 from . import int4_native, int4_pack, int8_native, int8_pack, native
-from .row_split import RowSplitLinear
 from .rtn import Int4Weight, Int8Weight, quantize_int4, quantize_int8
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
@@ -30,30 +30,23 @@ Linear = Callable[[torch.Tensor], torch.Tensor]
 SCHEMES = ("int8", "int4", "auto")
 # Rows a kernel is timed at: a one-stream decode step, small and larger batches.
 MEASURE_ROWS = (1, 4, 16, 32)
-# A 4-bit kernel within this factor of the fastest is taken instead: it keeps
-# a 4-bit file's own values (int8 would round them once more) in 0.625 of
-# int8's bytes (20 bytes a group of 32 against 32), and the factor is that
-# ratio: streaming every layer's weights, a step's time follows the bytes.
-# Measured (docs/benchmarks.md, "Native kernels"): the native
-# int8 kernel timed 8-12% faster than the 4-bit one on one layer at one row,
-# so "auto" held int8 for few rows and 4-bit for many, both copies, and the
-# server ran one stream at 15.6 ms a token in 966 MiB against 13.5 ms in 845
-# MiB on the 4-bit kernel alone: the layer's timing, its weights warm in the
-# cache, does not see what streaming all of them costs. With float16 block
-# scales the one-layer timing put 4-bit at 1.29x int8 at one row, past the
-# former 1.25, and the server again held both copies: 15.9 ms a token in 896
-# MiB.
-FOUR_BIT_TIE = 1.6
-# For the most rows timed, a native kernel within this factor of a faster
-# ATen one is taken instead: the one-layer timing calls a linear alone,
-# while a native kernel also lets the fused decode step (native_decode) run
-# every layer of a batch in one call, which it does only where every
-# projection runs natively. On an AMX Xeon the two measured within 2% of
-# each other at 32 rows, either way round from one start to the next (2
-# starts of 6 took ATen's above 4 rows), and that split ran the default
-# model's 32-row decode step in 84-86 ms against 33 (docs/benchmarks.md,
-# "K-quant files").
-NATIVE_TIE = 1.5
+# How ``choose_kernel`` picks, in words (the load log and /version show it):
+# KERNELS' order, the first that works here and stores the scheme's bits.
+RULE = (
+    "the first that works here of: native 4-bit, native int8, ATen 4-bit, ATen int8; "
+    "in batch-invariant mode only native variants whose rows get the same bits at every row count"
+)
+# The native variants whose kernels give a row the same bits whatever rows
+# share the call (csrc/kernels.h's header: int8 activations for weights in
+# groups of 32 at every row count, the row kernels with the panels' bits);
+# the others switch to panels of another arithmetic from 10 rows. In
+# batch-invariant mode the 4-bit family takes only these (an AVX-512 CPU
+# without VNNI and BF16 runs avx2int8).
+ROW_INVARIANT_ISAS = frozenset({"avx512vnni", "avx2int8", "scalar"})
+# On AMX, outside batch-invariant mode: a prompt's 4-bit calls from this
+# many rows run the bfloat16 GEMM (measured faster from 16 rows on an AMX
+# Xeon: docs/benchmarks.md).
+BF16_GEMM_FROM_ROWS = 16
 
 
 @attrs.frozen
@@ -97,9 +90,9 @@ def _native(bits: int, isa: str, what: str) -> Kernel:
     # bfloat16 panels from 10 rows, avx2int8's avx2's: 4-bit panels on
     # activations rounded to int16 in groups of 32 (csrc/panel_avx2_int16.h).
     if bits == 4 and isa == "avx512vnni":
-        activations = "int8 activations in decode steps, bfloat16 products in prompts from 10 rows"
+        activations = "int8 activations; bfloat16 products in prompts from 10 rows with --no-batch-invariant"
     elif bits == 4 and isa == "avx2int8":
-        activations = "int8 activations in decode steps, int16 in prompts from 10 rows"
+        activations = "int8 activations; int16 in prompts from 10 rows with --no-batch-invariant"
     elif bits == 4 and isa == "avx2":
         activations = "float32 activations, int16 from 10 rows"
     elif isa in ("avx512bf16", "avx512vnni"):
@@ -138,54 +131,50 @@ KERNELS: tuple[Kernel, ...] = (
 
 @attrs.frozen
 class KernelChoice:
-    """The kernel a model runs and why: ``timings`` holds each candidate's
-    milliseconds at ``MEASURE_ROWS``. With ``small``, calls of at most
-    ``max_small_rows`` rows run on that kernel instead (``row_split``)."""
+    """The kernel a model runs (every row count on the one kernel) and, on
+    AMX machines outside batch-invariant mode, from how many rows a
+    prompt's 4-bit calls run torch's bfloat16 GEMM instead (``gemm_from_rows``)."""
 
     kernel: Kernel
     scheme: str
     group_size: int
-    timings: tuple[tuple[str, tuple[float, ...]], ...]
-    small: Kernel | None = None
-    max_small_rows: int = 0
-    # Whether the native 4-bit kernel runs a prompt's rows on torch's
-    # bfloat16 GEMM (AMX machines; measure_bf16_gemm), and why.
-    bf16_gemm: int4_native.Bf16GemmChoice | None = None
+    gemm_from_rows: int | None = None
 
     @property
     def label(self) -> str:
-        """The formats the weights are held in, e.g. ``int8`` or ``int4+int8``."""
-        if self.small is None:
-            return f"int{self.kernel.bits}"
-        return f"int{self.small.bits}+int{self.kernel.bits}"
+        """The format the weights are held in, e.g. ``int8`` or ``int4``."""
+        return f"int{self.kernel.bits}"
 
     def make(self, weight: torch.Tensor | Int8Weight | Int4Weight, bias: torch.Tensor | None) -> Linear:
-        """The linear for ``weight`` on this choice's kernel(s)."""
-        large = self.kernel.make(weight, bias, self.group_size)
-        if self.small is None:
-            return large
-        return RowSplitLinear(self.small.make(weight, bias, self.group_size), large, self.max_small_rows)
+        """The linear for ``weight`` on this choice's kernel."""
+        linear = self.kernel.make(weight, bias, self.group_size)
+        if self.gemm_from_rows is not None and isinstance(linear, int4_native.Int4NativeLinear):
+            linear = attrs.evolve(linear, gemm_from_rows=self.gemm_from_rows)
+        return linear
 
     @property
     def reason(self) -> str:
-        shown = "; ".join(
-            f"{name} {' / '.join(f'{ms:.2f}' for ms in times)} ms" for name, times in self.timings
+        gemm = (
+            f"; torch's bfloat16 GEMM from {self.gemm_from_rows} rows in prompts (AMX)"
+            if self.gemm_from_rows is not None
+            else ""
         )
-        rows = "/".join(str(r) for r in MEASURE_ROWS)
-        what = self.kernel.what
-        if self.small is not None:
-            what = f"{self.small.what} up to {self.max_small_rows} rows, {what} above"
-        gemm = f"; {self.bf16_gemm.reason}" if self.bf16_gemm is not None else ""
-        return f"{what} (one layer at {rows} rows: {shown}){gemm}"
+        return f"{self.kernel.what}{gemm} (chosen by rule: {RULE})"
 
 
-def candidates(cpu_paths: CpuPaths, scheme: str) -> list[Kernel]:
-    """The kernels that work here and fit ``scheme``; ``CpuCapabilityError``
-    listing what the machine runs when there are none."""
+def candidates(cpu_paths: CpuPaths, scheme: str, *, batch_invariant: bool = False) -> list[Kernel]:
+    """The kernels that work here and fit ``scheme``, in ``RULE``'s order
+    (with ``batch_invariant``, the native 4-bit variants of
+    ``ROW_INVARIANT_ISAS`` only); ``CpuCapabilityError`` listing what the
+    machine runs when there are none."""
     if scheme not in SCHEMES:
         raise ValueError(f"quantization {scheme!r} is not one of {', '.join(SCHEMES)}")
     known = {p.name for p in cpu_paths.paths}
-    usable = [k for k in KERNELS if cpu_paths.works(k.name)]
+    usable = [
+        k
+        for k in KERNELS
+        if cpu_paths.works(k.name) and not (batch_invariant and k.family == "native4" and k.isa not in ROW_INVARIANT_ISAS)
+    ]
     best_of_family: dict[str, Kernel] = {}
     for k in usable:
         best_of_family.setdefault(k.family or k.name, k)
@@ -231,107 +220,34 @@ def measure(
 
 
 # The native 4-bit variants whose prompts run bfloat16 panels, which the
-# bfloat16 GEMM may replace.
+# bfloat16 GEMM may replace (outside batch-invariant mode).
 _BF16_PANEL_ISAS = ("avx512bf16", "avx512vnni")
 
 
-def _with_bf16_gemm(
-    fits: list[Kernel], cpu_paths: CpuPaths, shapes: Sequence[tuple[int, int]], group_size: int
-) -> tuple[list[Kernel], int4_native.Bf16GemmChoice | None]:
-    """``fits`` with its native 4-bit kernel running a prompt's rows on the
-    bfloat16 GEMM, where that path works here (AMX) and measures faster than
-    the panels; with the measurement, when one was made. Before the
-    kernels are timed against each other, so that choice sees it."""
-    if group_size % int4_native.GROUP or not cpu_paths.works(int4_native.BF16_GEMM_PATH):
-        return fits, None
-    for i, kernel in enumerate(fits):
-        if kernel.family == "native4" and kernel.isa in _BF16_PANEL_ISAS:
-            measured = measure_bf16_gemm(kernel, shapes, group_size)
-            if measured.from_rows is None:
-                return fits, measured
-            return [*fits[:i], _gemm_from(kernel, measured.from_rows), *fits[i + 1 :]], measured
-    return fits, None
-
-
-def _gemm_from(kernel: Kernel, rows: int) -> Kernel:
-    """``kernel`` (native 4-bit) running calls of ``rows`` rows or more on the bfloat16 GEMM."""
-    return attrs.evolve(
-        kernel,
-        what=f"{kernel.what}; torch's bfloat16 GEMM from {rows} rows in prompts",
-        build=lambda w, b: attrs.evolve(kernel.build(w, b), gemm_from_rows=rows),
-    )
-
-
-def measure_bf16_gemm(
-    kernel: Kernel, shapes: Sequence[tuple[int, int]], group_size: int
-) -> int4_native.Bf16GemmChoice:
-    """Time the native 4-bit ``kernel`` over one layer's ``shapes`` on its
-    panels and on the bfloat16 GEMM at ``int4_native.BF16_GEMM_TRIAL_ROWS``
-    (``measure``, best of 3); the GEMM runs from the rows
-    ``int4_native.gemm_from_rows`` finds."""
-    gemm = attrs.evolve(_gemm_from(kernel, 1), name=f"{kernel.name} on the bfloat16 GEMM")
-    rows = int4_native.BF16_GEMM_TRIAL_ROWS
-    timings = measure([kernel, gemm], shapes, group_size, repeat=3, rows_measured=rows)
-    panels_ms, gemm_ms = timings[kernel.name], timings[gemm.name]
-    return int4_native.Bf16GemmChoice(int4_native.gemm_from_rows(panels_ms, gemm_ms), panels_ms, gemm_ms)
-
-
-def _fastest(kernels: Sequence[Kernel], cost: Callable[[Kernel], float]) -> Kernel:
-    """The cheapest of ``kernels``, or a 4-bit one within ``FOUR_BIT_TIE`` of it."""
-    best = min(kernels, key=cost)
-    four_bit = [k for k in kernels if k.bits == 4]
-    if four_bit and cost(min(four_bit, key=cost)) <= FOUR_BIT_TIE * cost(best):
-        return min(four_bit, key=cost)
-    return best
-
-
-def _native_within_tie(fits: Sequence[Kernel], picked: Kernel, cost: Callable[[Kernel], float]) -> Kernel:
-    """``picked``, or the fastest native kernel of ``fits`` by ``cost`` where
-    ``picked`` is not native and that one costs at most NATIVE_TIE times it."""
-    natives = [k for k in fits if k.family]
-    if not natives or picked.family:
-        return picked
-    native = _fastest(natives, cost)
-    return native if cost(native) <= NATIVE_TIE * cost(picked) else picked
-
-
 def choose_kernel(
-    cpu_paths: CpuPaths, scheme: str, shapes: Sequence[tuple[int, int]], group_size: int = 32
+    cpu_paths: CpuPaths,
+    scheme: str,
+    shapes: Sequence[tuple[int, int]],
+    group_size: int = 32,
+    *,
+    batch_invariant: bool = True,
 ) -> KernelChoice:
-    """The fastest kernel here for ``scheme`` over one layer's ``shapes``
-    (``[(out, in), ...]``); a lone candidate is taken without timing."""
-    fits = candidates(cpu_paths, scheme)
+    """The kernel for ``scheme`` over one layer's ``shapes`` (``[(out, in),
+    ...]``): a pure function of what this CPU runs (``cpu_paths``), the
+    shapes and the flags, never of a timing, so two starts on one machine
+    compute the same bits (``RULE``)."""
+    fits = candidates(cpu_paths, scheme, batch_invariant=batch_invariant)
     if scheme == "auto" and any(k % group_size for _, k in shapes):
         # Groups that do not tile the inputs: only the per-channel kernels fit.
         fits = [k for k in fits if k.bits == 8] or fits
-    fits, bf16_gemm = _with_bf16_gemm(fits, cpu_paths, shapes, group_size)
-    timings = measure(fits, shapes, group_size) if len(fits) > 1 else {}
-    best = _fastest(fits, lambda k: sum(timings.get(k.name, ())))
-    choice = KernelChoice(best, scheme, group_size, tuple(timings.items()), bf16_gemm=bf16_gemm)
-    if not timings:
-        return choice
-    if scheme != "auto":
-        # One kernel for every row (int8 or int4 asked for): a native one
-        # within NATIVE_TIE of a faster ATen one over the rows timed, for the
-        # fused decode step it alone runs (below). On an AMX Xeon ATen's
-        # 4-bit kernel summed 2.92 ms against the native one's 2.93, and
-        # SmolLM2 from float safetensors quantized to int4 then decoded one
-        # stream at 14.2-14.6 ms a step, against 6.2-7.1 on the native one.
-        return attrs.evolve(choice, kernel=_native_within_tie(fits, best, lambda k: sum(timings[k.name])))
-    # "auto" may hold the weights twice: the fastest kernel at one row for
-    # the rows where it wins, the fastest at the most rows above that.
-    by_rows = {rows: _fastest(fits, lambda k: timings[k.name][i]) for i, rows in enumerate(MEASURE_ROWS)}
-    small, large = by_rows[MEASURE_ROWS[0]], by_rows[MEASURE_ROWS[-1]]
-    large = _native_within_tie(fits, large, lambda k: timings[k.name][-1])
-    # A native kernel runs every row: the fused decode step (native_decode)
-    # takes a batch only where all its projections run natively, and at one
-    # row that step saves more than the one-layer matmul differences timed
-    # here (the server's one stream: 15.9 ms a token with ATen's 4-bit kernel
-    # up to 4 rows and a second copy for the native one, 12.9 ms on the
-    # native one alone; docs/benchmarks.md).
-    if small is large or large.family:
-        return attrs.evolve(choice, kernel=large)
-    wins = [r for i, r in enumerate(MEASURE_ROWS) if timings[small.name][i] < timings[large.name][i]]
-    if not wins:  # the 4-bit pick at one row (a tie) is nowhere faster: one copy
-        return attrs.evolve(choice, kernel=large)
-    return attrs.evolve(choice, kernel=large, small=small, max_small_rows=max(wins))
+    kernel = fits[0]
+    gemm_from_rows = None
+    if (
+        not batch_invariant
+        and kernel.family == "native4"
+        and kernel.isa in _BF16_PANEL_ISAS
+        and group_size % int4_native.GROUP == 0
+        and cpu_paths.works(int4_native.BF16_GEMM_PATH)
+    ):
+        gemm_from_rows = BF16_GEMM_FROM_ROWS
+    return KernelChoice(kernel, scheme, group_size, gemm_from_rows)

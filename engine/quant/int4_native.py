@@ -21,8 +21,10 @@ faster than the bfloat16 panels: there a linear with ``gemm_from_rows``
 runs calls of that many rows or more (a prompt's, through the model's
 layers) as that GEMM over the matrix dequantized to bfloat16 for the call,
 the same rounding of weights and activations as the panels'. The matrix
-lives only for the call, so no second copy of the weights is kept. Whether
-and from how many rows is measured at load (``choose.measure_bf16_gemm``).
+lives only for the call, so no second copy of the weights is kept. Only
+outside batch-invariant mode, from ``choose.BF16_GEMM_FROM_ROWS`` rows:
+the fused step, which a batch-invariant model runs every token on, never
+calls it.
 """
 
 from __future__ import annotations
@@ -55,9 +57,6 @@ _VNNI, _BF16 = native.ISAS["avx512vnni"], native.ISAS["avx512bf16"]
 _AVX2_INT8, _AVX2 = native.ISAS["avx2int8"], native.ISAS["avx2"]
 # The capability path of the bfloat16 GEMM over a call's dequantized matrix.
 BF16_GEMM_PATH = "quant_int4_bf16_gemm"
-# Rows the GEMM is timed against the panels at (choose.measure_bf16_gemm): a short
-# prompt, a few, a long one's step.
-BF16_GEMM_TRIAL_ROWS = (16, 64, 512)
 # The most rows one bfloat16 GEMM multiplies; more go in slices of this
 # many. A slice re-reads the matrix (oneDNN reorders it for the tiles on
 # every call): one layer at 2,048 rows took 5.4 ms whole and 8.8 ms in
@@ -174,7 +173,7 @@ class Int4NativeLinear:
     # (call_isa).
     int8_panels: bool = False
     # From this many rows, torch's bfloat16 GEMM over the matrix dequantized
-    # for the call (AMX machines, measured at load: choose.measure_bf16_gemm); None: never.
+    # for the call (AMX machines outside batch-invariant mode: choose.BF16_GEMM_FROM_ROWS); None: never.
     gemm_from_rows: int | None = None
 
     @classmethod
@@ -228,41 +227,6 @@ def trial_bf16_gemm() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     weight = quantize_int4(w, 32)
     linear = attrs.evolve(Int4NativeLinear.from_rtn(weight, bias, "avx512bf16"), gemm_from_rows=1)
     return {"Int4NativeLinear(bf16 GEMM)": (linear(x), F.linear(x, weight.dequantize(), bias))}
-
-
-@attrs.frozen
-class Bf16GemmChoice:
-    """Whether a model's 4-bit linears run a prompt's rows as the bfloat16
-    GEMM, from how many rows (``from_rows``; None: never), and the timings
-    it was chosen by: one layer's milliseconds at ``BF16_GEMM_TRIAL_ROWS``
-    on the panels and on the GEMM."""
-
-    from_rows: int | None
-    panels_ms: tuple[float, ...]
-    gemm_ms: tuple[float, ...]
-
-    @property
-    def reason(self) -> str:
-        rows = "/".join(map(str, BF16_GEMM_TRIAL_ROWS))
-        times = (
-            f"one layer at {rows} rows: panels {' / '.join(f'{t:.2f}' for t in self.panels_ms)} ms, "
-            f"GEMM {' / '.join(f'{t:.2f}' for t in self.gemm_ms)} ms"
-        )
-        if self.from_rows is None:
-            return f"bfloat16 panels at every prompt size, the GEMM no faster ({times})"
-        return f"a prompt's rows from {self.from_rows} on torch's bfloat16 GEMM (AMX) ({times})"
-
-
-def gemm_from_rows(panels_ms: tuple[float, ...], gemm_ms: tuple[float, ...]) -> int | None:
-    """The fewest of ``BF16_GEMM_TRIAL_ROWS`` from which the GEMM's times
-    (``gemm_ms``, at those rows) beat the panels' at every larger count too;
-    None where it loses at the most rows."""
-    from_rows = None
-    for rows, panels, gemm in reversed(list(zip(BF16_GEMM_TRIAL_ROWS, panels_ms, gemm_ms))):
-        if gemm >= panels:
-            break
-        from_rows = rows
-    return from_rows
 
 
 def trial(isa: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

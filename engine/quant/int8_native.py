@@ -73,7 +73,7 @@ class Int8GroupNativeLinear:
     ops: object  # torch.ops.trioserve, loaded
     int8_panels: bool = False  # as Int4NativeLinear's
     bias: torch.Tensor | None = None
-    gemm_from_rows: int | None = None  # as Int4NativeLinear's (the chooser's measurement of the 4-bit panels)
+    gemm_from_rows: int | None = None  # as Int4NativeLinear's (choose.BF16_GEMM_FROM_ROWS)
 
     @classmethod
     def over(

@@ -88,7 +88,7 @@ class _Wide:
         kernel = _eight_bit_kernel(cpu_paths, choice.kernel)
         isa = choice.kernel.isa
         if isa and kernel.isa == isa:
-            rows = choice.bf16_gemm.from_rows if choice.bf16_gemm is not None else None
+            rows = choice.gemm_from_rows
 
             def native_groups(parts: list[Tensor], bias: torch.Tensor | None) -> Linear:
                 return int8_native.Int8GroupNativeLinear.over(_int8_groups(parts), isa, bias, rows)
@@ -126,7 +126,7 @@ def _build_layer(
             return wide.build(weights, _bias(parts, names, rows))
         for n, w in zip(names, weights):
             shape = tuple(w.shape if isinstance(w, torch.Tensor) else w.q.shape)
-            if 4 in (choice.kernel.bits, choice.small.bits if choice.small else 0):
+            if choice.kernel.bits == 4:
                 check_group_size(shape, choice.group_size, f"model.layers.{index}.{n}_proj.weight")
         return choice.make(_cat(weights), _bias(parts, names, rows))
 
@@ -135,9 +135,17 @@ def _build_layer(
 
 
 def quantization_choice(
-    cpu_paths: CpuPaths | None, device: torch.device, dtype: torch.dtype, scheme: str, config: ModelConfig, group_size: int
+    cpu_paths: CpuPaths | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    scheme: str,
+    config: ModelConfig,
+    group_size: int,
+    *,
+    batch_invariant: bool = True,
 ) -> KernelChoice:
-    """The kernel for ``scheme`` on this machine; ``CpuCapabilityError`` where none runs."""
+    """The kernel for ``scheme`` on this machine (``choose.choose_kernel``);
+    ``CpuCapabilityError`` where none runs."""
     if device.type != "cpu" or cpu_paths is None:
         raise CpuCapabilityError(f"quantization {scheme} runs on CPU only, not on {device}; use --quantization none")
     if dtype != torch.float32:
@@ -148,7 +156,7 @@ def quantization_choice(
         int4_pack.Int4PackLinear.check_group_size(group_size)
         for i, shape in enumerate(layer_shapes(config)):
             check_group_size(shape, group_size, ("qkv", "o", "gate_up", "down")[i] + " projection")
-    return choose_kernel(cpu_paths, scheme, layer_shapes(config), group_size)
+    return choose_kernel(cpu_paths, scheme, layer_shapes(config), group_size, batch_invariant=batch_invariant)
 
 
 def build_quantized(

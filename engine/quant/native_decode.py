@@ -1,5 +1,8 @@
 """A decode step's decoder layers in one native call (``csrc/decode.cpp``).
 
+A batch-invariant model (the default) runs every token here, prompts too,
+so a token gets one arithmetic whatever shares its step (``runs``).
+
 At one row, a step on compressed weights spent more time in the ~200 small
 torch ops per layer around the matmuls (norms, rotary, the cache write,
 gather and attention, the activation) than in the matmuls themselves
@@ -22,7 +25,6 @@ from . import native
 from .int4_native import Int4NativeLinear
 from .int8_native import Int8GroupNativeLinear, Int8NativeLinear
 from .projections import QuantizedProjections
-from .row_split import RowSplitLinear
 
 from ..native_attention import CACHE_DTYPES, MAX_QUERY_TOKENS
 NativeLinear = Int4NativeLinear | Int8NativeLinear | Int8GroupNativeLinear
@@ -30,13 +32,10 @@ _EMPTY = torch.empty(0)
 _INT8_HEADS = frozenset({native.ISAS["avx512vnni"], native.ISAS["avx2int8"]})
 
 
-def _native(linear: object) -> tuple[NativeLinear, int] | None:
-    """The native kernel a linear runs at few rows, and up to how many rows; None where it has none."""
-    if isinstance(linear, RowSplitLinear):
-        found = _native(linear.small)
-        return None if found is None else (found[0], min(found[1], linear.max_small_rows))
+def _native(linear: object) -> NativeLinear | None:
+    """The linear where it runs on a native kernel; None where it does not."""
     if isinstance(linear, Int4NativeLinear | Int8NativeLinear | Int8GroupNativeLinear):
-        return linear, 1 << 30
+        return linear
     return None
 
 
@@ -52,7 +51,7 @@ def _parts(linear: NativeLinear) -> tuple[torch.Tensor, torch.Tensor]:
 
 @attrs.frozen
 class NativeDecode:
-    """All decoder layers of a decode-only batch of at most ``max_rows`` rows, natively."""
+    """All decoder layers of a batch of decode rows (and, batch-invariant, prompts), natively."""
 
     weights: tuple[torch.Tensor, ...]  # csrc/decode.cpp's 12 per layer
     num_heads: int
@@ -60,7 +59,6 @@ class NativeDecode:
     eps: float
     scale: float
     isa: int
-    max_rows: int
     op: object
 
     @classmethod
@@ -77,32 +75,33 @@ class NativeDecode:
     ) -> NativeDecode | None:
         """The fused step over these layers, or None where a projection has no native kernel."""
         weights: list[torch.Tensor] = []
-        isas, max_rows = set(), 1 << 30
+        isas = set()
         for layer, input_norm, post_norm in zip(projections, input_norms, post_norms, strict=True):
             found = [_native(getattr(layer, f"{part}_linear")) for part in ("qkv", "o", "gate_up", "down")]
-            if any(f is None for f in found) or any(f[0].bias is not None for f in found[2:]):  # type: ignore[index]
+            if any(f is None for f in found) or any(f.bias is not None for f in found[2:]):  # type: ignore[union-attr]
                 return None
-            (qkv, _), (o, _), (gate_up, _), (down, _) = found  # type: ignore[misc]
-            isas |= {f[0].isa for f in found}  # type: ignore[index]
-            max_rows = min([max_rows] + [f[1] for f in found])  # type: ignore[index]
+            qkv, o, gate_up, down = found
+            isas |= {f.isa for f in found}  # type: ignore[union-attr]
             weights += [input_norm.detach().float().contiguous(), *_parts(qkv), _bias(qkv)]
             weights += [*_parts(o), _bias(o), post_norm.detach().float().contiguous(), *_parts(gate_up), *_parts(down)]
         if len(isas) != 1:
             return None
         return cls(
-            tuple(weights), num_heads, num_kv_heads, eps, head_dim**-0.5, isas.pop(), max_rows,
+            tuple(weights), num_heads, num_kv_heads, eps, head_dim**-0.5, isas.pop(),
             native.ops().decode_layers,  # type: ignore[attr-defined]
         )
 
-    def runs(self, query_lens: Sequence[int], cache_dtype: torch.dtype) -> bool:
+    def runs(self, query_lens: Sequence[int], cache_dtype: torch.dtype, *, prompts: bool = False) -> bool:
         """Whether a batch of these query lengths, over a cache of
-        ``cache_dtype``, runs here: decode rows, or short runs of tokens such
-        as a speculative step's verification, within the rows the native
-        kernels serve."""
+        ``cache_dtype``, runs here: decode rows or short runs of tokens such
+        as a speculative step's verification; with ``prompts``, runs of any
+        length too (a
+        batch-invariant model computes every token here, so a prompt's
+        tokens get the arithmetic of a decode step's: docs/architecture.md,
+        "Same request, same answer")."""
         return (
-            sum(query_lens) <= self.max_rows
-            and cache_dtype in CACHE_DTYPES
-            and all(n <= MAX_QUERY_TOKENS for n in query_lens)
+            cache_dtype in CACHE_DTYPES
+            and (prompts or all(n <= MAX_QUERY_TOKENS for n in query_lens))
         )
 
     def __call__(
@@ -152,7 +151,8 @@ def decode_head(head: object) -> object | None:
     head, in panels from 10 rows and below them row kernels with the
     panels' bits (csrc/rows_avx2.h; a 4-bit head held as lanes blocks runs
     csrc/lanes_avx2.h at every row count, a Q8_0 one csrc/q8_lanes_avx2.h);
-    else None (``head`` itself serves). A prompt's logits keep ``head``:
+    else None (``head`` itself serves). A batch-invariant model takes it
+    for a prompt's logits too; outside that mode a prompt's logits keep ``head``:
     float32 activations, from 10 rows in bfloat16 panels, or on AVX2 panels
     on float32 activations (Q8_0) or int16 ones (4-bit;
     ``int4_native.call_isa``; a Q8_0 head in lanes blocks: int16 at any row
