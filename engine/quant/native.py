@@ -1,10 +1,13 @@
 """The native kernels of ``csrc/``: built once, loaded where built.
 
 ``scripts/setup.sh`` builds them through ``torch.utils.cpp_extension``
-(``python -m trioserve.engine.quant.native``) into a folder named for the
-source and the torch version, next to the source. Nothing compiles at serve
-time: ``ops`` loads a library built for exactly this source and torch, and
-raises ``NativeUnavailable`` where there is none (no compiler, a failed
+(``python -m trioserve.engine.quant.native``) into a per-user cache,
+``~/.cache/trioserve/native/<build tag>/`` (``$TRIOSERVE_NATIVE_CACHE``
+instead of ``~/.cache/trioserve/native``), the tag naming the source and the
+torch version: never into the installed package or the checkout, which may be
+read-only and are shared by users and by other builds. Nothing compiles at
+serve time: ``ops`` loads a library built for exactly this source and torch,
+and raises ``NativeUnavailable`` where there is none (no compiler, a failed
 build, a source changed since). The capability probes of the native kernels
 then fail with that reason, and the chooser takes ATen's kernels instead.
 
@@ -33,6 +36,10 @@ HEADERS = (
 )
 LIBRARY_NAME = "trioserve_native"
 SWITCH_ENV = "TRIOSERVE_NATIVE_KERNELS"
+# Not under $TRIOSERVE_CACHE (engine/gguf_cache.py), whose default root it
+# shares: tests and scripts/bench_suite.py point that at an empty folder to
+# convert a model afresh, and a process started so must still find the kernels.
+CACHE_ENV = "TRIOSERVE_NATIVE_CACHE"
 CFLAGS = ("-O3", "-fopenmp")
 # The ``isa`` argument of the library's kernels, lowest first.
 # ``avx2int8`` is AVX2 with int8 activations against 4-bit weights and int16
@@ -78,8 +85,15 @@ def build_tag() -> str:
     return digest.hexdigest()[:16]
 
 
+def cache_root(environ: Mapping[str, str] | None = None) -> Path:
+    """Where builds go: ``$TRIOSERVE_NATIVE_CACHE``, else ``~/.cache/trioserve/native``."""
+    environ = os.environ if environ is None else environ
+    env = environ.get(CACHE_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "trioserve" / "native"
+
+
 def build_dir() -> Path:
-    return SOURCE_DIR / "build" / build_tag()
+    return cache_root() / build_tag()
 
 
 def library_path() -> Path:
