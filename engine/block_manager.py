@@ -8,8 +8,20 @@ holds stays in the cache until it is needed for other content (evicted).
 The free queue orders the blocks no request holds: blocks without cached
 content first (reusing them loses nothing), then cached ones from least to
 most recently released (LRU). A block in use is never in the queue, so never
-evicted. ``apply(batch)`` is the only way to change the pool; see
-``kv_batch`` for the order it applies a batch in.
+evicted. The blocks never handed out are in id order, behind those freed
+without content: taken lowest id first, so the blocks ever used are always
+ids ``0 .. num_written_blocks - 1``.
+
+Where the pool's memory is committed as a block is first written (a CPU
+pool: engine/kv_cache.py), ``reuse_written_first`` takes a written block,
+evicting the least recently used cached one, before a block never written:
+the pool's resident memory then grows only with the most blocks requests
+held at once, and the prefix cache keeps what that memory leaves free.
+Without it (a CUDA pool, allocated whole), a never-written block is taken
+before any cached content is evicted, and the cache may fill the pool.
+
+``apply(batch)`` is the only way to change the pool; see ``kv_batch`` for
+the order it applies a batch in.
 """
 
 from __future__ import annotations
@@ -52,14 +64,19 @@ class _Holding:
 
 @attrs.define
 class BlockManager:
-    """A fixed pool of ``num_blocks`` KV blocks of ``block_size`` tokens each."""
+    """A fixed pool of ``num_blocks`` KV blocks of ``block_size`` tokens each;
+    ``reuse_written_first``: see the module's docstring."""
 
     num_blocks: int = attrs.field(validator=positive)
     block_size: int = attrs.field(validator=positive)
     enable_prefix_caching: bool = attrs.field(default=True, kw_only=True)
+    reuse_written_first: bool = attrs.field(default=False, kw_only=True)
     _blocks: list[_Block] = attrs.field(init=False)
     # Insertion order is eviction order: the front is reused first.
     _free: collections.OrderedDict[int, None] = attrs.field(init=False)
+    # The free queue's cached blocks, in the same (LRU) order.
+    _evictable: collections.OrderedDict[int, None] = attrs.field(init=False, factory=collections.OrderedDict)
+    _num_written: int = attrs.field(init=False, default=0)  # blocks 0 .. _num_written - 1 were handed out
     _cached: dict[int, int] = attrs.field(init=False, factory=dict)  # block hash -> block id
     _holdings: dict[str, _Holding] = attrs.field(init=False, factory=dict)
     _queries: int = attrs.field(init=False, default=0)
@@ -113,6 +130,12 @@ class BlockManager:
             prefix_cache_hits=self._hits,
             num_evictions=self._evictions,
         )
+
+    @property
+    def num_written_blocks(self) -> int:
+        """Blocks ever handed out, ids ``0 .. num_written_blocks - 1``: those
+        whose memory a CPU pool has committed."""
+        return self._num_written
 
     def block_table(self, request_id: str) -> tuple[int, ...]:
         """The blocks a request holds, in position order (empty if none)."""
@@ -168,6 +191,8 @@ class BlockManager:
                 self._free[block_id] = None
                 if block.block_hash is None:
                     self._free.move_to_end(block_id, last=False)
+                else:
+                    self._evictable[block_id] = None
 
     def _forget_cache(self) -> None:
         """Drop every block's cached content (its KV tensors are lost). A
@@ -175,6 +200,11 @@ class BlockManager:
         for block in self._blocks:
             block.block_hash = None
         self._cached.clear()
+        self._evictable.clear()
+        # No free block has content now: the queue goes back to id order,
+        # lowest first, as on a fresh pool (the tensors that were lost are
+        # replaced by a fresh pool, none of its pages written).
+        self._free = collections.OrderedDict.fromkeys(sorted(self._free))
         self._num_forgotten += 1
 
     def _allocate(self, allocation: KVAllocation) -> tuple[tuple[int, ...] | None, int]:
@@ -209,6 +239,7 @@ class BlockManager:
             block = self._blocks[block_id]
             if block.ref_count == 0:
                 del self._free[block_id]
+                del self._evictable[block_id]
             block.ref_count += 1
         block_ids = hit_blocks + [self._take_fresh() for _ in range(num_fresh)]
         self._holdings[allocation.request_id] = _Holding(block_ids, len(hit_blocks), last_hash)
@@ -233,10 +264,16 @@ class BlockManager:
         return blocks, parent
 
     def _take_fresh(self) -> int:
-        block_id, _ = self._free.popitem(last=False)
+        block_id = next(iter(self._free))
+        if self.reuse_written_first and block_id >= self._num_written and self._evictable:
+            # The front is a block never written: evict instead.
+            block_id = next(iter(self._evictable))
+        del self._free[block_id]
+        self._num_written = max(self._num_written, block_id + 1)
         block = self._blocks[block_id]
         assert block.ref_count == 0, f"free block {block_id} has ref_count {block.ref_count}"
         if block.block_hash is not None:
+            del self._evictable[block_id]
             del self._cached[block.block_hash]
             block.block_hash = None
             self._evictions += 1
@@ -275,6 +312,9 @@ class BlockManager:
                 raise AssertionError(f"block {block.block_id} is in the free queue but held {held} time(s)")
             if block.block_hash is not None and self._cached.get(block.block_hash) != block.block_id:
                 raise AssertionError(f"block {block.block_id} has a hash the cache index does not map to it")
+        evictable = [b for b in self._free if self._blocks[b].block_hash is not None]
+        if list(self._evictable) != evictable:
+            raise AssertionError(f"the evictable blocks {list(self._evictable)} differ from the free queue's cached ones {evictable}")
         for block_hash, block_id in self._cached.items():
             if self._blocks[block_id].block_hash != block_hash:
                 raise AssertionError(f"cache index maps a hash to block {block_id}, which holds other content")

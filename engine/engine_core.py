@@ -258,8 +258,15 @@ class EngineCore:
         return cls(loaded, config, own_pool=own_pool)
 
     def new_block_manager(self) -> BlockManager:
-        """A KV pool of this core's size: its own, or the allocator actor's."""
-        return BlockManager(self.num_blocks, self.config.block_size, enable_prefix_caching=self.config.enable_prefix_caching)
+        """A KV pool of this core's size: its own, or the allocator actor's.
+        A CPU pool commits a block's memory when it is first written, so
+        written blocks are reused first (engine/block_manager.py)."""
+        return BlockManager(
+            self.num_blocks,
+            self.config.block_size,
+            enable_prefix_caching=self.config.enable_prefix_caching,
+            reuse_written_first=self.loaded.device.type == "cpu",
+        )
 
     # -- requests ---------------------------------------------------------
 

@@ -4,6 +4,31 @@ The pools may store a narrower dtype than the model computes in (a 16-bit
 cache under a float32 model, fp8 under a bfloat16 one: engine/kv_dtype.py).
 ``to_cache`` rounds keys and values as they are written, ``from_cache``
 widens what attention reads back; both are no-ops when the dtypes agree.
+
+On CPU the pools are mapped, not filled: each is an anonymous private
+mapping of its own (``mmap``), whose pages the kernel commits as a write
+first touches them and which read as zeros until then. The process's
+resident memory at start is the model's, not the pool's, and grows with
+the blocks written; the pool's size (``kv_cache_memory``) is the cap. The
+block manager hands out never-written blocks lowest id first and, on CPU,
+reuses every written block (evicting cached content) before it writes a
+new one (``BlockManager.reuse_written_first``): the written part is the
+front of each layer's pool, as many blocks as requests ever held at once.
+That high-water mark stays committed: freed blocks keep their pages (and
+the prefix cache its content) for the next holder. A zero fill
+(``torch.zeros``) would commit the whole pool at start, gigabytes the
+default server never uses.
+
+What attention may read of a block that was never written (the slots of
+a context's last block past its end, the padding blocks of a shorter row
+in a decode chunk) is under a mask, and a masked key's weight is zero;
+but 0 * NaN is NaN, so those slots must hold finite values. A fresh page
+reads as zeros, and a slot written before holds a key or value another
+sequence stored (finite: narrow dtypes saturate, see ``to_cache``).
+``torch.empty`` would not promise that: below glibc's mmap threshold it
+hands out reused heap memory with whatever bytes were there. On CUDA
+the pool is device memory, not resident host memory, and is zeroed there.
+
 An fp8 pool is held as raw bytes (``torch.uint8``) and only viewed as
 ``float8_e4m3fn`` to convert, because torch's indexing ops (``index_copy_``,
 ``index_select``) do not all accept float8 tensors on every device, while
@@ -11,6 +36,10 @@ bytes go everywhere.
 """
 
 from __future__ import annotations
+
+import ctypes
+import math
+import mmap
 
 import attrs
 import torch
@@ -67,6 +96,43 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
     return 2 * config.num_hidden_layers * block_size * config.num_key_value_heads * config.head_dim * elem
 
 
+def mapped_pool(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of ``shape`` on an anonymous private mapping of its own:
+    no page is committed until written, and every page reads as zeros until
+    then. The tensor keeps the mapping alive; it is unmapped with the tensor."""
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    # MAP_PRIVATE: mmap's default for an anonymous map is MAP_SHARED, which
+    # counts as shared memory and is shared with a forked child.
+    area = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+    return torch.frombuffer(area, dtype=dtype).view(shape)
+
+
+def resident_bytes(tensor: torch.Tensor) -> int | None:
+    """How many bytes of a CPU tensor's pages are resident (``mincore``),
+    rounded out to whole pages; None where that cannot be asked (not Linux,
+    not CPU). A page only read since it was mapped counts too (the kernel
+    maps the shared zero page there), though it adds nothing to the RSS."""
+    if tensor.device.type != "cpu" or tensor.numel() == 0:
+        return None
+    try:
+        mincore = ctypes.CDLL(None, use_errno=True).mincore
+    except (OSError, AttributeError):
+        return None
+    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    mincore.restype = ctypes.c_int
+    page = mmap.PAGESIZE
+    start = tensor.data_ptr() // page * page
+    end = tensor.data_ptr() + tensor.numel() * tensor.element_size()
+    pages = -(-(end - start) // page)
+    vec = (ctypes.c_ubyte * pages)()
+    if mincore(start, end - start, vec) != 0:
+        return None
+    # Bit 0 of each byte: the page is resident; the other bits are reserved.
+    return int(torch.frombuffer(vec, dtype=torch.uint8).bitwise_and(1).sum()) * page
+
+
 @attrs.define
 class KVCache:
     """Key and value pools, each ``[num_layers, num_blocks, block_size, kv_heads, head_dim]``.
@@ -86,9 +152,13 @@ class KVCache:
         cls, config: ModelConfig, *, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
     ) -> KVCache:
         shape = (config.num_hidden_layers, num_blocks, block_size, config.num_key_value_heads, config.head_dim)
-        # Zeros, not empty: decode reads padding blocks under a mask, and
-        # garbage there could be NaN, which a zero attention weight keeps (0 * NaN).
         storage = storage_dtype(dtype)
+        # Never garbage, which could be NaN: decode reads padding slots under
+        # a mask, and a zero attention weight keeps NaN (0 * NaN). On CPU a
+        # fresh mapping reads as zeros and commits nothing until written (the
+        # module's docstring); elsewhere, zeros in device memory.
+        if torch.device(device).type == "cpu":
+            return cls(key=mapped_pool(shape, storage), value=mapped_pool(shape, storage))
         return cls(
             key=torch.zeros(shape, dtype=storage, device=device),
             value=torch.zeros(shape, dtype=storage, device=device),
@@ -103,6 +173,11 @@ class KVCache:
     def nbytes(self) -> int:
         """The pools' bytes, keys and values."""
         return self.key.nbytes + self.value.nbytes
+
+    def resident_bytes(self) -> int | None:
+        """The pools' bytes in resident pages (``resident_bytes``; None off CPU or Linux)."""
+        key, value = resident_bytes(self.key), resident_bytes(self.value)
+        return None if key is None or value is None else key + value
 
     @property
     def token_bytes(self) -> int:
