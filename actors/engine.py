@@ -23,6 +23,7 @@ finalizer (``RequestStream``).
 from __future__ import annotations
 
 import functools
+import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -33,6 +34,7 @@ import trio
 
 from trioserve.engine.config import EngineConfig
 from trioserve.engine.engine_core import EngineCore, Prompt
+from trioserve.engine.generation_config import SamplingDefaults, load_sampling_defaults
 from trioserve.engine.kv_batch import KVResult
 from trioserve.engine.loader import LoadedModel
 from trioserve.engine.model import ProjectionChoice
@@ -56,6 +58,8 @@ from .statistics import EngineStatistics, OverloadStatistics, ReplicaStatistics,
 
 __all__ = ["Engine", "RequestStream", "open_engine"]
 
+log = logging.getLogger(__name__)
+
 
 class Engine:
     """The running engine; made by ``open_engine``, not directly.
@@ -63,6 +67,9 @@ class Engine:
     ``scheduler`` is the running scheduler actor, taking requests from
     ``admission``; ``control`` is the send end of its control channel.
     ``allocator`` and ``executor`` are asked only for their statistics.
+    ``sampling_defaults`` fill the sampling fields a request leaves unset
+    (``SamplingParams.with_defaults``), here at the edge, once: the core
+    and the scheduler see every field set.
     """
 
     def __init__(
@@ -74,8 +81,10 @@ class Engine:
         *,
         allocator: AllocatorActor,
         executor: Executor,
+        sampling_defaults: SamplingDefaults,
     ) -> None:
         self.core = core
+        self.sampling_defaults = sampling_defaults
         self._admission = admission
         self._scheduler = scheduler
         self._control = control
@@ -145,7 +154,9 @@ class Engine:
         per completion at the end.
 
         Waits for room in the admission queue. ``priority``: lower runs
-        first. ``deadline`` (trio time) or ``timeout`` (seconds from now):
+        first. The sampling fields ``params`` leaves unset take the model's
+        defaults (``sampling_defaults``). ``deadline`` (trio time) or
+        ``timeout`` (seconds from now):
         when it passes the request ends with finish reason ``DEADLINE``.
         Leaving the loop early, or a cancel, aborts the request. Raises
         ``InvalidRequestError`` (also ``DuplicateRequestError``,
@@ -229,7 +240,7 @@ class Engine:
             raise EngineClosed("the engine is not taking requests")
         # The one validation of a request (the core and the scheduler trust it).
         request_id = uuid.uuid4().hex if request_id is None else request_id
-        new = self.core.validate(request_id, prompt, params, priority=priority)
+        new = self.core.validate(request_id, prompt, self.sampling_defaults.apply(params), priority=priority)
         params = self._degradation.cap(new.params, priority, self._admission.pressure)
         prompt_ids = new.prompt_token_ids
         if timeout is not None:
@@ -375,13 +386,20 @@ async def open_engine(
     uses ``loaded`` for them when given; ``worker_model`` (picklable, e.g. a
     module-level function) is how the worker gets the model, and is
     required with ``loaded`` (default: load ``config.model``).
+
+    The engine's ``sampling_defaults`` come from ``config.generation_config``
+    (engine/generation_config.py), read before the model loads.
     """
     overrides = {"max_buffered_outputs": max_buffered_outputs, "shutdown_timeout": shutdown_timeout}
     config = attrs.evolve(config, **{name: value for name, value in overrides.items() if value is not None})
+    # Before the model loads, so that a model's broken file stops it early.
+    sampling_defaults = engine_sampling_defaults(config, loaded)
     if config.data_parallel_size > 1:
         from .replicas import open_replicated_engine  # it builds on this module
 
-        async with open_replicated_engine(config, loaded=loaded, executor=executor, worker_model=worker_model) as replicated:
+        async with open_replicated_engine(
+            config, loaded=loaded, executor=executor, worker_model=worker_model, sampling_defaults=sampling_defaults
+        ) as replicated:
             yield replicated
         return
     # Loading and every step run on this one thread: see step_thread.py.
@@ -416,7 +434,15 @@ async def open_engine(
                     step_results=step_receive,
                 )
             )
-            engine = Engine(core, admission, scheduler, control, allocator=allocator, executor=executor_actor)
+            engine = Engine(
+                core,
+                admission,
+                scheduler,
+                control,
+                allocator=allocator,
+                executor=executor_actor,
+                sampling_defaults=sampling_defaults,
+            )
             try:
                 yield engine
             except BaseException:
@@ -434,3 +460,13 @@ async def open_engine(
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(core.close)
         step_thread.close()  # steps are not cancellable: none is in flight here
+
+
+def engine_sampling_defaults(config: EngineConfig, loaded: LoadedModel | None = None) -> SamplingDefaults:
+    """The sampling defaults of the model ``config`` names; with no
+    ``config.model`` and a model handed in ``loaded``, its folder's
+    ``generation_config.json``. Logged once."""
+    folder = loaded.path if loaded is not None and config.model is None else None
+    defaults = load_sampling_defaults(config.generation_config, config.model, folder=folder)
+    log.info("sampling defaults for the fields a request leaves out: %s", defaults)
+    return defaults

@@ -40,6 +40,7 @@ import trio
 from trioserve.engine.config import EngineConfig
 from trioserve.engine.engine_core import EngineCore, kv_dtype_choice
 from trioserve.engine.faults import Fault
+from trioserve.engine.generation_config import SamplingDefaults
 from trioserve.engine.kv_batch import KVResult
 from trioserve.engine.kv_dtype import KVDtypeChoice
 from trioserve.engine.loader import LoadedModel, load_model_for
@@ -164,7 +165,14 @@ class ReplicatedEngine(Engine):
     ``data_parallel_size > 1``. ``replicas`` and ``router`` are for
     inspection; ``statistics().replicas`` has each replica's figures."""
 
-    def __init__(self, replicas: Sequence[Replica], admission: ReplicatedAdmission, router: ReplicaRouter) -> None:
+    def __init__(
+        self,
+        replicas: Sequence[Replica],
+        admission: ReplicatedAdmission,
+        router: ReplicaRouter,
+        *,
+        sampling_defaults: SamplingDefaults,
+    ) -> None:
         self.replicas = tuple(replicas)
         self.router = router
         controls = [replica.control for replica in self.replicas]
@@ -178,6 +186,7 @@ class ReplicatedEngine(Engine):
             ReplicaControl(controls, router),  # type: ignore[arg-type]
             allocator=_Combined([replica.allocator for replica in self.replicas]),  # type: ignore[arg-type]
             executor=_Combined([replica.executor for replica in self.replicas]),  # type: ignore[arg-type]
+            sampling_defaults=sampling_defaults,
         )
 
     @property
@@ -245,6 +254,7 @@ async def open_replicated_engine(
     loaded: LoadedModel | None = None,
     executor: Callable[[EngineCore], Executor] | None = None,
     worker_model: Callable[[], LoadedModel] | None = None,
+    sampling_defaults: SamplingDefaults | None = None,
 ) -> AsyncIterator[ReplicatedEngine]:
     """``open_engine`` for ``config.data_parallel_size > 1``: plan the
     replicas (refusing a layout the machine lacks before anything loads),
@@ -256,7 +266,8 @@ async def open_replicated_engine(
     loaded once); on CUDA each replica loads its own onto its device. With
     ``worker_mode="process"`` each replica's worker process loads its own
     (``worker_model`` as for ``open_engine``; ``loaded``, when given, only
-    lends its config and tokenizer).
+    lends its config and tokenizer). ``sampling_defaults``: as
+    ``open_engine`` read them (default: built-in).
     """
     placements = plan_replicas(config)
     on_cuda = placements[0].device is not None and placements[0].device.startswith("cuda")
@@ -327,7 +338,9 @@ async def open_replicated_engine(
                         step_results=step_receive,
                     )
                 )
-            engine = ReplicatedEngine(replicas, admission, router)
+            engine = ReplicatedEngine(
+                replicas, admission, router, sampling_defaults=sampling_defaults or SamplingDefaults.built_in()
+            )
             try:
                 yield engine
             except BaseException:

@@ -173,6 +173,12 @@ def _kv_cache_dtype(instance: Any, attribute: attrs.Attribute, value: Any) -> No
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}, got {value!r}")
 
 
+def _generation_config(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    from .generation_config import check_option  # it imports SamplingParams; imported late, no cycle
+
+    check_option(value)
+
+
 def _speculative(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if value not in (None, "ngram"):
         raise ValueError(f"speculative must be None or 'ngram', got {value!r}")
@@ -350,6 +356,12 @@ class EngineConfig:
     # faster arithmetic for prompts that a decode step does not share
     # (--no-batch-invariant), at the cost of that guarantee.
     batch_invariant: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
+    # The model's sampling defaults (generation_config.json, a GGUF's
+    # sampling keys) fill the fields a request leaves out: "auto" reads the
+    # model's, "none" ignores them, else the path of a generation_config.json.
+    # A path is read and checked here (GenerationConfigError names the path
+    # and the field), so a bad one stops startup before the model loads.
+    generation_config: str = attrs.field(default="auto", validator=_generation_config)
 
     def __attrs_post_init__(self) -> None:
         if self.kv_cache_dtype == "fp8" and self.device is not None and str(self.device).startswith("cpu"):

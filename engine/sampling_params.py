@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -91,6 +92,18 @@ def _frozen(value: Any) -> Any:
 
 _NUMBER_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
+# The fields a model's sampling defaults fill where a request leaves them
+# out (engine/generation_config.py), and what each reads as until then:
+# the API's neutral values (no scaling, no truncation, no penalty).
+NEUTRAL_SAMPLING: dict[str, float | int] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+}
+DEFAULTABLE_FIELDS = tuple(NEUTRAL_SAMPLING)
+
 
 @attrs.frozen(kw_only=True)
 class SamplingParams:
@@ -101,16 +114,28 @@ class SamplingParams:
     ``temperature == 0`` is greedy. Token ids in ``logit_bias`` and
     ``stop_token_ids`` are checked against the vocabulary by
     ``validate_for_vocab`` once the model is known.
+
+    The model's sampling defaults: ``temperature``, ``top_p``, ``top_k``,
+    ``min_p`` and ``repetition_penalty`` left out (or given as None) are
+    *unset*, and ``unset_fields`` names them. The engine's edge
+    (``Engine.generate`` of ``trioserve.actors``, the HTTP and gRPC APIs,
+    ``trioserve generate``) fills them from the model's defaults
+    (``with_defaults``; engine/generation_config.py), so an explicit value
+    always wins, and ``temperature=0`` stays greedy whatever the model
+    says. Until filled, an unset field reads as its neutral value
+    (``NEUTRAL_SAMPLING``: temperature 1, no top-k/top-p/min-p, no
+    penalty), which is what an ``EngineCore`` driven directly samples with.
     """
 
     n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: no top-k
-    min_p: float = 0.0
+    # Stored as None when unset; read through the properties below.
+    _temperature: float | None = None
+    _top_p: float | None = None
+    _top_k: int | None = None  # 0 or -1: no top-k
+    _min_p: float | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    _repetition_penalty: float | None = None
     seed: int | None = None
     max_tokens: int | None = 16  # None: up to the context limit
     min_tokens: int = 0
@@ -193,6 +218,38 @@ class SamplingParams:
             "ignore_eos",
             "cannot be used with structured output (the grammar ends the output with EOS)",
         )
+
+    @property
+    def temperature(self) -> float:
+        return NEUTRAL_SAMPLING["temperature"] if self._temperature is None else self._temperature
+
+    @property
+    def top_p(self) -> float:
+        return NEUTRAL_SAMPLING["top_p"] if self._top_p is None else self._top_p
+
+    @property
+    def top_k(self) -> int:
+        return NEUTRAL_SAMPLING["top_k"] if self._top_k is None else self._top_k  # type: ignore[return-value]
+
+    @property
+    def min_p(self) -> float:
+        return NEUTRAL_SAMPLING["min_p"] if self._min_p is None else self._min_p
+
+    @property
+    def repetition_penalty(self) -> float:
+        return NEUTRAL_SAMPLING["repetition_penalty"] if self._repetition_penalty is None else self._repetition_penalty
+
+    @property
+    def unset_fields(self) -> tuple[str, ...]:
+        """The defaultable fields this request left out, in ``DEFAULTABLE_FIELDS`` order."""
+        return tuple(name for name in DEFAULTABLE_FIELDS if getattr(self, "_" + name) is None)
+
+    def with_defaults(self, defaults: Mapping[str, Any]) -> SamplingParams:
+        """These params with their unset fields taken from ``defaults`` (a
+        mapping from field names to values; names it lacks stay unset).
+        Set fields are kept as they are: the request's value wins."""
+        fill = {name: defaults[name] for name in self.unset_fields if name in defaults}
+        return attrs.evolve(self, **fill) if fill else self
 
     @property
     def greedy(self) -> bool:

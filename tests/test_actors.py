@@ -14,6 +14,7 @@ import trio.testing
 
 from actor_fixtures import assert_clean, prompts, tiny_loaded
 from trioserve.actors import EngineOverloaded, ModelExecutor, RequestFailed, RequestShed, open_engine
+from trioserve.actors.engine import engine_sampling_defaults
 from trioserve.testing import engine_config
 from trioserve.engine.engine_core import EngineCore
 from trioserve.engine.outputs import RequestOutput
@@ -94,9 +95,12 @@ async def test_outputs_through_the_actors_equal_those_of_engine_core_directly():
     loaded = tiny_loaded()
     config = engine_config()
     core = EngineCore(loaded, config)
+    # The actors' edge fills the sampling fields a request leaves out with
+    # the model's defaults; the core takes its params as they are.
+    defaults = engine_sampling_defaults(config, loaded)
     direct: dict[str, list[RequestOutput]] = collections.defaultdict(list)
     for request_id, prompt, p in workload():
-        core.add_request(request_id, prompt, p)
+        core.add_request(request_id, prompt, defaults.apply(p))
     while core.has_unfinished():
         for out in core.step():
             direct[out.request_id].append(out)

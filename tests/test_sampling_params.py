@@ -38,7 +38,7 @@ BAD_VALUES = [
     ("seed", 1.5),
     # Wrong types name the field too, rather than escaping as a TypeError.
     ("temperature", "hot"),
-    ("top_p", None),
+    ("top_p", "wide"),  # None is no wrong type: it leaves top_p to the model's default
     ("min_p", [0.1]),
     ("presence_penalty", True),
     ("stop", [1]),

@@ -33,7 +33,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from trioserve.engine.generate import generate_greedy
 
-    config = engine_config_from_args(args)
+    try:
+        config = engine_config_from_args(args)
+    except ValueError as exc:  # a bad --generation-config, say
+        print(f"trioserve generate: error: {exc}", file=sys.stderr)
+        return 2
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     if config.data_parallel_size > 1 or config.worker_mode == "process":
         import trio

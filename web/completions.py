@@ -97,6 +97,9 @@ async def _generate(kind: type[CompletionRequest] | type[ChatCompletionRequest],
     )
     prompt = parsed.engine_prompt
     tools = parsed.tools if chat else None
+    # The fields the body left out take the model's defaults here, so that
+    # a trace records what the request samples with.
+    params = served.engine.sampling_defaults.apply(parsed.params)
     try:
         if chat and parsed.renders_tools:
             prompt = render_prompt(served.engine.tokenizer, prompt, tools)
@@ -105,13 +108,13 @@ async def _generate(kind: type[CompletionRequest] | type[ChatCompletionRequest],
         stream = request_ids.generate_nowait(
             served.engine,
             prompt,
-            parsed.params,
+            params,
             priority=parsed.priority,
             deadline=None if timeout is None else arrival + timeout,
         )
     except Exception as exc:
         raise _refusal(translate(exc, log_requests=log_requests), chat) from None
-    stream = tracing.follow(stream, parsed.params, parsed.model, served.name)  # itself when tracing is off
+    stream = tracing.follow(stream, params, parsed.model, served.name)  # itself when tracing is off
     stream = plugins.postprocessed(stream, RequestContext(endpoint, served.name, stream.request_id, body), parsed.params.n)
     texts = served.texts if parsed.params.logprobs is not None else None
     if parsed.stream:

@@ -85,6 +85,15 @@ def add_engine_options(parser: argparse.ArgumentParser, *, several_models: bool 
         default=32,
         help="inputs per int4 scale; must divide every projection's input size (default: 32)",
     )
+    add(
+        "--generation-config",
+        default="auto",
+        metavar="auto|none|PATH",
+        help="the sampling defaults that fill the fields a request leaves out (temperature, top_p, top_k, "
+        "min_p, repetition_penalty): auto reads the model's generation_config.json or its GGUF's sampling "
+        "keys; PATH a generation_config.json (or a folder holding one); none ignores the model's. Where "
+        "none apply: temperature 0.8, top_k 40, top_p 0.95, min_p 0.05 (default: auto; docs/api.md)",
+    )
     # The KV cache's dtype (engine/kv_dtype.py; its pool's size: engine/kv_budget.py).
     add(
         "--kv-cache-dtype",
@@ -218,6 +227,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConf
         quantization_group_size=args.quantization_group_size,
         **structured_output_fields(args),
         kv_cache_dtype=args.kv_cache_dtype,
+        generation_config=args.generation_config,
     )
     fields.update(overrides)
     config = EngineConfig(**fields)

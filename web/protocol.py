@@ -3,7 +3,8 @@
 ``CompletionRequest.from_json`` and ``ChatCompletionRequest.from_json`` take
 the decoded JSON body of ``POST /v1/completions`` and
 ``POST /v1/chat/completions`` (OpenAI's fields plus vLLM's extras) and return
-frozen values holding a ready ``SamplingParams``. Every wrong type or value
+frozen values holding a ready ``SamplingParams`` (the sampling fields the
+body leaves out unset, for the model's defaults). Every wrong type or value
 raises ``InvalidRequest`` (400) whose ``param`` names the field. Unknown
 fields are ignored, as OpenAI does; the few known fields we cannot honour
 (``echo``, ``best_of``, ``suffix``) are refused rather than silently
@@ -173,17 +174,21 @@ def _stream_options(body: dict[str, Any], stream: bool) -> bool:
 
 
 def _sampling_params(body: dict[str, Any], *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-    """Sampling fields shared by both endpoints; SamplingParams rechecks ranges."""
+    """Sampling fields shared by both endpoints; SamplingParams rechecks ranges.
+
+    ``temperature``, ``top_p``, ``top_k``, ``min_p`` and
+    ``repetition_penalty`` left out (or null) stay unset: the served
+    model's sampling defaults fill them (engine/generation_config.py)."""
     n = _int(body, "n", 1, low=1, high=MAX_N)
     fields = dict(
         n=n,
-        temperature=_float(body, "temperature", 1.0, low=0.0),
-        top_p=_float(body, "top_p", 1.0, low=0.0, high=1.0, low_open=True),
-        top_k=_int(body, "top_k", 0, low=-1),
-        min_p=_float(body, "min_p", 0.0, low=0.0, high=1.0),
+        temperature=_float(body, "temperature", None, low=0.0),
+        top_p=_float(body, "top_p", None, low=0.0, high=1.0, low_open=True),
+        top_k=_int(body, "top_k", None, low=-1),
+        min_p=_float(body, "min_p", None, low=0.0, high=1.0),
         presence_penalty=_float(body, "presence_penalty", 0.0, low=-2.0, high=2.0),
         frequency_penalty=_float(body, "frequency_penalty", 0.0, low=-2.0, high=2.0),
-        repetition_penalty=_float(body, "repetition_penalty", 1.0, low=0.0, low_open=True),
+        repetition_penalty=_float(body, "repetition_penalty", None, low=0.0, low_open=True),
         seed=_int(body, "seed", None),
         max_tokens=max_tokens,
         min_tokens=_int(body, "min_tokens", 0, low=0),
