@@ -63,10 +63,15 @@ def add_bench_serve_parser(commands) -> argparse.ArgumentParser:
     server.add_argument("--ignore-eos", action="store_true", help="send ignore_eos: every output is --output-len long")
 
     data = p.add_argument_group("dataset")
-    data.add_argument("--dataset", choices=["random", "prefix", "file"], default="random")
+    data.add_argument(
+        "--dataset",
+        choices=["random", "prefix", "file"],
+        default="random",
+        help="random token prompts; prompts sharing --num-prefixes prefixes; or --dataset-path's (default: random)",
+    )
     data.add_argument("--dataset-path", default=None, help="JSON list or JSONL of {prompt, output_len?}")
     data.add_argument("--tokenizer", default=None, help="tokenizer.json, HF folder or .gguf (default: SmolLM2-135M)")
-    data.add_argument("--num-prompts", type=_positive_int, default=100)
+    data.add_argument("--num-prompts", type=_positive_int, default=100, help="requests to send (default: 100)")
     data.add_argument("--input-len", type=_positive_int, default=256, help="prompt tokens (prefix: the distinct part)")
     data.add_argument("--output-len", type=_positive_int, default=128, help="max_tokens of each request")
     data.add_argument("--range-ratio", type=float, default=0.0, help="lengths drawn from [len*(1-r), len*(1+r)]")

@@ -168,48 +168,72 @@ def add_bench_offline_parser(bench_commands) -> None:
         description="Run the same prompts through EngineCore and through transformers generate "
         "(sequential and static batches) and print throughput, ratios and the matmul roofline.",
     )
-    p.add_argument("--model", default=None, help="checkpoint folder or .gguf (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=32, help="transformers static batch size")
-    p.add_argument("--sequential-prompts", type=int, default=4, help="prompts run one at a time (a rate, so a few suffice)")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--prefill-batch", type=int, default=32, help="prompts prefilled together for the TTFT floor")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="every contender's")
-    p.add_argument("--device", default="cpu", help="every contender's: cpu, cuda, cuda:1")
-    p.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--skip-transformers", action="store_true")
-    p.add_argument(
-        "--data-parallel-size",
-        type=int,
-        default=1,
-        help="also run the actor engine with this many replicas (--num-threads each), all prompts at once",
+    from trioserve.web.engine_options import add_option_groups, add_speculative_options, option_group
+
+    add_option_groups(p, "workload", "model", "engine", "scale-out", "output")
+    work = option_group(p, "workload")
+    work.add_argument("--num-prompts", type=int, default=64, help="prompts of the batch runs (default: 64)")
+    work.add_argument("--input-len", type=int, default=128, help="tokens of each random prompt (default: 128)")
+    work.add_argument("--output-len", type=int, default=128, help="tokens each prompt generates (default: 128)")
+    work.add_argument(
+        "--sequential-prompts", type=int, default=4, help="prompts run one at a time (a rate, so a few suffice; default: 4)"
     )
-    p.add_argument(
-        "--tensor-parallel-size", type=int, default=1, help="the engine's ranks (docs/deployment.md; default: 1)"
+    work.add_argument(
+        "--prefill-batch", type=int, default=32, help="prompts prefilled together for the TTFT floor (default: 32)"
     )
-    p.add_argument(
-        "--quantization", default="auto", choices=["auto", "none", "int8", "int4"], help="trioserve's weights (docs/api.md)"
+    work.add_argument("--batch-size", type=int, default=32, help="transformers static batch size (default: 32)")
+    work.add_argument("--seed", type=int, default=0, help="seeds the random prompts (default: 0)")
+    work.add_argument("--skip-transformers", action="store_true", help="run trioserve only, not transformers generate")
+
+    model = option_group(p, "model")
+    model.add_argument("--model", default=None, help="checkpoint folder or .gguf (default: SmolLM2-135M-Instruct)")
+    model.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="every contender's (default: float32)"
     )
-    p.add_argument("--quantization-group-size", type=int, default=32)
-    p.add_argument(
+    model.add_argument(
+        "--quantization",
+        default="auto",
+        choices=["auto", "none", "int8", "int4"],
+        help="trioserve's weights (docs/api.md; default: auto)",
+    )
+    model.add_argument(
+        "--quantization-group-size", type=int, default=32, help="inputs per int4 scale (default: 32)"
+    )
+
+    engine = option_group(p, "engine")
+    engine.add_argument("--device", default="cpu", help="every contender's: cpu, cuda, cuda:1 (default: cpu)")
+    engine.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
+    engine.add_argument("--max-num-seqs", type=int, default=64, help="trioserve's running sequences at most (default: 64)")
+    engine.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="trioserve's tokens per step at most (default: 2048)"
+    )
+    engine.add_argument(
         "--kv-cache-dtype",
         default="auto",
         choices=["auto", "float32", "float16", "bfloat16", "fp8"],
         help="trioserve's KV cache (docs/api.md; default: auto)",
     )
-    p.add_argument(
+    engine.add_argument(
         "--enforce-eager",
         action="store_true",
         help="on CUDA, trioserve's decode steps op by op, without CUDA graphs (docs/api.md)",
     )
-    p.add_argument("--result-json", type=Path, default=None)
-    from trioserve.web.engine_options import add_speculative_options
-
     add_speculative_options(p)
+
+    scale_out = option_group(p, "scale-out")
+    scale_out.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="also run the actor engine with this many replicas (--num-threads each), all prompts at once",
+    )
+    scale_out.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="the engine's ranks (docs/deployment.md; default: 1)"
+    )
+
+    option_group(p, "output").add_argument(
+        "--result-json", type=Path, default=None, help="write the results to this JSON file (default: print only)"
+    )
     p.set_defaults(func=run_bench_offline)
 
 

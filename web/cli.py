@@ -11,7 +11,13 @@ from typing import Any
 from trioserve.engine.config import EngineConfig
 from trioserve.engine.errors import TrioserveError
 
-from .engine_options import add_engine_options, add_tensor_parallel_options, engine_config_from_args
+from .engine_options import (
+    add_engine_options,
+    add_option_groups,
+    add_tensor_parallel_options,
+    engine_config_from_args,
+    option_group,
+)
 from .request_ids import RequestIdFilter
 from .serve_options import build_serve_parser, server_config_from_args
 
@@ -31,34 +37,39 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from trioserve.engine.generate import generate_greedy
+    from trioserve.engine.errors import InvalidRequestError
+    from trioserve.engine.generate import generate
+    from trioserve.engine.sampling_params import SamplingParams
 
     try:
         config = engine_config_from_args(args)
-    except ValueError as exc:  # a bad --generation-config, say
+        # Greedy unless asked to sample; sampling leaves what the flags do not
+        # set to the model's defaults (--generation-config).
+        temperature = args.temperature if args.temperature is not None else (None if args.sample else 0.0)
+        params = SamplingParams(temperature=temperature, seed=args.seed, max_tokens=args.max_tokens)
+    except (ValueError, InvalidRequestError) as exc:
         print(f"trioserve generate: error: {exc}", file=sys.stderr)
         return 2
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     if config.data_parallel_size > 1 or config.worker_mode == "process":
         import trio
 
-        return trio.run(_generate_with_actors, config, prompt, args.max_tokens)
-    for delta in generate_greedy(config, prompt, max_tokens=args.max_tokens):
+        return trio.run(_generate_with_actors, config, prompt, params)
+    for delta in generate(config, prompt, params):
         sys.stdout.write(delta)
         sys.stdout.flush()
     sys.stdout.write("\n")
     return 0
 
 
-async def _generate_with_actors(config: EngineConfig, prompt: Any, max_tokens: int) -> int:
+async def _generate_with_actors(config: EngineConfig, prompt: Any, params: Any) -> int:
     """``generate`` through the actor engine, which owns what the synchronous
     core has not: several replicas (every one started; the prompt runs on
     one) or the model step in a worker process."""
     from trioserve.actors import open_engine
-    from trioserve.engine.sampling_params import SamplingParams
 
     async with open_engine(config) as engine:
-        async for output in engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens)):
+        async for output in engine.generate(prompt, params):
             sys.stdout.write(output.text_delta)
             sys.stdout.flush()
     sys.stdout.write("\n")
@@ -88,15 +99,64 @@ def _run_worker(run_worker, args: argparse.Namespace) -> int:
     )
 
 
+def package_version() -> str:
+    """The installed package's version; in a checkout that is not
+    installed, pyproject.toml's."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("trioserve")
+    except metadata.PackageNotFoundError:
+        import tomllib
+        from pathlib import Path
+
+        pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+        try:
+            return tomllib.loads(pyproject.read_text())["project"]["version"]
+        except (OSError, KeyError, tomllib.TOMLDecodeError):
+            return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trioserve", description="trioserve: an LLM serving engine on trio")
-    parser.add_argument("--log-level", default="INFO")
-    commands = parser.add_subparsers(dest="command", required=True)
+    option_group(parser, "general").add_argument(
+        "--version", action="version", version=f"trioserve {package_version()}", help="print the version and exit"
+    )
+    option_group(parser, "observability").add_argument(
+        "--log-level",
+        default="INFO",
+        type=str.upper,
+        choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+        help="the least severe log records printed, on stderr (default: INFO)",
+    )
+    commands = parser.add_subparsers(
+        title="commands", dest="command", required=True, metavar="COMMAND", help="what to run; COMMAND -h tells more"
+    )
 
-    gen = commands.add_parser("generate", help="print a greedy continuation of a prompt")
-    gen.add_argument("prompt")
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
-    gen.add_argument("--max-tokens", type=int, default=64)
+    gen = commands.add_parser(
+        "generate",
+        help="print a continuation of a prompt, greedy unless asked to sample",
+        description="Load the model, continue the prompt and print the text as it comes: greedy by default, "
+        "or sampled (--sample, --temperature) with the model's sampling defaults for what is not set.",
+    )
+    add_option_groups(gen, "generation", "model", "engine", "scale-out")
+    group = option_group(gen, "generation")
+    group.add_argument("prompt", help="the text to continue (with --chat, the user's message)")
+    group.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    group.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default: 64)")
+    group.add_argument(
+        "--sample",
+        action="store_true",
+        help="sample with the model's sampling defaults (--generation-config) instead of greedy decoding",
+    )
+    group.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="sample at this temperature (0: greedy); top_p, top_k and min_p follow the model's defaults "
+        "(default: greedy, or with --sample the model's)",
+    )
+    group.add_argument("--seed", type=int, default=None, help="seed the sampling, for the same text again (default: none)")
     add_engine_options(gen)
     gen.set_defaults(func=cmd_generate)
 
@@ -119,22 +179,25 @@ def build_parser() -> argparse.ArgumentParser:
     # torchrun calls a machine's index GROUP_RANK; launchers such as SLURM
     # scripts and Kubernetes indexed jobs commonly export NODE_RANK.
     node_rank = os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", ""))
-    worker.add_argument(
+    option_group(worker, "scale-out").add_argument(
         "--node-rank",
         type=int,
         required=not node_rank.isdigit(),
         default=int(node_rank) if node_rank.isdigit() else None,
         help="this machine's index, 1 .. nnodes-1 (default: $NODE_RANK, else torchrun's $GROUP_RANK)",
     )
-    worker.add_argument("--num-threads", type=int, default=None, help="torch threads per rank (default: cores / ranks)")
-    worker.add_argument("--device", default=None, help="cpu or cuda, as on node 0 (default: cuda when present)")
+    engine = option_group(worker, "engine")
+    engine.add_argument("--num-threads", type=int, default=None, help="torch threads per rank (default: cores / ranks)")
+    engine.add_argument("--device", default=None, help="cpu or cuda, as on node 0 (default: cuda when present)")
     worker.set_defaults(func=cmd_worker)
 
     from trioserve.bench.cli import add_bench_serve_parser
     from trioserve.bench.offline import add_bench_offline_parser
 
     bench = commands.add_parser("bench", help="benchmarks: a running server, or the engine offline")
-    bench_commands = bench.add_subparsers(dest="bench_command", required=True)
+    bench_commands = bench.add_subparsers(
+        title="benchmarks", dest="bench_command", required=True, metavar="BENCHMARK", help="which benchmark to run"
+    )
     add_bench_serve_parser(bench_commands)
     add_bench_offline_parser(bench_commands)
     return parser
@@ -142,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format=LOG_FORMAT)
+    logging.basicConfig(level=args.log_level, format=LOG_FORMAT)
     for handler in logging.getLogger().handlers:
         handler.addFilter(RequestIdFilter())  # %(request_id)s: the X-Request-Id being served, or -
     # httpx logs every request at INFO: a benchmark would print thousands.

@@ -4,13 +4,16 @@
 
 Each ``add_*_options`` adds its options to a parser and returns them in
 order; the matching ``*_from_args`` turns the parsed values into the config
-or its fields.
+or its fields. Every option has help text and sits in one of the argument
+groups ``GROUPS`` names, by concern (``option_group``); tests/test_cli_help.py
+holds every command to that.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+from typing import Any
 
 from trioserve.engine.config import DEFAULT_GRAMMAR_CACHE_SIZE, KV_CACHE_DTYPES, DegradationPolicy, EngineConfig
 from trioserve.engine.placement import plan_replicas
@@ -18,12 +21,40 @@ from trioserve.engine.placement import plan_replicas
 from .option_types import count, fraction_or_off, parse_memory, recording, seconds
 
 
+# The concerns options are grouped by in --help, in this order, and what each covers.
+GROUPS = {
+    "model": "what to serve: the checkpoint, its dtype, its compressed weights and its sampling defaults",
+    "engine": "how the engine runs on this machine: batching, the KV cache, kernels, speculation, grammars",
+    "scale-out": "replicas, worker processes and tensor parallelism over processes and machines",
+    "server": "the HTTP (and gRPC) server: address, authentication, connections, plugins",
+    "reliability": "deadlines, queue bounds, overload control, the watchdog and shutdown",
+    "observability": "logs and traces",
+}
+
+
+def option_group(parser: argparse.ArgumentParser, title: str) -> Any:
+    """``parser``'s argument group ``title`` (``GROUPS`` describes the
+    concerns), made the first time it is asked for; groups show in --help in
+    the order they were made."""
+    for group in parser._action_groups:  # argparse keeps no other index of them
+        if group.title == title:
+            return group
+    return parser.add_argument_group(title, GROUPS.get(title))
+
+
+def add_option_groups(parser: argparse.ArgumentParser, *titles: str) -> None:
+    """Make ``parser``'s groups ``titles`` now, so --help lists them in that order."""
+    for title in titles:
+        option_group(parser, title)
+
+
 def add_engine_options(parser: argparse.ArgumentParser, *, several_models: bool = False) -> list[argparse.Action]:
-    """Options shared by every command that starts an engine; with
-    ``several_models``, ``--model`` may repeat (``args.model`` is a list).
-    Returns the options added, in order."""
+    """Options shared by every command that starts an engine, in the
+    groups model, engine and scale-out; with ``several_models``,
+    ``--model`` may repeat (``args.model`` is a list). Returns the options
+    added, in order."""
     actions: list[argparse.Action] = []
-    add = recording(parser, actions)
+    add = recording(option_group(parser, "model"), actions)
     if several_models:
         add(
             "--model",
@@ -34,40 +65,11 @@ def add_engine_options(parser: argparse.ArgumentParser, *, several_models: bool 
         )
     else:
         add("--model", default=None, help="checkpoint folder, .gguf file (default: SmolLM2-135M-Instruct)")
-    add("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    add("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when present)")
-    add("--block-size", type=int, default=16)
     add(
-        "--kv-cache-memory",
+        "--dtype",
         default=None,
-        help="bytes (e.g. 2G) or a fraction of free memory (e.g. 0.5) (default: on CPU what --max-num-seqs "
-        "contexts take, within a quarter of the available memory and 4 GiB; on CUDA 0.8)",
-    )
-    add("--max-model-len", type=int, default=None)
-    add("--max-num-seqs", type=int, default=64)
-    add("--max-num-batched-tokens", type=int, default=2048)
-    add("--no-prefix-caching", action="store_true")
-    add("--num-threads", type=int, default=None, help="torch threads for the model step (per replica)")
-    add(
-        "--enforce-eager",
-        action="store_true",
-        help="on CUDA, run decode steps op by op instead of replaying a CUDA graph recorded for each batch "
-        "shape (default: graphs on CUDA; no effect on CPU)",
-    )
-    # Data parallelism (actors/replicas.py, docs/deployment.md).
-    add(
-        "--data-parallel-size",
-        type=int,
-        default=1,
-        help="engine replicas, each with its own KV cache and scheduler: on CUDA replica i on cuda:i, "
-        "on CPU each pinned to a share of the cores (default: 1)",
-    )
-    add(
-        "--worker-mode",
-        default="thread",
-        choices=["thread", "process"],
-        help="run the model step on a thread of this process, or in a worker process that is restarted "
-        "if it dies, its requests recomputed (default: thread)",
+        choices=["float32", "bfloat16", "float16"],
+        help="the dtype the model computes in (default: float32 on CPU, bfloat16 on CUDA)",
     )
     # Compressed weights (engine/quant).
     add(
@@ -94,6 +96,16 @@ def add_engine_options(parser: argparse.ArgumentParser, *, several_models: bool 
         "keys; PATH a generation_config.json (or a folder holding one); none ignores the model's. Where "
         "none apply: temperature 0.8, top_k 40, top_p 0.95, min_p 0.05 (default: auto; docs/api.md)",
     )
+
+    add = recording(option_group(parser, "engine"), actions)
+    add("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when present)")
+    add("--block-size", type=int, default=16, help="tokens per KV cache block, the prefix cache's unit (default: 16)")
+    add(
+        "--kv-cache-memory",
+        default=None,
+        help="bytes (e.g. 2G) or a fraction of free memory (e.g. 0.5) (default: on CPU what --max-num-seqs "
+        "contexts take, within a quarter of the available memory and 4 GiB; on CUDA 0.8)",
+    )
     # The KV cache's dtype (engine/kv_dtype.py; its pool's size: engine/kv_budget.py).
     add(
         "--kv-cache-dtype",
@@ -105,17 +117,78 @@ def add_engine_options(parser: argparse.ArgumentParser, *, several_models: bool 
         "--max-num-seqs contexts of --max-model-len tokens in this dtype, within 4 GiB and a quarter of the available "
         "memory (default: auto)",
     )
-    actions += add_tensor_parallel_options(parser)
+    add(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="longest context, prompt and output together, in tokens (default: the model's)",
+    )
+    add(
+        "--max-num-seqs",
+        type=int,
+        default=64,
+        help="sequences that run together at most; more wait in the queue (default: 64)",
+    )
+    add(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="tokens one model step computes at most; a longer prompt is prefilled in chunks (default: 2048)",
+    )
+    add(
+        "--no-prefix-caching",
+        action="store_true",
+        help="do not reuse the KV cache blocks of a prompt prefix seen before (default: reused)",
+    )
+    add(
+        "--num-threads",
+        type=int,
+        default=None,
+        help="torch threads for the model step, per replica (default: torch's; with replicas, each one's share "
+        "of the cores)",
+    )
+    add(
+        "--enforce-eager",
+        action="store_true",
+        help="on CUDA, run decode steps op by op instead of replaying a CUDA graph recorded for each batch "
+        "shape (default: graphs on CUDA; no effect on CPU)",
+    )
+    add(
+        "--no-batch-invariant",
+        dest="batch_invariant",
+        action="store_false",
+        help="run prompts on faster arithmetic that decode steps do not share: a request's tokens may then "
+        "depend on its batch mates, the prefix cache and chunking (docs/architecture.md)",
+    )
     actions += add_speculative_options(parser)
     actions += add_structured_output_options(parser)
+
+    add = recording(option_group(parser, "scale-out"), actions)
+    # Data parallelism (actors/replicas.py, docs/deployment.md).
+    add(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="engine replicas, each with its own KV cache and scheduler: on CUDA replica i on cuda:i, "
+        "on CPU each pinned to a share of the cores (default: 1)",
+    )
+    add(
+        "--worker-mode",
+        default="thread",
+        choices=["thread", "process"],
+        help="run the model step on a thread of this process, or in a worker process that is restarted "
+        "if it dies, its requests recomputed (default: thread)",
+    )
+    actions += add_tensor_parallel_options(parser)
     return actions
 
 
 def add_tensor_parallel_options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
     """Tensor parallelism over processes and machines (docs/deployment.md);
     ``--master-addr`` and ``--master-port`` default to torchrun's
-    ``MASTER_ADDR`` and ``MASTER_PORT``. Returns the options added."""
-    group = parser.add_argument_group("tensor parallelism")
+    ``MASTER_ADDR`` and ``MASTER_PORT``; in the group scale-out. Returns
+    the options added."""
+    group = option_group(parser, "scale-out")
     actions: list[argparse.Action] = []
     add = recording(group, actions)
     add("--tensor-parallel-size", type=count, default=1, help="ranks the model is split over (default: 1)")
@@ -152,9 +225,9 @@ def tensor_parallel_fields(args: argparse.Namespace) -> dict:
 
 
 def add_speculative_options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
-    """Speculative decoding without a draft model (engine/speculative.py).
-    Returns the options added."""
-    group = parser.add_argument_group("speculative decoding")
+    """Speculative decoding without a draft model (engine/speculative.py),
+    in the group engine. Returns the options added."""
+    group = option_group(parser, "engine")
     actions: list[argparse.Action] = []
     add = recording(group, actions)
     add(
@@ -185,8 +258,9 @@ def speculative_fields(args: argparse.Namespace) -> dict:
 
 
 def add_structured_output_options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
-    """Structured output and tool calling (engine/grammar.py). Returns the options added."""
-    group = parser.add_argument_group("structured output")
+    """Structured output and tool calling (engine/grammar.py), in the group
+    engine. Returns the options added."""
+    group = option_group(parser, "engine")
     actions: list[argparse.Action] = []
     add = recording(group, actions)
     add(
@@ -227,6 +301,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConf
         quantization_group_size=args.quantization_group_size,
         **structured_output_fields(args),
         kv_cache_dtype=args.kv_cache_dtype,
+        batch_invariant=args.batch_invariant,
         generation_config=args.generation_config,
     )
     fields.update(overrides)
@@ -236,10 +311,10 @@ def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConf
 
 
 def add_overload_options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
-    """Overload control (docs/reliability.md, "Overload control"); returns
-    the options added, in order."""
+    """Overload control (docs/reliability.md, "Overload control"), in the
+    group reliability; returns the options added, in order."""
     engine, policy = EngineConfig(), DegradationPolicy()
-    group = parser.add_argument_group("overload control")
+    group = option_group(parser, "reliability")
     actions: list[argparse.Action] = []
     add = recording(group, actions)
     add(

@@ -18,7 +18,15 @@ from collections.abc import Mapping
 
 from trioserve.engine.config import DEFAULT_WATCHDOG_TIMEOUT
 
-from .engine_options import add_engine_options, add_overload_options, engine_config_from_args, overload_config_from_args
+from .engine_options import (
+    GROUPS,
+    add_engine_options,
+    add_option_groups,
+    add_overload_options,
+    engine_config_from_args,
+    option_group,
+    overload_config_from_args,
+)
 from .option_types import count, recording, seconds, size_in_bytes, watchdog_seconds
 from .settings import (
     DEFAULT_BODY_TIMEOUT,
@@ -42,24 +50,17 @@ def build_serve_parser(parser: argparse.ArgumentParser | None = None) -> argpars
 
 
 def _add_serve_options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
-    """Add ``trioserve serve``'s options to ``parser``; returns them, in order."""
+    """Add ``trioserve serve``'s options to ``parser``, grouped by concern
+    (``GROUPS``); returns them, in order."""
+    add_option_groups(parser, *GROUPS)
     actions: list[argparse.Action] = []
-    add = recording(parser, actions)
+    add = recording(option_group(parser, "server"), actions)
     add("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     add("--port", type=int, default=8000, help="port to listen on; 0 picks a free one (default: 8000)")
     add(
         "--api-key",
         default=None,
         help="require 'Authorization: Bearer KEY' on every route but /health, /metrics and /version",
-    )
-    add(
-        "--max-request-time", type=seconds, default=None, help="cap on every request's deadline, in seconds (default: none)"
-    )
-    add(
-        "--shutdown-timeout",
-        type=seconds,
-        default=DEFAULT_SHUTDOWN_TIMEOUT,
-        help=f"seconds in-flight requests may run on after SIGTERM/SIGINT (default: {DEFAULT_SHUTDOWN_TIMEOUT:g})",
     )
     add(
         "--max-body-size", type=size_in_bytes, default=DEFAULT_MAX_BODY_SIZE, help="largest request body, e.g. 1M (default: 1M)"
@@ -91,35 +92,6 @@ def _add_serve_options(parser: argparse.ArgumentParser) -> list[argparse.Action]
         help="open connections beyond which new ones get 503 (default: 2048, less under a low file descriptor limit)",
     )
     add(
-        "--log-requests", action="store_true", help="log each request's body (prompts included); off by default"
-    )
-    add(
-        "--max-queued-requests", type=int, default=256, help="admission queue bound; beyond it requests get 429 (default: 256)"
-    )
-    add("--max-queued-tokens", type=int, default=None, help="bound on queued prompt tokens (default: none)")
-    # Request ids and tracing (web/request_ids.py, web/tracing.py).
-    add(
-        "--no-access-log",
-        dest="access_log",
-        action="store_false",
-        help="do not log a line per response (method, path, status, size, time, X-Request-Id)",
-    )
-    add(
-        "--otlp-traces-endpoint",
-        default=None,
-        help="export a span per request to this OTLP collector, e.g. http://127.0.0.1:4318 "
-        "(needs the 'tracing' extra; OTEL_* variables apply; default: off)",
-    )
-    actions += add_overload_options(parser)
-    add(
-        "--watchdog-timeout",
-        type=watchdog_seconds,
-        default=DEFAULT_WATCHDOG_TIMEOUT,
-        help="seconds a model step may run before it is declared hung: its requests fail, the engine goes on "
-        f"on a fresh step thread and /health reports it; 0 turns the watchdog off (default: {DEFAULT_WATCHDOG_TIMEOUT:g})",
-    )
-    actions += add_engine_options(parser, several_models=True)
-    add(
         "--plugins",
         type=_names,
         default=(),
@@ -133,6 +105,48 @@ def _add_serve_options(parser: argparse.ArgumentParser) -> list[argparse.Action]
         help="also serve the gRPC API (proto/trioserve.proto) and grpc.health.v1 on --host at this port; "
         "0 picks a free one (default: no gRPC)",
     )
+
+    add = recording(option_group(parser, "reliability"), actions)
+    add(
+        "--max-request-time", type=seconds, default=None, help="cap on every request's deadline, in seconds (default: none)"
+    )
+    add(
+        "--shutdown-timeout",
+        type=seconds,
+        default=DEFAULT_SHUTDOWN_TIMEOUT,
+        help=f"seconds in-flight requests may run on after SIGTERM/SIGINT (default: {DEFAULT_SHUTDOWN_TIMEOUT:g})",
+    )
+    add(
+        "--max-queued-requests", type=int, default=256, help="admission queue bound; beyond it requests get 429 (default: 256)"
+    )
+    add("--max-queued-tokens", type=int, default=None, help="bound on queued prompt tokens (default: none)")
+    actions += add_overload_options(parser)
+    add(
+        "--watchdog-timeout",
+        type=watchdog_seconds,
+        default=DEFAULT_WATCHDOG_TIMEOUT,
+        help="seconds a model step may run before it is declared hung: its requests fail, the engine goes on "
+        f"on a fresh step thread and /health reports it; 0 turns the watchdog off (default: {DEFAULT_WATCHDOG_TIMEOUT:g})",
+    )
+
+    add = recording(option_group(parser, "observability"), actions)
+    add(
+        "--log-requests", action="store_true", help="log each request's body (prompts included); off by default"
+    )
+    # Request ids and tracing (web/request_ids.py, web/tracing.py).
+    add(
+        "--no-access-log",
+        dest="access_log",
+        action="store_false",
+        help="do not log a line per response (method, path, status, size, time, X-Request-Id)",
+    )
+    add(
+        "--otlp-traces-endpoint",
+        default=None,
+        help="export a span per request to this OTLP collector, e.g. http://127.0.0.1:4318 "
+        "(needs the 'tracing' extra; OTEL_* variables apply; default: off)",
+    )
+    actions += add_engine_options(parser, several_models=True)
     return actions
 
 
