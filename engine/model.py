@@ -369,11 +369,7 @@ class LlamaForCausalLM(nn.Module):
             )
         made = self._quantized
         if made is None:
-            return Invariance(
-                False,
-                "float projections run oneDNN/MKL GEMMs, whose blocking follows the row count "
-                "(compressed weights on the native kernels are invariant: --quantization auto on a GGUF, int4)",
-            )
+            return self._float_invariance(device)
         if made.decode is None or made.decode_head is None:
             return Invariance(
                 False,
@@ -392,6 +388,33 @@ class LlamaForCausalLM(nn.Module):
             f"every token (prompts, decode steps, verification) runs the fused native step ({isa}): "
             "activations rounded per row in groups of 32, integer products, sums in a fixed order, "
             "attention per token over its own context",
+        )
+
+    def _float_invariance(self, device: torch.device) -> Invariance:
+        """``invariance`` for float projections on CPU: oneDNN's packed
+        float32 GEMM gives a row the same bits at every row count from two
+        (``onednn.MIN_ROWS``; tests/test_invariance.py), MKL's ``F.linear``
+        does not (its kernel and blocking follow the row count); bfloat16
+        and float16 models are not checked."""
+        packed = self.pack_weights and self._can_pack(device, self.dtype)
+        if not packed:
+            return Invariance(
+                False,
+                f"{dtype_name(self.dtype)} projections on F.linear (MKL), whose kernel and blocking follow the "
+                "row count (float32 on oneDNN's packed GEMM, or compressed weights on the native kernels, are invariant)",
+            )
+        if self.dtype != torch.float32:
+            return Invariance(
+                False,
+                f"{dtype_name(self.dtype)} projections on oneDNN's packed GEMM: not checked for invariance "
+                "(float32 is, and compressed weights on the native kernels)",
+            )
+        if self.native_attention is None:
+            return Invariance(False, "attention runs in torch, whose kernels follow the batch's shape (no native build)")
+        return Invariance(
+            True,
+            "float32 projections on oneDNN's packed GEMM, whose rows keep their bits at every row count; "
+            "attention per token over its own context (native); the rest a row at a time",
         )
 
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:

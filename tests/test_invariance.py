@@ -8,8 +8,8 @@ at other chunk sizes, a prefix cache warmed by other requests or cold, a KV
 pool small enough to preempt and recompute, n-gram speculation on or off)
 and every request must give exactly its lone run's token ids and logprobs,
 greedy or seeded. On the default model's compressed path, the one
-``trioserve serve`` runs; marked ``cpu_paths`` so .ci/run repeats it with
-the CPU held to AVX2 (the ``avx2int8`` kernels).
+``trioserve serve`` runs, and on its float32 path; marked ``cpu_paths`` so
+.ci/run repeats it with the CPU held to AVX2 (the ``avx2int8`` kernels).
 """
 
 from __future__ import annotations
@@ -50,10 +50,11 @@ PARAMS = (
 Result = tuple[tuple[int, ...], tuple[object, ...]]
 
 
-@pytest.fixture(scope="module")
-def compressed() -> LoadedModel:
-    """The default model as ``trioserve serve`` loads it (compressed, native kernels)."""
-    loaded = load_model(None, quantization="auto")
+@pytest.fixture(scope="module", params=["auto", "none"])
+def compressed(request) -> LoadedModel:
+    """The default model as ``trioserve serve`` loads it (compressed, native
+    kernels), then dequantized to float32 (oneDNN's packed GEMM)."""
+    loaded = load_model(None, quantization=request.param)
     invariance = loaded.model.invariance()
     assert invariance.invariant, invariance
     assert loaded.projection_choice.invariance == invariance
@@ -114,7 +115,7 @@ schedules = st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=14, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(schedule=schedules)
 def test_a_requests_tokens_and_logprobs_do_not_depend_on_its_schedule(compressed, alone, schedule):
     speculative = {"speculative": "ngram", "num_speculative_tokens": 3} if schedule["speculative"] else {}
@@ -158,8 +159,9 @@ def test_speculation_on_or_off_gives_the_same_tokens_greedy_and_seeded(compresse
         assert got[request_id] == alone(prompt, params), request_id
 
 
-def test_fast_mode_says_it_is_not_invariant(compressed):
+def test_fast_mode_says_it_is_not_invariant():
     """--no-batch-invariant runs prompts on other arithmetic, and says so."""
+    compressed = load_model(None, quantization="auto")
     fast = load_model(None, quantization="auto", batch_invariant=False)
     assert not fast.model.invariance().invariant
     assert "--no-batch-invariant" in fast.model.invariance().reason
