@@ -67,6 +67,7 @@ async def test_the_same_greedy_request_gets_the_same_answer_cold_warm_batched_an
             version = (await http.get("/version")).json()
             (choice,) = version["cpu"]["models"].values()
             assert choice["invariance"]["invariant"], choice
+            assert version["invariance"] == {"SmolLM2-135M-Instruct": choice["invariance"]}
             answers.append(await _ask(http, QUESTION))  # cold
             answers.append(await _ask(http, QUESTION))  # its prompt in the prefix cache
             answers.append(await _batched(http))  # among eight, the long one chunked

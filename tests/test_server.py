@@ -337,6 +337,9 @@ async def test_models_health_version_tokenize_metrics(server):
         else:
             chosen = version["cpu"]["models"][MODEL]
             assert (chosen["device"], chosen["dtype"]) == ("cpu", "float32")
+        # Whether a request's tokens depend on what shares its steps, and why, on any device.
+        invariance = version["invariance"][MODEL]
+        assert set(invariance) == {"invariant", "reason"} and invariance["reason"]
 
         tokens = await http.post("/tokenize", json={"prompt": "Hello world"})
         assert tokens.json()["count"] == len(tokens.json()["tokens"]) and tokens.json()["max_model_len"] == 512

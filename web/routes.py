@@ -154,7 +154,25 @@ async def detokenize() -> Response:
 
 async def version() -> Response:
     host = current_host()
-    return json_response({"version": metadata.version("trioserve"), "cpu": cpu_report(host), "kv_cache": kv_report(host)})
+    return json_response(
+        {
+            "version": metadata.version("trioserve"),
+            "cpu": cpu_report(host),
+            "kv_cache": kv_report(host),
+            "invariance": invariance_report(host),
+        }
+    )
+
+
+def invariance_report(host: ModelHost) -> dict[str, object]:
+    """Each served model's batch invariance (``model.Invariance``; None
+    until a worker process has reported its model): whether a request's
+    tokens do not depend on what shares its steps, and why."""
+    report: dict[str, object] = {}
+    for name, served in list(host.models.items()):
+        invariance = served.engine.projection_choice.invariance
+        report[name] = None if invariance is None else invariance.as_json()
+    return report
 
 
 def kv_report(host: ModelHost) -> dict[str, object]:
