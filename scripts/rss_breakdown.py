@@ -12,7 +12,8 @@ each stage imported:
 2. the server's modules (``trioserve.web.app``, ``trioserve.web.serve``,
    ``trioserve.actors``), imported as ``trioserve serve`` imports them;
 3. the model and tokenizer (``load_model_for``), then the engine core
-   (KV pool, warm-up);
+   (KV pool, warm-up), with the KV pool's mapped and resident bytes (a
+   CPU pool commits its pages as blocks are written: engine/kv_cache.py);
 4. ``--requests`` plain completions (128 random words in, 16 tokens out,
    greedy), 32 in flight, through ``EngineCore`` (no HTTP; the core trims
    the heap when it goes idle at the end, unless ``--no-heap-trim``);
@@ -181,7 +182,8 @@ def main() -> int:
     print(f"  float parameters: {weights >> 20} MiB{compressed} ({loaded.model.projection_choice.summary})")
     core = EngineCore(loaded, config)
     stages.mark("engine core (KV pool, warm-up)")
-    print(f"  KV pool: {core.num_blocks} blocks of {config.block_size} tokens")
+    print(f"  KV pool: {core.num_blocks} blocks of {config.block_size} tokens, {core.kv_cache.nbytes >> 20} MiB mapped, "
+          f"{(core.kv_cache.resident_bytes() or 0) >> 20} MiB resident")  # fmt: skip
     if args.requests:
         rng = random.Random(1)
         params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
@@ -193,6 +195,8 @@ def main() -> int:
                 started += 1
             done += sum(1 for out in core.step() if out.finished)
         stages.mark(f"{args.requests} requests ({time.monotonic() - start:.0f} s)")
+        written = core.block_manager.num_written_blocks
+        print(f"  KV pool: {(core.kv_cache.resident_bytes() or 0) >> 20} MiB resident, {written} blocks ever written")
     return 0
 
 

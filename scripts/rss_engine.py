@@ -41,7 +41,9 @@ def main() -> int:
     if args.plain:
         core.loaded.model.pack_weights = False
         core.loaded.model._made = None  # made again, unpacked, at the next forward
-    print(f"ready in {time.monotonic() - start:.1f} s: RSS {rss()} MiB", flush=True)
+    kv = core.kv_cache
+    print(f"ready in {time.monotonic() - start:.1f} s: RSS {rss()} MiB (KV pool {kv.nbytes >> 20} MiB mapped, "
+          f"{(kv.resident_bytes() or 0) >> 20} MiB resident)", flush=True)  # fmt: skip
     rng = random.Random(args.seed)
     started = 0
     start = time.monotonic()
@@ -59,7 +61,8 @@ def main() -> int:
         core.step()
         if time.monotonic() >= next_report:
             next_report += 30
-            print(f"{time.monotonic() - start:5.0f} s  {started:5d} requests  RSS {rss()} MiB", flush=True)
+            kv = (core.kv_cache.resident_bytes() or 0) >> 20
+            print(f"{time.monotonic() - start:5.0f} s  {started:5d} requests  RSS {rss()} MiB (KV pool {kv} MiB)", flush=True)
     return 0
 
 
