@@ -370,7 +370,7 @@ class LlamaForCausalLM(nn.Module):
         made = self._quantized
         if made is None:
             return self._float_invariance(device)
-        if made.decode is None or made.decode_head is None:
+        if made.decode is None or (made.decode_head is None and self.batch_invariant):
             return Invariance(
                 False,
                 "the projections or LM head run outside the fused native step (no native build, "
