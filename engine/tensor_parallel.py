@@ -42,7 +42,7 @@ from .capability import CpuPaths
 from .config import ModelConfig
 from .errors import ModelLoadError, TrioserveError
 from .loader import find_shards
-from .model import LlamaForCausalLM, _Made
+from .model import Invariance, LlamaForCausalLM, _Made
 
 _MAX_LOAD_THREADS = 4
 
@@ -241,6 +241,16 @@ class TPLlamaForCausalLM(LlamaForCausalLM):
         # Rank 0's spawned ranks, until its runner takes them (tp_runner.py).
         self.local_ranks: list[object] = []
         self._tp_made: tuple[_Made, _Made] | None = None
+
+    def invariance(self) -> Invariance:
+        """Not claimed: each layer's partial sums meet in an all-reduce,
+        whose summing order over more than two ranks follows how the
+        backend chunks the tensor, that is the batch's rows; not checked."""
+        return Invariance(
+            False,
+            f"tensor parallelism over {self.shard.size} ranks: not checked for invariance (the all-reduce's "
+            "summing order over more than two ranks follows how the backend chunks the batch)",
+        )
 
     def _projections(self) -> _Made:
         made = super()._projections()

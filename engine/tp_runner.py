@@ -316,7 +316,9 @@ def start_tensor_parallel(config: EngineConfig) -> LoadedModel:
         close_group()
         raise
     eos = eos_token_ids(tokenizer, model_config.eos_token_ids, folder)
+    model.projection_choice = attrs.evolve(model.projection_choice, invariance=model.invariance())
     log.info("%s: tensor-parallel over %d ranks (%s), %s", name, rendezvous.world_size, rendezvous.backend, model.projection_choice)
+    log.warning("%s: %s", name, model.projection_choice.invariance)
     loaded = LoadedModel(
         model=model,
         model_config=attrs.evolve(model_config, eos_token_ids=eos),

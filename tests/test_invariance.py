@@ -166,3 +166,11 @@ def test_fast_mode_says_it_is_not_invariant():
     assert not fast.model.invariance().invariant
     assert "--no-batch-invariant" in fast.model.invariance().reason
     assert attrs.evolve(fast.projection_choice, invariance=None).quantization == compressed.projection_choice.quantization
+
+
+def test_tensor_parallel_shards_say_they_are_not_checked():
+    from trioserve.engine.tensor_parallel import TPLlamaForCausalLM, TPShard
+    from trioserve.testing.tiny_model import tiny_model_config
+
+    shard = TPLlamaForCausalLM(TPShard(tiny_model_config(), 0, 2))
+    assert not shard.invariance().invariant and "tensor parallelism over 2 ranks" in shard.invariance().reason
