@@ -20,7 +20,7 @@ anything is computed.
   ``TRIOSERVE_CPU_ASSUME`` turns them off like any other path. The choice
   is a rule, not a timing: a read timed at load once put two engines on one
   model on different caches, and a near tie in the greedy tokens went apart
-  (issue 39). ``measure`` stays for the benchmark that compares them.
+  (issue 39); scripts/bench_kv_dtype.py compares their speed.
 
 An explicit dtype is taken where its path works (on CPU, the trial must
 pass; the switch does not refuse it), else ``CpuCapabilityError`` names the
@@ -30,7 +30,6 @@ CUDA only.
 
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING
 
 import attrs
@@ -54,10 +53,6 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 # it saturates at 65504 (kv_cache.to_cache), far above any key or value
 # these models compute. bfloat16, with float32's range, is the next choice.
 CPU_PREFERENCE = (torch.float16, torch.bfloat16)
-# The measured read: this many decode rows of this many context tokens.
-MEASURE_ROWS = 16
-MEASURE_CONTEXT = 256
-MEASURE_BLOCK = 16
 
 
 def kv_dtype_name(dtype: torch.dtype) -> str:
@@ -120,27 +115,6 @@ def trial(dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         "round trip": (stored, keys),
         "paged attention": (_PagedTrial.build(dtype, 2, 32, 2, 16, block=4).run(query, keys, values), reference),
     }
-
-
-def measure(
-    dtypes: tuple[torch.dtype, ...], config: ModelConfig, repeat: int = 5
-) -> dict[torch.dtype, float]:
-    """Best-of-``repeat`` milliseconds of one decode layer's cache work
-    (write, gather, widen, attend) at ``MEASURE_ROWS`` rows of
-    ``MEASURE_CONTEXT`` tokens, with ``config``'s KV heads, per dtype. The
-    dtypes take turns within each round, so a burst of load from other
-    processes hits them alike."""
-    heads, dim = config.num_key_value_heads, config.head_dim
-    query, keys, values = _inputs(MEASURE_ROWS, MEASURE_CONTEXT, heads, dim)
-    trials = {dtype: _PagedTrial.build(dtype, MEASURE_ROWS, MEASURE_CONTEXT, heads, dim, MEASURE_BLOCK) for dtype in dtypes}
-    best = {dtype: float("inf") for dtype in dtypes}
-    with torch.inference_mode():
-        for _ in range(repeat + 1):  # the first round warms up
-            for dtype, paged in trials.items():
-                start = time.perf_counter()
-                paged.run(query, keys, values)
-                best[dtype] = min(best[dtype], time.perf_counter() - start)
-    return {dtype: t * 1e3 for dtype, t in best.items()}
 
 
 @attrs.frozen

@@ -197,10 +197,10 @@ def choose(asked: str, cpu_paths: CpuPaths, **kw) -> torch.dtype:
 
 
 @pytest.mark.cpu_paths
-def test_auto_falls_back_by_level_with_nothing_measured(monkeypatch):
+def test_auto_falls_back_by_level():
     """The choice is a rule over what the CPU runs, never a timing: two
     starts on one machine must store the same bits (issue 39)."""
-    monkeypatch.setattr(kv_dtype, "measure", lambda *a, **k: pytest.fail("auto measured a cache read"))
+    assert not hasattr(kv_dtype, "measure")  # nothing left to time a read with
     top, avx2, default = (CpuPaths.detect(assume=level) for level in ("avx512", "avx2", "default"))
     assert choose("auto", top) == F16
     assert choose("auto", avx2) == F16  # F16C comes with AVX2

@@ -199,10 +199,10 @@ def test_a_group_size_that_does_not_divide_a_dimension_is_refused_at_load(tmp_pa
 
 @pytest.mark.cpu_paths
 @pytest.mark.parametrize("scheme", ["auto", "int4", "int8"])
-def test_the_kernel_choice_is_a_rule_over_what_the_cpu_runs_never_a_timing(monkeypatch, cpu_paths, scheme):
+def test_the_kernel_choice_is_a_rule_over_what_the_cpu_runs_never_a_timing(cpu_paths, scheme):
     """Two starts on one machine run the same kernel (issue 39): the choice
     is the first candidate in KERNELS' order, nothing timed."""
-    monkeypatch.setattr(choose, "measure", lambda *a, **k: pytest.fail("the chooser timed the kernels"))
+    assert not hasattr(choose, "measure")  # nothing left to time the kernels with
     for invariant in (True, False):
         picked = choose.choose_kernel(cpu_paths, scheme, [(64, 64)], batch_invariant=invariant)
         assert picked == choose.choose_kernel(cpu_paths, scheme, [(64, 64)], batch_invariant=invariant)

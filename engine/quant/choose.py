@@ -6,13 +6,12 @@ turn it off like any other path. ``choose_kernel`` takes the first that
 works here and stores the scheme asked for (``RULE``): the choice is a pure
 function of the CPU's features, the shapes and the flags, so two starts of
 a server on one machine compute the same bits (issue 39; the load-time
-timing it replaced could pick differently from one start to the next).
-``measure`` stays for the benchmarks that compare the kernels.
+timing it replaced could pick differently from one start to the next;
+scripts/bench_qlinear.py compares the kernels' speed).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 
 import attrs
@@ -28,8 +27,6 @@ Linear = Callable[[torch.Tensor], torch.Tensor]
 # "auto" keeps a GGUF's own bits (4-bit tensors stay 4-bit where a 4-bit
 # kernel is the fastest here, else become int8 per channel).
 SCHEMES = ("int8", "int4", "auto")
-# Rows a kernel is timed at: a one-stream decode step, small and larger batches.
-MEASURE_ROWS = (1, 4, 16, 32)
 # How ``choose_kernel`` picks, in words (the load log and /version show it):
 # KERNELS' order, the first that works here and stores the scheme's bits.
 RULE = (
@@ -188,35 +185,6 @@ def candidates(cpu_paths: CpuPaths, scheme: str, *, batch_invariant: bool = Fals
             f"{', '.join(runs + ['none']) if runs else 'only none'}"
         )
     return fits
-
-
-def measure(
-    kernels: Sequence[Kernel],
-    shapes: Sequence[tuple[int, int]],
-    group_size: int,
-    repeat: int = 5,
-    rows_measured: Sequence[int] = MEASURE_ROWS,
-) -> dict[str, tuple[float, ...]]:
-    """Best-of-``repeat`` milliseconds of each kernel over ``shapes`` at each
-    of ``rows_measured``. The kernels take turns within each round, so a
-    burst of load from other processes hits them alike."""
-    gen = torch.Generator().manual_seed(0)
-    weights = [(torch.randn(out, k, generator=gen) * 0.05, k) for out, k in shapes]
-    built = {kernel.name: [(kernel.make(w, None, group_size), k) for w, k in weights] for kernel in kernels}
-    best: dict[str, list[float]] = {name: [] for name in built}
-    with torch.inference_mode():
-        for rows in rows_measured:
-            xs = {k: torch.randn(rows, k, generator=gen) for _, k in weights}
-            times = {name: float("inf") for name in built}
-            for _ in range(repeat + 1):  # the first round builds caches
-                for name, linears in built.items():
-                    start = time.perf_counter()
-                    for f, k in linears:
-                        f(xs[k])
-                    times[name] = min(times[name], time.perf_counter() - start)
-            for name, t in times.items():
-                best[name].append(t * 1e3)
-    return {name: tuple(t) for name, t in best.items()}
 
 
 # The native 4-bit variants whose prompts run bfloat16 panels, which the
