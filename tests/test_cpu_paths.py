@@ -154,7 +154,7 @@ def test_projections_are_chosen_by_capability():
     assert bf16.reason.startswith(avx2.status("onednn_packed_bfloat16").reason + "; F.linear on the plain weights instead")
     assert bf16.as_json() == {
         "device": "cpu", "dtype": "bfloat16", "projections": "plain", "fallback": True, "reason": bf16.reason,
-        "quantization": None,
+        "quantization": None, "invariance": None,  # set once a model is built (LlamaForCausalLM.invariance)
     }  # fmt: skip
     assert str(bf16) == f"bfloat16 on cpu, plain projections ({bf16.reason})"
     with pytest.raises(CpuCapabilityError, match="pack_weights=True, but oneDNN packed bfloat16 weights"):
