@@ -95,10 +95,9 @@ class NativeDecode:
         """Whether a batch of these query lengths, over a cache of
         ``cache_dtype``, runs here: decode rows or short runs of tokens such
         as a speculative step's verification; with ``prompts``, runs of any
-        length too (a
-        batch-invariant model computes every token here, so a prompt's
-        tokens get the arithmetic of a decode step's: docs/architecture.md,
-        "Same request, same answer")."""
+        length too (a batch-invariant model computes every token here, so a
+        prompt's tokens get the arithmetic of a decode step's:
+        docs/architecture.md, "Same request, same answer")."""
         return (
             cache_dtype in CACHE_DTYPES
             and (prompts or all(n <= MAX_QUERY_TOKENS for n in query_lens))
