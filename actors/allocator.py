@@ -12,8 +12,8 @@ from collections.abc import Mapping
 
 import trio
 
-from trioserve.engine.block_manager import BlockManager
-from trioserve.engine.kv_batch import KVBudget, KVResult
+from trioserve.engine.core.block_manager import BlockManager
+from trioserve.engine.core.kv_batch import KVBudget, KVResult
 
 from .messages import Allocate
 from .statistics import AllocatorStatistics

@@ -22,7 +22,7 @@ import attrs
 import trio
 
 from trioserve.engine.config import DegradationPolicy
-from trioserve.engine.sampling_params import SamplingParams
+from trioserve.engine.sampling.sampling_params import SamplingParams
 
 from .admission import AdmissionQueue
 from .errors import ExpensiveRequestRefused, RequestShed

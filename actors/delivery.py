@@ -19,8 +19,8 @@ from typing import Any
 import attrs
 import trio
 
-from trioserve.engine.outputs import RequestOutput
-from trioserve.engine.sequence import FinishReason
+from trioserve.engine.core.outputs import RequestOutput
+from trioserve.engine.core.sequence import FinishReason
 
 from .deadlines import Deadlines
 from .messages import AddRequest, Paused

@@ -33,15 +33,15 @@ import attrs
 import trio
 
 from trioserve.engine.config import EngineConfig
-from trioserve.engine.engine_core import EngineCore, Prompt
-from trioserve.engine.generation_config import SamplingDefaults, load_sampling_defaults
-from trioserve.engine.kv_batch import KVResult
-from trioserve.engine.loader import LoadedModel
-from trioserve.engine.model import ProjectionChoice
-from trioserve.engine.outputs import RequestOutput
-from trioserve.engine.sampling_params import SamplingParams
-from trioserve.engine.sequence import FinishReason
-from trioserve.engine.step_thread import StepThread
+from trioserve.engine.core.engine_core import EngineCore, Prompt
+from trioserve.engine.loading.generation_config import SamplingDefaults, load_sampling_defaults
+from trioserve.engine.core.kv_batch import KVResult
+from trioserve.engine.loading.loader import LoadedModel
+from trioserve.engine.models.llama import ProjectionChoice
+from trioserve.engine.core.outputs import RequestOutput
+from trioserve.engine.sampling.sampling_params import SamplingParams
+from trioserve.engine.core.sequence import FinishReason
+from trioserve.engine.runtime.step_thread import StepThread
 
 from .admission import AdmissionQueue
 from .allocator import AllocatorActor
@@ -388,7 +388,7 @@ async def open_engine(
     required with ``loaded`` (default: load ``config.model``).
 
     The engine's ``sampling_defaults`` come from ``config.generation_config``
-    (engine/generation_config.py), read before the model loads.
+    (engine/loading/generation_config.py), read before the model loads.
     """
     overrides = {"max_buffered_outputs": max_buffered_outputs, "shutdown_timeout": shutdown_timeout}
     config = attrs.evolve(config, **{name: value for name, value in overrides.items() if value is not None})

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from trioserve.engine.errors import InvalidRequestError, TrioserveError
-from trioserve.engine.sequence import FinishReason
+from trioserve.engine.core.sequence import FinishReason
 
 
 class EngineError(TrioserveError):

@@ -2,7 +2,7 @@
 
 ``ModelExecutor`` runs ``ModelRunner.execute`` on the engine's
 ``StepThread`` (one long-lived thread for all its torch work; see
-``trioserve.engine.step_thread``), so the event loop goes on admitting,
+``trioserve.engine.runtime.step_thread``), so the event loop goes on admitting,
 aborting and delivering while the step computes. A step is not cancellable
 once started: its thread finishes, and aborts are applied after it.
 
@@ -46,10 +46,10 @@ import outcome
 import trio
 
 from trioserve.engine.faults import Fault
-from trioserve.engine.grammar import unpack_bitmask
-from trioserve.engine.model_runner import RunnerOutput, StepLogits
-from trioserve.engine.step_plan import ScheduledChunk, StepPlan, TokenMask
-from trioserve.engine.step_thread import StepThread, StepThreadClosed, StepThreadDied
+from trioserve.engine.sampling.grammar import unpack_bitmask
+from trioserve.engine.runtime.model_runner import RunnerOutput, StepLogits
+from trioserve.engine.core.step_plan import ScheduledChunk, StepPlan, TokenMask
+from trioserve.engine.runtime.step_thread import StepThread, StepThreadClosed, StepThreadDied
 
 from .errors import StepHung
 from .messages import RunStep, StepDone, StepFailed, StepMask

@@ -20,11 +20,11 @@ from typing import Any
 import attrs
 import trio
 
-from trioserve.engine.kv_batch import KVBatch
-from trioserve.engine.model_runner import RunnerOutput
-from trioserve.engine.sampling_params import SamplingParams
-from trioserve.engine.step_plan import StepPlan, TokenMask
-from trioserve.engine.sequence import FinishReason
+from trioserve.engine.core.kv_batch import KVBatch
+from trioserve.engine.runtime.model_runner import RunnerOutput
+from trioserve.engine.sampling.sampling_params import SamplingParams
+from trioserve.engine.core.step_plan import StepPlan, TokenMask
+from trioserve.engine.core.sequence import FinishReason
 
 
 @attrs.frozen

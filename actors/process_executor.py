@@ -2,7 +2,7 @@
 
 ``ProcessExecutor`` speaks to the scheduler exactly as ``ModelExecutor``
 does (``RunStep`` in, ``StepDone`` / ``StepFailed`` out); only where the step
-runs differs. The worker (``trioserve.engine.worker_process``) is started
+runs differs. The worker (``trioserve.engine.parallel.worker_process``) is started
 with ``torch.multiprocessing``'s spawn context and loads the weights itself;
 plans go to it and outputs come back as length-prefixed pickles over a
 socket pair, which trio reads without blocking the event loop. A plan that
@@ -48,14 +48,14 @@ import attrs
 import trio
 
 from trioserve.engine.config import EngineConfig
-from trioserve.engine.engine_core import EngineCore
-from trioserve.engine.kv_dtype import KVDtypeChoice
-from trioserve.engine.loader import LoadedModel, describe_model
-from trioserve.engine.model import ProjectionChoice
-from trioserve.engine.model_runner import RunnerOutput
-from trioserve.engine.step_plan import StepPlan
-from trioserve.engine.step_thread import StepThread
-from trioserve.engine.worker_process import (
+from trioserve.engine.core.engine_core import EngineCore
+from trioserve.engine.kernels.kv_dtype import KVDtypeChoice
+from trioserve.engine.loading.loader import LoadedModel, describe_model
+from trioserve.engine.models.llama import ProjectionChoice
+from trioserve.engine.runtime.model_runner import RunnerOutput
+from trioserve.engine.core.step_plan import StepPlan
+from trioserve.engine.runtime.step_thread import StepThread
+from trioserve.engine.parallel.worker_process import (
     HEADER,
     StopWorker,
     WorkerReady,

@@ -3,7 +3,7 @@
 Each replica is a whole engine minus the callers' side: its own
 ``EngineCore`` (scheduler policy, KV cache), cache-allocator actor (its own
 pool and prefix cache), executor actor (on its own step thread, pinned to
-its share of the cores, or on its own CUDA device; engine/placement.py) and
+its share of the cores, or on its own CUDA device; engine/parallel/placement.py) and
 scheduler actor, taking requests from its own admission queue. Nothing is
 shared between replicas but, on CPU, the read-only weights.
 
@@ -38,14 +38,14 @@ import attrs
 import trio
 
 from trioserve.engine.config import EngineConfig
-from trioserve.engine.engine_core import EngineCore, kv_dtype_choice
+from trioserve.engine.core.engine_core import EngineCore, kv_dtype_choice
 from trioserve.engine.faults import Fault
-from trioserve.engine.generation_config import SamplingDefaults
-from trioserve.engine.kv_batch import KVResult
-from trioserve.engine.kv_dtype import KVDtypeChoice
-from trioserve.engine.loader import LoadedModel, load_model_for
-from trioserve.engine.model import ProjectionChoice
-from trioserve.engine.placement import ParallelConfigError, PinnedStepThread, ReplicaPlacement, plan_replicas
+from trioserve.engine.loading.generation_config import SamplingDefaults
+from trioserve.engine.core.kv_batch import KVResult
+from trioserve.engine.kernels.kv_dtype import KVDtypeChoice
+from trioserve.engine.loading.loader import LoadedModel, load_model_for
+from trioserve.engine.models.llama import ProjectionChoice
+from trioserve.engine.parallel.placement import ParallelConfigError, PinnedStepThread, ReplicaPlacement, plan_replicas
 
 from .admission import AdmissionQueue
 from .allocator import AllocatorActor

@@ -35,10 +35,10 @@ from typing import Any
 import attrs
 import trio
 
-from trioserve.engine.outputs import RequestOutput, RequestTimes
-from trioserve.engine.sampler import TokenLogprobs
-from trioserve.engine.sampling_params import SamplingParams
-from trioserve.engine.sequence import FinishReason
+from trioserve.engine.core.outputs import RequestOutput, RequestTimes
+from trioserve.engine.sampling.sampler import TokenLogprobs
+from trioserve.engine.sampling.sampling_params import SamplingParams
+from trioserve.engine.core.sequence import FinishReason
 
 from .admission import AdmissionQueue
 from .errors import EngineClosed, EngineOverloaded, QueueTimeout

@@ -5,7 +5,7 @@ moment there is room for it; the replicated admission queue calls
 ``choose`` then ``record``):
 
 1. **Prefix affinity.** The prompt's first full KV blocks are hashed as the
-   prefix cache hashes them (``engine/prefix_hash.py``). The router keeps,
+   prefix cache hashes them (``engine/core/prefix_hash.py``). The router keeps,
    per block hash, the replicas it sent a request with that block to (an LRU
    table bounded to ``table_capacity`` hashes). A request goes to the least
    loaded of the replicas holding its deepest matching block, since their
@@ -31,8 +31,8 @@ from collections.abc import Sequence
 
 import attrs
 
-from trioserve.engine.prefix_hash import prefix_block_hashes
-from trioserve.engine.sampling_params import SamplingParams
+from trioserve.engine.core.prefix_hash import prefix_block_hashes
+from trioserve.engine.sampling.sampling_params import SamplingParams
 from trioserve.engine.validators import integer_at_least
 
 at_least_one = integer_at_least(1)

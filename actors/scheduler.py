@@ -35,17 +35,17 @@ from typing import Any, NoReturn
 import attrs
 import trio
 
-from trioserve.engine.engine_core import EngineCore
+from trioserve.engine.core.engine_core import EngineCore
 from trioserve.engine.errors import InvalidRequestError
-from trioserve.engine.grammar import GrammarError, MaskFill
-from trioserve.engine.kv_batch import KVBatch, KVResult
-from trioserve.engine.new_request import NewRequest
-from trioserve.engine.step_thread import StepThreadClosed, StepThreadDied
-from trioserve.engine.model_runner import RunnerOutput
-from trioserve.engine.outputs import RequestOutput
-from trioserve.engine.plugins import PluginError
-from trioserve.engine.scheduler import SchedulerOutput
-from trioserve.engine.sequence import FinishReason
+from trioserve.engine.sampling.grammar import GrammarError, MaskFill
+from trioserve.engine.core.kv_batch import KVBatch, KVResult
+from trioserve.engine.core.new_request import NewRequest
+from trioserve.engine.runtime.step_thread import StepThreadClosed, StepThreadDied
+from trioserve.engine.runtime.model_runner import RunnerOutput
+from trioserve.engine.core.outputs import RequestOutput
+from trioserve.engine.runtime.plugins import PluginError
+from trioserve.engine.core.scheduler import SchedulerOutput
+from trioserve.engine.core.sequence import FinishReason
 
 from .admission import AdmissionQueue
 from .concurrency import AdaptiveConcurrency
@@ -230,7 +230,7 @@ class SchedulerActor:
                     return
                 if self.concurrency is not None:
                     self.concurrency.idle()
-                self.core.release_memory()  # idle: the heap's free pages go back (engine/heap_trim.py)
+                self.core.release_memory()  # idle: the heap's free pages go back (engine/runtime/heap_trim.py)
                 await self._wait_for_news()
                 continue
             plan, fill = await self._plan(allocator, kv_results)

@@ -7,7 +7,7 @@ import collections
 
 import attrs
 
-from trioserve.engine.kv_batch import KVBudget
+from trioserve.engine.core.kv_batch import KVBudget
 from trioserve.engine.faults import Fault
 
 

@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 import outcome
 import trio
 
-from trioserve.engine.step_thread import StepThread
+from trioserve.engine.runtime.step_thread import StepThread
 
 T = TypeVar("T")
 

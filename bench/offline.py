@@ -76,7 +76,7 @@ def make_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[list
 def run_engine(core_factory: Callable[[], Any], prompts: list[list[int]], output_len: int) -> tuple[ContenderResult, list[float]]:
     """All prompts through EngineCore at once; also return the times of the
     steps in which every running request decoded (no prefill)."""
-    from trioserve.engine.sampling_params import SamplingParams
+    from trioserve.engine.sampling.sampling_params import SamplingParams
 
     core = core_factory()
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -104,8 +104,8 @@ def measure_batch_prefill(loaded: Any, prompts: list[list[int]], config_fields: 
     step, the token budget raised to hold them all): the floor for the
     slowest time to first token when they all arrive at once."""
     from trioserve.engine.config import EngineConfig
-    from trioserve.engine.engine_core import EngineCore
-    from trioserve.engine.sampling_params import SamplingParams
+    from trioserve.engine.core.engine_core import EngineCore
+    from trioserve.engine.sampling.sampling_params import SamplingParams
 
     total = sum(len(p) for p in prompts)
     fields = config_fields | {"max_num_batched_tokens": total, "max_num_seqs": max(len(prompts), 1)}
@@ -239,10 +239,10 @@ def add_bench_offline_parser(bench_commands) -> None:
 
 def run_bench_offline(args: argparse.Namespace) -> int:
     """Every contender, and the load, runs on one long-lived thread: one
-    OpenMP pool for all of them (see ``trioserve.engine.step_thread``)."""
+    OpenMP pool for all of them (see ``trioserve.engine.runtime.step_thread``)."""
     from trioserve.engine.config import EngineConfig
-    from trioserve.engine.placement import plan_replicas
-    from trioserve.engine.step_thread import StepThread
+    from trioserve.engine.parallel.placement import plan_replicas
+    from trioserve.engine.runtime.step_thread import StepThread
 
     # More replicas than devices: refused before anything loads.
     plan_replicas(EngineConfig(device=args.device, data_parallel_size=args.data_parallel_size))
@@ -254,8 +254,8 @@ def _run_bench_offline(args: argparse.Namespace) -> int:
     import torch
 
     from trioserve.engine.config import EngineConfig
-    from trioserve.engine.engine_core import EngineCore
-    from trioserve.engine.loader import load_model_for
+    from trioserve.engine.core.engine_core import EngineCore
+    from trioserve.engine.loading.loader import load_model_for
 
     config_fields = dict(
         max_num_seqs=args.max_num_seqs,
@@ -275,7 +275,7 @@ def _run_bench_offline(args: argparse.Namespace) -> int:
     config_fields.update(speculative_fields(args))
     config = EngineConfig(**config_fields)
     if config.tensor_parallel_size > 1:
-        from trioserve.engine.tp_runner import start_tensor_parallel
+        from trioserve.engine.parallel.tp_runner import start_tensor_parallel
 
         # One group for every engine of the run (each sizes the ranks' KV pools anew).
         loaded = start_tensor_parallel(config)
@@ -350,7 +350,7 @@ def _run_bench_offline(args: argparse.Namespace) -> int:
         }
         args.result_json.write_text(json.dumps(payload, indent=2))
     if config.tensor_parallel_size > 1:
-        from trioserve.engine.tp_runner import stop_tensor_parallel
+        from trioserve.engine.parallel.tp_runner import stop_tensor_parallel
 
         stop_tensor_parallel(loaded.model)
     return 0

@@ -11,8 +11,8 @@ import attrs
 import trio
 
 from trioserve.engine.config import EngineConfig
-from trioserve.engine.loader import LoadedModel
-from trioserve.engine.sampling_params import SamplingParams
+from trioserve.engine.loading.loader import LoadedModel
+from trioserve.engine.sampling.sampling_params import SamplingParams
 
 
 @attrs.frozen

@@ -11,8 +11,8 @@ from typing import Any
 
 import attrs
 
-from .errors import ModelLoadError
-from .validators import integer_at_least, optional_fraction, optional_positive, optional_positive_finite, positive
+from trioserve.engine.errors import ModelLoadError
+from trioserve.engine.validators import integer_at_least, optional_fraction, optional_positive, optional_positive_finite, positive
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -159,7 +159,7 @@ def _kv_cache_memory(instance: Any, attribute: attrs.Attribute, value: Any) -> N
 
 
 WORKER_MODES = ("thread", "process")
-# What the KV cache may store (engine/kv_dtype.py); "fp8" is e4m3, on CUDA only.
+# What the KV cache may store (engine/kernels/kv_dtype.py); "fp8" is e4m3, on CUDA only.
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "fp8")
 
 
@@ -174,7 +174,7 @@ def _kv_cache_dtype(instance: Any, attribute: attrs.Attribute, value: Any) -> No
 
 
 def _generation_config(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    from .generation_config import check_option  # it imports SamplingParams; imported late, no cycle
+    from trioserve.engine.loading.generation_config import check_option  # it imports SamplingParams; imported late, no cycle
 
     check_option(value)
 
@@ -230,7 +230,7 @@ class EngineConfig:
 
     ``kv_cache_memory`` is the KV pool's budget: an ``int`` is bytes, a
     ``float`` in (0, 1] a fraction of the device's free memory at start.
-    ``None`` picks a default (engine/kv_budget.py): on CPU what is asked,
+    ``None`` picks a default (engine/core/kv_budget.py): on CPU what is asked,
     ``max_num_seqs`` full contexts at ``kv_cache_dtype``'s bytes per token,
     capped at 4 GiB and a quarter of the host's available memory (shared with
     everything else) and never below one full context; 0.8 of free memory
@@ -257,11 +257,11 @@ class EngineConfig:
     num_threads: int | None = attrs.field(default=None, validator=optional_positive)
     # Build the CPU kernels for every batch size at start (a few seconds), so
     # memory is flat while serving and no request waits for a kernel; False
-    # starts faster and builds each as it is first met (engine/onednn.py).
+    # starts faster and builds each as it is first met (engine/kernels/onednn.py).
     warm_up: bool = True
     # Run CUDA decode steps op by op, as vLLM's --enforce-eager; by default
     # a decode-only step replays a CUDA graph recorded for its shape
-    # (engine/cuda_graphs.py). No effect on CPU.
+    # (engine/runtime/cuda_graphs.py). No effect on CPU.
     enforce_eager: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     # Overload control (docs/reliability.md, "Overload control").
     # Seconds a request may wait from its arrival before anything is computed
@@ -290,7 +290,7 @@ class EngineConfig:
     # allocator, executor and scheduler; requests are routed by prefix
     # affinity and load (actors/replicas.py). On CUDA replica i runs on
     # cuda:i; on CPU each gets a share of the cores and ``num_threads`` is
-    # per replica (engine/placement.py).
+    # per replica (engine/parallel/placement.py).
     data_parallel_size: int = attrs.field(default=1, validator=integer_at_least(1))
     # Where the model step runs (docs/reliability.md, "Worker processes"):
     # "thread", the engine's step thread in this process; or "process", a
@@ -311,7 +311,7 @@ class EngineConfig:
     master_addr: str = "127.0.0.1"
     master_port: int | None = attrs.field(default=None, validator=optional_positive)
     distributed_timeout: float = attrs.field(default=120.0, validator=optional_positive_finite)
-    # Speculative decoding without a draft model (engine/speculative.py):
+    # Speculative decoding without a draft model (engine/sampling/speculative.py):
     # "ngram" proposes up to ``num_speculative_tokens`` tokens per decoding
     # sequence and step by matching its latest ``speculative_max_ngram`` ..
     # ``speculative_min_ngram`` tokens against its prompt and output; None: off.
@@ -324,9 +324,9 @@ class EngineConfig:
         default=attrs.Factory(lambda self: min(2, self.speculative_max_ngram), takes_self=True),
         validator=integer_at_least(1),
     )
-    # Plugins to load by entry-point name (engine/plugins.py; --plugins).
+    # Plugins to load by entry-point name (engine/runtime/plugins.py; --plugins).
     plugins: tuple[str, ...] = attrs.field(default=(), converter=tuple)
-    # Compressed weights (engine/quant, docs/api.md): "auto" keeps a GGUF's
+    # Compressed weights (engine/kernels, docs/api.md): "auto" keeps a GGUF's
     # quantized matrices compressed on CPU (float32 activations) and loads
     # float checkpoints as they are; "int8" / "int4" quantize any checkpoint
     # round-to-nearest (per channel; in groups of quantization_group_size
@@ -337,12 +337,12 @@ class EngineConfig:
     # against llama-server").
     quantization: str = attrs.field(default="auto", validator=attrs.validators.in_(("auto", "none", "int8", "int4")))
     quantization_group_size: int = attrs.field(default=32, validator=positive)
-    # Structured output (engine/grammar.py): compiled grammars kept, least
+    # Structured output (engine/sampling/grammar.py): compiled grammars kept, least
     # recently used evicted first; one compile per distinct schema, regex or
     # grammar while it stays in (--grammar-cache-size).
     grammar_cache_size: int = attrs.field(default=DEFAULT_GRAMMAR_CACHE_SIZE, validator=integer_at_least(1))
 
-    # What the KV cache stores (engine/kv_dtype.py): "auto" is a 16-bit
+    # What the KV cache stores (engine/kernels/kv_dtype.py): "auto" is a 16-bit
     # dtype on CPU where its conversions work and measure fast here (else
     # float32), and the model's dtype on CUDA; "fp8" (e4m3, saturating) runs
     # on CUDA only. Keys and values are computed in the model's dtype and

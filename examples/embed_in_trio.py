@@ -16,7 +16,7 @@ import trio
 
 from trioserve.actors import open_engine
 from trioserve.engine.config import EngineConfig
-from trioserve.engine.sampling_params import SamplingParams
+from trioserve.engine.sampling.sampling_params import SamplingParams
 
 
 async def stream(engine, name: str, prompt, params: SamplingParams) -> int:

@@ -7,8 +7,8 @@ text is printed when it ends.
 """
 
 from trioserve.engine.config import EngineConfig
-from trioserve.engine.engine_core import EngineCore
-from trioserve.engine.sampling_params import SamplingParams
+from trioserve.engine.core.engine_core import EngineCore
+from trioserve.engine.sampling.sampling_params import SamplingParams
 
 PROMPTS = [
     "Name three planets of the solar system.",

@@ -15,8 +15,8 @@ from typing import Any
 import grpc
 
 from trioserve.engine.errors import InvalidRequestError
-from trioserve.engine.outputs import RequestOutput
-from trioserve.engine.sampling_params import SamplingParams
+from trioserve.engine.core.outputs import RequestOutput
+from trioserve.engine.sampling.sampling_params import SamplingParams
 from trioserve.web.errors import ApiError
 
 from . import trioserve_pb2 as pb

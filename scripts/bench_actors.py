@@ -11,10 +11,10 @@ import argparse, statistics, time
 import trio
 from trioserve.actors import ModelExecutor, open_engine
 from trioserve.engine.config import EngineConfig
-from trioserve.engine.engine_core import EngineCore
-from trioserve.engine.loader import load_model
-from trioserve.engine.sampling_params import SamplingParams
-from trioserve.engine.step_thread import StepThread
+from trioserve.engine.core.engine_core import EngineCore
+from trioserve.engine.loading.loader import load_model
+from trioserve.engine.sampling.sampling_params import SamplingParams
+from trioserve.engine.runtime.step_thread import StepThread
 from trioserve.testing import tiny_loaded
 
 WORDS = "the quick brown fox jumps over lazy dogs while seven wizards quietly hex bright amber jugs".split()
@@ -82,7 +82,7 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="trioserve.testing's tiny random model (steps of a few ms)")
     args = ap.parse_args()
     # Both modes run the model on this one thread, where it was loaded: one
-    # OpenMP pool (see trioserve.engine.step_thread).
+    # OpenMP pool (see trioserve.engine.runtime.step_thread).
     step_thread = StepThread(args.threads)
     if args.tiny:
         loaded = step_thread.call(tiny_loaded)

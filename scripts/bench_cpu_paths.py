@@ -19,8 +19,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from trioserve.engine import onednn
-from trioserve.engine.capability import CpuPaths, packed_path
+from trioserve.engine.kernels import onednn
+from trioserve.engine.kernels.capability import CpuPaths, packed_path
 
 # SmolLM2-135M: hidden 576, 9 heads and 3 KV heads of 64, intermediate 1536.
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))

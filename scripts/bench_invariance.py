@@ -18,9 +18,9 @@ import time
 import torch
 
 from trioserve.engine.config import EngineConfig
-from trioserve.engine.engine_core import EngineCore
-from trioserve.engine.loader import load_model
-from trioserve.engine.sampling_params import SamplingParams
+from trioserve.engine.core.engine_core import EngineCore
+from trioserve.engine.loading.loader import load_model
+from trioserve.engine.sampling.sampling_params import SamplingParams
 
 
 def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:

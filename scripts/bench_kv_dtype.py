@@ -1,7 +1,7 @@
 """The KV cache's dtype (``--kv-cache-dtype``), side by side in one run on the
 embedded engine core: decode TPOT at concurrency 1 and 32 and the pool's
 bytes per dtype, the pool sized by default (``max_num_seqs`` contexts of
-``max_model_len`` tokens, engine/kv_budget.py), greedy, ignore_eos.
+``max_model_len`` tokens, engine/core/kv_budget.py), greedy, ignore_eos.
 
     python scripts/bench_kv_dtype.py [--dtypes float32,bfloat16] [--input-len 128] [--output-len 128] [--rounds 3]
 
@@ -21,10 +21,10 @@ import statistics
 import time
 
 from trioserve.engine.config import EngineConfig
-from trioserve.engine.engine_core import EngineCore
-from trioserve.engine.loader import load_model
-from trioserve.engine.sampling_params import SamplingParams
-from trioserve.engine.step_thread import StepThread
+from trioserve.engine.core.engine_core import EngineCore
+from trioserve.engine.loading.loader import load_model
+from trioserve.engine.sampling.sampling_params import SamplingParams
+from trioserve.engine.runtime.step_thread import StepThread
 
 
 def decode_steps(core: EngineCore, tag: str, concurrency: int, input_len: int, output_len: int, vocab: int) -> list[float]:

@@ -18,8 +18,14 @@ import time
 import torch
 import torch.nn.functional as F
 
-from trioserve.engine import onednn
-from trioserve.engine.quant import int4_native, int4_pack, int8_dynamic, int8_native, int8_pack, native, rtn
+from trioserve.engine.kernels import onednn
+from trioserve.engine.kernels import int4_native
+from trioserve.engine.kernels import int4_pack
+from trioserve.engine.kernels import int8_dynamic
+from trioserve.engine.kernels import int8_native
+from trioserve.engine.kernels import int8_pack
+from trioserve.engine.kernels import native
+from trioserve.engine.kernels import rtn
 
 # SmolLM2-135M: hidden 576, intermediate 1536, 9 heads and 3 KV heads of 64.
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down

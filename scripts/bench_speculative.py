@@ -19,10 +19,10 @@ import statistics
 import time
 
 from trioserve.engine.config import EngineConfig
-from trioserve.engine.engine_core import EngineCore
-from trioserve.engine.loader import load_model
-from trioserve.engine.sampling_params import SamplingParams
-from trioserve.engine.step_thread import StepThread
+from trioserve.engine.core.engine_core import EngineCore
+from trioserve.engine.loading.loader import load_model
+from trioserve.engine.sampling.sampling_params import SamplingParams
+from trioserve.engine.runtime.step_thread import StepThread
 
 TEXT = (
     "The river starts high in the mountains, where snow melts slowly in the spring sun. "

@@ -25,13 +25,13 @@ import time
 import attrs
 import trio
 
-from trioserve.engine.grammar import FilledMask, MaskFill
+from trioserve.engine.sampling.grammar import FilledMask, MaskFill
 
 from trioserve.actors.engine import open_engine
 from trioserve.engine.config import EngineConfig
-from trioserve.engine.grammar import GrammarCompiler
-from trioserve.engine.sampling_params import SamplingParams
-from trioserve.engine.structured_output import StructuredOutput
+from trioserve.engine.sampling.grammar import GrammarCompiler
+from trioserve.engine.sampling.sampling_params import SamplingParams
+from trioserve.engine.sampling.structured_output import StructuredOutput
 
 STRING = {"type": "string", "maxLength": 24}
 SCHEMA = {

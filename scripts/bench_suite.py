@@ -33,7 +33,7 @@ def measure_start(cache: Path) -> dict:
 
     shutil.rmtree(cache, ignore_errors=True)
     env = dict(os.environ, TRIOSERVE_CACHE=str(cache))
-    code = "from trioserve.engine.loader import load_model; load_model(None)"
+    code = "from trioserve.engine.loading.loader import load_model; load_model(None)"
     times = []
     for _ in range(3):
         start = time.perf_counter()
@@ -53,7 +53,7 @@ def bench(url: str, out: Path, *args: str) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=Path("bench-results"))
-    parser.add_argument("--plots", type=Path, default=Path("docs/img"))
+    parser.add_argument("--plots", type=Path, default=Path("docs/images"))
     parser.add_argument("--quick", action="store_true", help="small counts, to check the script runs")
     parser.add_argument("--dtype", default=None, help="the engine's weights and KV cache (server and bench offline)")
     parser.add_argument(

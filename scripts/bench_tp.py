@@ -47,7 +47,7 @@ def save_model(path: Path, *, layers: int, hidden: int, heads: int, kv_heads: in
 
 
 def run(core, prompts: list[list[int]], output_len: int, tp_runner) -> dict:
-    from trioserve.engine.sampling_params import SamplingParams
+    from trioserve.engine.sampling.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     for i, ids in enumerate(prompts):
@@ -83,7 +83,7 @@ def profile_collectives(core, prompts: list[list[int]], steps: int) -> dict:
     records it, over ``steps`` decode steps after the prompts' prefill."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    from trioserve.engine.sampling_params import SamplingParams
+    from trioserve.engine.sampling.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
     for i, ids in enumerate(prompts):
@@ -134,8 +134,8 @@ def main() -> int:
     args = parser.parse_args()
 
     from trioserve.engine.config import EngineConfig
-    from trioserve.engine.engine_core import EngineCore
-    from trioserve.engine.step_thread import StepThread
+    from trioserve.engine.core.engine_core import EngineCore
+    from trioserve.engine.runtime.step_thread import StepThread
 
     folder = Path(tempfile.mkdtemp(prefix="bench-tp-"))
     save_model(folder, layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,

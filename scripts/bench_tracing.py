@@ -15,9 +15,9 @@ import time
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 
-from trioserve.engine.outputs import RequestOutput, RequestTimes
-from trioserve.engine.sampling_params import SamplingParams
-from trioserve.engine.sequence import FinishReason
+from trioserve.engine.core.outputs import RequestOutput, RequestTimes
+from trioserve.engine.sampling.sampling_params import SamplingParams
+from trioserve.engine.core.sequence import FinishReason
 from trioserve.web.tracing import Tracing
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"

@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         from trioserve.bench.plot import require_matplotlib
 
         require_matplotlib()  # fail before the runs, not after them
-    from trioserve.engine.loader import DEFAULT_MODEL_NAME, default_model_path
+    from trioserve.engine.loading.loader import DEFAULT_MODEL_NAME, default_model_path
 
     model = Path(args.model) if args.model else default_model_path()
     contenders = [Contender.trioserve(q, shlex.split(args.trioserve_args)) for q in args.quantizations]

@@ -19,7 +19,7 @@ import trio
 from trioserve import testing
 from trioserve.actors import open_engine
 from trioserve.engine.config import EngineConfig
-from trioserve.engine.sampling_params import SamplingParams
+from trioserve.engine.sampling.sampling_params import SamplingParams
 
 
 def workload(count: int, input_len: int, output_len: int, vocab: int) -> list[tuple[str, list[int]]]:

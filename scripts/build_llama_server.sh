@@ -13,7 +13,7 @@
 #   --isa avx2    build for AVX2 + FMA + F16C only (no AVX-512, no VNNI), to
 #                 compare on the AVX2 class from a newer CPU, beside trioserve
 #                 run with TRIOSERVE_CPU_ASSUME=avx2 and the library caps
-#                 (engine/capability.py); default: this machine's features
+#                 (engine/kernels/capability.py); default: this machine's features
 #
 # Environment: JOBS (parallel compile jobs, default 2), NICE (niceness,
 # default 19), LLAMA_CPP_PYTHON_VERSION (default 0.3.36).

@@ -70,8 +70,8 @@ case "$PACKAGE" in
     *) fail "trioserve imported from $PACKAGE, not from the fresh environment" ;;
 esac
 
-"$VENV/bin/python" -m trioserve.engine.quant.native
-check=$("$VENV/bin/python" -m trioserve.engine.quant.native --check)
+"$VENV/bin/python" -m trioserve.engine.kernels.native
+check=$("$VENV/bin/python" -m trioserve.engine.kernels.native --check)
 [[ "$check" == *"$TRIOSERVE_NATIVE_CACHE/"* ]] || fail "the native kernels did not load from $TRIOSERVE_NATIVE_CACHE: $check"
 stray=$(find "$PACKAGE" \( -name '*.so' -o -name '*.o' -o -name build \) -print)
 [ -z "$stray" ] || fail "the native build wrote into the installed package: $stray"

@@ -1,4 +1,4 @@
-"""Decode steps with and without CUDA graphs (engine/cuda_graphs.py), on a
+"""Decode steps with and without CUDA graphs (engine/runtime/cuda_graphs.py), on a
 random-weight model of SmolLM2-135M's exact shape (the default model's file
 is too large to send to a lent GPU machine; greedy decoding with
 ``ignore_eos`` does the same work whatever the weights).
@@ -29,11 +29,11 @@ from pathlib import Path
 import torch
 
 from trioserve.engine.config import EngineConfig, ModelConfig, RopeScaling
-from trioserve.engine.engine_core import EngineCore
-from trioserve.engine.fast_tokenizer import FastTokenizer
-from trioserve.engine.loader import LoadedModel
-from trioserve.engine.model import LlamaForCausalLM
-from trioserve.engine.sampling_params import SamplingParams
+from trioserve.engine.core.engine_core import EngineCore
+from trioserve.engine.text.fast_tokenizer import FastTokenizer
+from trioserve.engine.loading.loader import LoadedModel
+from trioserve.engine.models.llama import LlamaForCausalLM
+from trioserve.engine.sampling.sampling_params import SamplingParams
 from trioserve.testing.tiny_model import write_word_tokenizer
 
 

@@ -94,7 +94,7 @@ if torch.cuda.is_available():
 bad = []
 for name in ["transformers", "tokenizers", "safetensors", "attrs", "numpy", "pytest", "hypothesis", "httpx",
              "prometheus_client", "trio", "outcome", "pytest_trio", "quart", "quart_trio", "hypercorn",
-             "openai", "pydantic", "gguf", "trioserve.engine.engine_core", "trioserve.actors",
+             "openai", "pydantic", "gguf", "trioserve.engine.core.engine_core", "trioserve.actors",
              "trioserve.web.cli", "trioserve.web.app"]:
     try:
         mod = importlib.import_module(name)
@@ -198,7 +198,7 @@ def prompts(num, length, seed=0):
 
 def run_engine(loaded, ps, out_len, **fields):
     from trioserve.engine.config import EngineConfig
-    from trioserve.engine.engine_core import EngineCore
+    from trioserve.engine.core.engine_core import EngineCore
     from trioserve.bench.offline import run_engine as bench_engine
 
     fields.setdefault("max_model_len", max(len(p) for p in ps) + out_len + 16)
@@ -259,7 +259,7 @@ def hf_generate(ps, out_len, batch):
 
 
 def main():
-    from trioserve.engine.loader import load_model
+    from trioserve.engine.loading.loader import load_model
 
     t = time.perf_counter()
     build_checkpoint()

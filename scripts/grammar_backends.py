@@ -12,7 +12,9 @@ import time
 import numpy as np
 import torch
 
-from trioserve.engine import gguf_cache, loader
+from trioserve.engine.loading import gguf_cache
+
+from trioserve.engine.loading import loader
 
 SCHEMA = {
     "type": "object",
@@ -114,7 +116,7 @@ def main():
     torch.set_num_threads(1)
     folder = gguf_cache.ensure_converted(loader.default_model_path(), None)
     # Both backends take a transformers tokenizer (the engine's own is a
-    # FastTokenizer, engine/fast_tokenizer.py).
+    # FastTokenizer, engine/text/fast_tokenizer.py).
     from transformers import PreTrainedTokenizerFast
 
     hf = PreTrainedTokenizerFast.from_pretrained(str(folder), local_files_only=True)

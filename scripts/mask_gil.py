@@ -29,8 +29,8 @@ import time
 
 import torch
 
-from trioserve.engine.grammar import GrammarCompiler, GrammarMatchers, MaskRequest
-from trioserve.engine.structured_output import StructuredOutput
+from trioserve.engine.sampling.grammar import GrammarCompiler, GrammarMatchers, MaskRequest
+from trioserve.engine.sampling.structured_output import StructuredOutput
 from trioserve.testing.tiny_model import VOCAB_SIZE, tokenizer
 
 SCHEMA = {

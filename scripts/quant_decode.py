@@ -38,9 +38,9 @@ def _child(quantization: str, tokens: int, streams: int) -> dict:
 
     torch.set_num_threads(int(os.environ.get("TRIOSERVE_BENCH_THREADS", "2")))
     from trioserve.engine.config import EngineConfig
-    from trioserve.engine.engine_core import EngineCore
-    from trioserve.engine.loader import load_model
-    from trioserve.engine.sampling_params import SamplingParams
+    from trioserve.engine.core.engine_core import EngineCore
+    from trioserve.engine.loading.loader import load_model
+    from trioserve.engine.sampling.sampling_params import SamplingParams
 
     q = quantization
     start = time.perf_counter()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from trioserve.engine.loader import load_model
+from trioserve.engine.loading.loader import load_model
 from trioserve.testing.quality import greedy_tokens, perplexity, prompt_logits
 
 TEXT = Path(__file__).resolve().parent.parent / "tests" / "data" / "quality_text.txt"

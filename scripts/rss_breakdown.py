@@ -13,7 +13,7 @@ each stage imported:
    ``trioserve.actors``), imported as ``trioserve serve`` imports them;
 3. the model and tokenizer (``load_model_for``), then the engine core
    (KV pool, warm-up), with the KV pool's mapped and resident bytes (a
-   CPU pool commits its pages as blocks are written: engine/kv_cache.py);
+   CPU pool commits its pages as blocks are written: engine/models/kv_cache.py);
 4. ``--requests`` plain completions (128 random words in, 16 tokens out,
    greedy), 32 in flight, through ``EngineCore`` (no HTTP; the core trims
    the heap when it goes idle at the end, unless ``--no-heap-trim``);
@@ -157,13 +157,13 @@ def main() -> int:
     stages.mark("import actors")
     from trioserve.bench.datasets import random_words
     from trioserve.engine.config import EngineConfig
-    from trioserve.engine.engine_core import EngineCore
-    from trioserve.engine.loader import load_model_for
-    from trioserve.engine.sampling_params import SamplingParams
+    from trioserve.engine.core.engine_core import EngineCore
+    from trioserve.engine.loading.loader import load_model_for
+    from trioserve.engine.sampling.sampling_params import SamplingParams
 
     stages.mark("import engine_core, loader")
     if args.no_heap_trim:
-        import trioserve.engine.engine_core as engine_core
+        import trioserve.engine.core.engine_core as engine_core
 
         engine_core.trim_heap = lambda: False
     config = EngineConfig(

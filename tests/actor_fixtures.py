@@ -12,8 +12,8 @@ from conftest import TEST_DEVICE
 from trioserve import testing
 from trioserve.actors import Engine, open_engine
 from trioserve.actors.executor import FakeExecutor
-from trioserve.engine.engine_core import EngineCore
-from trioserve.engine.loader import LoadedModel
+from trioserve.engine.core.engine_core import EngineCore
+from trioserve.engine.loading.loader import LoadedModel
 
 
 def tiny_loaded() -> LoadedModel:

@@ -20,11 +20,11 @@ import os
 import pytest
 import torch
 
-from trioserve.engine.capability import CpuPaths
+from trioserve.engine.kernels.capability import CpuPaths
 from trioserve.engine.config import EngineConfig
-from trioserve.engine.engine_core import EngineCore
+from trioserve.engine.core.engine_core import EngineCore
 from trioserve.engine.errors import CpuCapabilityError
-from trioserve.engine.loader import LoadedModel, load_model
+from trioserve.engine.loading.loader import LoadedModel, load_model
 
 # Where the model/KV-path tests put the model, its KV cache and its batches:
 # "cpu" (the default) or "cuda" / "cuda:N" (TRIOSERVE_TEST_DEVICE=cuda), so

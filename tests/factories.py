@@ -15,10 +15,10 @@ from collections.abc import Sequence
 
 import attrs
 
-from trioserve.engine.block_manager import BlockManager
-from trioserve.engine.sampling_params import SamplingParams
-from trioserve.engine.scheduler import Scheduler, SchedulerOutput
-from trioserve.engine.sequence import Request
+from trioserve.engine.core.block_manager import BlockManager
+from trioserve.engine.sampling.sampling_params import SamplingParams
+from trioserve.engine.core.scheduler import Scheduler, SchedulerOutput
+from trioserve.engine.core.sequence import Request
 
 
 def make_request(

@@ -16,10 +16,10 @@ from actor_fixtures import assert_clean, prompts, tiny_loaded
 from trioserve.actors import EngineOverloaded, ModelExecutor, RequestFailed, RequestShed, open_engine
 from trioserve.actors.engine import engine_sampling_defaults
 from trioserve.testing import engine_config
-from trioserve.engine.engine_core import EngineCore
-from trioserve.engine.outputs import RequestOutput
-from trioserve.engine.sampling_params import SamplingParams
-from trioserve.engine.sequence import FinishReason
+from trioserve.engine.core.engine_core import EngineCore
+from trioserve.engine.core.outputs import RequestOutput
+from trioserve.engine.sampling.sampling_params import SamplingParams
+from trioserve.engine.core.sequence import FinishReason
 
 
 class GatedRunner:

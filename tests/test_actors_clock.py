@@ -26,9 +26,9 @@ from trioserve.actors import (
     RequestFailed,
     open_engine,
 )
-from trioserve.engine.outputs import RequestOutput
-from trioserve.engine.sampling_params import SamplingParams
-from trioserve.engine.sequence import FinishReason
+from trioserve.engine.core.outputs import RequestOutput
+from trioserve.engine.sampling.sampling_params import SamplingParams
+from trioserve.engine.core.sequence import FinishReason
 from trioserve.testing import engine_config
 
 STEP = 0.01  # virtual seconds per step

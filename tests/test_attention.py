@@ -16,9 +16,9 @@ import pytest
 import torch
 from conftest import TEST_DEVICE
 
-from trioserve.engine.attention import AttentionMetadata, paged_attention, write_kv
-from trioserve.engine.forward_batch import ForwardBatch, SeqChunk
-from trioserve.engine.kv_cache import KVCache
+from trioserve.engine.models.attention import AttentionMetadata, paged_attention, write_kv
+from trioserve.engine.models.forward_batch import ForwardBatch, SeqChunk
+from trioserve.engine.models.kv_cache import KVCache
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 8, 4
 NUM_BLOCKS = 64
@@ -145,7 +145,7 @@ def test_lone_sequence_on_scattered_blocks_is_gathered():
 
 
 def test_a_decode_plan_from_device_tables_matches_the_reference():
-    # The plan a CUDA graph records (engine/cuda_graphs.py): every row
+    # The plan a CUDA graph records (engine/runtime/cuda_graphs.py): every row
     # gathers the same number of blocks, its table padded with arbitrary
     # valid blocks (stale keys of other sequences) that the mask must hide.
     tables = _scattered_tables(5, seed=7)

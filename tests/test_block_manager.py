@@ -7,8 +7,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from trioserve.engine.block_manager import BlockManager
-from trioserve.engine.kv_batch import KVAllocation, KVBatch, KVCommit, KVResult
+from trioserve.engine.core.block_manager import BlockManager
+from trioserve.engine.core.kv_batch import KVAllocation, KVBatch, KVCommit, KVResult
 
 BS = 4
 SYSTEM = list(range(100, 108))  # two full blocks shared by every chat

@@ -1,4 +1,4 @@
-"""Token embeddings kept compressed (engine/quant/embedding.py): a lookup
+"""Token embeddings kept compressed (engine/kernels/embedding.py): a lookup
 dequantizes exactly the rows the whole table dequantizes to, and a model
 whose GGUF embeddings stay compressed computes the same logits as one given
 them dequantized, without a float table."""
@@ -12,14 +12,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trioserve.engine.capability import CpuPaths
+from trioserve.engine.kernels.capability import CpuPaths
 from trioserve.engine.config import ModelConfig, RopeScaling
-from trioserve.engine.quant.int8_native import Int8GroupNativeLinear
-from trioserve.engine.quant import gguf_weights, native
-from trioserve.engine.quant.choose import Kernel, KernelChoice
-from trioserve.engine.quant.embedding import CompressedEmbedding
-from trioserve.engine.quant.load import build_quantized
-from trioserve.engine.quant.q8_lanes import Q8Lanes
+from trioserve.engine.kernels.int8_native import Int8GroupNativeLinear
+from trioserve.engine.loading import gguf_weights
+from trioserve.engine.kernels import native
+from trioserve.engine.kernels.choose import Kernel, KernelChoice
+from trioserve.engine.kernels.embedding import CompressedEmbedding
+from trioserve.engine.loading.compressed import build_quantized
+from trioserve.engine.kernels.q8_lanes import Q8Lanes
 from trioserve.testing.quality import prompt_logits
 
 VOCAB, HIDDEN = 96, 64
@@ -89,7 +90,7 @@ def _tensors(config: ModelConfig, embed) -> list[tuple[str, object]]:
 
 # The projections' kernel does not matter here (both models share it): the
 # float reference, so the test runs on any CPU. It is int8, so the tied LM
-# head runs on it too (quant/load.py), requantized per channel from the
+# head runs on it too (engine/loading/compressed.py), requantized per channel from the
 # same float values either way.
 REFERENCE = KernelChoice(
     Kernel("reference", 8, "F.linear over the dequantized weights", lambda w, b: lambda x: F.linear(x, w.dequantize(), b)),
@@ -114,7 +115,7 @@ def test_a_model_keeps_gguf_embeddings_compressed_and_computes_the_same_logits()
     head = compressed._projections().head
     if isinstance(head, Int8GroupNativeLinear):
         # Where the native kernels run, the tied head is the Q8_0 table itself
-        # (quant/load.py _shared_head); the float model's head requantized the
+        # (engine/loading/compressed.py _shared_head); the float model's head requantized the
         # same values per channel, one rounding apart.
         assert head.weight is compressed._embedding.weight
         x = torch.randn(3, HIDDEN)

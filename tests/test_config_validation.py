@@ -5,9 +5,9 @@ import math
 
 import pytest
 
-from trioserve.engine.block_manager import BlockManager
+from trioserve.engine.core.block_manager import BlockManager
 from trioserve.engine.config import EngineConfig
-from trioserve.engine.kv_batch import KVAllocation
+from trioserve.engine.core.kv_batch import KVAllocation
 from trioserve.web.settings import ServerConfig
 
 REQUIRED = [

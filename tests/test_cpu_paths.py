@@ -22,10 +22,10 @@ import pytest
 import torch
 from server_fixtures import MODEL, server_config, serving
 
-from trioserve.engine.capability import ASSUME_ENV, ISA_LEVELS, LIBRARY_CAPS, PROBES, CpuPaths, Probe, parse_assume, run_trial
+from trioserve.engine.kernels.capability import ASSUME_ENV, ISA_LEVELS, LIBRARY_CAPS, PROBES, CpuPaths, Probe, parse_assume, run_trial
 from trioserve.engine.errors import CpuCapabilityError
-from trioserve.engine.loader import load_model
-from trioserve.engine.model import choose_projections
+from trioserve.engine.loading.loader import load_model
+from trioserve.engine.models.llama import choose_projections
 from trioserve.web.app import create_app
 
 pytestmark = pytest.mark.cpu_paths
@@ -131,7 +131,7 @@ def test_the_switch_is_read_from_the_environment_and_checked():
 def test_oneDNN_capped_at_AVX2_fails_the_bfloat16_packing_trial_for_real():
     # As on an AVX2-only CPU: the trial itself fails, no switch involved.
     # (The cap must be set before torch loads, hence a fresh interpreter.)
-    code = "import json; from trioserve.engine.capability import CpuPaths; print(json.dumps(CpuPaths.detect().as_json()))"
+    code = "import json; from trioserve.engine.kernels.capability import CpuPaths; print(json.dumps(CpuPaths.detect().as_json()))"
     env = _without_caps(ONEDNN_MAX_CPU_ISA="AVX2", ATEN_CPU_CAPABILITY="avx2")
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -212,7 +212,7 @@ def test_generate_in_bfloat16_runs_on_the_path_this_cpu_has(cpu_paths):
     assert choice.packed is cpu_paths.available("onednn_packed_bfloat16")
     # Logged once; a warning where the CPU made the model fall back.
     level = "WARNING" if choice.fallback else "INFO"
-    assert result.stderr.count(f"{level} [-] trioserve.engine.loader: {MODEL}: {choice}\n") == 1  # no request: id "-"
+    assert result.stderr.count(f"{level} [-] trioserve.engine.loading.loader: {MODEL}: {choice}\n") == 1  # no request: id "-"
 
 
 @pytest.mark.slow

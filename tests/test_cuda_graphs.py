@@ -1,4 +1,4 @@
-"""CUDA graphs for decode steps (engine/cuda_graphs.py).
+"""CUDA graphs for decode steps (engine/runtime/cuda_graphs.py).
 
 The shapes, the padding and the static inputs are checked on any device: a
 recorder that replays a step by running it again over the same static
@@ -18,18 +18,18 @@ import torch
 from conftest import ON_CUDA, TEST_DEVICE
 
 from trioserve.engine.config import EngineConfig
-from trioserve.engine.cuda_graphs import (
+from trioserve.engine.runtime.cuda_graphs import (
     CudaGraphRecorder,
     DecodeGraphs,
     GraphShape,
     Recording,
     graph_batch_sizes,
 )
-from trioserve.engine.engine_core import EngineCore
-from trioserve.engine.fast_tokenizer import FastTokenizer
-from trioserve.engine.forward_batch import ForwardBatch, SeqChunk
-from trioserve.engine.kv_cache import KVCache, kv_bytes_per_block
-from trioserve.engine.sampling_params import SamplingParams
+from trioserve.engine.core.engine_core import EngineCore
+from trioserve.engine.text.fast_tokenizer import FastTokenizer
+from trioserve.engine.models.forward_batch import ForwardBatch, SeqChunk
+from trioserve.engine.models.kv_cache import KVCache, kv_bytes_per_block
+from trioserve.engine.sampling.sampling_params import SamplingParams
 from trioserve.testing.tiny_model import BLOCK_SIZE as ENGINE_BLOCK_SIZE
 from trioserve.testing.tiny_model import VOCAB_SIZE, engine_config, tiny_loaded_with, write_word_tokenizer
 

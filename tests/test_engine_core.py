@@ -6,8 +6,8 @@ import pytest
 from conftest import make_core
 
 from trioserve.engine.errors import InvalidRequestError, RequestTooLongError
-from trioserve.engine.sampling_params import SamplingParams
-from trioserve.engine.sequence import FinishReason
+from trioserve.engine.sampling.sampling_params import SamplingParams
+from trioserve.engine.core.sequence import FinishReason
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -73,8 +73,8 @@ def test_greedy_continuation_equals_transformers_generate(default_loaded):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from trioserve.engine.loader import default_model_path
-    from trioserve.engine.tokenizer import apply_chat_template
+    from trioserve.engine.loading.loader import default_model_path
+    from trioserve.engine.text.tokenizer import apply_chat_template
 
     gguf = default_model_path()
     reference = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)

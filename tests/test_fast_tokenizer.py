@@ -1,4 +1,4 @@
-"""``FastTokenizer`` (engine/fast_tokenizer.py) against transformers'
+"""``FastTokenizer`` (engine/text/fast_tokenizer.py) against transformers'
 ``PreTrainedTokenizerFast``, which served before it: for the default
 model's tokenizer and small ones built here (word-level, byte-level BPE with
 special tokens the vocabulary lacks, a legacy ``special_tokens_map.json``,
@@ -22,10 +22,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_loader import make_checkpoint, write_tokenizer
 
-from trioserve.engine.detokenizer import IncrementalDetokenizer
-from trioserve.engine.fast_tokenizer import FastTokenizer
-from trioserve.engine.grammar import _tokenizer_info
-from trioserve.engine.tokenizer import load_tokenizer
+from trioserve.engine.text.detokenizer import IncrementalDetokenizer
+from trioserve.engine.text.fast_tokenizer import FastTokenizer
+from trioserve.engine.sampling.grammar import _tokenizer_info
+from trioserve.engine.text.tokenizer import load_tokenizer
 from trioserve.testing.tiny_model import hf_tokenizer_folder
 from trioserve.web.tools import CHATML_TOOLS_TEMPLATE
 
@@ -392,10 +392,10 @@ SERVE_WITHOUT_TRANSFORMERS = textwrap.dedent(
     """
     import json, sys
     from trioserve.engine.config import EngineConfig
-    from trioserve.engine.engine_core import EngineCore
-    from trioserve.engine.loader import load_model
-    from trioserve.engine.sampling_params import SamplingParams
-    from trioserve.engine.tokenizer import apply_chat_template
+    from trioserve.engine.core.engine_core import EngineCore
+    from trioserve.engine.loading.loader import load_model
+    from trioserve.engine.sampling.sampling_params import SamplingParams
+    from trioserve.engine.text.tokenizer import apply_chat_template
 
     loaded = load_model(sys.argv[1])
     core = EngineCore(loaded, EngineConfig(max_model_len=64, max_num_seqs=2, warm_up=False, kv_cache_memory=8 << 20))

@@ -1,4 +1,4 @@
-"""The model's sampling defaults (engine/generation_config.py): read from a
+"""The model's sampling defaults (engine/loading/generation_config.py): read from a
 generation_config.json or a GGUF's sampling keys, they fill the sampling
 fields a request leaves out, on a real server and through the Python API;
 an explicit field always wins; a bad --generation-config stops startup
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from trioserve import testing
 from trioserve.actors import open_engine
 from trioserve.engine.config import EngineConfig
-from trioserve.engine.generation_config import (
+from trioserve.engine.loading.generation_config import (
     BUILT_IN_SAMPLING,
     GenerationConfigError,
     SamplingDefaults,
@@ -28,8 +28,8 @@ from trioserve.engine.generation_config import (
     read_gguf_metadata,
     read_generation_config,
 )
-from trioserve.engine.loader import default_model_path
-from trioserve.engine.sampling_params import DEFAULTABLE_FIELDS, NEUTRAL_SAMPLING, SamplingParams
+from trioserve.engine.loading.loader import default_model_path
+from trioserve.engine.sampling.sampling_params import DEFAULTABLE_FIELDS, NEUTRAL_SAMPLING, SamplingParams
 from trioserve.web.app import create_app
 from trioserve.web.settings import ModelSpec, ServerConfig
 

@@ -1,4 +1,4 @@
-"""GGUF's K-quants and 5-bit types (engine/quant/gguf_weights): each decodes
+"""GGUF's K-quants and 5-bit types (engine/loading/gguf_weights.py): each decodes
 like gguf's own reference, and a file that mixes them, as llama.cpp's
 Q4_K_M does, loads compressed with its wider matrices kept wide."""
 
@@ -13,16 +13,17 @@ import torch
 
 from trioserve.engine.config import ModelConfig, RopeScaling
 from trioserve.engine.errors import ModelLoadError
-from trioserve.engine.forward_batch import ForwardBatch, SeqChunk
-from trioserve.engine.kv_cache import KVCache
-from trioserve.engine.model import LlamaForCausalLM
-from trioserve.engine.quant import gguf_weights, native
-from trioserve.engine.quant.choose import KERNELS, KernelChoice, candidates
-from trioserve.engine.quant.int4_native import Int4NativeLinear
-from trioserve.engine.quant.int8_native import Int8GroupNativeLinear
-from trioserve.engine.quant.load import load_gguf_quantized, quantization_choice
-from trioserve.engine.quant.q8_lanes import Q8Lanes
-from trioserve.engine.quant.rtn import Int4Weight, Int8GroupWeight, quantize_int8_groups, regroup_int8
+from trioserve.engine.models.forward_batch import ForwardBatch, SeqChunk
+from trioserve.engine.models.kv_cache import KVCache
+from trioserve.engine.models.llama import LlamaForCausalLM
+from trioserve.engine.loading import gguf_weights
+from trioserve.engine.kernels import native
+from trioserve.engine.kernels.choose import KERNELS, KernelChoice, candidates
+from trioserve.engine.kernels.int4_native import Int4NativeLinear
+from trioserve.engine.kernels.int8_native import Int8GroupNativeLinear
+from trioserve.engine.loading.compressed import load_gguf_quantized, quantization_choice
+from trioserve.engine.kernels.q8_lanes import Q8Lanes
+from trioserve.engine.kernels.rtn import Int4Weight, Int8GroupWeight, quantize_int8_groups, regroup_int8
 from trioserve.testing.quality import prompt_logits
 
 from test_quant import _write_gguf

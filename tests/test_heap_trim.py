@@ -1,4 +1,4 @@
-"""Giving freed heap memory back (engine/heap_trim.py): glibc returns the
+"""Giving freed heap memory back (engine/runtime/heap_trim.py): glibc returns the
 free pages of a fragmented heap, and a thread's free arena top once the
 thresholds are pinned; the engine trims once it goes idle after running
 steps, in process and through the actors."""
@@ -15,8 +15,8 @@ import trio.testing
 
 from actor_fixtures import tiny_loaded
 from trioserve.actors import open_engine
-from trioserve.engine.engine_core import EngineCore
-from trioserve.engine.sampling_params import SamplingParams
+from trioserve.engine.core.engine_core import EngineCore
+from trioserve.engine.sampling.sampling_params import SamplingParams
 from trioserve.testing import engine_config
 
 GLIBC = platform.libc_ver()[0] == "glibc"
@@ -27,7 +27,7 @@ GLIBC = platform.libc_ver()[0] == "glibc"
 FRAGMENT = textwrap.dedent(
     """
     import json
-    from trioserve.engine.heap_trim import trim_heap
+    from trioserve.engine.runtime.heap_trim import trim_heap
 
     def rss():
         with open("/proc/self/status") as f:
@@ -61,7 +61,7 @@ def test_trimming_gives_a_fragmented_heaps_free_pages_back():
 THREAD_TOP = textwrap.dedent(
     """
     import json, sys, threading
-    from trioserve.engine.heap_trim import fix_heap_thresholds, trim_heap
+    from trioserve.engine.runtime.heap_trim import fix_heap_thresholds, trim_heap
 
     def rss():
         with open("/proc/self/status") as f:

@@ -1,9 +1,9 @@
 """What a serving process imports: converting a GGUF on a cold cache runs in
-a child process (engine/gguf_cache.py), so transformers' modeling code and
+a child process (engine/loading/gguf_cache.py), so transformers' modeling code and
 the torch compiler stack it pulls in (dynamo, inductor, triton, sympy:
 about 240 MiB) never load into the process that then serves; nor does
 transformers at all, since the tokenizer is a ``FastTokenizer``
-(engine/fast_tokenizer.py)."""
+(engine/text/fast_tokenizer.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ CONVERSION_ONLY = ("transformers.models.llama.modeling_llama", "torch._dynamo", 
 COLD_START = textwrap.dedent(
     """
     import json, sys
-    from trioserve.engine.loader import load_model
+    from trioserve.engine.loading.loader import load_model
 
     loaded = load_model(None, quantization="auto", cache_dir=sys.argv[1])
     print(json.dumps({

@@ -19,9 +19,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trioserve.engine.engine_core import EngineCore
-from trioserve.engine.loader import LoadedModel, load_model
-from trioserve.engine.sampling_params import SamplingParams
+from trioserve.engine.core.engine_core import EngineCore
+from trioserve.engine.loading.loader import LoadedModel, load_model
+from trioserve.engine.sampling.sampling_params import SamplingParams
 
 from conftest import make_core
 
@@ -38,7 +38,7 @@ PROMPTS = (
     "Summarise: " + _FILLER * 8,
     "Count: one two three one two three one two three one two",
 )
-# Sequences asking for logprobs do not speculate (engine/speculative.py):
+# Sequences asking for logprobs do not speculate (engine/sampling/speculative.py):
 # the last two ask for none, so speculation runs for them.
 PARAMS = (
     SamplingParams(temperature=0.0, max_tokens=12, logprobs=2),
@@ -149,7 +149,7 @@ def test_preemption_and_a_warm_cache_leave_every_token_as_it_was(compressed, alo
 def test_speculation_on_or_off_gives_the_same_tokens_greedy_and_seeded(compressed, alone):
     """Verification runs the fused step as decode steps do, and a seeded
     draw under n-gram speculation takes the noise a one-token step would
-    (engine/speculative.py verify_sampled), so the tokens match."""
+    (engine/sampling/speculative.py verify_sampled), so the tokens match."""
     core = make_core(compressed, speculative="ngram", num_speculative_tokens=4)
     requests = [(0, "a", 2, 4), (0, "b", 4, 4), (0, "c", 4, 3), (1, "d", 2, 3)]
     most: list[int] = []
@@ -169,7 +169,7 @@ def test_fast_mode_says_it_is_not_invariant():
 
 
 def test_tensor_parallel_shards_say_they_are_not_checked():
-    from trioserve.engine.tensor_parallel import TPLlamaForCausalLM, TPShard
+    from trioserve.engine.parallel.tensor_parallel import TPLlamaForCausalLM, TPShard
     from trioserve.testing.tiny_model import tiny_model_config
 
     shard = TPLlamaForCausalLM(TPShard(tiny_model_config(), 0, 2))

@@ -13,7 +13,7 @@ import trio
 from trioserve.actors import open_engine
 from trioserve.bench.process import serving_process
 from trioserve.engine.config import EngineConfig
-from trioserve.engine.sampling_params import SamplingParams
+from trioserve.engine.sampling.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -1,5 +1,5 @@
 """A smaller KV cache (issue 13): what the cache stores (``kv_cache_dtype``,
-engine/kv_dtype.py) and how many blocks the pool gets (engine/kv_budget.py).
+engine/kernels/kv_dtype.py) and how many blocks the pool gets (engine/core/kv_budget.py).
 
 A 16-bit pool holds twice the tokens in the same bytes; the engine's
 features (prefix caching, preemption, chunked prefill, speculation,
@@ -23,18 +23,18 @@ from hypothesis import strategies as st
 
 from trioserve.actors import open_engine
 from trioserve.actors.process_executor import process_executor
-from trioserve.engine import kv_budget
-from trioserve.engine.capability import ASSUME_ENV, PROBES, CpuPaths, Probe
+from trioserve.engine.core import kv_budget
+from trioserve.engine.kernels.capability import ASSUME_ENV, PROBES, CpuPaths, Probe
 from trioserve.engine.config import EngineConfig
-from trioserve.engine.engine_core import EngineCore, build_runner
+from trioserve.engine.core.engine_core import EngineCore, build_runner
 from trioserve.engine.errors import CpuCapabilityError
-from trioserve.engine.forward_batch import ForwardBatch, SeqChunk
-from trioserve.engine.kv_budget import CPU_DEFAULT_CEILING, CPU_MEMORY_FRACTION, available_memory, plan_pool
-from trioserve.engine.kv_cache import FP8, KVCache, from_cache, kv_bytes_per_block, storage_dtype, to_cache
-from trioserve.engine import kv_dtype
-from trioserve.engine.kv_dtype import CPU_PREFERENCE, DTYPES, choose_kv_dtype, kv_path, refuse_before_load, trial
-from trioserve.engine.sampling_params import SamplingParams
-from trioserve.engine.tokenizer import apply_chat_template
+from trioserve.engine.models.forward_batch import ForwardBatch, SeqChunk
+from trioserve.engine.core.kv_budget import CPU_DEFAULT_CEILING, CPU_MEMORY_FRACTION, available_memory, plan_pool
+from trioserve.engine.models.kv_cache import FP8, KVCache, from_cache, kv_bytes_per_block, storage_dtype, to_cache
+from trioserve.engine.kernels import kv_dtype
+from trioserve.engine.kernels.kv_dtype import CPU_PREFERENCE, DTYPES, choose_kv_dtype, kv_path, refuse_before_load, trial
+from trioserve.engine.sampling.sampling_params import SamplingParams
+from trioserve.engine.text.tokenizer import apply_chat_template
 from trioserve.testing import engine_config
 from trioserve.testing.tiny_model import BLOCK_SIZE, _tiny_weights, tiny_model_config, tiny_worker_model
 

@@ -14,12 +14,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from trioserve.engine import gguf_cache, loader
+from trioserve.engine.loading import gguf_cache
+
+from trioserve.engine.loading import loader
 from trioserve.engine.config import EngineConfig, ModelConfig
 from trioserve.engine.errors import InvalidRequestError, ModelLoadError
-from trioserve.engine.loader import LoadedModel, load_model, resolve_device, resolve_dtype
-from trioserve.engine.model import LlamaForCausalLM
-from trioserve.engine.tokenizer import apply_chat_template, eos_token_ids
+from trioserve.engine.loading.loader import LoadedModel, load_model, resolve_device, resolve_dtype
+from trioserve.engine.models.llama import LlamaForCausalLM
+from trioserve.engine.text.tokenizer import apply_chat_template, eos_token_ids
 
 WORDS = ["<unk>", "<s>", "</s>", "<eot>", "user", "assistant", "hello", "world", ":"]
 CHAT_TEMPLATE = (
@@ -432,9 +434,9 @@ def test_leftovers_of_a_killed_conversion_are_removed(tmp_path):
 
 def test_progress_is_logged_off_a_terminal(llama_dir, caplog):
     folder, _ = llama_dir
-    with caplog.at_level("INFO", logger="trioserve.engine.loader"):
+    with caplog.at_level("INFO", logger="trioserve.engine.loading.loader"):
         load_model(str(folder))
-    messages = [r.getMessage() for r in caplog.records if r.name == "trioserve.engine.loader"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "trioserve.engine.loading.loader"]
     assert any("model.safetensors loaded" in m for m in messages)
     assert any("done in" in m for m in messages)
 

@@ -30,12 +30,12 @@ import torch
 import transformers
 from conftest import ON_CUDA, TEST_DEVICE
 
-from trioserve.engine.capability import CpuPaths
+from trioserve.engine.kernels.capability import CpuPaths
 from trioserve.engine.config import ModelConfig
 from trioserve.engine.errors import CpuCapabilityError, ModelLoadError
-from trioserve.engine.forward_batch import ForwardBatch, SeqChunk
-from trioserve.engine.kv_cache import KVCache
-from trioserve.engine.model import LlamaForCausalLM
+from trioserve.engine.models.forward_batch import ForwardBatch, SeqChunk
+from trioserve.engine.models.kv_cache import KVCache
+from trioserve.engine.models.llama import LlamaForCausalLM
 
 pytestmark = pytest.mark.cpu_paths
 

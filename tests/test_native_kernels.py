@@ -1,4 +1,4 @@
-"""The native kernels (engine/quant/csrc, built by scripts/setup.sh): each
+"""The native kernels (engine/kernels/csrc, built by scripts/setup.sh): each
 ISA variant this CPU runs against the dequantized weights, the chooser's
 pick among them, and the fused decode step against the model's own layers.
 
@@ -18,13 +18,16 @@ import torch.nn.functional as F
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from trioserve.engine.capability import CpuPaths
+from trioserve.engine.kernels.capability import CpuPaths
 from trioserve.engine.config import ModelConfig
-from trioserve.engine.forward_batch import ForwardBatch, SeqChunk
-from trioserve.engine.kv_cache import KVCache
-from trioserve.engine.quant import choose, int4_native, int8_native, native
-from trioserve.engine.quant.load import load_safetensors_quantized
-from trioserve.engine.quant.rtn import quantize_int4, quantize_int8, quantize_int8_groups
+from trioserve.engine.models.forward_batch import ForwardBatch, SeqChunk
+from trioserve.engine.models.kv_cache import KVCache
+from trioserve.engine.kernels import choose
+from trioserve.engine.kernels import int4_native
+from trioserve.engine.kernels import int8_native
+from trioserve.engine.kernels import native
+from trioserve.engine.loading.compressed import load_safetensors_quantized
+from trioserve.engine.kernels.rtn import quantize_int4, quantize_int8, quantize_int8_groups
 
 from test_quant import _checkpoint
 
@@ -188,7 +191,7 @@ def test_the_int8_panels_compute_exactly_the_rounded_rows_and_each_row_alone(isa
     panels from 10 rows instead."""
     if variant not in isas:
         pytest.skip(f"this CPU cannot run {variant} ({native.ISA_REQUIREMENTS[variant]})")
-    from trioserve.engine.quant.rtn import Int8GroupWeight
+    from trioserve.engine.kernels.rtn import Int8GroupWeight
 
     gen = torch.Generator().manual_seed(5)
     for k in (32, 96, 576, 1536):
@@ -238,7 +241,7 @@ def test_the_avx2_panels_match_the_dequantized_weights_and_keep_each_row_alone(i
     with."""
     if "avx2" not in isas:
         pytest.skip(f"this CPU cannot run avx2 ({native.ISA_REQUIREMENTS['avx2']})")
-    from trioserve.engine.quant.rtn import Int8GroupWeight
+    from trioserve.engine.kernels.rtn import Int8GroupWeight
 
     gen = torch.Generator().manual_seed(7)
     avx2, ops = native.ISAS["avx2"], native.ops()
@@ -524,8 +527,8 @@ def test_native_decode_attention_computes_what_the_torch_attention_does(isas, ch
     """The float model's prompts (chunks of 6 and 13 tokens, one of 1),
     decode steps and a mixed batch with each native attention variant
     against the same steps attended in torch: logits and cache agree."""
-    from trioserve.engine.loader import load_model
-    from trioserve.engine.native_attention import NativeAttention
+    from trioserve.engine.loading.loader import load_model
+    from trioserve.engine.models.native_attention import NativeAttention
 
     model = load_model(str(checkpoint), quantization="none").model
     assert model.native_attention is not None
@@ -575,9 +578,9 @@ def test_native_decode_attention_of_64_wide_heads_matches_paged_attention(isas, 
     pass): groups of 1, 3, 5 (passes of four and one, or three and two) and
     8 heads, contexts on both sides of 16 tokens and of a block, against
     torch's paged attention."""
-    from trioserve.engine.attention import AttentionMetadata, paged_attention, write_kv
-    from trioserve.engine.native_attention import NativeAttention
-    from trioserve.engine.rotary import apply_rotary
+    from trioserve.engine.models.attention import AttentionMetadata, paged_attention, write_kv
+    from trioserve.engine.models.native_attention import NativeAttention
+    from trioserve.engine.models.rotary import apply_rotary
 
     gen = torch.Generator().manual_seed(7)
     head_dim, block_size, num_blocks = 64, 4, 24
@@ -619,13 +622,13 @@ def test_native_decode_attention_of_64_wide_heads_matches_paged_attention(isas, 
 
 @pytest.mark.parametrize("head_dim", [64, 24])
 def test_native_decode_attention_stores_float16_as_torch_does_and_saturates(isas, head_dim):
-    """The new key and value go into a float16 pool as engine/kv_cache.py's
+    """The new key and value go into a float16 pool as engine/models/kv_cache.py's
     to_cache puts them (rounded to nearest even, saturating at +-65504), on
     the vector paths and, for 24-wide heads, AVX-512's scalar tail (one KV
     head: 24 = 16 + 8 values); a row alone in its context reads back its
     own value."""
-    from trioserve.engine.kv_cache import to_cache
-    from trioserve.engine.native_attention import BoundAttention, NativeAttention
+    from trioserve.engine.models.kv_cache import to_cache
+    from trioserve.engine.models.native_attention import BoundAttention, NativeAttention
 
     gen = torch.Generator().manual_seed(3)
     heads, kv_heads, rows = 2, 1, 3
@@ -660,7 +663,7 @@ def test_native_decode_attention_stores_float16_as_torch_does_and_saturates(isas
 
 
 def test_native_decode_attention_refuses_a_block_outside_the_pool(isas):
-    from trioserve.engine.native_attention import BoundAttention, NativeAttention
+    from trioserve.engine.models.native_attention import BoundAttention, NativeAttention
 
     attention = NativeAttention(native.ISAS["scalar"], native.ops().decode_attention)
     pool = torch.zeros(4, 4, 2, 16)
@@ -674,7 +677,7 @@ def test_native_decode_attention_refuses_a_block_outside_the_pool(isas):
 def test_a_q8_0_head_runs_on_the_stored_values_without_a_copy(isas):
     """int8 in groups of 32 (GGUF's Q8_0): the tensors are the table's own,
     and the result is the dequantized table's matmul, at few rows and many."""
-    from trioserve.engine.quant.rtn import Int8GroupWeight
+    from trioserve.engine.kernels.rtn import Int8GroupWeight
 
     gen = torch.Generator().manual_seed(2)
     q = torch.randint(-127, 128, (40, 96), generator=gen, dtype=torch.int8)
@@ -699,7 +702,7 @@ def test_the_q8_0_rows_below_the_panels_round_as_documented_and_each_row_alone(i
     four channels a pass at one and two rows, two at three and four, one
     from five, 8 rows a pass). The rounded rows' matmul, and every row
     exactly what it gives alone."""
-    from trioserve.engine.quant.rtn import Int8GroupWeight
+    from trioserve.engine.kernels.rtn import Int8GroupWeight
 
     if variant not in isas:
         pytest.skip(f"this CPU cannot run {variant} ({native.ISA_REQUIREMENTS[variant]})")
@@ -728,8 +731,8 @@ def test_a_decode_steps_lm_head_runs_rounded_activations_and_a_prompts_the_wider
     activations below 10 rows and runs the bfloat16 panels from 10 (on
     avx2int8 float32 activations at any count). Elsewhere there is no
     second head."""
-    from trioserve.engine.quant.native_decode import decode_head
-    from trioserve.engine.quant.rtn import Int8GroupWeight
+    from trioserve.engine.kernels.native_decode import decode_head
+    from trioserve.engine.kernels.rtn import Int8GroupWeight
 
     gen = torch.Generator().manual_seed(4)
     table = Int8GroupWeight(torch.randint(-127, 128, (40, 96), generator=gen, dtype=torch.int8),
@@ -774,7 +777,7 @@ def test_a_decode_steps_q8_0_head_runs_int16_panels_from_10_rows(isas):
     runs with, below 10 rows either (csrc/rows_avx2.h: the panels' bits)."""
     if "avx2int8" not in isas:
         pytest.skip(f"this CPU cannot run avx2int8 ({native.ISA_REQUIREMENTS['avx2int8']})")
-    from trioserve.engine.quant.rtn import Int8GroupWeight
+    from trioserve.engine.kernels.rtn import Int8GroupWeight
 
     gen = torch.Generator().manual_seed(8)
     index, ops = native.ISAS["avx2int8"], native.ops()

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trioserve.engine import onednn
-from trioserve.engine.capability import CpuPaths, packed_path
+from trioserve.engine.kernels import onednn
+from trioserve.engine.kernels.capability import CpuPaths, packed_path
 
 pytestmark = pytest.mark.cpu_paths
 
@@ -59,8 +59,8 @@ def test_warm_up_builds_every_row_count_and_changes_no_result():
     from actor_fixtures import tiny_loaded
 
     from trioserve import testing
-    from trioserve.engine.engine_core import EngineCore
-    from trioserve.engine.sampling_params import SamplingParams
+    from trioserve.engine.core.engine_core import EngineCore
+    from trioserve.engine.sampling.sampling_params import SamplingParams
 
     def tokens(core: EngineCore) -> list[int]:
         core.add_request("r", "warm kernels change nothing", SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))

@@ -17,7 +17,7 @@ from trioserve.actors.concurrency import AdaptiveConcurrency
 from trioserve.actors.messages import AddRequest
 from trioserve.actors.statistics import OverloadStatistics
 from trioserve.engine.config import DegradationPolicy
-from trioserve.engine.sampling_params import SamplingParams
+from trioserve.engine.sampling.sampling_params import SamplingParams
 from trioserve.web.metrics import OVERLOAD_ACTIONS, Metrics
 from trioserve.web.serve_options import build_serve_parser, server_config_from_args, server_config_from_env
 from trioserve.web.settings import ServerConfig

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from trioserve.engine.quant import native
+from trioserve.engine.kernels import native
 
 ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -91,17 +91,17 @@ def test_the_wheel_holds_what_serving_needs(wheel):
     names = set(wheel.namelist())
     needed = {
         "trioserve/web/cli.py",
-        "trioserve/engine/quant/native.py",
-        "trioserve/engine/quant/csrc/linear.cpp",
-        "trioserve/engine/quant/csrc/decode.cpp",
-        "trioserve/engine/quant/csrc/kernels.h",
+        "trioserve/engine/kernels/native.py",
+        "trioserve/engine/kernels/csrc/linear.cpp",
+        "trioserve/engine/kernels/csrc/decode.cpp",
+        "trioserve/engine/kernels/csrc/kernels.h",
         "trioserve/web/static/chat.html",
         "trioserve/rpc/trioserve_pb2.py",
         "trioserve/rpc/trioserve_pb2_grpc.py",
         "trioserve/proto/trioserve.proto",
     }
     assert needed <= names, sorted(needed - names)
-    assert {f"trioserve/engine/quant/csrc/{name}" for name in native.SOURCES + native.HEADERS} <= names
+    assert {f"trioserve/engine/kernels/csrc/{name}" for name in native.SOURCES + native.HEADERS} <= names
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert "trioserve = trioserve.web.cli:main" in wheel.read(entry_points).decode()
 

@@ -1,4 +1,4 @@
-"""Plugins (engine/plugins.py, web/plugins.py) end to end.
+"""Plugins (engine/runtime/plugins.py, web/plugins.py) end to end.
 
 The example package (examples/plugin_example) is really installed, with
 pip, into a folder put on ``sys.path``: its entry points are found through
@@ -24,9 +24,9 @@ import pytest
 import trio
 from server_fixtures import metric_values, parse_sse, server_config, server_in_thread
 
-from trioserve.engine.plugins import GROUPS, PluginError, Plugins, PriorityPolicy, UnknownPluginError
-from trioserve.engine.scheduler import Scheduler
-from trioserve.engine.scheduling_policy import GuardedPolicy
+from trioserve.engine.runtime.plugins import GROUPS, PluginError, Plugins, PriorityPolicy, UnknownPluginError
+from trioserve.engine.core.scheduler import Scheduler
+from trioserve.engine.core.scheduling_policy import GuardedPolicy
 from trioserve.rpc import trioserve_pb2 as pb
 from trioserve.rpc import trioserve_pb2_grpc as pb_grpc
 from trioserve.web.app import app_grpc, create_app
@@ -265,7 +265,7 @@ def test_metrics_plugins_register_collectors_and_a_failing_one_is_left_out(clien
 def test_a_scheduling_policy_plugin_orders_the_waiting_requests(example_installed):
     from actor_fixtures import tiny_loaded
 
-    from trioserve.engine.engine_core import EngineCore
+    from trioserve.engine.core.engine_core import EngineCore
     from trioserve.testing.tiny_model import engine_config
 
     prompts = {"long": "word " * 60, "longer": "word " * 90, "short": "word", "medium": "word " * 20}

@@ -1,4 +1,4 @@
-"""avx2int8's Q8_0 LM head held as lanes blocks (engine/quant/q8_lanes.py,
+"""avx2int8's Q8_0 LM head held as lanes blocks (engine/kernels/q8_lanes.py,
 csrc/q8_lanes_avx2.h): the same values, the same bits as the kernels over
 GGUF's groups at every row count, and a tied model's embeddings read from
 the same table."""
@@ -12,11 +12,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trioserve.engine.quant import int8_native, native, q8_lanes
-from trioserve.engine.quant.embedding import CompressedEmbedding
-from trioserve.engine.quant.int4_native import PANEL_FROM_ROWS
-from trioserve.engine.quant.q8_lanes import Q8Lanes
-from trioserve.engine.quant.rtn import Int8GroupWeight
+from trioserve.engine.kernels import int8_native
+
+from trioserve.engine.kernels import native
+
+from trioserve.engine.kernels import q8_lanes
+from trioserve.engine.kernels.embedding import CompressedEmbedding
+from trioserve.engine.kernels.int4_native import PANEL_FROM_ROWS
+from trioserve.engine.kernels.q8_lanes import Q8Lanes
+from trioserve.engine.kernels.rtn import Int8GroupWeight
 
 
 def _groups(out: int, k: int, gen: torch.Generator) -> Int8GroupWeight:

@@ -1,4 +1,4 @@
-"""Compressed weights (engine/quant): formats, GGUF decoding, kernels, the
+"""Compressed weights (engine/kernels): formats, GGUF decoding, kernels, the
 chooser, and loading a float checkpoint quantized (cached) or refused."""
 
 from __future__ import annotations
@@ -12,13 +12,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trioserve.engine import capability
-from trioserve.engine.capability import CpuPaths, PathStatus
+from trioserve.engine.kernels import capability
+from trioserve.engine.kernels.capability import CpuPaths, PathStatus
 from trioserve.engine.errors import CpuCapabilityError
-from trioserve.engine.loader import load_model
-from trioserve.engine.quant import choose, gguf_weights, int4_native, native, rtn, rtn_cache
-from trioserve.engine.quant.load import wanted
-from trioserve.engine.quant.q8_lanes import Q8Lanes
+from trioserve.engine.loading.loader import load_model
+from trioserve.engine.kernels import choose
+from trioserve.engine.loading import gguf_weights
+from trioserve.engine.kernels import int4_native
+from trioserve.engine.kernels import native
+from trioserve.engine.kernels import rtn
+from trioserve.engine.loading import rtn_cache
+from trioserve.engine.loading.compressed import wanted
+from trioserve.engine.kernels.q8_lanes import Q8Lanes
 from trioserve.testing.quality import prompt_logits
 
 from test_loader import make_checkpoint, write_tokenizer

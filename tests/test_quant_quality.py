@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from trioserve.engine.loader import load_model
+from trioserve.engine.loading.loader import load_model
 from trioserve.testing.quality import greedy_tokens, perplexity, prompt_logits
 
 TEXT = Path(__file__).parent / "data" / "quality_text.txt"

@@ -19,10 +19,10 @@ import trio.testing
 from actor_fixtures import tiny_loaded
 from trioserve.actors import EngineOverloaded, FakeExecutor, RequestShed, open_engine
 from trioserve.actors.replicas import ReplicatedEngine
-from trioserve.engine.engine_core import EngineCore
-from trioserve.engine.loader import LoadedModel
-from trioserve.engine.sampling_params import SamplingParams
-from trioserve.engine.sequence import FinishReason
+from trioserve.engine.core.engine_core import EngineCore
+from trioserve.engine.loading.loader import LoadedModel
+from trioserve.engine.sampling.sampling_params import SamplingParams
+from trioserve.engine.core.sequence import FinishReason
 from trioserve.testing import engine_config
 
 STEP = 0.01

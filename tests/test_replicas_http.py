@@ -11,7 +11,7 @@ import trio
 
 from actor_fixtures import tiny_loaded
 from server_fixtures import MODEL, read_sse_lines, scrape, server_config, serving, wait_idle
-from trioserve.engine.model_runner import ModelRunner
+from trioserve.engine.runtime.model_runner import ModelRunner
 from trioserve.web.app import create_app
 
 BODY = {"prompt": "Tell me a story.", "max_tokens": 4, "ignore_eos": True, "stream": True}

@@ -13,11 +13,11 @@ import pytest
 
 from trioserve.actors.router import ReplicaRouter
 from trioserve.engine.config import EngineConfig
-from trioserve.engine.placement import ParallelConfigError, PinnedStepThread, cpu_shares, plan_replicas
-from trioserve.engine.prefix_hash import prefix_block_hashes
-from trioserve.engine.block_manager import BlockManager
-from trioserve.engine.kv_batch import KVAllocation, KVBatch, KVCommit
-from trioserve.engine.sampling_params import SamplingParams
+from trioserve.engine.parallel.placement import ParallelConfigError, PinnedStepThread, cpu_shares, plan_replicas
+from trioserve.engine.core.prefix_hash import prefix_block_hashes
+from trioserve.engine.core.block_manager import BlockManager
+from trioserve.engine.core.kv_batch import KVAllocation, KVBatch, KVCommit
+from trioserve.engine.sampling.sampling_params import SamplingParams
 
 
 def test_cpu_shares_are_contiguous_and_near_equal():

@@ -8,15 +8,15 @@ import pytest
 import torch
 from hypothesis import assume, given, settings
 
-from trioserve.engine import sampler as sampler_module
-from trioserve.engine.argmax import argmax
-from trioserve.engine.sampler import (
+from trioserve.engine.sampling import sampler as sampler_module
+from trioserve.engine.sampling.argmax import argmax
+from trioserve.engine.sampling.sampler import (
     Sampler,
     apply_penalties,
     apply_top_k_top_p_min_p,
 )
-from trioserve.engine.sampling_params import SamplingParams
-from trioserve.engine.step_plan import SamplingRow
+from trioserve.engine.sampling.sampling_params import SamplingParams
+from trioserve.engine.core.step_plan import SamplingRow
 
 # Probabilities chosen so that no cumulative sum lands on a tested top_p.
 PROBS = [0.05, 0.4, 0.1, 0.3, 0.15]
@@ -157,7 +157,7 @@ _CELLS = st.sampled_from([-2.0, -1.0, 0.0, 0.5, 3.0, float("-inf"), float("inf")
 )
 def test_the_fast_argmax_gives_what_argmax_gives_ties_and_nans_included(rows, width, data):
     # Greedy tokens, speculative verification and the exponential race use
-    # engine/argmax.py's torch.max indices for their speed; they must be
+    # engine/sampling/argmax.py's torch.max indices for their speed; they must be
     # argmax's own (a row's first largest value, NaN the largest) on the
     # torch this runs, or greedy output would change with it.
     cells = data.draw(st.lists(_CELLS, min_size=rows * width, max_size=rows * width))

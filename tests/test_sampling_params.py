@@ -5,7 +5,7 @@ import math
 import pytest
 
 from trioserve.engine.errors import InvalidRequestError
-from trioserve.engine.sampling_params import SamplingParams
+from trioserve.engine.sampling.sampling_params import SamplingParams
 
 BAD_VALUES = [
     ("n", 0),

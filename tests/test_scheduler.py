@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from trioserve.engine.errors import InvalidRequestError, RequestTooLongError
-from trioserve.engine.scheduler import Scheduler, SchedulerOutput
-from trioserve.engine.sequence import FinishReason, Request, RequestStatus
+from trioserve.engine.core.scheduler import Scheduler, SchedulerOutput
+from trioserve.engine.core.sequence import FinishReason, Request, RequestStatus
 
 
 def chunk_sizes(output: SchedulerOutput) -> dict[str, int]:

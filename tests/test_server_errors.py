@@ -11,7 +11,7 @@ import pytest
 import trio
 
 from trioserve.engine.errors import ModelLoadError
-from trioserve.engine import engine_core as engine_core_module
+from trioserve.engine.core import engine_core as engine_core_module
 from trioserve.web.app import create_app
 from trioserve.web.host import HostState
 from trioserve.web.settings import ModelSpec

@@ -19,12 +19,12 @@ from factories import make_request, make_scheduler
 
 from trioserve.actors import open_engine
 from trioserve.actors.executor import FakeExecutor
-from trioserve.engine.engine_core import EngineCore
-from trioserve.engine.sampler import Sampler
-from trioserve.engine.sampling_params import SamplingParams
-from trioserve.engine.sequence import FinishReason
-from trioserve.engine.speculative import NgramProposer, may_speculate, verify_sampled
-from trioserve.engine.step_plan import SamplingRow
+from trioserve.engine.core.engine_core import EngineCore
+from trioserve.engine.sampling.sampler import Sampler
+from trioserve.engine.sampling.sampling_params import SamplingParams
+from trioserve.engine.core.sequence import FinishReason
+from trioserve.engine.sampling.speculative import NgramProposer, may_speculate, verify_sampled
+from trioserve.engine.core.step_plan import SamplingRow
 from trioserve.testing import engine_config
 
 BIAS = {35877: 30.0, 15222: 30.0, 19287: 30.0}

@@ -11,12 +11,12 @@ import pytest
 from actor_fixtures import tiny_loaded
 
 from trioserve import testing
-from trioserve.engine.engine_core import EngineCore
+from trioserve.engine.core.engine_core import EngineCore
 from trioserve.engine.errors import InvalidRequestError
-from trioserve.engine.model_runner import ModelRunner
-from trioserve.engine.new_request import NewRequest
-from trioserve.engine.sampling_params import SamplingParams
-from trioserve.engine.step_plan import StepPlan
+from trioserve.engine.runtime.model_runner import ModelRunner
+from trioserve.engine.core.new_request import NewRequest
+from trioserve.engine.sampling.sampling_params import SamplingParams
+from trioserve.engine.core.step_plan import StepPlan
 
 # A mix that exercises every part of a plan: greedy and seeded draws,
 # penalties that read the output and the prompt, n > 1 (shared prefix

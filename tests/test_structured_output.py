@@ -17,12 +17,12 @@ from hypothesis import strategies as st
 
 from conftest import make_core
 from trioserve.engine.errors import InvalidRequestError
-from trioserve.engine.grammar import GrammarCompiler, GrammarError, GrammarMatchers, MaskRequest, unpack_bitmask
-from trioserve.engine.sampler import Sampler
-from trioserve.engine.sampling_params import SamplingParams
-from trioserve.engine.sequence import FinishReason
-from trioserve.engine.step_plan import SamplingRow, StepPlan, TokenMask
-from trioserve.engine.structured_output import StructuredOutput
+from trioserve.engine.sampling.grammar import GrammarCompiler, GrammarError, GrammarMatchers, MaskRequest, unpack_bitmask
+from trioserve.engine.sampling.sampler import Sampler
+from trioserve.engine.sampling.sampling_params import SamplingParams
+from trioserve.engine.core.sequence import FinishReason
+from trioserve.engine.core.step_plan import SamplingRow, StepPlan, TokenMask
+from trioserve.engine.sampling.structured_output import StructuredOutput
 from trioserve.testing.tiny_model import VOCAB_SIZE, tiny_loaded, tokenizer
 
 

@@ -16,8 +16,8 @@ import pytest
 
 from conftest import make_core
 from server_fixtures import MODEL, server_config, server_in_thread
-from trioserve.engine.sampling_params import SamplingParams
-from trioserve.engine.structured_output import StructuredOutput
+from trioserve.engine.sampling.sampling_params import SamplingParams
+from trioserve.engine.sampling.structured_output import StructuredOutput
 from trioserve.web.app import create_app
 
 pytestmark = pytest.mark.slow

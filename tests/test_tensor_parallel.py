@@ -35,12 +35,12 @@ import trio
 from trioserve.actors import open_engine
 from trioserve.bench.process import serving_process
 from trioserve.engine.config import EngineConfig
-from trioserve.engine.distributed import DistributedError, free_port
-from trioserve.engine.engine_core import EngineCore
-from trioserve.engine.sampling_params import SamplingParams
-from trioserve.engine.structured_output import StructuredOutput
-from trioserve.engine.tensor_parallel import TPShard, check_tensor_parallel
-from trioserve.engine.loader import read_model_config, resolve_checkpoint
+from trioserve.engine.parallel.distributed import DistributedError, free_port
+from trioserve.engine.core.engine_core import EngineCore
+from trioserve.engine.sampling.sampling_params import SamplingParams
+from trioserve.engine.sampling.structured_output import StructuredOutput
+from trioserve.engine.parallel.tensor_parallel import TPShard, check_tensor_parallel
+from trioserve.engine.loading.loader import read_model_config, resolve_checkpoint
 from trioserve.testing.tiny_model import tokenizer
 
 TRIOSERVE = str(Path(sys.executable).parent / "trioserve")

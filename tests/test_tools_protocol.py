@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from trioserve.engine.structured_output import StructuredOutput
+from trioserve.engine.sampling.structured_output import StructuredOutput
 from trioserve.testing.tiny_model import tokenizer
 from trioserve.web.errors import ApiError
 from trioserve.web.protocol import ChatCompletionRequest, CompletionRequest

@@ -20,7 +20,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from trioserve import testing
-from trioserve.engine.engine_core import EngineCore
+from trioserve.engine.core.engine_core import EngineCore
 from trioserve.web.app import create_app
 from trioserve.web.cli import main
 from trioserve.web.request_ids import HEADER

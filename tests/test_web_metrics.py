@@ -6,8 +6,8 @@ import attrs
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from trioserve.engine.outputs import RequestOutput, RequestTimes
-from trioserve.engine.sequence import FinishReason
+from trioserve.engine.core.outputs import RequestOutput, RequestTimes
+from trioserve.engine.core.sequence import FinishReason
 from trioserve.web.metrics import REJECT_REASONS, Metrics, token_buckets
 
 NAMES = [

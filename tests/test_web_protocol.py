@@ -25,9 +25,9 @@ from trioserve.actors.errors import (
     RequestShed,
 )
 from trioserve.engine.errors import InvalidRequestError, RequestTooLongError
-from trioserve.engine.outputs import RequestOutput, RequestTimes
-from trioserve.engine.sampler import TokenLogprobs
-from trioserve.engine.sequence import FinishReason
+from trioserve.engine.core.outputs import RequestOutput, RequestTimes
+from trioserve.engine.sampling.sampler import TokenLogprobs
+from trioserve.engine.core.sequence import FinishReason
 from trioserve.web import errors
 from trioserve.web.errors import ApiError
 from trioserve.web.protocol import (

@@ -27,9 +27,9 @@ from trioserve import testing
 from trioserve.actors import open_engine
 from trioserve.actors.errors import RequestFailed
 from trioserve.engine.config import EngineConfig
-from trioserve.engine.sampler import Sampler
-from trioserve.engine.sampling_params import SamplingParams
-from trioserve.engine.step_plan import SamplingRow
+from trioserve.engine.sampling.sampler import Sampler
+from trioserve.engine.sampling.sampling_params import SamplingParams
+from trioserve.engine.core.step_plan import SamplingRow
 from trioserve.web.cli import build_parser
 from trioserve.web.engine_options import engine_config_from_args
 from trioserve.web.health import model_health

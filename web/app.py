@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from quart_trio import QuartTrio
 
-from trioserve.engine.loader import LoadedModel
+from trioserve.engine.loading.loader import LoadedModel
 
 from . import routes
 from .asgi import TrioserveApp

@@ -38,8 +38,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from trioserve.engine.errors import InvalidRequestError
-    from trioserve.engine.generate import generate
-    from trioserve.engine.sampling_params import SamplingParams
+    from trioserve.engine.runtime.generate import generate
+    from trioserve.engine.sampling.sampling_params import SamplingParams
 
     try:
         config = engine_config_from_args(args)
@@ -77,7 +77,7 @@ async def _generate_with_actors(config: EngineConfig, prompt: Any, params: Any) 
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from trioserve.engine.tp_runner import run_worker
+    from trioserve.engine.parallel.tp_runner import run_worker
 
     try:
         return _run_worker(run_worker, args)

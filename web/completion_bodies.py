@@ -21,14 +21,14 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from trioserve.engine.sequence import FinishReason
+from trioserve.engine.core.sequence import FinishReason
 
 from .logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from .tool_stream import StreamedCalls
 from .tools import ToolChoice, parse_tool_calls
 
 if TYPE_CHECKING:
-    from trioserve.engine.outputs import RequestOutput
+    from trioserve.engine.core.outputs import RequestOutput
 
 # OpenAI's finish reasons are stop/length; the others are ours, named so a
 # client can tell them apart: "timeout" is a deadline that expired (the

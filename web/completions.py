@@ -32,8 +32,8 @@ from trioserve.actors.engine import RequestStream
 from trioserve.actors.errors import RequestDropped, RequestFailed
 from trioserve.actors.request import final_output
 from trioserve.engine.errors import TrioserveError
-from trioserve.engine.outputs import RequestOutput
-from trioserve.engine.plugins import RequestContext
+from trioserve.engine.core.outputs import RequestOutput
+from trioserve.engine.runtime.plugins import RequestContext
 
 from .body import request_json
 from . import request_ids, tracing

@@ -16,7 +16,7 @@ import os
 from typing import Any
 
 from trioserve.engine.config import DEFAULT_GRAMMAR_CACHE_SIZE, KV_CACHE_DTYPES, DegradationPolicy, EngineConfig
-from trioserve.engine.placement import plan_replicas
+from trioserve.engine.parallel.placement import plan_replicas
 
 from .option_types import count, fraction_or_off, parse_memory, recording, seconds
 
@@ -71,7 +71,7 @@ def add_engine_options(parser: argparse.ArgumentParser, *, several_models: bool 
         choices=["float32", "bfloat16", "float16"],
         help="the dtype the model computes in (default: float32 on CPU, bfloat16 on CUDA)",
     )
-    # Compressed weights (engine/quant).
+    # Compressed weights (engine/kernels).
     add(
         "--quantization",
         default="auto",
@@ -106,7 +106,7 @@ def add_engine_options(parser: argparse.ArgumentParser, *, several_models: bool 
         help="bytes (e.g. 2G) or a fraction of free memory (e.g. 0.5) (default: on CPU what --max-num-seqs "
         "contexts take, within a quarter of the available memory and 4 GiB; on CUDA 0.8)",
     )
-    # The KV cache's dtype (engine/kv_dtype.py; its pool's size: engine/kv_budget.py).
+    # The KV cache's dtype (engine/kernels/kv_dtype.py; its pool's size: engine/core/kv_budget.py).
     add(
         "--kv-cache-dtype",
         default="auto",
@@ -225,7 +225,7 @@ def tensor_parallel_fields(args: argparse.Namespace) -> dict:
 
 
 def add_speculative_options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
-    """Speculative decoding without a draft model (engine/speculative.py),
+    """Speculative decoding without a draft model (engine/sampling/speculative.py),
     in the group engine. Returns the options added."""
     group = option_group(parser, "engine")
     actions: list[argparse.Action] = []
@@ -258,7 +258,7 @@ def speculative_fields(args: argparse.Namespace) -> dict:
 
 
 def add_structured_output_options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
-    """Structured output and tool calling (engine/grammar.py), in the group
+    """Structured output and tool calling (engine/sampling/grammar.py), in the group
     engine. Returns the options added."""
     group = option_group(parser, "engine")
     actions: list[argparse.Action] = []

@@ -21,7 +21,7 @@ from quart import current_app
 
 from trioserve.actors.engine import open_engine
 from trioserve.engine.errors import TrioserveError
-from trioserve.engine.loader import LoadedModel
+from trioserve.engine.loading.loader import LoadedModel
 
 from .errors import NotFoundError, ServiceUnavailable
 from .health import TaskCountCollector

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 if TYPE_CHECKING:
-    from trioserve.engine.sampler import TokenLogprobs
+    from trioserve.engine.sampling.sampler import TokenLogprobs
 
 # JSON has no -Infinity; OpenAI reports impossible tokens as -9999.0.
 MIN_LOGPROB = -9999.0

@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Protocol
 import attrs
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from trioserve.engine.sequence import FinishReason
+from trioserve.engine.core.sequence import FinishReason
 
 from .replica_metrics import ReplicaMetrics
 
 if TYPE_CHECKING:
-    from trioserve.engine.outputs import RequestOutput
+    from trioserve.engine.core.outputs import RequestOutput
 
 PREFIX = "trioserve:"
 REJECT_REASONS = (

@@ -1,4 +1,4 @@
-"""The server's side of the plugins (engine/plugins.py): request
+"""The server's side of the plugins (engine/runtime/plugins.py): request
 pre-processors, output post-processors and metrics collectors.
 
 ``ServerPlugins.load(names)`` runs at ``create_app``, before any model
@@ -19,8 +19,8 @@ from typing import Any
 import attrs
 from prometheus_client import CollectorRegistry
 
-from trioserve.engine.outputs import RequestOutput
-from trioserve.engine.plugins import PluginError, PluginLoadError, PluginRejection, Plugins, RequestContext
+from trioserve.engine.core.outputs import RequestOutput
+from trioserve.engine.runtime.plugins import PluginError, PluginLoadError, PluginRejection, Plugins, RequestContext
 
 from .errors import ApiError
 

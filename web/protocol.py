@@ -22,7 +22,7 @@ from typing import Any
 import attrs
 
 from trioserve.engine.errors import InvalidRequestError
-from trioserve.engine.sampling_params import SamplingParams
+from trioserve.engine.sampling.sampling_params import SamplingParams
 
 from .errors import InvalidRequest
 from .structured import structured_output
@@ -178,7 +178,7 @@ def _sampling_params(body: dict[str, Any], *, max_tokens: int | None, logprobs: 
 
     ``temperature``, ``top_p``, ``top_k``, ``min_p`` and
     ``repetition_penalty`` left out (or null) stay unset: the served
-    model's sampling defaults fill them (engine/generation_config.py)."""
+    model's sampling defaults fill them (engine/loading/generation_config.py)."""
     n = _int(body, "n", 1, low=1, high=MAX_N)
     fields = dict(
         n=n,
@@ -200,7 +200,7 @@ def _sampling_params(body: dict[str, Any], *, max_tokens: int | None, logprobs: 
         logprobs=logprobs,
         skip_special_tokens=_bool(body, "skip_special_tokens", True),
         structured_output=structured_output(body),
-        # Plugins' logits processors by name (engine/plugins.py); SamplingParams checks the shape.
+        # Plugins' logits processors by name (engine/runtime/plugins.py); SamplingParams checks the shape.
         logits_processors=body.get("logits_processors"),
     )
     best_of = body.get("best_of")

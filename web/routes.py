@@ -14,7 +14,7 @@ from quart import Quart, Response, g, request
 from werkzeug.exceptions import HTTPException
 
 from trioserve.engine.errors import InvalidRequestError
-from trioserve.engine.tokenizer import apply_chat_template
+from trioserve.engine.text.tokenizer import apply_chat_template
 
 from . import chat_page, completions, request_ids
 from .body import body_left_unread, read_body, request_json
@@ -176,7 +176,7 @@ def invariance_report(host: ModelHost) -> dict[str, object]:
 
 
 def kv_report(host: ModelHost) -> dict[str, object]:
-    """Each served model's KV cache: its dtype and pool size, and why (engine/kv_budget.py)."""
+    """Each served model's KV cache: its dtype and pool size, and why (engine/core/kv_budget.py)."""
     report = {}
     for name, served in list(host.models.items()):
         core = served.engine.core

@@ -8,8 +8,8 @@ import attrs
 
 from trioserve.actors.engine import Engine
 from trioserve.actors.statistics import EngineStatistics
-from trioserve.engine.outputs import RequestOutput
-from trioserve.engine.sequence import FinishReason
+from trioserve.engine.core.outputs import RequestOutput
+from trioserve.engine.core.sequence import FinishReason
 
 from .logprobs import TokenTexts
 from .metrics import Metrics

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from trioserve.engine.errors import InvalidRequestError
-from trioserve.engine.structured_output import StructuredOutput
+from trioserve.engine.sampling.structured_output import StructuredOutput
 
 from .errors import InvalidRequest
 

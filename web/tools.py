@@ -21,7 +21,7 @@ from typing import Any
 
 import attrs
 
-from trioserve.engine.structured_output import StructuredOutput
+from trioserve.engine.sampling.structured_output import StructuredOutput
 
 from .errors import InvalidRequest
 

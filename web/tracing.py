@@ -33,9 +33,9 @@ from quart import Quart, Response, g, request
 
 from trioserve.actors.request import RequestStream
 from trioserve.engine.errors import TrioserveError
-from trioserve.engine.outputs import RequestOutput
-from trioserve.engine.sampling_params import SamplingParams
-from trioserve.engine.sequence import FinishReason
+from trioserve.engine.core.outputs import RequestOutput
+from trioserve.engine.sampling.sampling_params import SamplingParams
+from trioserve.engine.core.sequence import FinishReason
 
 from .completion_bodies import finish_reason as api_finish_reason
 

@@ -17,8 +17,8 @@ import trio
 from actor_fixtures import assert_clean, tiny_loaded
 from trioserve.testing import engine_config
 from trioserve.actors import FakeExecutor, open_engine
-from trioserve.engine.outputs import RequestOutput
-from trioserve.engine.sampling_params import SamplingParams
+from trioserve.engine.core.outputs import RequestOutput
+from trioserve.engine.sampling.sampling_params import SamplingParams
 
 STEP = 0.01  # virtual seconds per fake step
 

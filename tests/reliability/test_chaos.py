@@ -25,7 +25,7 @@ import trio
 
 from server_fixtures import MODEL, read_sse_lines, scrape, server_config, serving, wait_idle
 from trioserve.actors import EngineOverloaded, RequestShed
-from trioserve.engine.sampling_params import SamplingParams
+from trioserve.engine.sampling.sampling_params import SamplingParams
 from trioserve.web.app import create_app
 
 SEED = 20240610

@@ -36,9 +36,9 @@ from server_fixtures import read_sse_lines, server_config, serving, wait_idle
 from trioserve.actors import ModelExecutor, RequestFailed, open_engine
 from trioserve.actors.executor import fake_token
 from trioserve.engine.errors import InvalidRequestError, TokenizerError
-from trioserve.engine.model_runner import ModelRunner
-from trioserve.engine.sequence import FinishReason
-from trioserve.engine.step_thread import StepThread
+from trioserve.engine.runtime.model_runner import ModelRunner
+from trioserve.engine.core.sequence import FinishReason
+from trioserve.engine.runtime.step_thread import StepThread
 from trioserve.web.app import create_app
 from trioserve.web.health import model_health
 

@@ -6,9 +6,9 @@ from collections.abc import Callable
 
 import attrs
 
-from trioserve.engine.outputs import RequestOutput
-from trioserve.engine.plugins import RequestContext
-from trioserve.engine.sequence import FinishReason
+from trioserve.engine.core.outputs import RequestOutput
+from trioserve.engine.runtime.plugins import RequestContext
+from trioserve.engine.core.sequence import FinishReason
 
 
 def postprocessor(context: RequestContext) -> Callable[[RequestOutput], RequestOutput]:

@@ -1,0 +1,77 @@
+"""The scheduler's policy: which waiting request runs first, which running
+one is preempted. ``PriorityPolicy`` (engine/runtime/plugins.py) is the built-in
+one; a plugin of ``trioserve.scheduling_policies`` may replace it.
+
+A plugin's policy runs inside the scheduler, on every step, so it is
+guarded (``GuardedPolicy``): if it raises, or returns a key that is not a
+tuple of numbers, the error is logged once and the scheduler goes on with
+the built-in policy for the rest of the engine's life. A policy cannot fail
+a request (there is none to blame), and a broken one must not stop the
+engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import numbers
+from typing import Any
+
+import attrs
+
+from trioserve.engine.config import EngineConfig
+from trioserve.engine.runtime.plugins import PluginLoadError, Plugins, PriorityPolicy, SchedulingPolicy
+
+log = logging.getLogger(__name__)
+
+
+def scheduling_policy(plugins: Plugins, config: EngineConfig) -> SchedulingPolicy:
+    """The policy ``plugins`` give (guarded), or the built-in priority policy."""
+    builtin = PriorityPolicy(config.priority_aging_steps)
+    if plugins.scheduling_policy is None:
+        return builtin
+    name, factory = plugins.scheduling_policy
+    try:
+        policy = factory(config)
+    except Exception as exc:
+        raise PluginLoadError(f"scheduling policy {name!r} failed to start: {type(exc).__name__}: {exc}") from exc
+    if not (callable(getattr(policy, "key", None)) and callable(getattr(policy, "outranks", None))):
+        raise PluginLoadError(f"scheduling policy {name!r} has no key and outranks methods")
+    return GuardedPolicy(name, policy, builtin)
+
+
+@attrs.define(eq=False)
+class GuardedPolicy:
+    """A plugin's policy, replaced by ``fallback`` from its first failure on."""
+
+    name: str
+    policy: Any
+    fallback: PriorityPolicy
+    failed: bool = False
+
+    def key(self, request: Any, age: int) -> tuple[float, ...]:
+        if not self.failed:
+            try:
+                key = self.policy.key(request, age)
+                if isinstance(key, tuple) and key and all(isinstance(k, numbers.Real) for k in key):
+                    return key
+                raise TypeError(f"key must be a non-empty tuple of numbers, got {key!r}")
+            except Exception as exc:
+                self._fail(exc)
+        return self.fallback.key(request, age)
+
+    def outranks(self, key_a: tuple[float, ...], key_b: tuple[float, ...]) -> bool:
+        if not self.failed:
+            try:
+                return bool(self.policy.outranks(key_a, key_b))
+            except Exception as exc:
+                self._fail(exc)
+        return self.fallback.outranks(key_a, key_b)
+
+    def _fail(self, exc: Exception) -> None:
+        self.failed = True
+        log.error(
+            "scheduling policy %r failed (%s: %s); the built-in priority policy schedules from now on",
+            self.name,
+            type(exc).__name__,
+            exc,
+        )

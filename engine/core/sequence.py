@@ -1,0 +1,81 @@
+"""A request's state as the engine core tracks it."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import attrs
+
+from trioserve.engine.sampling.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # admitted, never scheduled
+    RUNNING = "running"  # holds KV blocks and is scheduled every step it can be
+    PREEMPTED = "preempted"  # lost its blocks to make room; waits to be recomputed
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    """Why a request ended; the value is what the OpenAI API reports."""
+
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # the caller went away or asked for it
+    DEADLINE = "deadline"  # its deadline passed
+    ERROR = "error"  # the model step failed
+    # Dropped under overload before anything was computed for it (the
+    # actors raise QueueTimeout / RequestShed; a started HTTP stream ends
+    # with these):
+    QUEUE_TIMEOUT = "queue_timeout"  # waited longer than max_queue_time
+    SHED = "shed"  # displaced from the full admission queue by a higher priority
+
+
+@attrs.define(eq=False)
+class Request:
+    """One sequence being generated.
+
+    There is no prefill or decode phase: the request holds
+    ``all_token_ids`` (prompt, then output) and ``num_computed_tokens`` of
+    them have their K/V in the cache. Each step the scheduler gives it some
+    of the rest; once all are computed the next token is sampled.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    priority: int = 0  # lower runs first
+    arrival_time: float = attrs.field(factory=time.monotonic)
+    arrival_index: int = 0  # tie-breaker set by the scheduler: order of admission
+    output_token_ids: list[int] = attrs.field(factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first schedule
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+    block_ids: list[int] = attrs.field(factory=list)
+    # Speculative decoding: the most tokens the next proposal may have, set
+    # from how many of the last one were accepted (None: the proposer's k).
+    draft_limit: int | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

@@ -1,0 +1,146 @@
+"""The step plan: what one model step computes, as an immutable value.
+
+The scheduler builds a ``StepPlan`` once per step; the runner executes it.
+It is the whole boundary between them: every field is a frozen value (token
+ids, positions, block tables, sampling rows), nothing refers to the
+scheduler's live ``Request`` objects, and a plan pickles, so it can go to a
+runner in another thread or another process and mean the same thing there.
+
+What a runner keeps between steps is only what belongs to the sequence's
+draws (a seeded request's random generator, a cached prompt tensor); it
+drops that when a plan lists the sequence in ``released``.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from trioserve.engine.sampling.sampling_params import SamplingParams
+
+
+@attrs.frozen
+class SamplingRow:
+    """What the sampler needs to choose one sequence's next token.
+
+    ``output_token_ids`` is the output so far when a penalty reads it (else
+    empty); ``prompt_token_ids`` is the prompt when ``repetition_penalty``
+    reads it (else empty). ``num_output_tokens`` counts the output either
+    way (for ``min_tokens``).
+    """
+
+    request_id: str
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    num_output_tokens: int
+    output_token_ids: tuple[int, ...] = ()
+    prompt_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def for_sequence(
+        cls,
+        request_id: str,
+        params: SamplingParams,
+        prompt_token_ids: tuple[int, ...] | list[int],
+        output_token_ids: tuple[int, ...] | list[int],
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> SamplingRow:
+        """The row of a sequence, carrying its token history only where its
+        parameters read it (a copy of the output per step costs nothing then)."""
+        return cls(
+            request_id=request_id,
+            params=params,
+            eos_token_ids=tuple(eos_token_ids),
+            num_output_tokens=len(output_token_ids),
+            output_token_ids=tuple(output_token_ids) if params.has_penalties or params.logits_processors else (),
+            prompt_token_ids=tuple(prompt_token_ids) if params.repetition_penalty != 1.0 else (),
+        )
+
+
+@attrs.frozen
+class ScheduledChunk:
+    """Compute ``token_ids`` of a sequence at positions ``start ..
+    start + num_tokens - 1``.
+
+    ``block_ids`` is the sequence's block table, covering at least those
+    positions. ``sampling`` is set when the chunk reaches the sequence's last
+    known token, so the step samples its next token. A speculating chunk
+    (engine/sampling/speculative.py) ends with ``num_draft_tokens`` proposed tokens
+    after that last known token: the step wants logits at each of them and
+    verifies the proposal.
+    """
+
+    request_id: str
+    start: int
+    token_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]
+    sampling: SamplingRow | None = None
+    num_draft_tokens: int = 0
+
+    @property
+    def draft_token_ids(self) -> tuple[int, ...]:
+        return self.token_ids[self.num_tokens - self.num_draft_tokens :]
+
+    @property
+    def num_logits(self) -> int:
+        """Logit rows the step needs: one per verified position."""
+        return 1 + self.num_draft_tokens if self.sampling is not None else 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def samples(self) -> bool:
+        return self.sampling is not None
+
+    @property
+    def is_decode(self) -> bool:
+        """It computes only the token sampled last step (else it is prompt,
+        or output recomputed after a preemption)."""
+        return (
+            self.num_tokens - self.num_draft_tokens == 1
+            and self.sampling is not None
+            and self.sampling.num_output_tokens > 0
+        )
+
+
+@attrs.frozen
+class TokenMask:
+    """The tokens each constrained row may take this step: ``bitmask`` is
+    int32 [len(request_ids), ceil(vocab / 32)], row i for ``request_ids[i]``
+    (bit j of word w allows token 32 * w + j). Rows not listed are free."""
+
+    request_ids: tuple[str, ...]
+    bitmask: torch.Tensor = attrs.field(eq=False)
+
+
+@attrs.frozen
+class StepPlan:
+    """One step for the runner: ``chunks`` in batch order, and the
+    sequences ended since the runner's last step (``released``), whose
+    per-sequence sampling state it may drop before running the chunks (an
+    id may come back in a chunk of the same plan as a new request), and the
+    allowed tokens of its constrained rows (``token_mask``).
+
+    ``awaits_mask``: the plan has constrained rows whose mask is still being
+    filled; it follows the plan as a message of its own, and the runner
+    runs the forward meanwhile and samples once it has it
+    (``ModelRunner.forward_step`` / ``sample_step``). ``token_mask`` is then
+    None."""
+
+    chunks: tuple[ScheduledChunk, ...]
+    released: tuple[str, ...] = ()
+    token_mask: TokenMask | None = None  # structured output's allowed tokens
+    awaits_mask: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        assert not (self.awaits_mask and self.token_mask is not None), "a plan awaits its mask or carries it, not both"
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(chunk.num_tokens for chunk in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks

@@ -1,0 +1,687 @@
+// A whole decode step's decoder layers in one call: trioserve::decode_layers.
+//
+// At one row a step is some 200 small torch ops per layer besides the
+// matmuls (norms, rotary, the cache write, the gather and attention, the
+// activation); each costs a few microseconds of dispatch and allocation, and
+// over 30 layers they took more time than the weights (docs/benchmarks.md,
+// "A lean decode step"). Here the layer loop runs natively: the projections
+// on the native linears of kernels.h, everything else as plain loops over
+// buffers allocated once per call. Only batches whose every row decodes one
+// token come here (engine/kernels/native_decode.py); prefill stays in torch.
+//
+// The math is the model's (engine/models/llama.py DecoderLayer.forward): RMSNorm,
+// fused q/k/v, rotary with the rotate-half tables the model passes in, the
+// new key and value stored into the cache first (rounded as the cache's
+// dtype rounds them, float16 saturating), attention over the cache, o plus
+// residual, RMSNorm, SwiGLU, down plus residual.
+
+#include "kernels.h"
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+using namespace trioserve_native;
+
+inline float widen(float v) { return v; }
+inline float widen(c10::Half v) { return static_cast<float>(v); }
+inline float widen(c10::BFloat16 v) { return static_cast<float>(v); }
+
+constexpr int64_t kHead64 = 64;
+
+// Token after token of one sequence's context in a paged pool: each call
+// the next token's head (no division per token).
+template <typename T>
+struct Tokens {
+  const T* pool;
+  const int64_t* table;
+  int64_t block_size, token_stride;
+  int64_t block = 0, offset = 0;
+  const T* next() {
+    const T* head = pool + (table[block] * block_size + offset) * token_stride;
+    if (++offset == block_size) offset = 0, ++block;
+    return head;
+  }
+};
+
+// How far ahead of the products the keys and values are fetched. The cache
+// is paged and larger than the CPU caches (at 32 streams a step reads about
+// twice the weights' bytes of it), and without this the products waited on
+// each token's load: on AVX-512 most of the loop's samples sat on the first
+// use of a load, and 30 layers at 32 rows of 192 tokens took 14 ms against
+// 16.5 with it.
+constexpr int64_t kFetchAhead = 24;
+
+// A 64-wide head's key into L1 and its value into L2 (the values are used
+// in a second pass, after all the keys).
+template <typename T>
+inline void fetch_head64(const T* k, const T* v) {
+  for (int64_t line = 0; line < int64_t(sizeof(T)) * kHead64; line += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(k) + line, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(v) + line, _MM_HINT_T1);
+  }
+}
+
+// The keys and values of a context kFetchAhead tokens ahead of the one in
+// use: the first kFetchAhead fetched at construction, then one more each
+// next() (one call per token used).
+template <typename T>
+struct FetchAhead {
+  Tokens<T> keys, values;
+  int64_t context, fetched = 0;
+  FetchAhead(Tokens<T> k, Tokens<T> v, int64_t n) : keys(k), values(v), context(n) {
+    for (; fetched < std::min(kFetchAhead, context); ++fetched) fetch_head64(keys.next(), values.next());
+  }
+  void next() {
+    if (fetched < context) fetch_head64(keys.next(), values.next()), ++fetched;
+  }
+};
+
+namespace scalar_isa {
+using Vec = float;
+constexpr int64_t kWidth = 1;
+inline Vec vzero() { return 0.f; }
+inline Vec vset(float v) { return v; }
+template <typename T>
+inline Vec vload(const T* p) { return widen(*p); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return a * b + c; }
+inline float vsum(Vec v) { return v; }
+inline void vstore(float* p, Vec v) { *p = v; }
+inline Vec vexp(Vec v) { return std::exp(v); }
+inline Vec vadd(Vec a, Vec b) { return a + b; }
+inline Vec vneg(Vec a) { return -a; }
+inline Vec vmul(Vec a, Vec b) { return a * b; }
+inline Vec vdiv(Vec a, Vec b) { return a / b; }
+// As std::min / std::max: a NaN in the second argument comes through.
+inline Vec vmin(Vec a, Vec b) { return std::min(b, a); }
+inline Vec vmax(Vec a, Vec b) { return std::max(b, a); }
+inline void vstore_half(c10::Half* p, Vec v) { *p = c10::Half(v); }
+#include "attend.h"
+}  // namespace scalar_isa
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2_isa {
+using Vec = __m256;
+constexpr int64_t kWidth = 8;
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vset(float v) { return _mm256_set1_ps(v); }
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec vload(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline Vec vload(const c10::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(Vec v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline Vec vneg(Vec a) { return _mm256_sub_ps(_mm256_setzero_ps(), a); }
+inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec vdiv(Vec a, Vec b) { return _mm256_div_ps(a, b); }
+inline Vec vmin(Vec a, Vec b) { return _mm256_min_ps(a, b); }  // a NaN in b comes through
+inline Vec vmax(Vec a, Vec b) { return _mm256_max_ps(a, b); }
+inline void vstore_half(c10::Half* p, Vec v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+inline Vec vexp(Vec x) {
+  // e^x = 2^n e^r, n = round(x / ln 2), |r| <= ln 2 / 2, e^r by its Taylor
+  // polynomial to degree 6 (relative error about 2e-7, as libm's expf).
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+#include "attend.h"
+
+constexpr int kHeadsAtOnce = 3;  // 12 value accumulators, 3 weights and a value of 16 registers
+
+// The horizontal sums of v[0..7], in order.
+inline __m256 sums8(const __m256* v) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// attend() for 64-wide heads, G of them (at most kHeadsAtOnce; q, out: G *
+// 64 floats): each token's key widened once for the G heads (attend()
+// widens it per head) and its products summed across lanes 8 tokens at a
+// time (sums8) rather than token by token; the keys and values fetched
+// kFetchAhead tokens ahead; the values' products kept in registers, half a
+// head (one 64-byte line of float16) a pass over the context, where
+// attend() loads and stores each head's output per token. ``scores`` holds
+// G * padded floats (padded: the context rounded up to 8). 30 layers at 32
+// rows of 192 tokens on a 2-core Zen 3, best of 25 in five runs: 11.1-16.4
+// ms against 15.5-20.7 with a reduction per token, no fetching ahead and
+// the value pass one register short (without fetching ahead, 14.6-19.6).
+template <typename T, int G>
+void attend_heads64(const float* q, Tokens<T> keys, Tokens<T> values, int64_t context, float scale, int64_t padded,
+                    float* scores, float* out) {
+  FetchAhead<T> ahead(keys, values, context);
+  const Vec scaled = vset(scale);
+  for (int64_t t0 = 0; t0 < context; t0 += 8) {
+    Vec part[G][8];
+    const int64_t n = std::min<int64_t>(8, context - t0);
+    for (int i = 0; i < 8; ++i) {
+      if (i >= n) {
+        for (int g = 0; g < G; ++g) part[g][i] = vzero();
+        continue;
+      }
+      ahead.next();
+      const T* k = keys.next();
+      Vec kv[8];
+      for (int j = 0; j < 8; ++j) kv[j] = vload(k + 8 * j);
+      for (int g = 0; g < G; ++g) {
+        const float* qg = q + g * kHead64;
+        Vec even = vmul(vload(qg), kv[0]), odd = vmul(vload(qg + 8), kv[1]);
+        for (int j = 2; j < 8; j += 2) {
+          even = vfma(vload(qg + 8 * j), kv[j], even);
+          odd = vfma(vload(qg + 8 * j + 8), kv[j + 1], odd);
+        }
+        part[g][i] = vadd(even, odd);
+      }
+    }
+    for (int g = 0; g < G; ++g) vstore(scores + g * padded + t0, vmul(sums8(part[g]), scaled));
+  }
+  for (int g = 0; g < G; ++g) softmax(scores + g * padded, context);
+  for (int64_t half = 0; half < kHead64; half += 32) {
+    Vec o[G][4];
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < 4; ++j) o[g][j] = vzero();
+    Tokens<T> tokens = values;
+    for (int64_t t = 0; t < context; ++t) {
+      const T* v = tokens.next() + half;
+      Vec p[G];
+      for (int g = 0; g < G; ++g) p[g] = vset(scores[g * padded + t]);
+      for (int j = 0; j < 4; ++j) {  // one value vector at a time: 12 sums, 3 weights and it fit the registers
+        const Vec vj = vload(v + 8 * j);
+        for (int g = 0; g < G; ++g) o[g][j] = vfma(p[g], vj, o[g][j]);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int j = 0; j < 4; ++j) vstore(out + g * kHead64 + half + 8 * j, o[g][j]);
+  }
+}
+
+// The group in passes of up to kHeadsAtOnce heads.
+template <typename T>
+void attend64(const float* q, int64_t group, const T* key, const T* value, const int64_t* table, int64_t context,
+              int64_t block_size, int64_t token_stride, float scale, std::vector<float>& scores, float* out) {
+  const int64_t padded = (context + 7) / 8 * 8;
+  scores.resize(kHeadsAtOnce * padded);
+  const Tokens<T> keys{key, table, block_size, token_stride}, values{value, table, block_size, token_stride};
+  for (int64_t g0 = 0; g0 < group; g0 += kHeadsAtOnce) {
+    const float* qg = q + g0 * kHead64;
+    float* og = out + g0 * kHead64;
+    switch (std::min<int64_t>(kHeadsAtOnce, group - g0)) {
+      case 3: attend_heads64<T, 3>(qg, keys, values, context, scale, padded, scores.data(), og); break;
+      case 2: attend_heads64<T, 2>(qg, keys, values, context, scale, padded, scores.data(), og); break;
+      default: attend_heads64<T, 1>(qg, keys, values, context, scale, padded, scores.data(), og); break;
+    }
+  }
+}
+}  // namespace avx2_isa
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,fma,f16c")
+namespace avx512_isa {
+using Vec = __m512;
+constexpr int64_t kWidth = 16;
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vset(float v) { return _mm512_set1_ps(v); }
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec vload(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline Vec vload(const c10::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline Vec vneg(Vec a) { return _mm512_sub_ps(_mm512_setzero_ps(), a); }
+inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec vdiv(Vec a, Vec b) { return _mm512_div_ps(a, b); }
+inline Vec vmin(Vec a, Vec b) { return _mm512_min_ps(a, b); }  // a NaN in b comes through
+inline Vec vmax(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+inline void vstore_half(c10::Half* p, Vec v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+inline Vec vexp(Vec x) {  // as avx2_isa::vexp
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+#include "attend.h"
+
+// ---- attention for 64-wide heads, a few query heads at a time ---------------
+// attend() above reduces every (token, query head) dot product across its
+// vector at once and loads and stores the output per token: at 32 decode
+// rows its reductions and dependent chains took a quarter of a step. Here up
+// to four query heads of a KV head take each key's four vectors together,
+// the products of 16 tokens are summed across their lanes in one transpose
+// tree (sums16), and the outputs stay in registers over the whole context.
+// The same sums in a different order than attend(): a row's result does not
+// depend on the batch it runs in (each row runs alone through the same code).
+
+// The horizontal sums of v[0..15], in order.
+inline __m512 sums16(const __m512* v) {
+  __m512 w[8], z[4], u[2];
+  for (int i = 0; i < 8; ++i)
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    z[i] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 2; ++i)
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(z[2 * i], z[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(z[2 * i], z[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+constexpr int kHeadsAtOnce = 4;
+
+// G query heads (q, out: G * 64 floats) over one sequence's context, as
+// attend() does for a group; ``scores`` holds G * padded floats (padded:
+// the context rounded up to 16).
+template <typename T, int G>
+void attend_head64(const float* q, Tokens<T> keys, Tokens<T> values, int64_t context, float scale,
+                   int64_t padded, float* scores, float* out) {
+  __m512 qv[G][4];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < 4; ++j) qv[g][j] = _mm512_mul_ps(_mm512_loadu_ps(q + g * kHead64 + 16 * j), _mm512_set1_ps(scale));
+  // Each token's key and value, kFetchAhead tokens before the key is used;
+  // the values are used in the second pass, after all the keys.
+  FetchAhead<T> ahead(keys, values, context);
+  for (int64_t t0 = 0; t0 < context; t0 += 16) {
+    __m512 part[G][16];
+    const int64_t n = std::min<int64_t>(16, context - t0);
+    for (int i = 0; i < 16; ++i) {
+      if (i >= n) {
+        for (int g = 0; g < G; ++g) part[g][i] = _mm512_setzero_ps();
+        continue;
+      }
+      ahead.next();
+      const T* k = keys.next();
+      const __m512 k0 = vload(k), k1 = vload(k + 16), k2 = vload(k + 32), k3 = vload(k + 48);
+      for (int g = 0; g < G; ++g)
+        part[g][i] = _mm512_fmadd_ps(qv[g][3], k3, _mm512_fmadd_ps(qv[g][2], k2,
+                     _mm512_fmadd_ps(qv[g][1], k1, _mm512_mul_ps(qv[g][0], k0))));
+    }
+    for (int g = 0; g < G; ++g) _mm512_storeu_ps(scores + g * padded + t0, sums16(part[g]));
+  }
+  for (int g = 0; g < G; ++g) softmax(scores + g * padded, context);  // attend.h's
+  __m512 o[G][4];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < 4; ++j) o[g][j] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < context; ++t) {
+    const T* v = values.next();
+    const __m512 v0 = vload(v), v1 = vload(v + 16), v2 = vload(v + 32), v3 = vload(v + 48);
+    for (int g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * padded + t]);
+      o[g][0] = _mm512_fmadd_ps(p, v0, o[g][0]);
+      o[g][1] = _mm512_fmadd_ps(p, v1, o[g][1]);
+      o[g][2] = _mm512_fmadd_ps(p, v2, o[g][2]);
+      o[g][3] = _mm512_fmadd_ps(p, v3, o[g][3]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + g * kHead64 + 16 * j, o[g][j]);
+}
+
+// attend() for 64-wide heads: the group in passes of up to kHeadsAtOnce heads.
+template <typename T>
+void attend64(const float* q, int64_t group, const T* key, const T* value, const int64_t* table, int64_t context,
+              int64_t block_size, int64_t token_stride, float scale, std::vector<float>& scores, float* out) {
+  const int64_t padded = (context + 15) / 16 * 16;
+  scores.resize(kHeadsAtOnce * padded);
+  const Tokens<T> keys{key, table, block_size, token_stride}, values{value, table, block_size, token_stride};  // copied per pass
+  for (int64_t g0 = 0; g0 < group; g0 += kHeadsAtOnce) {
+    const float* qg = q + g0 * kHead64;
+    float* og = out + g0 * kHead64;
+    switch (std::min<int64_t>(kHeadsAtOnce, group - g0)) {
+      case 4: attend_head64<T, 4>(qg, keys, values, context, scale, padded, scores.data(), og); break;
+      case 3: attend_head64<T, 3>(qg, keys, values, context, scale, padded, scores.data(), og); break;
+      case 2: attend_head64<T, 2>(qg, keys, values, context, scale, padded, scores.data(), og); break;
+      default: attend_head64<T, 1>(qg, keys, values, context, scale, padded, scores.data(), og); break;
+    }
+  }
+}
+}  // namespace avx512_isa
+#pragma GCC pop_options
+
+// The weights of one layer, in this order, in the flat list the op takes;
+// an empty tensor is "none" (a bias), or "not int8" (a scale).
+enum Part : int64_t {
+  kInputNorm, kQkv, kQkvScale, kQkvBias, kO, kOScale, kOBias, kPostNorm, kGateUp, kGateUpScale, kDown, kDownScale,
+  kParts
+};
+
+// A linear weight's output channels, in either 4-bit layout or int8.
+int64_t out_channels(const torch::Tensor& w) { return w.dim() == 3 ? q4_out(w) : w.size(0); }
+
+struct Linear {
+  // uint8 [out, in / 32, 20] 4-bit blocks (or [out / 16, in / 32, 320]
+  // lanes blocks: lanes_avx2.h), or int8 [out, in] with a float32
+  // scale per channel ([out]) or per group of 32 inputs ([out, in / 32]:
+  // GGUF's Q8_0, what a file's wider matrices are held in)
+  const torch::Tensor& weight;
+  const torch::Tensor& scale;
+  const torch::Tensor& bias;
+
+  int64_t out() const { return out_channels(weight); }
+
+  void operator()(const float* x, int64_t rows, int64_t k, float* y, int64_t isa) const {
+    if (weight.dim() == 3) q4_blocks_matmul(x, rows, k, weight, y, isa);
+    else if (scale.dim() == 2) q8g_matmul(x, rows, k, weight.data_ptr<int8_t>(), scale.data_ptr<float>(), out(), y, isa);
+    else q8_matmul(x, rows, k, weight.data_ptr<int8_t>(), scale.data_ptr<float>(), out(), y, isa);
+    if (bias.numel() == 0) return;
+    const float* b = bias.data_ptr<float>();
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t n = 0; n < out(); ++n) y[r * out() + n] += b[n];
+  }
+};
+
+void check_linear(const torch::Tensor& w, const torch::Tensor& scale, const torch::Tensor& bias, int64_t in,
+                  const char* what) {
+  if (w.dim() == 3) {
+    TORCH_CHECK(is_q4_blocks(w) && w.size(1) * kGroup == in, what, ": 4-bit blocks must be uint8 [out, ",
+                in / kGroup, ", 20] or lanes blocks [out / 16, ", in / kGroup, ", 320]");
+  } else {
+    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.size(1) == in, what, ": int8 weight must be [out, ",
+                in, "]");
+    const bool per_channel = scale.dim() == 1 && scale.numel() == w.size(0);
+    const bool per_group = scale.dim() == 2 && in % kGroup == 0 && scale.size(0) == w.size(0) && scale.size(1) * kGroup == in;
+    TORCH_CHECK(scale.scalar_type() == at::kFloat && (per_channel || per_group), what,
+                ": scale must be float32 [out] or [out, in / 32]");
+  }
+  TORCH_CHECK(w.is_contiguous() && scale.is_contiguous() && bias.is_contiguous(), what, ": tensors must be contiguous");
+  TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == at::kFloat && bias.numel() == out_channels(w)), what,
+              ": bias must be float32 [out]");
+}
+
+// The per-row work of attend.h on this ISA's vectors.
+void rms_norm_row(int64_t isa, const float* x, const float* weight, int64_t n, float eps, float* y) {
+  if (isa >= kAvx512) avx512_isa::rms_norm_row(x, weight, n, eps, y);
+  else if (isa >= kAvx2) avx2_isa::rms_norm_row(x, weight, n, eps, y);
+  else scalar_isa::rms_norm_row(x, weight, n, eps, y);
+}
+
+void silu_mul(int64_t isa, const float* gate, const float* up, float* out, int64_t n) {
+  if (isa >= kAvx512) avx512_isa::silu_mul(gate, up, out, n);
+  else if (isa >= kAvx2) avx2_isa::silu_mul(gate, up, out, n);
+  else scalar_isa::silu_mul(gate, up, out, n);
+}
+
+void rotate_half(int64_t isa, float* v, const float* cos, const float* sin, int64_t head_dim) {
+  if (isa >= kAvx512) avx512_isa::rotate_half(v, cos, sin, head_dim);
+  else if (isa >= kAvx2) avx2_isa::rotate_half(v, cos, sin, head_dim);
+  else scalar_isa::rotate_half(v, cos, sin, head_dim);
+}
+
+template <typename T>
+void store_cache(int64_t isa, T* dst, const float* src, int64_t n) {
+  if (isa >= kAvx512) avx512_isa::store_cache<T>(dst, src, n);
+  else if (isa >= kAvx2) avx2_isa::store_cache<T>(dst, src, n);
+  else scalar_isa::store_cache<T>(dst, src, n);
+}
+
+// Rows in chunks of at least ``grain`` over torch's threads: a few rows run
+// inline, below what a parallel region costs.
+template <typename F>
+void over_rows_of(int64_t rows, int64_t grain, const F& f) {
+  parallel_chunks(rows, grain, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) f(r);
+  });
+}
+
+// Rotary on each row's q and k heads (in place in ``qkv``), the new key and
+// value stored at the row's slot, then attention over the row's context:
+// ``out`` [rows, heads * head_dim]. ``key``/``value`` are one layer's pools.
+// Every row's slot is written before any row attends: in a verification the
+// rows of one sequence read each other's.
+template <typename T>
+void attention_step(float* qkv, T* key, T* value, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                    int64_t block_size, const float* cos, const float* sin, const int64_t* slots,
+                    const int64_t* tables, int64_t table_stride, const int64_t* context_lens, float scale,
+                    int64_t isa, float* out) {
+  const int64_t group = heads / kv_heads, q_width = heads * head_dim, kv_width = kv_heads * head_dim;
+  const int64_t qkv_out = q_width + 2 * kv_width, token_stride = kv_width;
+  constexpr int64_t kRotaryGrain = 8;  // rows: a row's rotary and store are some 200 ns
+  over_rows_of(rows, kRotaryGrain, [&](int64_t r) {
+    float* row = qkv + r * qkv_out;
+    const float *c = cos + r * head_dim, *s = sin + r * head_dim;
+    for (int64_t h = 0; h < heads + kv_heads; ++h) rotate_half(isa, row + h * head_dim, c, s, head_dim);
+    store_cache<T>(isa, key + slots[r] * kv_width, row + q_width, kv_width);
+    store_cache<T>(isa, value + slots[r] * kv_width, row + q_width + kv_width, kv_width);
+  });
+  parallel_chunks(rows * kv_heads, 1, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / kv_heads, kv = item % kv_heads, context = context_lens[r];
+      scores.resize(group * context);
+      // Query heads kv * group .. (kv + 1) * group - 1 share KV head kv.
+      const float* q = qkv + r * qkv_out + kv * group * head_dim;
+      const T* k = key + kv * head_dim;
+      const T* v = value + kv * head_dim;
+      const int64_t* table = tables + r * table_stride;
+      float* o = out + r * heads * head_dim + kv * group * head_dim;
+      if (isa >= kAvx512 && head_dim == kHead64)
+        avx512_isa::attend64<T>(q, group, k, v, table, context, block_size, token_stride, scale, scores, o);
+      else if (isa >= kAvx512 && head_dim % avx512_isa::kWidth == 0)
+        avx512_isa::attend<T>(q, group, k, v, table, context, block_size, token_stride, head_dim, scale, scores.data(), o);
+      else if (isa >= kAvx2 && head_dim == kHead64)
+        avx2_isa::attend64<T>(q, group, k, v, table, context, block_size, token_stride, scale, scores, o);
+      else if (isa >= kAvx2 && head_dim % avx2_isa::kWidth == 0)
+        avx2_isa::attend<T>(q, group, k, v, table, context, block_size, token_stride, head_dim, scale, scores.data(), o);
+      else
+        scalar_isa::attend<T>(q, group, k, v, table, context, block_size, token_stride, head_dim, scale, scores.data(), o);
+    }
+  });
+}
+
+template <typename T>
+torch::Tensor decode_impl(const torch::Tensor& hidden, const std::vector<torch::Tensor>& weights,
+                          const torch::Tensor& key_cache, const torch::Tensor& value_cache, const torch::Tensor& cos,
+                          const torch::Tensor& sin, const torch::Tensor& slots, const torch::Tensor& tables,
+                          const torch::Tensor& context_lens, int64_t heads, int64_t kv_heads, double eps_in,
+                          double scale_in, int64_t isa) {
+  const float eps = float(eps_in), scale = float(scale_in);
+  const int64_t rows = hidden.size(0), dim = hidden.size(1), layers = key_cache.size(0);
+  const int64_t block_size = key_cache.size(2), head_dim = key_cache.size(4);
+  const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim;
+  const int64_t qkv_out = q_width + 2 * kv_width;
+  const int64_t layer_stride = key_cache.stride(0);
+  const int64_t inter = out_channels(weights[kGateUp]) / 2;
+
+  torch::Tensor residual = hidden.clone();
+  auto buffer = [&](int64_t n) { return torch::empty({rows, n}, hidden.options()); };
+  torch::Tensor x = buffer(dim), qkv = buffer(qkv_out), attn = buffer(q_width), gate_up = buffer(2 * inter);
+  torch::Tensor act = buffer(inter), proj = buffer(dim);
+  float* res = residual.data_ptr<float>();
+  float *xp = x.data_ptr<float>(), *qkvp = qkv.data_ptr<float>(), *attnp = attn.data_ptr<float>();
+  float *gup = gate_up.data_ptr<float>(), *actp = act.data_ptr<float>(), *projp = proj.data_ptr<float>();
+  const float *cosp = cos.data_ptr<float>(), *sinp = sin.data_ptr<float>();
+  const int64_t* slotp = slots.data_ptr<int64_t>();
+
+  // Rows a chunk of the per-row work takes at least: a row's norm is some
+  // 100 ns, its SwiGLU a microsecond; a parallel region costs a few.
+  constexpr int64_t kNormGrain = 16, kSiluGrain = 4;
+  over_rows_of(rows, kNormGrain, [&](int64_t r) {
+    rms_norm_row(isa, res + r * dim, weights[kInputNorm].data_ptr<float>(), dim, eps, xp + r * dim);
+  });
+  for (int64_t l = 0; l < layers; ++l) {
+    const torch::Tensor* w = weights.data() + l * kParts;
+    Linear{w[kQkv], w[kQkvScale], w[kQkvBias]}(xp, rows, dim, qkvp, isa);
+    attention_step<T>(qkvp, key_cache.data_ptr<T>() + l * layer_stride, value_cache.data_ptr<T>() + l * layer_stride,
+                      rows, heads, kv_heads, head_dim, block_size, cosp, sinp, slotp, tables.data_ptr<int64_t>(),
+                      tables.size(1), context_lens.data_ptr<int64_t>(), scale, isa, attnp);
+    Linear{w[kO], w[kOScale], w[kOBias]}(attnp, rows, q_width, projp, isa);
+    over_rows_of(rows, kNormGrain, [&](int64_t r) {  // the residual, then the post-attention norm
+      float* rr = res + r * dim;
+      for (int64_t i = 0; i < dim; ++i) rr[i] += projp[r * dim + i];
+      rms_norm_row(isa, rr, w[kPostNorm].data_ptr<float>(), dim, eps, xp + r * dim);
+    });
+    Linear{w[kGateUp], w[kGateUpScale], torch::Tensor()}(xp, rows, dim, gup, isa);
+    over_rows_of(rows, kSiluGrain, [&](int64_t r) {
+      const float* g = gup + r * 2 * inter;
+      silu_mul(isa, g, g + inter, actp + r * inter, inter);
+    });
+    Linear{w[kDown], w[kDownScale], torch::Tensor()}(actp, rows, inter, projp, isa);
+    const float* next_norm = l + 1 < layers ? w[kParts + kInputNorm].data_ptr<float>() : nullptr;
+    over_rows_of(rows, kNormGrain, [&](int64_t r) {  // the residual, then the next layer's input norm
+      float* rr = res + r * dim;
+      for (int64_t i = 0; i < dim; ++i) rr[i] += projp[r * dim + i];
+      if (next_norm != nullptr) rms_norm_row(isa, rr, next_norm, dim, eps, xp + r * dim);
+    });
+  }
+  return residual;
+}
+
+// The row tensors both ops take, checked against the pools (``blocks`` of
+// ``block_size`` slots): a bad slot or table would write or read out of them.
+void check_rows(int64_t blocks, int64_t block_size, int64_t rows, const torch::Tensor& slots,
+                const torch::Tensor& block_tables, const torch::Tensor& context_lens) {
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == rows && context_lens.scalar_type() == at::kLong &&
+                  context_lens.numel() == rows && block_tables.scalar_type() == at::kLong && block_tables.dim() == 2 &&
+                  block_tables.size(0) == rows && slots.is_contiguous() && context_lens.is_contiguous() &&
+                  block_tables.is_contiguous(),
+              "trioserve decode: slots, context_lens [rows] and block_tables [rows, blocks] must be contiguous int64");
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t* table = block_tables.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(lens[r] >= 1 && lens[r] <= block_tables.size(1) * block_size, "trioserve decode: row ", r,
+                " context ", lens[r], " exceeds its block table");
+    TORCH_CHECK(slot[r] >= 0 && slot[r] < blocks * block_size, "trioserve decode: row ", r, " slot out of the cache");
+    for (int64_t b = 0; b < (lens[r] + block_size - 1) / block_size; ++b) {
+      const int64_t block = table[r * block_tables.size(1) + b];
+      TORCH_CHECK(block >= 0 && block < blocks, "trioserve decode: row ", r, " block ", block, " out of the cache");
+    }
+  }
+}
+
+}  // namespace
+
+torch::Tensor decode_layers(const torch::Tensor& hidden, std::vector<torch::Tensor> weights,
+                            const torch::Tensor& key_cache, const torch::Tensor& value_cache, const torch::Tensor& cos,
+                            const torch::Tensor& sin, const torch::Tensor& slots, const torch::Tensor& block_tables,
+                            const torch::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads, double eps,
+                            double scale, int64_t isa) {
+  check_isa(isa);
+  TORCH_CHECK(hidden.scalar_type() == at::kFloat && hidden.dim() == 2 && hidden.is_contiguous(),
+              "decode_layers: hidden must be contiguous float32 [rows, hidden]");
+  const int64_t rows = hidden.size(0), dim = hidden.size(1);
+  TORCH_CHECK(key_cache.dim() == 5 && key_cache.sizes() == value_cache.sizes() && key_cache.is_contiguous() &&
+                  value_cache.is_contiguous() && key_cache.scalar_type() == value_cache.scalar_type(),
+              "decode_layers: key and value caches must be contiguous [layers, blocks, block_size, kv_heads, head_dim]");
+  const int64_t layers = key_cache.size(0), head_dim = key_cache.size(4);
+  TORCH_CHECK(key_cache.size(3) == num_kv_heads && num_heads % num_kv_heads == 0 && head_dim % 2 == 0,
+              "decode_layers: heads do not match the cache");
+  TORCH_CHECK(int64_t(weights.size()) == layers * kParts, "decode_layers: ", kParts, " weights per layer expected");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && cos.numel() == rows * head_dim &&
+                  sin.scalar_type() == at::kFloat && sin.is_contiguous() && sin.numel() == rows * head_dim,
+              "decode_layers: cos and sin must be contiguous float32 [rows, head_dim]");
+  check_rows(key_cache.size(1), key_cache.size(2), rows, slots, block_tables, context_lens);
+  const int64_t q_width = num_heads * head_dim, kv_width = num_kv_heads * head_dim;
+  for (int64_t l = 0; l < layers; ++l) {
+    const torch::Tensor* w = weights.data() + l * kParts;
+    TORCH_CHECK(w[kInputNorm].numel() == dim && w[kPostNorm].numel() == dim, "decode_layers: norm weights");
+    check_linear(w[kQkv], w[kQkvScale], w[kQkvBias], dim, "decode_layers qkv");
+    TORCH_CHECK(out_channels(w[kQkv]) == q_width + 2 * kv_width, "decode_layers: qkv rows");
+    check_linear(w[kO], w[kOScale], w[kOBias], q_width, "decode_layers o");
+    check_linear(w[kGateUp], w[kGateUpScale], torch::Tensor(), dim, "decode_layers gate_up");
+    check_linear(w[kDown], w[kDownScale], torch::Tensor(), out_channels(w[kGateUp]) / 2, "decode_layers down");
+    TORCH_CHECK(out_channels(w[kO]) == dim && out_channels(w[kDown]) == dim &&
+                    out_channels(w[kGateUp]) == out_channels(weights[kGateUp]),
+                "decode_layers: layer ", l, " shapes");
+  }
+  switch (key_cache.scalar_type()) {
+    case at::kFloat:
+      return decode_impl<float>(hidden, weights, key_cache, value_cache, cos, sin, slots, block_tables, context_lens,
+                                num_heads, num_kv_heads, eps, scale, isa);
+    case at::kHalf:
+      return decode_impl<c10::Half>(hidden, weights, key_cache, value_cache, cos, sin, slots, block_tables,
+                                    context_lens, num_heads, num_kv_heads, eps, scale, isa);
+    case at::kBFloat16:
+      return decode_impl<c10::BFloat16>(hidden, weights, key_cache, value_cache, cos, sin, slots, block_tables,
+                                        context_lens, num_heads, num_kv_heads, eps, scale, isa);
+    default:
+      TORCH_CHECK(false, "decode_layers: a ", key_cache.scalar_type(), " cache is not supported");
+  }
+}
+
+// Rotary, the cache write and paged attention of one layer for a batch of
+// decode rows, between the model's own projections (engine/models/native_attention.py):
+// returns [rows, heads * head_dim]. ``key_cache``/``value_cache`` are one
+// layer's [blocks, block_size, kv_heads, head_dim] pools.
+torch::Tensor decode_attention(const torch::Tensor& qkv_in, const torch::Tensor& key_cache,
+                               const torch::Tensor& value_cache, const torch::Tensor& cos, const torch::Tensor& sin,
+                               const torch::Tensor& slots, const torch::Tensor& block_tables,
+                               const torch::Tensor& context_lens, int64_t num_heads, double scale, int64_t isa) {
+  check_isa(isa);
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes() && key_cache.is_contiguous() &&
+                  value_cache.is_contiguous() && key_cache.scalar_type() == value_cache.scalar_type(),
+              "decode_attention: key and value pools must be contiguous [blocks, block_size, kv_heads, head_dim]");
+  const int64_t kv_heads = key_cache.size(2), head_dim = key_cache.size(3), rows = qkv_in.size(0);
+  TORCH_CHECK(num_heads % kv_heads == 0 && head_dim % 2 == 0, "decode_attention: heads do not match the cache");
+  TORCH_CHECK(qkv_in.scalar_type() == at::kFloat && qkv_in.dim() == 2 &&
+                  qkv_in.size(1) == (num_heads + 2 * kv_heads) * head_dim,
+              "decode_attention: qkv must be float32 [rows, (heads + 2 kv_heads) * head_dim]");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && cos.numel() == rows * head_dim &&
+                  sin.scalar_type() == at::kFloat && sin.is_contiguous() && sin.numel() == rows * head_dim,
+              "decode_attention: cos and sin must be contiguous float32 [rows, head_dim]");
+  check_rows(key_cache.size(0), key_cache.size(1), rows, slots, block_tables, context_lens);
+  torch::Tensor qkv = qkv_in.clone(at::MemoryFormat::Contiguous);  // rotated in place
+  torch::Tensor out = torch::empty({rows, num_heads * head_dim}, qkv.options());
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    attention_step<T>(qkv.data_ptr<float>(), key_cache.data_ptr<T>(), value_cache.data_ptr<T>(), rows, num_heads,
+                      kv_heads, head_dim, key_cache.size(1), cos.data_ptr<float>(), sin.data_ptr<float>(),
+                      slots.data_ptr<int64_t>(), block_tables.data_ptr<int64_t>(), block_tables.size(1),
+                      context_lens.data_ptr<int64_t>(), float(scale), isa, out.data_ptr<float>());
+  };
+  switch (key_cache.scalar_type()) {
+    case at::kFloat: run(float{}); break;
+    case at::kHalf: run(c10::Half{}); break;
+    case at::kBFloat16: run(c10::BFloat16{}); break;
+    default: TORCH_CHECK(false, "decode_attention: a ", key_cache.scalar_type(), " cache is not supported");
+  }
+  return out;
+}
+
+TORCH_LIBRARY_IMPL(trioserve, CPU, m) {
+  m.impl("decode_layers", &decode_layers);
+  m.impl("decode_attention", &decode_attention);
+}

@@ -1,0 +1,239 @@
+"""4-bit groups on the native kernel (``csrc/linear.cpp``, loaded by ``native``).
+
+Each group of 32 weights is one 20-byte block, ``w = q * d + m``: float16
+``d`` and ``m``, then the 32 nibbles in GGUF's Q4 order (GGUF's Q4_1 block
+byte for byte). That is
+``Int4Weight``'s ``(q - 8) * scale + zero`` with ``d = scale`` and
+``m = zero - 8 * scale``; a larger group is its scale repeated over each 32.
+The activations stay float32, so the result is the dequantized weight's
+matmul up to the order of the sums, except where a variant rounds them:
+to int8 in groups of 32 in decode steps on ``avx512vnni`` and ``avx2int8``,
+to bfloat16 in the panels of ``avx512bf16``, and to int16 in groups of 32
+in the panels of ``avx2`` (``call_isa``).
+
+On ``avx2int8`` a matrix of whole panels of 16 channels is held as lanes
+blocks instead (``to_lanes``: the same bytes, each block's nibbles with 8
+channels in a vector's lanes), which its kernels read as they lie at every
+row count (csrc/lanes_avx2.h); the kernels tell the layouts by shape.
+
+On a CPU with AMX tiles torch's bfloat16 GEMM (oneDNN) runs several times
+faster than the bfloat16 panels: there a linear with ``gemm_from_rows``
+runs calls of that many rows or more (a prompt's, through the model's
+layers) as that GEMM over the matrix dequantized to bfloat16 for the call,
+the same rounding of weights and activations as the panels'. The matrix
+lives only for the call, so no second copy of the weights is kept. Only
+outside batch-invariant mode, from ``choose.BF16_GEMM_FROM_ROWS`` rows:
+the fused step, which a batch-invariant model runs every token on, never
+calls it.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from trioserve.engine.kernels import onednn
+from trioserve.engine.kernels import native
+from trioserve.engine.kernels.rtn import Int4Weight, quantize_int4
+
+GROUP = 32
+BLOCK_BYTES = 20
+# From this many rows a call on a variant without panels (scalar)
+# dequantizes the matrix and runs torch's float32 GEMM: the row kernels are
+# GEMV-shaped, and from 64-128 rows the GEMM's reuse pays for the
+# conversion. The AVX2 and AVX-512 variants run panels from PANEL_FROM_ROWS
+# rows instead (csrc/panel_avx2_int16.h, csrc/panel.h): on AVX2 the float32
+# panels ran the default model's layers 1.2-1.5x faster than that GEMM (MKL
+# capped to AVX2) at 128 to 2,048 rows, and the int16 panels that replaced
+# them 1.4-1.5x faster again; on AVX-512 1.5-3.3x in float32 products,
+# 2.8-4.3x in bfloat16 (docs/benchmarks.md). avx2int8's calls of 10 rows or
+# more from the layers run avx2's panels (call_isa).
+DEQUANTIZE_FROM_ROWS = 128
+PANEL_ISAS = frozenset(native.ISAS[name] for name in ("avx2", "avx2int8", "avx512", "avx512bf16", "avx512vnni"))
+# csrc/panel.h's kPanelFromRows: the AVX2 and AVX-512 variants' panels run from this many rows.
+PANEL_FROM_ROWS = 10
+_VNNI, _BF16 = native.ISAS["avx512vnni"], native.ISAS["avx512bf16"]
+_AVX2_INT8, _AVX2 = native.ISAS["avx2int8"], native.ISAS["avx2"]
+# The capability path of the bfloat16 GEMM over a call's dequantized matrix.
+BF16_GEMM_PATH = "quant_int4_bf16_gemm"
+# The most rows one bfloat16 GEMM multiplies; more go in slices of this
+# many. A slice re-reads the matrix (oneDNN reorders it for the tiles on
+# every call): one layer at 2,048 rows took 5.4 ms whole and 8.8 ms in
+# slices of 1,024 (onednn.MAX_ROWS, the packed linears').
+GEMM_MAX_ROWS = 4096
+
+
+def gemm_rows(rows: int) -> int:
+    """The row count the bfloat16 GEMM runs a call of ``rows`` rows at (at
+    most ``GEMM_MAX_ROWS``): the next power of two. oneDNN builds and keeps
+    a kernel for every row count it multiplies, about 2.5 MiB for one
+    layer's four shapes on AMX (measured: 128 distinct counts took 330 MiB
+    more), so a server meeting prompts of every length would grow without
+    bound; powers of two leave 9 counts from 16 to 4,096 (about 22 MiB),
+    for at most twice the rows' products."""
+    return 1 << (rows - 1).bit_length()
+
+
+def call_isa(isa: int, rows: int) -> int:
+    """The variant a call of ``rows`` rows from the model's layers runs.
+
+    ``avx512vnni``'s int8 kernels (csrc/panel_vnni.h, and csrc/rows_vnni.h
+    with the same bits at up to 8 rows) are for decode steps and a
+    speculative step's verification, which run in the fused call
+    (``native_decode``, which passes ``isa`` itself, and its
+    ``decode_head``). A prompt or a mixed batch of 10 rows or more, which
+    runs through the model's layers, takes ``avx512bf16``'s bfloat16 panels
+    instead: with int8 activations in the prompt the default model's
+    greedy answer to "What is the capital of France?" left Paris (as
+    llama-server's does), and a prompt's perplexity rose from +0.03% to
+    +0.40% of float32's (docs/benchmarks.md). ``avx2int8`` likewise takes
+    ``avx2``'s panels there, which round the activations to int16 in groups
+    of 32 (csrc/panel_avx2_int16.h: 15 bits and a sign, against bfloat16's 8
+    bits of mantissa)."""
+    if rows >= PANEL_FROM_ROWS and isa in (_VNNI, _AVX2_INT8):
+        return _BF16 if isa == _VNNI else _AVX2
+    return isa
+
+
+def dequantizes(isa: int, rows: int) -> bool:
+    """Whether a call of ``rows`` rows on variant ``isa`` runs torch's GEMM over the dequantized matrix."""
+    return rows >= DEQUANTIZE_FROM_ROWS and isa not in PANEL_ISAS
+
+
+def pack_blocks(weight: Int4Weight) -> torch.Tensor:
+    """``weight`` as the kernel's blocks, uint8 ``[out, in // 32, 24]``."""
+    if weight.group_size % GROUP:
+        raise ValueError(f"quantization group size {weight.group_size}: the native 4-bit kernel needs a multiple of {GROUP}")
+    out, k = weight.q.shape
+    repeat = weight.group_size // GROUP
+    d = weight.scale.float().repeat_interleave(repeat, dim=1)
+    m = weight.zero.float().repeat_interleave(repeat, dim=1) - 8 * d
+    q = weight.q.view(out, k // GROUP, GROUP)
+    blocks = torch.empty(out, k // GROUP, BLOCK_BYTES, dtype=torch.uint8)
+    # Exact for GGUF's float16 scales and for quantize_int4's, which it rounds
+    # to float16 before choosing the nibbles.
+    blocks[..., 0:2] = d.half().contiguous().view(torch.uint8).view(out, -1, 2)
+    blocks[..., 2:4] = m.half().contiguous().view(torch.uint8).view(out, -1, 2)
+    blocks[..., 4:] = q[..., :16] | (q[..., 16:] << 4)
+    return blocks
+
+
+# Lanes blocks (csrc/lanes_avx2.h): avx2int8's 4-bit weights with 16
+# channels a panel in the lanes, as many bytes as the blocks.
+LANES_CHANNELS = 16
+LANES_BLOCK_BYTES = LANES_CHANNELS * BLOCK_BYTES
+LANES_NIBBLE_BYTES = LANES_CHANNELS * GROUP // 2  # then the 16 d and 16 m
+
+
+def lanes_layout(isa: int, out: int) -> bool:
+    """Whether a 4-bit matrix of ``out`` channels for variant ``isa`` is
+    stored as lanes blocks: on ``avx2int8``, where its decode steps then
+    read the weights as they lie (no sums across lanes, no panels staged
+    each call: csrc/lanes_avx2.h), for whole panels of 16 channels."""
+    return isa == _AVX2_INT8 and out % LANES_CHANNELS == 0
+
+
+def to_lanes(blocks: torch.Tensor) -> torch.Tensor:
+    """Blocks ``[out, in // 32, 20]`` (``out`` a multiple of 16) as lanes
+    blocks ``[out // 16, in // 32, 320]``: per panel of 16 channels and
+    block, for q = 0..3 and each half v of the channels, channel 8v + c's
+    nibble bytes 4q..4q+3 at 4c; then the 16 d, then the 16 m (float16)."""
+    out, groups, _ = blocks.shape
+    panels = out // LANES_CHANNELS
+    by_panel = blocks.view(panels, 2, 8, groups, BLOCK_BYTES)
+    nibbles = by_panel[..., 4:].reshape(panels, 2, 8, groups, 4, 4).permute(0, 3, 4, 1, 2, 5)
+    scales = by_panel[..., :4].reshape(panels, LANES_CHANNELS, groups, 2, 2).permute(0, 2, 3, 1, 4)
+    return torch.cat([nibbles.reshape(panels, groups, -1), scales.reshape(panels, groups, -1)], dim=2).contiguous()
+
+
+def from_lanes(lanes: torch.Tensor) -> torch.Tensor:
+    """``to_lanes``'s inverse: the blocks ``[out, in // 32, 20]``."""
+    panels, groups, _ = lanes.shape
+    nibbles = lanes[..., :LANES_NIBBLE_BYTES].reshape(panels, groups, 4, 2, 8, 4).permute(0, 3, 4, 1, 2, 5)
+    scales = lanes[..., LANES_NIBBLE_BYTES:].reshape(panels, groups, 2, LANES_CHANNELS, 2).permute(0, 3, 1, 2, 4)
+    out = panels * LANES_CHANNELS
+    return torch.cat([scales.reshape(out, groups, 4), nibbles.reshape(out, groups, 16)], dim=2).contiguous()
+
+
+@attrs.frozen
+class Int4NativeLinear:
+    """``x @ W.T + bias`` with ``W`` in 4-bit blocks, on one ISA variant of the native kernel."""
+
+    # Blocks ``[out, in // 32, 20]``, or lanes blocks ``[out // 16, in // 32,
+    # 320]`` where ``lanes_layout`` says (the kernels tell them by shape).
+    blocks: torch.Tensor
+    bias: torch.Tensor | None
+    in_features: int
+    out_features: int
+    isa: int
+    ops: object  # torch.ops.trioserve, loaded
+    # avx512vnni's or avx2int8's int8 kernels at any row count (a decode
+    # step's LM head, native_decode.decode_head), not only below 10 rows
+    # (call_isa).
+    int8_panels: bool = False
+    # From this many rows, torch's bfloat16 GEMM over the matrix dequantized
+    # for the call (AMX machines outside batch-invariant mode: choose.BF16_GEMM_FROM_ROWS); None: never.
+    gemm_from_rows: int | None = None
+
+    @classmethod
+    def from_rtn(cls, weight: Int4Weight, bias: torch.Tensor | None, isa: str) -> Int4NativeLinear:
+        out, k = weight.q.shape
+        blocks, index = pack_blocks(weight), native.ISAS[isa]
+        return cls(to_lanes(blocks) if lanes_layout(index, out) else blocks, bias, k, out, index, native.ops())
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    def row_blocks(self) -> torch.Tensor:
+        """The weights as blocks ``[out, in // 32, 20]``, whichever layout they are held in."""
+        return from_lanes(self.blocks) if self.blocks.shape[2] == LANES_BLOCK_BYTES else self.blocks
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if dequantizes(self.isa, x.shape[0]):
+            return F.linear(x, self.ops.q4_dequantize(self.row_blocks()), self.bias)  # type: ignore[attr-defined]
+        if self.gemm_from_rows is not None and x.shape[0] >= self.gemm_from_rows and not self.int8_panels:
+            y = bf16_gemm(x, self.ops.q4_dequantize_bf16(self.row_blocks()))  # type: ignore[attr-defined]
+            return y if self.bias is None else y.add_(self.bias)
+        isa = self.isa if self.int8_panels else call_isa(self.isa, x.shape[0])
+        y = self.ops.q4_linear(x, self.blocks, isa)  # type: ignore[attr-defined]
+        return y if self.bias is None else y.add_(self.bias)
+
+
+def bf16_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` in float32 for a bfloat16 ``weight``, on torch's
+    bfloat16 GEMM (``x`` rounded to bfloat16), rows padded as ``gemm_rows`` says."""
+    y = onednn.by_row_buckets(
+        lambda rows: F.linear(rows, weight), x.to(torch.bfloat16), bucket=gemm_rows, max_rows=GEMM_MAX_ROWS
+    )
+    return y.float()
+
+
+def amx_tiles() -> bool:
+    """Whether this CPU has AMX tiles (and the kernel lets a process use them)."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe is not None and probe())
+
+
+def trial_bf16_gemm() -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The bfloat16 GEMM path on tiny inputs (``capability.Probe``), where
+    the CPU has AMX tiles (without them oneDNN's bfloat16 GEMM is no faster
+    than the panels, so the path is not offered)."""
+    if not amx_tiles():
+        raise RuntimeError("this CPU has no AMX tiles (torch.cpu._is_amx_tile_supported)")
+    gen = torch.Generator().manual_seed(0)
+    x, w, bias = torch.randn(12, 64, generator=gen), torch.randn(40, 64, generator=gen), torch.randn(40, generator=gen)
+    weight = quantize_int4(w, 32)
+    linear = attrs.evolve(Int4NativeLinear.from_rtn(weight, bias, "avx512bf16"), gemm_from_rows=1)
+    return {"Int4NativeLinear(bf16 GEMM)": (linear(x), F.linear(x, weight.dequantize(), bias))}
+
+
+def trial(isa: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The kernel on tiny inputs, with its float32 reference (``capability.Probe``):
+    12 rows, so the panels of the AVX-512 variants run too."""
+    gen = torch.Generator().manual_seed(0)
+    x, w, bias = torch.randn(12, 64, generator=gen), torch.randn(40, 64, generator=gen), torch.randn(40, generator=gen)
+    weight = quantize_int4(w, 32)
+    got = Int4NativeLinear.from_rtn(weight, bias, isa)(x)
+    return {f"Int4NativeLinear({isa})": (got, F.linear(x, weight.dequantize(), bias))}

@@ -1,0 +1,354 @@
+"""Build a model whose projections (and LM head) run on compressed weights.
+
+Tensors come one at a time, from a GGUF file (``gguf_weights``, its own
+quantized values) or from float safetensors shards (quantized here, round to
+nearest). A layer's projections are built as soon as its seven matrices have
+arrived and the raw tensors are dropped, so no float32 copy of the matrices
+is ever held beyond one layer's. Norms stay float32; the token embeddings
+stay in the file's compressed format where they come compressed (rows
+dequantized on lookup, ``embedding``), else float32.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import attrs
+import torch
+
+from trioserve.engine.kernels.capability import CpuPaths
+from trioserve.engine.config import ModelConfig
+from trioserve.engine.errors import CpuCapabilityError, ModelLoadError
+from trioserve.engine.models.llama import LlamaForCausalLM, ProjectionChoice
+from trioserve.engine.loading import gguf_weights
+from trioserve.engine.kernels import int4_pack
+from trioserve.engine.kernels import int8_native
+from trioserve.engine.kernels import native
+from trioserve.engine.loading import rtn_cache
+from trioserve.engine.kernels.choose import KERNELS, Kernel, KernelChoice, Linear, candidates, choose_kernel
+from trioserve.engine.kernels.embedding import CompressedEmbedding
+from trioserve.engine.kernels.projections import QuantizedProjections
+from trioserve.engine.kernels.rtn import Int4Weight, Int8GroupWeight, Int8Weight, check_group_size, quantize_int8_groups, regroup_int8
+
+logger = logging.getLogger(__name__)
+
+Tensor = torch.Tensor | Int4Weight | Int8Weight | Int8GroupWeight
+_PROJ = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)_proj\.(weight|bias)")
+_PARTS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+def layer_shapes(config: ModelConfig) -> list[tuple[int, int]]:
+    """One layer's fused projections, ``(out, in)``: qkv, o, gate_up, down."""
+    hd, hidden, inter = config.head_dim, config.hidden_size, config.intermediate_size
+    qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * hd
+    return [(qkv, hidden), (hidden, config.num_attention_heads * hd), (2 * inter, hidden), (hidden, inter)]
+
+
+def _cat(parts: list[Tensor]) -> Tensor:
+    """Stack weights by rows: exact when all share one format (the kernels
+    convert it if it is not theirs), else float32."""
+    if all(isinstance(p, Int4Weight) and p.group_size == parts[0].group_size for p in parts):
+        return Int4Weight(
+            torch.cat([p.q for p in parts]),
+            torch.cat([p.scale for p in parts]),
+            torch.cat([p.zero for p in parts]),
+            parts[0].group_size,
+        )
+    if all(isinstance(p, Int8Weight) for p in parts):
+        return Int8Weight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
+    return torch.cat([p if isinstance(p, torch.Tensor) else p.dequantize() for p in parts]).float()
+
+
+def _bias(parts: dict[str, Tensor], names: tuple[str, ...], rows: list[int]) -> torch.Tensor | None:
+    if not any(f"{n}.bias" in parts for n in names):
+        return None
+    return torch.cat(
+        [parts.get(f"{n}.bias", torch.zeros(r)).float() for n, r in zip(names, rows)]  # type: ignore[union-attr]
+    )
+
+
+@attrs.frozen
+class _Wide:
+    """How a projection any of whose matrices a file stores at more than 4
+    bits is built (a GGUF's Q8_0, Q6_K or Q5 tensors, as K-quant mixes such
+    as Q4_K_M keep their most sensitive matrices) when the model's kernel is
+    4-bit: int8 rather than rounded to 4 bits."""
+
+    build: Callable[[list[Tensor], torch.Tensor | None], Linear]
+    what: str
+
+    @classmethod
+    def beside(cls, cpu_paths: CpuPaths, choice: KernelChoice) -> _Wide | None:
+        """For "auto" on a 4-bit kernel (``int4`` asks for 4 bits throughout):
+        int8 in groups of 32 on the native kernel of the same variant (a
+        Q8_0 or Q5_0 matrix exactly; the fused decode step takes the layer;
+        a prompt's rows on the bfloat16 GEMM from where the 4-bit kernel's
+        do), else int8 per channel on the int8 kernel here."""
+        if choice.scheme != "auto" or choice.kernel.bits != 4:
+            return None
+        kernel = _eight_bit_kernel(cpu_paths, choice.kernel)
+        isa = choice.kernel.isa
+        if isa and kernel.isa == isa:
+            rows = choice.gemm_from_rows
+
+            def native_groups(parts: list[Tensor], bias: torch.Tensor | None) -> Linear:
+                return int8_native.Int8GroupNativeLinear.over(_int8_groups(parts), isa, bias, rows)
+
+            return cls(native_groups, f"int8 in groups of 32, native kernel ({isa})")
+        return cls(lambda parts, bias: kernel.make(_cat(parts), bias, choice.group_size), kernel.what)
+
+
+def _int8_groups(parts: list[Tensor]) -> Int8GroupWeight:
+    """Matrices stacked by rows as int8 in groups of 32: one stored in such
+    groups taken as it is, any other rounded into them from its values (a
+    group's largest magnitude to 127)."""
+    grouped = [
+        p if isinstance(p, Int8GroupWeight) and p.group_size == int8_native.GROUP
+        else quantize_int8_groups(p if isinstance(p, torch.Tensor) else p.dequantize(), int8_native.GROUP)
+        for p in parts
+    ]
+    return Int8GroupWeight(
+        torch.cat([g.q for g in grouped]).contiguous(), torch.cat([g.scale for g in grouped]).contiguous(), int8_native.GROUP
+    )
+
+
+def _build_layer(
+    parts: dict[str, Tensor], choice: KernelChoice, index: int, wide: _Wide | None
+) -> tuple[QuantizedProjections, int]:
+    """One layer's projections, and how many of them were built ``wide``."""
+    widened = 0
+
+    def make(names: tuple[str, ...]) -> object:
+        nonlocal widened
+        weights = [parts[f"{n}.weight"] for n in names]
+        rows = [w.shape[0] if isinstance(w, torch.Tensor) else w.q.shape[0] for w in weights]
+        if wide is not None and any(isinstance(w, Int8GroupWeight | Int8Weight) for w in weights):
+            widened += 1
+            return wide.build(weights, _bias(parts, names, rows))
+        for n, w in zip(names, weights):
+            shape = tuple(w.shape if isinstance(w, torch.Tensor) else w.q.shape)
+            if choice.kernel.bits == 4:
+                check_group_size(shape, choice.group_size, f"model.layers.{index}.{n}_proj.weight")
+        return choice.make(_cat(weights), _bias(parts, names, rows))
+
+    made = QuantizedProjections(make(("q", "k", "v")), make(("o",)), make(("gate", "up")), make(("down",)))
+    return made, widened
+
+
+def quantization_choice(
+    cpu_paths: CpuPaths | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    scheme: str,
+    config: ModelConfig,
+    group_size: int,
+    *,
+    batch_invariant: bool = True,
+) -> KernelChoice:
+    """The kernel for ``scheme`` on this machine (``choose.choose_kernel``);
+    ``CpuCapabilityError`` where none runs."""
+    if device.type != "cpu" or cpu_paths is None:
+        raise CpuCapabilityError(f"quantization {scheme} runs on CPU only, not on {device}; use --quantization none")
+    if dtype != torch.float32:
+        raise CpuCapabilityError(
+            f"quantization {scheme} runs with float32 activations, not {dtype}; use --dtype float32 or --quantization none"
+        )
+    if scheme == "int4":
+        int4_pack.Int4PackLinear.check_group_size(group_size)
+        for i, shape in enumerate(layer_shapes(config)):
+            check_group_size(shape, group_size, ("qkv", "o", "gate_up", "down")[i] + " projection")
+    return choose_kernel(cpu_paths, scheme, layer_shapes(config), group_size, batch_invariant=batch_invariant)
+
+
+def build_quantized(
+    tensors: Iterable[tuple[str, Tensor]],
+    config: ModelConfig,
+    choice: KernelChoice,
+    *,
+    source: Path,
+    cpu_paths: CpuPaths,
+) -> LlamaForCausalLM:
+    """The model over ``tensors`` (Hugging Face names) with projections on ``choice``'s kernel."""
+    projection = ProjectionChoice(
+        device="cpu", dtype="float32", packed=False, reason=choice.reason, quantization=choice.label
+    )
+    model = LlamaForCausalLM(config, dtype=torch.float32, device="cpu", cpu_paths=cpu_paths, quantization=projection)
+    pending: dict[int, dict[str, Tensor]] = {}
+    layers: dict[int, QuantizedProjections] = {}
+    wide = _Wide.beside(cpu_paths, choice)
+    widened = 0
+    head: Tensor | None = None
+    embedding: CompressedEmbedding | None = None
+    loaded: set[str] = set()
+    for name, tensor in tensors:
+        match = _PROJ.fullmatch(name)
+        if match is not None:
+            index = int(match.group(1))
+            if index >= config.num_hidden_layers:
+                raise ModelLoadError(f"{source}: weight {name!r}: the config has {config.num_hidden_layers} layers")
+            parts = pending.setdefault(index, {})
+            parts[f"{match.group(3)}.{match.group(4)}"] = tensor
+            if all(f"{p}.weight" in parts for p in _PARTS):
+                layers[index], n = _build_layer(pending.pop(index), choice, index, wide)
+                widened += n
+            continue
+        if name == "lm_head.weight" and not config.tie_word_embeddings:
+            head = _in_native_groups(tensor)  # kept compressed (below): the model has no float parameter for it
+            continue
+        if name == "model.embed_tokens.weight" and isinstance(tensor, (Int4Weight, Int8GroupWeight)):
+            # Kept compressed (as the file has it, or Q6_K's groups of 16 in
+            # groups of 32): a float32 copy would be the largest tensor of a
+            # small model (113 MB for SmolLM2's 49,152 x 576).
+            tensor = _in_native_groups(tensor)
+            embedding = CompressedEmbedding(tensor)
+            if config.tie_word_embeddings:
+                head = tensor
+            loaded.add(name)
+            continue
+        if not isinstance(tensor, torch.Tensor):
+            tensor = tensor.dequantize()  # embeddings and norms are used as float32
+        if name == "model.embed_tokens.weight" and config.tie_word_embeddings:
+            head = tensor  # the LM head is compressed too (below); the embeddings stay float32
+        loaded |= model.load_weights([(name, tensor)])
+    missing = sorted(set(range(config.num_hidden_layers)) - set(layers))
+    if missing or head is None:
+        what = f"layers {missing[:8]} lack projections" if missing else "no lm_head.weight"
+        raise ModelLoadError(f"{source}: incomplete checkpoint: {what}")
+    got = None if embedding is None else (embedding.num_embeddings, embedding.embedding_dim)
+    if got is not None and got != (config.vocab_size, config.hidden_size):
+        raise ModelLoadError(
+            f"{source}: weight 'model.embed_tokens.weight': expected shape "
+            f"{(config.vocab_size, config.hidden_size)}, got {got}"
+        )
+    if model.required_weight_names() - loaded:
+        raise ModelLoadError(f"{source}: missing weights {sorted(model.required_weight_names() - loaded)[:8]}")
+    assert head is not None
+    head_linear = _shared_head(cpu_paths, head, choice.kernel) or _eight_bit_kernel(cpu_paths, choice.kernel).make(
+        head, None, choice.group_size
+    )
+    shared = embedding is not None and embedding.weight is head
+    if isinstance(head_linear, int8_native.Int8GroupNativeLinear):
+        head_linear = head_linear.in_lanes()
+        if shared:
+            # One table: the embeddings look their rows up in the head's lanes
+            # blocks, and the groups they replace are freed.
+            embedding = CompressedEmbedding(head_linear.weight)
+    model.set_quantized([layers[i] for i in range(config.num_hidden_layers)], head_linear, embedding)
+    if widened:
+        # What the model holds, for the load log and /version: "int8" where
+        # every projection was stored wider (a Q6_K or Q8_0 file).
+        assert wide is not None
+        every = 4 * config.num_hidden_layers
+        model.projection_choice = attrs.evolve(
+            projection,
+            quantization="int8" if widened == every else f"{choice.label}+int8",
+            reason=f"{projection.reason}; {widened} of {every} projections stored wider than 4 bits: {wide.what}",
+        )
+    return model
+
+
+def _in_native_groups(tensor: Tensor) -> Tensor:
+    """An int8 table in groups of other than 32 (Q6_K's 16) rounded into
+    groups of 32, which the native Q8_0 kernel runs (one more rounding: a
+    group's largest value to 127); anything else as it is."""
+    if isinstance(tensor, Int8GroupWeight) and tensor.group_size != int8_native.GROUP:
+        return regroup_int8(tensor, int8_native.GROUP)
+    return tensor
+
+
+def _shared_head(cpu_paths: CpuPaths, head: Tensor, kernel: Kernel) -> Linear | None:
+    """The LM head in int8 groups of 32 (GGUF's Q8_0) on the native kernel
+    (``kernel``'s variant where it is native, else the best here). A head
+    stored so runs over the stored values themselves: nothing requantized,
+    and a tied head shares the embeddings' table. A float head (tied to
+    float embeddings) is rounded into such groups here, as rtn_cache keeps
+    an untied one: a step a group is finer than one a channel, and on
+    avx512vnni and avx2int8 a decode step's logits then have the same bits
+    at any batch size (an int8-per-channel head runs float32 activations,
+    in bfloat16 or float32 panels from 10 rows). None where that does not
+    run here, or for a head in another format (a 4-bit one)."""
+    isa = next(
+        (i for i in ((kernel.isa,) if kernel.isa else ()) + native.LINEAR_ISA_ORDER
+         if cpu_paths.works(f"quant_int8_native_{i}")),
+        None,
+    )
+    if isa is None:
+        return None
+    if isinstance(head, torch.Tensor) and head.shape[-1] % int8_native.GROUP == 0:
+        head = quantize_int8_groups(head, int8_native.GROUP, "lm_head.weight")
+    if not isinstance(head, Int8GroupWeight) or head.group_size != int8_native.GROUP:
+        return None
+    return int8_native.Int8GroupNativeLinear.over(head, isa)
+
+
+def _eight_bit_kernel(cpu_paths: CpuPaths, kernel: Kernel) -> Kernel:
+    """The int8-per-channel kernel beside ``kernel``, for an LM head that
+    _shared_head does not run (a fifth of the weights a decode step streams;
+    a 4-bit head moves logits more; without the native kernels a head in
+    groups is rounded per channel once more) and, without the native
+    kernels, the projections a file stores wider than 4 bits: ``kernel``
+    itself when it is 8-bit, else the native int8 kernel of its variant,
+    else the best int8 kernel here."""
+    if kernel.bits == 8:
+        return kernel
+    sibling = f"quant_int8_native_{kernel.isa}"
+    if kernel.isa and cpu_paths.works(sibling):
+        return next(k for k in KERNELS if k.name == sibling)
+    return candidates(cpu_paths, "int8")[0]
+
+
+def load_gguf_quantized(
+    gguf_path: Path, config: ModelConfig, choice: KernelChoice, cpu_paths: CpuPaths
+) -> LlamaForCausalLM:
+    """The model of ``gguf_path`` with its weights kept compressed."""
+    tensors = gguf_weights.read_tensors(
+        gguf_path, num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads
+    )
+    model = build_quantized(tensors, config, choice, source=gguf_path, cpu_paths=cpu_paths)
+    logger.debug("%s: compressed projections, %s", gguf_path.name, choice.reason)
+    return model
+
+
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
+
+
+def wanted(quantization: str, *, is_gguf: bool, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether to load compressed: ``"auto"`` does for a GGUF on a CPU in
+    float32 (elsewhere it falls back to float), ``"int8"``/``"int4"`` always
+    (``quantization_choice`` then refuses what this machine cannot run)."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization {quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
+    if quantization == "auto":
+        return is_gguf and device.type == "cpu" and dtype == torch.float32
+    return quantization != "none"
+
+
+def load_safetensors_quantized(
+    folder: Path, config: ModelConfig, choice: KernelChoice, cpu_paths: CpuPaths, cache_dir: Path | None
+) -> LlamaForCausalLM:
+    """The float checkpoint in ``folder``, quantized round-to-nearest in
+    ``choice.scheme`` (once: the result is cached, ``rtn_cache``)."""
+    from trioserve.engine.loading.loader import find_shards
+
+    scheme = f"int{choice.kernel.bits}"
+    shards = find_shards(folder)
+    cached = rtn_cache.cache_dir_for(folder, shards, scheme, choice.group_size, cache_dir)
+    if not cached.is_dir():
+        logger.info("%s: quantizing to %s once into %s", folder.name, scheme, cached)
+        rtn_cache.write(cached, _safetensors_tensors(shards), scheme, choice.group_size)
+    return build_quantized(rtn_cache.read(cached), config, choice, source=folder, cpu_paths=cpu_paths)
+
+
+def _safetensors_tensors(shards: list[Path]) -> Iterable[tuple[str, torch.Tensor]]:
+    from safetensors import SafetensorError, safe_open
+
+    for shard in shards:
+        try:
+            with safe_open(str(shard), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name).float()
+        except (SafetensorError, OSError) as exc:
+            raise ModelLoadError(f"{shard}: cannot read: {exc}") from None

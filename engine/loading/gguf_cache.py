@@ -1,0 +1,270 @@
+"""A GGUF file, dequantized once into a Hugging Face checkpoint folder.
+
+Dequantizing a GGUF takes seconds to tens of seconds; loading safetensors
+takes a fraction of that. So the first start converts the file into
+``<cache>/<stem>-<key>/`` (``config.json``, ``model.safetensors``, tokenizer
+files) and every later start loads that folder like any local checkpoint.
+The key hashes the file's identity (resolved path, size, mtime), so a replaced
+file gets a fresh entry. A conversion writes into a temporary folder renamed
+into place at the end: an interrupted one never leaves a half cache.
+
+The conversion runs in a child process: transformers' modeling code, which
+it needs, imports torch's compiler stack (dynamo, inductor, triton, sympy),
+about 240 MiB that would otherwise stay in a server started on a cold cache
+for its whole life (docs/benchmarks.md, "Resident memory").
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from trioserve.engine.config import ModelConfig
+from trioserve.engine.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+CACHE_ENV = "TRIOSERVE_CACHE"
+_TMP_PREFIX = ".tmp-"
+# Where a converting child leaves its error's message for the parent.
+_ERROR_FILE = ".conversion-error"
+# GGUF model_type -> the architecture name config.json carries (GGUF metadata
+# has no ``architectures`` field).
+_ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+class Progress:
+    """Progress of one long step: a tqdm bar on a terminal, log lines otherwise.
+
+    ``advance(n, note)`` moves it on; ``close()`` logs the total time. Safe to
+    call from several threads (tqdm locks; ``logging`` is thread-safe).
+    """
+
+    def __init__(self, desc: str, total: int, *, unit: str = "step", log: logging.Logger = logger) -> None:
+        self.desc = desc
+        self._log = log
+        self.total = total
+        self._start = time.perf_counter()
+        self._bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, desc=desc, unit=unit, unit_scale=unit == "B", leave=False)
+        elif unit == "B":
+            log.info("%s: %.1f MB", desc, total / 1e6)
+        else:
+            log.info("%s: %d %ss", desc, total, unit)
+
+    def advance(self, n: int = 1, note: str | None = None) -> None:
+        if self._bar is not None:
+            if note:
+                self._bar.set_postfix_str(note)
+            self._bar.update(n)
+        elif note:
+            self._log.info("%s: %s", self.desc, note)
+
+    def close(self) -> float:
+        """Finish; return the seconds elapsed."""
+        elapsed = time.perf_counter() - self._start
+        if self._bar is not None:
+            self._bar.close()
+        self._log.info("%s: done in %.1f s", self.desc, elapsed)
+        return elapsed
+
+
+def cache_root(cache_dir: Path | None = None) -> Path:
+    """The cache folder: ``cache_dir``, else ``$TRIOSERVE_CACHE``, else
+    ``~/.cache/trioserve``."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get(CACHE_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "trioserve"
+
+
+def cache_key(gguf_path: Path) -> str:
+    """A short hash of the file's identity: resolved path, size and mtime.
+
+    Hashing the content would cost a full read of a possibly multi-GB file on
+    every start; the identity changes whenever the file is replaced.
+    """
+    resolved = Path(gguf_path).resolve()
+    st = resolved.stat()
+    ident = f"{resolved}\0{st.st_size}\0{st.st_mtime_ns}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+def cached_checkpoint_dir(gguf_path: Path, cache_dir: Path | None = None) -> Path:
+    """Where the converted checkpoint of ``gguf_path`` lives (it may not exist yet)."""
+    resolved = Path(gguf_path).resolve()  # a link to a converted file finds its entry
+    return cache_root(cache_dir) / f"{resolved.stem}-{cache_key(resolved)}"
+
+
+def ensure_converted(gguf_path: Path, cache_dir: Path | None = None) -> Path:
+    """Return the cached checkpoint folder of ``gguf_path``, converting first
+    if there is none. Raises ``ModelLoadError`` naming the file on failure."""
+    gguf_path = Path(gguf_path)
+    try:
+        target = cached_checkpoint_dir(gguf_path, cache_dir)
+    except OSError as exc:
+        raise ModelLoadError(f"{gguf_path}: cannot read file: {exc.strerror or exc}") from None
+    if target.is_dir():
+        logger.debug("using cached conversion %s", target)
+        return target
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ModelLoadError(f"{target.parent}: cannot create the cache folder: {exc.strerror or exc}") from None
+    _remove_stale_temps(target)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}-", suffix=f"-{target.name}", dir=target.parent))
+    try:
+        convert_gguf(gguf_path, tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it private; the files inside follow the umask
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            # Another process finished the same conversion first; theirs is as good.
+            if not target.is_dir():
+                raise
+    except OSError as exc:
+        raise ModelLoadError(f"{target}: cannot write the converted checkpoint: {exc.strerror or exc}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantize ``gguf_path`` into ``out_dir`` (an existing, empty folder)
+    as ``config.json``, ``model.safetensors`` and tokenizer files, in a
+    child process (its progress on this process's stderr). Raises
+    ``ModelLoadError`` with the child's message when it fails."""
+    code = "import sys; from trioserve.engine.loading.gguf_cache import _child_main; sys.exit(_child_main(sys.argv[1:]))"
+    done = subprocess.run([sys.executable, "-c", code, str(gguf_path), str(out_dir)], stdin=subprocess.DEVNULL)
+    if done.returncode == 0:
+        return
+    error = out_dir / _ERROR_FILE
+    message = error.read_text() if error.is_file() else f"{gguf_path}: converting ended with exit status {done.returncode}"
+    raise ModelLoadError(message)
+
+
+def _child_main(argv: list[str]) -> int:
+    """The converting child: ``convert_here(argv[0], argv[1])``; a failure's
+    message goes to ``_ERROR_FILE`` in the output folder (exit status 1)."""
+    gguf_path, out_dir = Path(argv[0]), Path(argv[1])
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        convert_here(gguf_path, out_dir)
+    except ModelLoadError as exc:
+        (out_dir / _ERROR_FILE).write_text(str(exc))
+        return 1
+    except Exception as exc:  # noqa: BLE001 - anything else still reaches the parent, named
+        (out_dir / _ERROR_FILE).write_text(f"{gguf_path}: converting failed: {type(exc).__name__}: {exc}")
+        raise
+    return 0
+
+
+def convert_here(gguf_path: Path, out_dir: Path) -> None:
+    """``convert_gguf`` in this process (what the child runs)."""
+    progress = Progress(f"converting {gguf_path.name}", total=4)
+    try:
+        model = _read_gguf_model(gguf_path)
+        progress.advance(note="weights dequantized")
+        hf_config = json.loads(model.config.to_json_string(use_diff=False))
+        model_type = hf_config.get("model_type")
+        if not hf_config.get("architectures") and model_type in _ARCH_BY_MODEL_TYPE:
+            hf_config["architectures"] = [_ARCH_BY_MODEL_TYPE[model_type]]
+        # Refuse an unsupported architecture before writing gigabytes.
+        ModelConfig.from_hf_config(hf_config, source=str(gguf_path))
+        (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True))
+        progress.advance(note="config written")
+        _write_weights(model, out_dir / "model.safetensors", tied=bool(hf_config.get("tie_word_embeddings")))
+        del model
+        progress.advance(note="weights written")
+        _write_tokenizer(gguf_path, out_dir)
+        progress.advance(note="tokenizer written")
+    finally:
+        progress.close()
+
+
+def _read_gguf_model(gguf_path: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
+    from transformers.utils import logging as hf_logging
+
+    # transformers draws tqdm bars (its own, and a plain one while
+    # dequantizing); off a terminal they would fill a log with \r lines.
+    quiet = not sys.stderr.isatty()
+    bars_were_on = hf_logging.is_progress_bar_enabled()
+    plain_tqdm = getattr(hf_gguf, "tqdm", None)
+    if quiet:
+        hf_logging.disable_progress_bar()
+        if plain_tqdm is not None:
+            hf_gguf.tqdm = functools.partial(plain_tqdm, disable=True)
+    try:
+        return AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except Exception as exc:  # transformers and gguf raise anything from ValueError to KeyError
+        raise ModelLoadError(f"{gguf_path}: not a readable GGUF model: {type(exc).__name__}: {exc}") from None
+    finally:
+        if quiet:
+            if bars_were_on:
+                hf_logging.enable_progress_bar()
+            if plain_tqdm is not None:
+                hf_gguf.tqdm = plain_tqdm
+
+
+def _write_weights(model: Any, path: Path, *, tied: bool) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        # A tied lm_head shares the embedding's storage; safetensors refuses
+        # shared tensors, and the loader ties it again from the config.
+        if tied and name == "lm_head.weight":
+            continue
+        tensors[name] = tensor.contiguous()
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def _write_tokenizer(gguf_path: Path, out_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except Exception as exc:
+        raise ModelLoadError(f"{gguf_path}: cannot read the tokenizer: {type(exc).__name__}: {exc}") from None
+    tokenizer.save_pretrained(str(out_dir))
+    # transformers 5 writes the chat template to chat_template.jinja; keep it
+    # in tokenizer_config.json too, where older tools look for it.
+    config_path = out_dir / "tokenizer_config.json"
+    tok_config = json.loads(config_path.read_text())
+    if tokenizer.chat_template and "chat_template" not in tok_config:
+        tok_config["chat_template"] = tokenizer.chat_template
+        config_path.write_text(json.dumps(tok_config, indent=2, ensure_ascii=False))
+        (out_dir / "chat_template.jinja").unlink(missing_ok=True)
+
+
+def _remove_stale_temps(target: Path) -> None:
+    """Delete temporary folders left by killed conversions of ``target``."""
+    for tmp in target.parent.glob(f"{_TMP_PREFIX}*-{target.name}"):
+        pid_text = tmp.name[len(_TMP_PREFIX) :].split("-", 1)[0]
+        if pid_text.isdigit() and not _pid_alive(int(pid_text)):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
