@@ -20,14 +20,11 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from typing import TYPE_CHECKING
-
 import attrs
 
-if TYPE_CHECKING:
-    from .delivery import Route
+from .route import Route
 
-_Entry = tuple[float, int, "Route"]
+_Entry = tuple[float, int, Route]
 
 
 @attrs.define

@@ -1,10 +1,9 @@
 """Delivery: the scheduler actor's side of each request's output channel.
 
-A ``Route`` is one request the scheduler holds: the send end of its output
-channel (the scheduler owns it from the moment it takes the request) and its
-delivery state. ``Delivery`` owns the routes. Every send is ``send_nowait``
-and the channel's capacity (``request.output_capacity``) makes it always
-succeed, so a reader that stops reading never stalls the step loop: once
+``Delivery`` owns the routes (route.py) of the requests the scheduler
+holds. Every send is ``send_nowait`` and the channel's capacity
+(``request.output_capacity``) makes it always succeed, so a reader that
+stops reading never stalls the step loop: once
 ``max_buffered_outputs`` outputs sit unread, a ``Paused`` marker goes out and
 the scheduler pauses the sequence at the next step boundary. Closing a route
 closes the channel's send end, which ends the reader's stream and is how the
@@ -24,26 +23,11 @@ from trioserve.engine.core.sequence import FinishReason
 
 from .deadlines import Deadlines
 from .messages import AddRequest, Paused
+from .route import Route
 from .statistics import RateMeter
 
 # How a request the scheduler held ended, as its statistics count them.
 OUTCOMES = ("finished", "aborted", "deadline", "failed", "queue_timeout")
-
-
-@attrs.define(eq=False)
-class Route:
-    """Where one request's outputs go, and its delivery state."""
-
-    request_id: str
-    outputs: trio.MemorySendChannel[Any]
-    num_completions: int
-    num_prompt_tokens: int = 0
-    reasons: dict[int, FinishReason] = attrs.field(factory=dict)  # finished completions
-    pause_pending: bool = False  # Paused sent, preemption not applied yet
-    paused: bool = False
-    broken: bool = False  # the reader closed its end
-    closed: bool = False  # delivery is over; the scheduler has let the request go
-    has_deadline: bool = False  # an entry of the deadline heap points here (kept by Deadlines)
 
 
 def outcome_of(reasons: set[FinishReason]) -> str:

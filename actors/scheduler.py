@@ -43,17 +43,18 @@ from trioserve.engine.core.new_request import NewRequest
 from trioserve.engine.runtime.step_thread import StepThreadClosed, StepThreadDied
 from trioserve.engine.runtime.model_runner import RunnerOutput
 from trioserve.engine.core.outputs import RequestOutput
-from trioserve.engine.runtime.plugins import PluginError
+from trioserve.engine.plugins import PluginError
 from trioserve.engine.core.scheduler import SchedulerOutput
 from trioserve.engine.core.sequence import FinishReason
 
 from .admission import AdmissionQueue
 from .concurrency import AdaptiveConcurrency
 from .deadlines import Deadlines
-from .delivery import Delivery, Route, outcome_of
+from .delivery import Delivery, outcome_of
 from .errors import QueueTimeout, RequestFailed, StepHung, WorkerLost, WorkerUnavailable
 from .messages import Abort, AbortAll, AddRequest, Allocate, Failed, Resume, RunStep, StepDone, StepFailed, StepMask
 from .request import final_output
+from .route import Route
 from .statistics import RateMeter, SchedulerActorStatistics
 
 __all__ = ["SchedulerActor"]
@@ -230,7 +231,7 @@ class SchedulerActor:
                     return
                 if self.concurrency is not None:
                     self.concurrency.idle()
-                self.core.release_memory()  # idle: the heap's free pages go back (engine/runtime/heap_trim.py)
+                self.core.release_memory()  # idle: the heap's free pages go back (engine/heap_trim.py)
                 await self._wait_for_news()
                 continue
             plan, fill = await self._plan(allocator, kv_results)
