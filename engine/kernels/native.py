@@ -14,6 +14,12 @@ then fail with that reason, and the chooser takes ATen's kernels instead.
 The library holds one variant of each kernel per ISA (``ISAS``), compiled by
 function target, so one build runs on any x86-64 CPU; a variant the CPU
 lacks is refused by the library itself.
+
+The build needs a C++ compiler (``$CXX``, else ``c++``) and ninja, which
+torch's extension builder drives: the ``ninja`` package of trioserve's
+dependencies (its binary beside the interpreter, found even where the venv
+is not on ``PATH``) or the system's. ``build`` says which is missing
+(``BuildToolMissing``) before trying.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import shutil
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -75,6 +82,10 @@ class NativeUnavailable(RuntimeError):
     """The native library is not built for this source and torch, or failed to load."""
 
 
+class BuildToolMissing(RuntimeError):
+    """A tool the build needs (a C++ compiler, ninja) is not on this machine."""
+
+
 def build_tag() -> str:
     """What a build depends on: the sources' bytes, the flags and torch's version."""
     digest = hashlib.sha256()
@@ -112,9 +123,11 @@ def ops(environ: Mapping[str, str] | None = None) -> object:
         return namespace
     path = library_path()
     if not path.is_file():
+        missing = missing_tools(environ)
+        lacking = f"; this machine lacks {' and '.join(missing)}" if missing else ""
         raise NativeUnavailable(
             f"native kernels not built for this source and torch {torch.__version__} "
-            f"(no {path}): run scripts/setup.sh or python -m trioserve.engine.kernels.native"
+            f"(no {path}): run scripts/setup.sh or python -m trioserve.engine.kernels.native{lacking}"
         )
     try:
         torch.ops.load_library(str(path))
@@ -137,25 +150,71 @@ def cpu_isas() -> tuple[str, ...]:
     return tuple(name for name, index in ISAS.items() if bits & (1 << index))
 
 
+def compiler(environ: Mapping[str, str] | None = None) -> str | None:
+    """The C++ compiler torch's builder runs (``$CXX``, else ``c++``), as found on ``PATH``; None where absent."""
+    environ = os.environ if environ is None else environ
+    return shutil.which(environ.get("CXX") or "c++", path=environ.get("PATH"))
+
+
+def ninja_dir(environ: Mapping[str, str] | None = None) -> Path | None:
+    """The folder of the ninja binary the build runs: on ``PATH``, else
+    beside this interpreter (the ``ninja`` package in a venv not activated);
+    None where neither has one."""
+    environ = os.environ if environ is None else environ
+    found = shutil.which("ninja", path=environ.get("PATH"))
+    if found is not None:
+        return Path(found).parent
+    beside = Path(sys.executable).parent
+    return beside if shutil.which("ninja", path=str(beside)) is not None else None
+
+
+def missing_tools(environ: Mapping[str, str] | None = None) -> list[str]:
+    """What the build needs and this machine lacks, each in words with how to get it."""
+    environ = os.environ if environ is None else environ
+    missing = []
+    if compiler(environ) is None:
+        name = environ.get("CXX") or "c++"
+        missing.append(f"a C++ compiler ({name!r} is not on PATH: install g++ or clang++, or set CXX)")
+    if ninja_dir(environ) is None:
+        missing.append(
+            "ninja (neither on PATH nor beside this Python: pip install ninja, one of trioserve's "
+            "dependencies, or the system's ninja-build package)"
+        )
+    return missing
+
+
 def build(verbose: bool = False) -> Path:
-    """Compile the library for this source and torch (a minute or so) and return its path."""
+    """Compile the library for this source and torch (a minute or so) and
+    return its path; ``BuildToolMissing`` where a tool it needs is absent."""
+    missing = missing_tools()
+    if missing:
+        raise BuildToolMissing(f"the native kernels' build needs {' and '.join(missing)}")
     from torch.utils.cpp_extension import load
 
     where = build_dir()
     where.mkdir(parents=True, exist_ok=True)
-    # -O3, no -march: each ISA variant carries its own target (see the
-    # source). -fopenmp makes at::parallel_for split the work: torch's own
-    # OpenMP runtime (libgomp.so.1, which torch loads first) then runs it, one
-    # thread team with torch's, not a second one competing for the cores.
-    load(
-        name=LIBRARY_NAME,
-        sources=[str(SOURCE_DIR / name) for name in SOURCES],
-        build_directory=str(where),
-        extra_cflags=list(CFLAGS),
-        extra_ldflags=["-fopenmp"],
-        is_python_module=False,
-        verbose=verbose,
-    )
+    # torch's builder runs ``ninja`` from PATH: put the one found there.
+    path = os.environ.get("PATH")
+    os.environ["PATH"] = os.pathsep.join(p for p in (str(ninja_dir()), path) if p)
+    try:
+        # -O3, no -march: each ISA variant carries its own target (see the
+        # source). -fopenmp makes at::parallel_for split the work: torch's own
+        # OpenMP runtime (libgomp.so.1, which torch loads first) then runs it, one
+        # thread team with torch's, not a second one competing for the cores.
+        load(
+            name=LIBRARY_NAME,
+            sources=[str(SOURCE_DIR / name) for name in SOURCES],
+            build_directory=str(where),
+            extra_cflags=list(CFLAGS),
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=verbose,
+        )
+    finally:
+        if path is None:
+            del os.environ["PATH"]
+        else:
+            os.environ["PATH"] = path
     return library_path()
 
 

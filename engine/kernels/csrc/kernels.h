@@ -2,7 +2,10 @@
 
 #pragma once
 
-#include <torch/extension.h>
+// torch's C++ API without its Python bindings: the library registers ops
+// (TORCH_LIBRARY), so the build needs no Python headers.
+#include <torch/all.h>
+#include <torch/library.h>
 #include <c10/util/Half.h>
 #include <ATen/Parallel.h>
 
