@@ -9,7 +9,8 @@ See docs/architecture.md for the actors, their channels and the semantics of
 backpressure, deadlines, cancellation, priorities and faults.
 """
 
-from .engine import Engine, open_engine
+from .engine import open_engine
+from .handle import Engine
 from .errors import (
     DuplicateRequestError,
     EngineClosed,

@@ -1,364 +1,49 @@
-"""``open_engine`` and ``Engine``: the actors' public face.
+"""``open_engine``: start the actors of an engine and hand out its ``Engine``.
 
 ``async with open_engine(config) as engine:`` builds the engine core, starts
 the allocator, executor and scheduler actors in a nursery (each with
 ``nursery.start``, so each is ready before the next starts), then makes the
-``Engine`` from what they handed out, and, on exit, shuts them down in
-order: admission closes, what is left is aborted, the step in flight
+``Engine`` (handle.py) from what they handed out, and, on exit, shuts them
+down in order: admission closes, what is left is aborted, the step in flight
 finishes, the scheduler closes the executor's and the allocator's inboxes,
 and they end. If that takes longer than ``config.shutdown_timeout``, the
 nursery is cancelled. An exception in the body, or the crash of an actor,
 cancels the nursery at once; the crash propagates out of ``open_engine`` in
-an exception group.
-
-The ``Engine`` is the callers' side: each request runs its request actor in
-the caller's task, and talks to the scheduler only through the admission
-queue, the control channel and the request's output channel. Nothing in the
-scheduler calls back into the ``Engine``: a request id is in use while its
-actor is open or the engine holds the request's output channel open
-(request_ids.py), and a stream dropped unclosed is closed by its own
-finalizer (``RequestStream``).
+an exception group. With ``data_parallel_size > 1`` it is
+``open_replicated_engine`` (replicas.py) that starts them.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any
 
 import attrs
 import trio
 
 from trioserve.engine.config import EngineConfig
-from trioserve.engine.core.engine_core import EngineCore, Prompt
+from trioserve.engine.core.engine_core import EngineCore
 from trioserve.engine.loading.generation_config import SamplingDefaults, load_sampling_defaults
 from trioserve.engine.core.kv_batch import KVResult
 from trioserve.engine.loading.loader import LoadedModel
-from trioserve.engine.models.llama import ProjectionChoice
-from trioserve.engine.core.outputs import RequestOutput
-from trioserve.engine.sampling.sampling_params import SamplingParams
-from trioserve.engine.core.sequence import FinishReason
 from trioserve.engine.runtime.step_thread import StepThread
 
 from .admission import AdmissionQueue
 from .allocator import AllocatorActor
-from .degradation import Degradation
-from .errors import DuplicateRequestError, EngineClosed, EngineOverloaded
 from .executor import Executor
+from .handle import Engine
 from .process_executor import engine_executor, worker_core
-from .messages import AbortAll, AddRequest, StepDone, StepFailed
-from .request import RequestActor, RequestStream
-from .request_ids import RequestIds
+from .messages import StepDone, StepFailed
+from .replicas import open_replicated_engine
+from .request import RequestStream
 from .scheduler import SchedulerActor
 from .step_calls import run_in_step_thread
-from .statistics import EngineStatistics, OverloadStatistics, ReplicaStatistics, SchedulerActorStatistics
 
-__all__ = ["Engine", "RequestStream", "open_engine"]
+__all__ = ["Engine", "RequestStream", "engine_sampling_defaults", "open_engine"]
 
 log = logging.getLogger(__name__)
-
-
-class Engine:
-    """The running engine; made by ``open_engine``, not directly.
-
-    ``scheduler`` is the running scheduler actor, taking requests from
-    ``admission``; ``control`` is the send end of its control channel.
-    ``allocator`` and ``executor`` are asked only for their statistics.
-    ``sampling_defaults`` fill the sampling fields a request leaves unset
-    (``SamplingParams.with_defaults``), here at the edge, once: the core
-    and the scheduler see every field set.
-    """
-
-    def __init__(
-        self,
-        core: EngineCore,
-        admission: AdmissionQueue,
-        scheduler: SchedulerActor,
-        control: trio.MemorySendChannel[Any],
-        *,
-        allocator: AllocatorActor,
-        executor: Executor,
-        sampling_defaults: SamplingDefaults,
-    ) -> None:
-        self.core = core
-        self.sampling_defaults = sampling_defaults
-        self._admission = admission
-        self._scheduler = scheduler
-        self._control = control
-        self._allocator = allocator
-        self._executor = executor
-        self._token = trio.lowlevel.current_trio_token()  # for the finalizers of dropped streams
-        self._ids = RequestIds()
-        self._num_refused = 0
-        self._num_deadline_unqueued = 0
-        self._num_cancelled_unqueued = 0
-        self._num_queue_timeouts_unqueued = 0
-        self._num_accepted = 0
-        self._degradation = Degradation(core.config.degradation)
-
-    # -- facts the web layer needs ------------------------------------------------
-
-    @property
-    def config(self) -> EngineConfig:
-        return self.core.config
-
-    @property
-    def tokenizer(self) -> Any:
-        return self.core.tokenizer
-
-    @property
-    def model_config(self) -> Any:
-        return self.core.model_config
-
-    @property
-    def max_model_len(self) -> int:
-        return self.core.max_model_len
-
-    @property
-    def projection_choice(self) -> ProjectionChoice:
-        """How the model runs its projections: with ``worker_mode="process"``
-        as the worker process reported once it loaded the model (the server
-        holds no weights and times no kernel), else the loaded model's."""
-        return self._projection_choice_of(self._executor, self.core)
-
-    @staticmethod
-    def _projection_choice_of(executor: Any, core: EngineCore) -> ProjectionChoice:
-        """What ``executor``'s worker process reported, else ``core``'s loaded model's."""
-        reported = getattr(executor, "worker_projection_choice", None)
-        return reported if reported is not None else core.loaded.projection_choice
-
-    @property
-    def closed(self) -> bool:
-        """Admission is closed (``drain`` or shutdown)."""
-        return self._admission.closed
-
-    # -- requests -------------------------------------------------------------------
-
-    async def generate(
-        self,
-        prompt: Prompt,
-        params: SamplingParams | None = None,
-        *,
-        request_id: str | None = None,
-        priority: int = 0,
-        deadline: float | None = None,
-        timeout: float | None = None,
-        final_only: bool = False,
-    ) -> AsyncIterator[RequestOutput]:
-        """Generate for ``prompt`` (text, token ids or chat messages); yield
-        each completion's deltas as they come, coalesced when the reader is
-        slower than the engine, or with ``final_only`` one cumulative output
-        per completion at the end.
-
-        Waits for room in the admission queue. ``priority``: lower runs
-        first. The sampling fields ``params`` leaves unset take the model's
-        defaults (``sampling_defaults``). ``deadline`` (trio time) or
-        ``timeout`` (seconds from now):
-        when it passes the request ends with finish reason ``DEADLINE``.
-        Leaving the loop early, or a cancel, aborts the request. Raises
-        ``InvalidRequestError`` (also ``DuplicateRequestError``,
-        ``RequestTooLongError``), ``RequestFailed`` if its model step
-        failed, ``EngineClosed`` once the engine stops taking requests,
-        ``QueueTimeout`` if it waited longer than ``max_queue_time`` before
-        any compute and ``RequestShed`` if a request of higher priority took
-        its place in the queue (both before any output). Under pressure a
-        low-priority request may get a smaller ``max_tokens``
-        (``DegradationPolicy``).
-        """
-        await self.prepare(params)
-        request = self._new_request(prompt, params, request_id, priority, deadline, timeout, final_only)
-        try:
-            await request.submit()
-            if request.submitted:
-                self._num_accepted += 1
-            while (output := await request.receive()) is not None:
-                yield output
-        finally:
-            request.close()
-
-    async def prepare(self, params: SamplingParams | None) -> None:
-        """Compile ``params.structured_output``'s grammar in a worker thread
-        (cached by its kind and spec), so queuing the request does not
-        compile it in the event loop. ``generate`` calls it; call it before
-        ``generate_nowait``. Raises ``InvalidRequestError`` naming the field
-        if the schema, regex or grammar is unusable."""
-        constraint = None if params is None else params.structured_output
-        compiler = self.core.grammars.compiler
-        if constraint is not None and compiler.cached(constraint) is None:
-            await trio.to_thread.run_sync(compiler.compile, constraint)
-
-    def generate_nowait(
-        self,
-        prompt: Prompt,
-        params: SamplingParams | None = None,
-        *,
-        request_id: str | None = None,
-        priority: int = 0,
-        deadline: float | None = None,
-        timeout: float | None = None,
-        final_only: bool = False,
-    ) -> RequestStream:
-        """Like ``generate``, but queue the request now or raise
-        ``EngineOverloaded`` (with ``retry_after``) at once. When the queue
-        is full, a request displaces a queued one of strictly lower priority
-        instead of being refused; under pressure ``n > 1`` and many top
-        logprobs are refused first (``ExpensiveRequestRefused``); see
-        ``DegradationPolicy``. A structured output not compiled before
-        (``prepare``) is compiled here, in the event loop."""
-        request = self._new_request(prompt, params, request_id, priority, deadline, timeout, final_only)
-        try:
-            self._degradation.check_expensive(request.params, self._admission.pressure, self._scheduler.retry_after())
-            request.submit_nowait()
-        except BaseException as exc:
-            request.close()
-            if isinstance(exc, EngineOverloaded):
-                self._num_refused += 1
-            raise
-        self._num_accepted += 1
-        return RequestStream(request, self._token)
-
-    def abort(self, request_id: str) -> bool:
-        """End a request: queued or live, it finishes with ``ABORT`` at the
-        next step boundary. False if there is no such request."""
-        actor = self._ids.get(request_id)
-        return actor is not None and actor.abort()
-
-    def _new_request(
-        self,
-        prompt: Prompt,
-        params: SamplingParams | None,
-        request_id: str | None,
-        priority: int,
-        deadline: float | None,
-        timeout: float | None,
-        final_only: bool,
-    ) -> RequestActor:
-        if self._admission.closed:
-            raise EngineClosed("the engine is not taking requests")
-        # The one validation of a request (the core and the scheduler trust it).
-        request_id = uuid.uuid4().hex if request_id is None else request_id
-        new = self.core.validate(request_id, prompt, self.sampling_defaults.apply(params), priority=priority)
-        params = self._degradation.cap(new.params, priority, self._admission.pressure)
-        prompt_ids = new.prompt_token_ids
-        if timeout is not None:
-            after = trio.current_time() + timeout
-            deadline = after if deadline is None else min(deadline, after)
-        if self._ids.in_use(request_id):
-            raise DuplicateRequestError(request_id)
-        max_queue_time = self.core.config.max_queue_time
-        actor = RequestActor(
-            queue_deadline=None if max_queue_time is None else trio.current_time() + max_queue_time,
-            on_full=self._shed,
-            request_id=request_id,
-            prompt_token_ids=prompt_ids,
-            params=params,
-            priority=priority,
-            deadline=deadline,
-            final_only=final_only,
-            max_buffered_outputs=self.core.config.max_buffered_outputs,
-            admission=self._admission,
-            control=self._control,
-            retry_after=self._scheduler.retry_after,
-            on_close=self._on_request_closed,
-        )
-        self._ids.add(actor)
-        return actor
-
-    def _on_request_closed(self, actor: RequestActor) -> None:
-        self._ids.closed(actor)
-        # Ended while waiting for room: the scheduler never saw it.
-        if actor.unqueued_reason is FinishReason.DEADLINE:
-            self._num_deadline_unqueued += 1
-        elif actor.unqueued_reason is FinishReason.QUEUE_TIMEOUT:
-            self._num_queue_timeouts_unqueued += 1
-        elif actor.unqueued_reason is not None:
-            self._num_cancelled_unqueued += 1
-
-    def _shed(self, message: AddRequest) -> None:
-        """The queue is full: queue ``message`` in place of a request of
-        lower priority (whose id is then free: its output channel is
-        closed), or raise ``trio.WouldBlock``."""
-        self._degradation.shed(self._admission, message, self._scheduler.retry_after())
-
-    # -- the engine -------------------------------------------------------------------
-
-    def statistics(self) -> EngineStatistics:
-        """Queue lengths, running, KV usage, prefix hit rate, throughput,
-        and what overload control did."""
-        scheduler = self._scheduler.statistics()
-        replicas = self._replica_statistics()
-        return EngineStatistics(
-            num_queued=self._admission.num_queued,
-            num_queued_tokens=self._admission.num_queued_tokens,
-            num_waiting_to_queue=self._admission.num_waiting_to_send,
-            max_queued_requests=self._admission.max_requests,
-            max_queued_tokens=self._admission.max_tokens,
-            num_refused=self._num_refused,
-            num_reserved_ids=len(self._ids),
-            num_deadline_unqueued=self._num_deadline_unqueued,
-            num_cancelled_unqueued=self._num_cancelled_unqueued,
-            num_accepted=self._num_accepted,
-            scheduler=scheduler,
-            allocator=self._allocator.statistics(),
-            executor=self._executor.statistics(),
-            overload=self._overload_statistics(scheduler),
-            replicas=replicas,
-        )
-
-    def _replica_statistics(self) -> tuple[ReplicaStatistics, ...]:
-        # One replica: the engine itself (ReplicatedEngine has several).
-        return (
-            ReplicaStatistics(
-                index=0,
-                num_queued=self._admission.num_queued,
-                scheduler=self._scheduler.statistics(),
-                allocator=self._allocator.statistics(),
-                executor=self._executor.statistics(),
-            ),
-        )
-
-    def _overload_statistics(self, scheduler: SchedulerActorStatistics) -> OverloadStatistics:
-        concurrency = self._scheduler.concurrency
-        degradation = self._degradation
-        return OverloadStatistics(
-            pressure=self._admission.pressure,
-            concurrency_limit=self.core.scheduler.running_limit,
-            tpot_p90=None if concurrency is None else concurrency.last_p90,
-            num_queue_timeouts=scheduler.num_queue_timeouts + self._num_queue_timeouts_unqueued,
-            num_shed=degradation.num_shed,
-            num_capped=degradation.num_capped,
-            num_refused_expensive=degradation.num_refused,
-            num_limit_decreases=0 if concurrency is None else concurrency.num_decreases,
-            num_limit_increases=0 if concurrency is None else concurrency.num_increases,
-        )
-
-    def check_invariants(self) -> None:
-        """Raise ``AssertionError`` if the scheduler's queues or block tables
-        are inconsistent, or differ from the allocator's pool. A debugging
-        aid for tests: call it while no step is being planned (the engine
-        idle, or from a task between its own calls)."""
-        self.core.scheduler.check_invariants()
-        self._allocator.check_invariants(self.core.scheduler.block_holders())
-
-    async def drain(self, timeout: float) -> int:
-        """Stop admission; let queued and running requests finish for up to
-        ``timeout`` seconds, then abort the rest. Returns how many were
-        aborted. The engine serves nothing afterwards."""
-        self._admission.close()
-        with trio.move_on_after(timeout):
-            await self._scheduler.wait_stopped()
-        if self._scheduler.stopped:
-            return 0
-        before = self._scheduler.statistics().num_aborted
-        try:
-            self._control.send_nowait(AbortAll())
-        except (trio.ClosedResourceError, trio.BrokenResourceError, trio.WouldBlock):
-            pass  # the scheduler is gone already (or, impossibly, busy with more than it can hold)
-        await self._scheduler.wait_stopped()  # one step at most
-        return self._scheduler.statistics().num_aborted - before
 
 
 @asynccontextmanager
@@ -395,8 +80,6 @@ async def open_engine(
     # Before the model loads, so that a model's broken file stops it early.
     sampling_defaults = engine_sampling_defaults(config, loaded)
     if config.data_parallel_size > 1:
-        from .replicas import open_replicated_engine  # it builds on this module
-
         async with open_replicated_engine(
             config, loaded=loaded, executor=executor, worker_model=worker_model, sampling_defaults=sampling_defaults
         ) as replicated:

@@ -38,18 +38,19 @@ import attrs
 import trio
 
 from trioserve.engine.config import EngineConfig
-from trioserve.engine.core.engine_core import EngineCore, kv_dtype_choice
+from trioserve.engine.core.engine_core import EngineCore
+from trioserve.engine.runtime.build import kv_dtype_choice
 from trioserve.engine.faults import Fault
 from trioserve.engine.loading.generation_config import SamplingDefaults
 from trioserve.engine.core.kv_batch import KVResult
-from trioserve.engine.kernels.kv_dtype import KVDtypeChoice
+from trioserve.engine.kernels.kv_dtype_choice import KVDtypeChoice
 from trioserve.engine.loading.loader import LoadedModel, load_model_for
 from trioserve.engine.models.llama import ProjectionChoice
 from trioserve.engine.parallel.placement import ParallelConfigError, PinnedStepThread, ReplicaPlacement, plan_replicas
 
 from .admission import AdmissionQueue
 from .allocator import AllocatorActor
-from .engine import Engine
+from .handle import Engine
 from .executor import Executor
 from .process_executor import engine_executor, worker_core
 from .messages import StepDone, StepFailed

@@ -28,12 +28,12 @@ from collections.abc import AsyncIterator
 import trio
 from quart import Response, g, request
 
-from trioserve.actors.engine import RequestStream
+from trioserve.actors import RequestStream
 from trioserve.actors.errors import RequestDropped, RequestFailed
 from trioserve.actors.request import final_output
 from trioserve.engine.errors import TrioserveError
 from trioserve.engine.core.outputs import RequestOutput
-from trioserve.engine.runtime.plugins import RequestContext
+from trioserve.engine.plugins import RequestContext
 
 from .body import request_json
 from . import request_ids, tracing

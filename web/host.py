@@ -19,7 +19,7 @@ import attrs
 import trio
 from quart import current_app
 
-from trioserve.actors.engine import open_engine
+from trioserve.actors import open_engine
 from trioserve.engine.errors import TrioserveError
 from trioserve.engine.loading.loader import LoadedModel
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from quart import Quart, Response, g, request
 
-from trioserve.actors.engine import Engine, RequestStream
+from trioserve.actors import Engine, RequestStream
 from trioserve.actors.errors import DuplicateRequestError
 
 HEADER = "X-Request-Id"

@@ -6,7 +6,7 @@ import time
 
 import attrs
 
-from trioserve.actors.engine import Engine
+from trioserve.actors import Engine
 from trioserve.actors.statistics import EngineStatistics
 from trioserve.engine.core.outputs import RequestOutput
 from trioserve.engine.core.sequence import FinishReason
