@@ -10,7 +10,7 @@ abandoned thread (holding a CPU and quarantined KV blocks); the counters and
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -22,7 +22,7 @@ from trioserve.engine.faults import Fault
 if TYPE_CHECKING:
     from trioserve.actors.statistics import EngineStatistics
 
-    from .host import ModelHost
+    from .served import ServedModel
 
 
 def count_tasks() -> int:
@@ -68,9 +68,9 @@ def model_health(stats: EngineStatistics) -> dict[str, Any]:
     }
 
 
-def health_report(host: ModelHost) -> dict[str, Any]:
-    """The body of a 200 ``/health``: the host must be ready."""
-    models = {name: model_health(served.engine.statistics()) for name, served in host.models.items()}
+def health_report(served: Mapping[str, ServedModel]) -> dict[str, Any]:
+    """The body of a 200 ``/health``, for a ready host's ``models``."""
+    models = {name: model_health(model.engine.statistics()) for name, model in served.items()}
     return {
         "status": "ready",
         "degraded": any(m["degraded"] for m in models.values()),

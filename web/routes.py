@@ -107,7 +107,7 @@ async def health() -> Response:
         current_host().raise_unless_ready()
     except ApiError as error:
         return error_response(error)
-    return json_response(health_report(current_host()))
+    return json_response(health_report(current_host().models))
 
 
 async def metrics() -> Response:
