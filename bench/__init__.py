@@ -11,8 +11,9 @@ with vLLM's ``benchmark_serving`` definitions. It imports nothing from
 """
 
 from .cli import add_bench_serve_parser, bench_serve, run_bench_serve
-from .client import RequestMeasurement, RunResult, ServerError, Target, arrival_offsets, run_benchmark, send_request
+from .client import RunResult, ServerError, Target, arrival_offsets, run_benchmark, send_request
 from .datasets import DatasetError, SampleRequest, file_dataset, load_tokenizer, prefix_dataset, random_dataset
+from .measurement import RequestMeasurement
 from .metrics import SLO, BenchmarkMetrics, Distribution, calculate_metrics
 from .plot import PlotUnavailableError, write_plots
 from .report import ProgressBar, format_table, result_json

@@ -22,6 +22,7 @@ import trio
 from trioserve.engine.errors import TrioserveError
 
 from .datasets import SampleRequest
+from .measurement import RequestMeasurement
 from .metrics import parse_prefix_cache_counters, prefix_cache_hit_rate
 
 
@@ -54,23 +55,6 @@ class Target:
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-
-
-@attrs.frozen
-class RequestMeasurement:
-    """What the client measured of one request: whether it succeeded, its
-    lengths and timings. Times are in seconds; ``start_time`` is on trio's
-    clock."""
-
-    success: bool
-    prompt_len: int
-    output_tokens: int = 0
-    ttft: float = 0.0
-    itl: tuple[float, ...] = ()
-    e2el: float = 0.0
-    start_time: float = 0.0
-    error: str = ""
-    generated_text: str = ""
 
 
 def build_payload(target: Target, sample: SampleRequest) -> dict:

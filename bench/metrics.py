@@ -11,7 +11,8 @@
   request of one output token counts as TPOT 0 there, as in vLLM.
 
 Distributions are in milliseconds: mean, std (population), median (= p50),
-p90, p99, percentiles interpolated linearly (numpy's default).
+p90, p99, percentiles as ``stats.percentile`` defines them (interpolated
+linearly, numpy's default).
 """
 
 from __future__ import annotations
@@ -19,14 +20,11 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import attrs
 
-if TYPE_CHECKING:
-    from .client import RequestMeasurement
-
-PERCENTILES = (50, 90, 99)
+from .measurement import RequestMeasurement
+from .stats import percentile
 
 # Counter names, newest first; the first pair a server exports is used.
 _PREFIX_CACHE_COUNTERS = (
@@ -35,20 +33,6 @@ _PREFIX_CACHE_COUNTERS = (
     ("vllm:gpu_prefix_cache_hits_total", "vllm:gpu_prefix_cache_queries_total"),
 )
 _SAMPLE_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?\s+(\S+)")
-
-
-def percentile(values: Sequence[float], p: float) -> float:
-    """The ``p``-th percentile of ``values``, interpolated linearly between
-    the closest ranks (numpy's default method)."""
-    if not values:
-        raise ValueError("percentile of no values")
-    if not 0 <= p <= 100:
-        raise ValueError("p must be in [0, 100]")
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * p / 100
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 @attrs.frozen

@@ -1,13 +1,12 @@
-"""A trioserve server in a process of its own, as the benchmark, soak and
-slow-reader scripts run it: a free loopback port, the server started and
-stopped (``serving_process``), the process's resident memory and open file
-descriptors read from /proc (Linux), and its ``/metrics`` values."""
+"""A trioserve server in a process of its own, as the benchmarks, the soak
+and the tests run it: a free loopback port, the server started and stopped
+(``serving_process``), and its open file descriptors read from /proc
+(Linux). Its resident memory is ``memory``'s, its ``/metrics`` ``scrape``'s."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -33,30 +32,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rss_bytes(pid: int) -> int:
-    """The resident memory of process ``pid``, in bytes."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for {pid}")
-
-
 def open_fds(pid: int) -> int:
     """How many file descriptors process ``pid`` has open."""
     return len(os.listdir(f"/proc/{pid}/fd"))
-
-
-async def server_metrics(url: str) -> dict[str, float]:
-    """The served model's ``trioserve:`` gauges and counters from ``/metrics``
-    (name -> value; histograms' buckets left out)."""
-    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
-        text = (await http.get("/metrics")).text
-    values = {}
-    for line in text.splitlines():
-        match = re.match(r"^(trioserve:[a-z_]+)(?:\{[^}]*\})? ([0-9.eE+-]+|NaN)$", line)
-        if match and "le=" not in line:
-            values.setdefault(match.group(1), float(match.group(2)))
-    return values
 
 
 def wait_healthy(proc: subprocess.Popen, url: str, timeout: float, *, name: str = "the server", see: str = "") -> None:

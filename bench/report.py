@@ -6,7 +6,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import TextIO
 
-from .client import RequestMeasurement, RunResult
+from .client import RunResult
+from .measurement import RequestMeasurement
 from .metrics import BenchmarkMetrics, Distribution
 
 _LATENCIES = (

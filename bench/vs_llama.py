@@ -1,10 +1,10 @@
 """trioserve against llama.cpp's ``llama-server``, side by side: the parts of
-``scripts/bench_vs_llama.py`` that need no server running.
+``trioserve bench vs-llama`` that need no server running.
 
 They are the two command lines (the same GGUF file, context, slots and
-threads for both servers), the resident memory of a server's process tree
-from /proc, the check that every request produced as many tokens as asked,
-and the comparison's table and plot built from the script's JSON.
+threads for both servers), the check that every request produced as many
+tokens as asked, and the comparison's table and plot built from its JSON.
+The resident memory of a server's process tree is ``memory.tree_memory``.
 """
 
 from __future__ import annotations
@@ -113,73 +113,6 @@ def llama_server_command(binary: str | Path, model: str | Path, contender: Conte
         "-c", str(layout.total_context), "-np", str(layout.slots), "-t", threads, "-tb", threads,
         *contender.extra_args,
     ]  # fmt: skip
-
-
-@attrs.frozen
-class Memory:
-    """Resident memory of a process and its descendants, in bytes, summed
-    over the processes (``hwm``: the sum of each one's peak)."""
-
-    rss: int
-    hwm: int
-    rss_anon: int
-    rss_file: int
-    processes: int
-
-    def to_json(self) -> dict:
-        return {**attrs.asdict(self), "rss_mib": self.rss / 2**20, "hwm_mib": self.hwm / 2**20}
-
-
-def parse_proc_status(text: str) -> dict[str, int]:
-    """The ``kB`` fields of a /proc/PID/status text, in bytes."""
-    values = {}
-    for line in text.splitlines():
-        key, _, rest = line.partition(":")
-        parts = rest.split()
-        if len(parts) == 2 and parts[1] == "kB" and parts[0].isdigit():
-            values[key] = int(parts[0]) * 1024
-    return values
-
-
-def parent_pid(stat_text: str) -> int:
-    """The parent's pid from a /proc/PID/stat text (the name may hold
-    spaces and parentheses, so fields are counted from the last ``)``)."""
-    return int(stat_text.rpartition(")")[2].split()[1])
-
-
-def process_tree(pid: int, proc: Path = Path("/proc")) -> list[int]:
-    """``pid`` and every process below it, from /proc's parent links."""
-    children: dict[int, list[int]] = {}
-    for entry in proc.iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = parent_pid((entry / "stat").read_text())
-            except (OSError, IndexError, ValueError):
-                continue  # exited while we looked
-            children.setdefault(ppid, []).append(int(entry.name))
-    tree, todo = [], [pid]
-    while todo:
-        current = todo.pop()
-        tree.append(current)
-        todo.extend(children.get(current, ()))
-    return tree
-
-
-def tree_memory(pid: int, proc: Path = Path("/proc")) -> Memory:
-    """VmRSS, VmHWM, RssAnon and RssFile of ``pid``'s process tree."""
-    totals = {"VmRSS": 0, "VmHWM": 0, "RssAnon": 0, "RssFile": 0}
-    count = 0
-    for member in process_tree(pid, proc):
-        try:
-            status = parse_proc_status((proc / str(member) / "status").read_text())
-        except OSError:
-            continue
-        count += 1
-        for key in totals:
-            totals[key] += status.get(key, 0)
-    if count == 0:
-        raise ProcessLookupError(f"no process {pid}")
-    return Memory(totals["VmRSS"], totals["VmHWM"], totals["RssAnon"], totals["RssFile"], count)
 
 
 @attrs.frozen

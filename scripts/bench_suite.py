@@ -20,7 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-from trioserve.bench.process import rss_bytes, serving_process
+from trioserve.bench.memory import rss_bytes
+from trioserve.bench.process import serving_process
 
 BIN = Path(sys.executable).parent / "trioserve"
 

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import httpx
 
+from trioserve.bench.memory import tree_memory
 from trioserve.bench.process import ServerStartError, free_port, wait_healthy
 from trioserve.bench.vs_llama import (
     LLAMA_SERVER,
@@ -52,7 +53,6 @@ from trioserve.bench.vs_llama import (
     parse_quantizations,
     plot_comparison,
     run_summary,
-    tree_memory,
     trioserve_command,
 )
 
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         from trioserve.bench.plot import require_matplotlib
 
         require_matplotlib()  # fail before the runs, not after them
-    from trioserve.engine.loading.loader import DEFAULT_MODEL_NAME, default_model_path
+    from trioserve.engine.loading.sources import DEFAULT_MODEL_NAME, default_model_path
 
     model = Path(args.model) if args.model else default_model_path()
     contenders = [Contender.trioserve(q, shlex.split(args.trioserve_args)) for q in args.quantizations]

@@ -37,7 +37,8 @@ import trio
 
 from trioserve.bench.client import RunResult, Target, run_benchmark
 from trioserve.bench.datasets import SampleRequest, load_tokenizer, random_dataset
-from trioserve.bench.metrics import SLO, calculate_metrics, percentile, tpot_of
+from trioserve.bench.metrics import SLO, calculate_metrics, tpot_of
+from trioserve.bench.stats import percentile
 from trioserve.bench.process import serving_process
 
 MODEL = "SmolLM2-135M-Instruct"

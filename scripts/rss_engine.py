@@ -19,7 +19,7 @@ import random
 import time
 
 from trioserve.bench.datasets import random_words
-from trioserve.bench.process import rss_bytes
+from trioserve.bench.memory import rss_bytes
 from trioserve.engine.config import EngineConfig
 from trioserve.engine.core.engine_core import EngineCore
 from trioserve.engine.sampling.sampling_params import SamplingParams

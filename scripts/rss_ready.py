@@ -6,7 +6,7 @@ llama-server beside it on the same GGUF.
 
 Starts ``trioserve serve`` (its defaults plus ``--trioserve-args``) on a
 free 127.0.0.1 port, reads the resident memory of its process tree once
-``/health`` answers (``bench.vs_llama.tree_memory``: VmRSS summed over the
+``/health`` answers (``bench.memory.tree_memory``: VmRSS summed over the
 tree, and the sum of each process's peak), sends ``--requests`` plain
 completions, ``--in-flight`` at a time (distinct prompts of
 ``--input-words`` random words, ``--output-len`` tokens out, greedy,
@@ -39,7 +39,7 @@ import httpx
 
 from trioserve.bench.datasets import random_words
 from trioserve.bench.process import free_port, wait_healthy
-from trioserve.bench.vs_llama import tree_memory
+from trioserve.bench.memory import tree_memory
 
 BIN = Path(sys.executable).parent / "trioserve"
 
@@ -116,7 +116,7 @@ def main() -> int:
         command = [str(BIN), "serve", "--host", "127.0.0.1", "--port", str(port), "--shutdown-timeout", "5"]
         measure("trioserve", command + shlex.split(args.trioserve_args), f"http://127.0.0.1:{port}", args)
     if args.llama_server:
-        from trioserve.engine.loading.loader import default_model_path
+        from trioserve.engine.loading.sources import default_model_path
 
         model = args.model or str(default_model_path())
         port = free_port()

@@ -32,8 +32,9 @@ import httpx
 import trio
 
 from trioserve.bench.datasets import random_words
-from trioserve.bench.metrics import percentile
-from trioserve.bench.process import ServerStartError, server_metrics, serving_process
+from trioserve.bench.process import ServerStartError, serving_process
+from trioserve.bench.scrape import scrape
+from trioserve.bench.stats import percentile
 
 
 async def stream_itls(url: str, end: float, itls: list[float], seed: int) -> None:
@@ -124,7 +125,8 @@ async def measure(url: str, proc: subprocess.Popen[bytes], args: argparse.Namesp
             nursery.start_soon(stream_itls, url, end, alone, i)
     print(f"others alone:           {summary(alone)}", flush=True)
 
-    before = await server_metrics(url)
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        before = await scrape(http)
     with_slow: list[float] = []
     result = StalledReaderResult()
     async with trio.open_nursery() as nursery:
@@ -133,7 +135,8 @@ async def measure(url: str, proc: subprocess.Popen[bytes], args: argparse.Namesp
         end = trio.current_time() + args.seconds
         for i in range(args.others):
             nursery.start_soon(stream_itls, url, end, with_slow, i)
-    after = await server_metrics(url)
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        after = await scrape(http)
     print(f"others with the stalled: {summary(with_slow)}", flush=True)
     ratio = ratios(with_slow, alone)
     print(f"ratio (with / alone): mean {ratio[0]:.3f}, p50 {ratio[1]:.3f}, p90 {ratio[2]:.3f}", flush=True)

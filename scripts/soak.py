@@ -10,7 +10,8 @@ and plain completions, ``n`` of 1 to 3, prompts of 3 to 150 words, 4 to 64
 tokens, some with a short deadline, some hung up on mid-stream. Every minute
 it prints the server's resident memory, open file descriptors and trio task
 count, and the minute's request latencies (p50, p99) and time to first
-token (p99).
+token (p99), percentiles as ``trioserve bench`` computes them
+(``trioserve.bench.stats``).
 
 It exits 1 if the server died, any request failed (a 5xx, an error event, a
 broken connection; 429 counts as refused, not failed), or a leak check
@@ -48,7 +49,10 @@ import httpx
 import trio
 
 from trioserve.bench.datasets import random_words
-from trioserve.bench.process import ServerStartError, open_fds, rss_bytes, server_metrics, serving_process
+from trioserve.bench.memory import rss_bytes
+from trioserve.bench.process import ServerStartError, open_fds, serving_process
+from trioserve.bench.scrape import KV_USAGE, wait_idle
+from trioserve.bench.stats import percentile
 
 MIB = 1 << 20
 
@@ -70,15 +74,6 @@ async def server_tasks(url: str) -> int:
         return (await http.get("/health")).json()["tasks"]
 
 
-async def wait_idle(url: str, timeout: float = 120) -> dict[str, float]:
-    with trio.fail_after(timeout):
-        while True:
-            values = await server_metrics(url)
-            if values["trioserve:num_requests_running"] == 0 and values["trioserve:num_requests_waiting"] == 0:
-                return values
-            await trio.sleep(0.2)
-
-
 # -- the mixed load ---------------------------------------------------------------
 
 
@@ -96,11 +91,9 @@ class Window:
     errors: list[str] = attrs.field(factory=list)
 
 
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, math.ceil(q / 100 * len(ordered)) - 1)]
+def percentile_or_nan(values: list[float], p: float) -> float:
+    """``stats.percentile``; NaN for a minute in which nothing finished."""
+    return percentile(values, p) if values else math.nan
 
 
 def draw_request(rng: random.Random) -> tuple[str, dict[str, Any], int | None]:
@@ -215,9 +208,9 @@ async def soak(url: str, proc: subprocess.Popen[bytes], args: argparse.Namespace
             "hung_up": window.disconnected,
             "timed_out": window.timed_out,
             "failed": window.failed,
-            "p50_s": percentile(window.latencies, 50),
-            "p99_s": percentile(window.latencies, 99),
-            "ttft_p99_s": percentile(window.ttfts, 99),
+            "p50_s": percentile_or_nan(window.latencies, 50),
+            "p99_s": percentile_or_nan(window.latencies, 99),
+            "ttft_p99_s": percentile_or_nan(window.ttfts, 99),
             "rss_mib": rss_bytes(pid) / MIB,
             "fds": open_fds(pid),
             "tasks": await server_tasks(url),
@@ -242,13 +235,14 @@ async def soak(url: str, proc: subprocess.Popen[bytes], args: argparse.Namespace
 
     failures.extend(windows[-1].errors)  # requests that ended after the last sample
     # The load has stopped: every connection is closed. Idle figures.
-    idle = await wait_idle(url)
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        idle = await wait_idle(http)
     with trio.move_on_after(30):  # closing connections takes the server a moment to see
         while (tasks_after := await server_tasks(url)) != idle_tasks or open_fds(pid) > idle_fds + 2:
             await trio.sleep(0.2)
     fds_after = open_fds(pid)
     print(
-        f"idle after the load: {tasks_after} tasks, {fds_after} fds, KV usage {idle['trioserve:kv_cache_usage_perc']:.3f}, "
+        f"idle after the load: {tasks_after} tasks, {fds_after} fds, KV usage {idle[KV_USAGE]:.3f}, "
         f"RSS {rss_bytes(pid) / MIB:.0f} MiB",
         flush=True,
     )
@@ -266,7 +260,7 @@ async def soak(url: str, proc: subprocess.Popen[bytes], args: argparse.Namespace
     )
     checks.append((tasks_after == idle_tasks, f"tasks when idle: {idle_tasks} before, {tasks_after} after"))
     checks.append((fds_after <= idle_fds + 2, f"open fds when idle: {idle_fds} before, {fds_after} after"))
-    checks.append((idle["trioserve:kv_cache_usage_perc"] == 0, f"KV usage when idle: {idle['trioserve:kv_cache_usage_perc']}"))
+    checks.append((idle[KV_USAGE] == 0, f"KV usage when idle: {idle[KV_USAGE]}"))
     checks.append((not failures, f"{len(failures)} failed requests"))
     check_alive(proc)
     proc.send_signal(signal.SIGTERM)

@@ -20,9 +20,9 @@ from typing import Any
 import attrs
 import httpx
 import trio
-from prometheus_client.parser import text_string_to_metric_families
 from quart_trio import QuartTrio
 
+from trioserve.bench import scrape as server_scrape
 from trioserve.engine.config import EngineConfig
 from trioserve.web.app import app_host
 from trioserve.web.serve import hypercorn_config, serve
@@ -133,31 +133,15 @@ async def read_sse_lines(response: httpx.Response) -> AsyncIterator[Any]:
 
 
 def metric_values(text: str, model: str = MODEL) -> dict[str, float]:
-    """Samples of a Prometheus exposition for ``model``, keyed by name plus
-    any other labels as ``name{label=value}``."""
-    values = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = dict(sample.labels)
-            if labels.pop("model_name", None) != model:
-                continue
-            extra = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
-            values[f"{sample.name}{{{extra}}}" if extra else sample.name] = sample.value
-    return values
+    """Samples of a Prometheus exposition for ``model`` (``trioserve.bench.scrape``)."""
+    return server_scrape.metric_values(text, model)
 
 
 async def scrape(client: httpx.AsyncClient, model: str = MODEL) -> dict[str, float]:
-    response = await client.get("/metrics")
-    assert response.status_code == 200
-    return metric_values(response.text, model)
+    return await server_scrape.scrape(client, model)
 
 
 async def wait_idle(client: httpx.AsyncClient, model: str = MODEL, timeout: float = 10.0) -> dict[str, float]:
-    """Poll ``/metrics`` until no request runs or waits (aborts apply at the
-    engine's next step boundary); return the last scrape."""
-    with trio.fail_after(timeout):
-        while True:
-            values = await scrape(client, model)
-            if values["trioserve:num_requests_running"] == 0 and values["trioserve:num_requests_waiting"] == 0:
-                return values
-            await trio.sleep(0.02)
+    """``trioserve.bench.scrape.wait_idle`` for the tests' model: no request
+    runs or waits; the last scrape."""
+    return await server_scrape.wait_idle(client, model, timeout=timeout)

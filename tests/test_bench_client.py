@@ -42,12 +42,7 @@ from trioserve.bench import (
     write_plots,
 )
 from trioserve.bench.client import SSEParser, build_payload
-from trioserve.bench.metrics import (
-    PrefixCacheCounters,
-    parse_prefix_cache_counters,
-    percentile,
-    prefix_cache_hit_rate,
-)
+from trioserve.bench.metrics import PrefixCacheCounters, parse_prefix_cache_counters, prefix_cache_hit_rate
 from trioserve.bench.plot import LATENCY_CDF_PNG, THROUGHPUT_PNG, require_matplotlib
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -296,15 +291,6 @@ def out(ttft, itl, *, tokens=None, prompt_len=10, success=True, error=""):
         e2el=ttft + sum(itl),
         error=error,
     )
-
-
-def test_percentile_interpolates_linearly():
-    assert percentile([4, 1, 3, 2], 50) == 2.5
-    assert percentile([1, 2, 3, 4], 90) == pytest.approx(3.7)
-    assert percentile([1, 2, 3, 4], 99) == pytest.approx(3.97)
-    assert percentile([5], 99) == 5
-    with pytest.raises(ValueError, match="no values"):
-        percentile([], 50)
 
 
 def test_metric_definitions_on_known_timings():

@@ -1,13 +1,12 @@
-"""The parts of ``scripts/bench_vs_llama.py`` that need no server: the two
-command lines, memory of a process tree from /proc, the token-count check,
-and the tables and plot drawn from its JSON. Nothing here needs llama.cpp."""
+"""The parts of ``trioserve bench vs-llama`` that need no server: the two
+command lines, the token-count check, and the tables and plot drawn from its
+JSON. Nothing here needs llama.cpp."""
 
 from __future__ import annotations
 
 import copy
 import importlib.util
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -20,12 +19,9 @@ from trioserve.bench.vs_llama import (
     gguf_weight_type,
     llama_server_command,
     logprob_token_count,
-    parse_proc_status,
     parse_quantizations,
     plot_comparison,
-    process_tree,
     ratio_rows,
-    tree_memory,
     trioserve_command,
 )
 from trioserve.web.cli import build_parser
@@ -86,37 +82,6 @@ def test_layout_and_contender_refuse_bad_values():
         Layout(slots=0, ctx_per_slot=512, threads=2)
     with pytest.raises(ValueError, match="quantization must be one of"):
         Contender.trioserve("fp8")
-
-
-def _fake_proc(root: Path, pid: int, ppid: int, name: str, rss_kb: int, hwm_kb: int) -> None:
-    (root / str(pid)).mkdir()
-    (root / str(pid) / "stat").write_text(f"{pid} ({name}) S {ppid} {pid} {pid} 0 -1 4194560\n")
-    (root / str(pid) / "status").write_text(
-        f"Name:\t{name}\nPid:\t{pid}\nPPid:\t{ppid}\nVmHWM:\t{hwm_kb} kB\nVmRSS:\t{rss_kb} kB\n"
-        f"RssAnon:\t{rss_kb - 100} kB\nRssFile:\t100 kB\nThreads:\t3\n"
-    )
-
-
-def test_memory_of_a_process_tree(tmp_path):
-    _fake_proc(tmp_path, 10, 1, "trioserve", 1000, 1500)
-    _fake_proc(tmp_path, 11, 10, "a (b) c", 200, 300)  # a name with spaces and parentheses
-    _fake_proc(tmp_path, 12, 11, "grandchild", 150, 160)
-    _fake_proc(tmp_path, 13, 1, "someone else", 7000, 7000)
-    (tmp_path / "self").mkdir()
-    assert sorted(process_tree(10, tmp_path)) == [10, 11, 12]
-    memory = tree_memory(10, tmp_path)
-    assert (memory.rss, memory.hwm, memory.processes) == (1350 * 1024, 1960 * 1024, 3)
-    assert (memory.rss_anon, memory.rss_file) == (1050 * 1024, 300 * 1024)
-    assert tree_memory(11, tmp_path).rss == 350 * 1024
-    with pytest.raises(ProcessLookupError):
-        tree_memory(99, tmp_path)
-
-
-def test_memory_of_this_process():
-    memory = tree_memory(os.getpid())
-    assert memory.processes >= 1 and 0 < memory.rss <= memory.hwm
-    status = parse_proc_status(Path(f"/proc/{os.getpid()}/status").read_text())
-    assert status["VmRSS"] > 0 and "Pid" not in status  # only the kB fields
 
 
 def _bench_result(output_lens, errors=None, itl_counts=None) -> dict:

@@ -13,18 +13,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from trioserve import testing
+from trioserve.bench.scrape import wait_idle_sync
 from trioserve.web.app import create_app
 from trioserve.web.settings import ServerConfig
 
 from browser import LAST_ANSWER, answer_state, answer_text, chromium
-from server_fixtures import MODEL, metric_values, server_config, server_in_thread
+from server_fixtures import MODEL, server_config, server_in_thread
 
 DOCS_IMAGES = Path(__file__).resolve().parents[1] / "docs" / "images"
 WIDE = {"width": 1280, "height": 800}
@@ -35,19 +35,6 @@ WAIT_MS = 120_000
 
 def _content_longer_than(chars: int) -> str:
     return f"() => {LAST_ANSWER}.querySelector('.content').textContent.length > {chars}"
-
-
-def _wait_engine_idle(url: str, model: str, timeout: float = 30.0) -> dict[str, float]:
-    """Poll /metrics until nothing runs or waits and no KV block is held
-    (an abort lands at the engine's next step boundary)."""
-    give_up = time.monotonic() + timeout
-    while True:
-        values = metric_values(httpx.get(url + "/metrics").text, model)
-        idle = values["trioserve:num_requests_running"] == 0 and values["trioserve:num_requests_waiting"] == 0
-        if idle and values["trioserve:kv_cache_usage_perc"] == 0:
-            return values
-        assert time.monotonic() < give_up, f"the engine is still busy: {values}"
-        time.sleep(0.05)
 
 
 @pytest.mark.slow
@@ -92,7 +79,7 @@ def test_chat_page_streams_stops_and_keeps_the_conversation(default_loaded, tmp_
         assert page.is_enabled("#send") and not page.is_enabled("#stop")
 
         # The server saw the disconnect: the request was aborted and its blocks freed.
-        values = _wait_engine_idle(server.url, MODEL)
+        values = wait_idle_sync(server.url, MODEL, timeout=30, blocks_free=True)
         # It ended well short of its 400 tokens (the first answer had at most 64).
         assert values["trioserve:generation_tokens_total"] < 64 + 400 - 50, values
 

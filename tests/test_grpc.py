@@ -9,15 +9,15 @@ whose generations are long enough that a cancel surely lands mid-stream.
 from __future__ import annotations
 
 import re
-import time
 from pathlib import Path
 
 import grpc
 import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from server_fixtures import MODEL, metric_values, server_config, server_in_thread
+from server_fixtures import MODEL, server_config, server_in_thread
 
+from trioserve.bench.scrape import wait_idle_sync
 from trioserve.rpc import codegen
 from trioserve.rpc import trioserve_pb2 as pb
 from trioserve.rpc import trioserve_pb2_grpc as pb_grpc
@@ -181,17 +181,10 @@ def stub(server):
         yield pb_grpc.GenerationStub(channel)
 
 
-def wait_idle(server, timeout: float = 20.0) -> dict[str, float]:
-    """Poll /metrics until nothing runs or waits (an abort applies at the
-    engine's next step boundary); return the last scrape."""
-    give_up = time.monotonic() + timeout
-    with httpx.Client(base_url=server.url, timeout=10) as client:
-        while time.monotonic() < give_up:
-            values = metric_values(client.get("/metrics").text, MODEL)
-            if values["trioserve:num_requests_running"] == 0 and values["trioserve:num_requests_waiting"] == 0:
-                return values
-            time.sleep(0.02)
-    raise AssertionError("the engine did not become idle")
+def wait_idle(server) -> dict[str, float]:
+    """``trioserve.bench.scrape.wait_idle`` on the server's model: nothing
+    runs or waits (an abort applies at the next step boundary)."""
+    return wait_idle_sync(server.url, MODEL, timeout=20)
 
 
 @pytest.mark.slow

@@ -27,11 +27,11 @@ GLIBC = platform.libc_ver()[0] == "glibc"
 FRAGMENT = textwrap.dedent(
     """
     import json
+    from trioserve.bench.memory import rss_bytes
     from trioserve.engine.runtime.heap_trim import trim_heap
 
     def rss():
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) >> 10 for line in f if line.startswith("VmRSS:"))
+        return rss_bytes() >> 20
 
     blocks = [bytearray(100_000) for _ in range(2_000)]
     last = blocks[-1]
@@ -61,11 +61,11 @@ def test_trimming_gives_a_fragmented_heaps_free_pages_back():
 THREAD_TOP = textwrap.dedent(
     """
     import json, sys, threading
+    from trioserve.bench.memory import rss_bytes
     from trioserve.engine.runtime.heap_trim import fix_heap_thresholds, trim_heap
 
     def rss():
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) >> 10 for line in f if line.startswith("VmRSS:"))
+        return rss_bytes() >> 20
 
     fixed = fix_heap_thresholds() if sys.argv[1] == "fixed" else None
     sizes = {}

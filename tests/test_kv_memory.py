@@ -9,7 +9,7 @@ reuses written blocks before new ones, so with ``reuse_written_first`` (the
 engine's choice on CPU) the blocks ever written are exactly the most blocks
 held at once. What attention may read of a slot never written is zeros,
 never garbage (which could be NaN). Resident memory is read from
-/proc/self/status and the pool's own pages from ``mincore``.
+/proc/self/status (``trioserve.bench.memory``) and the pool's own pages from ``mincore``.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from conftest import make_core
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from trioserve.bench.memory import rss_bytes
 from trioserve.engine.core.block_manager import BlockManager
 from trioserve.engine.core.kv_batch import KVAllocation, KVBatch, KVCommit
 from trioserve.engine.models.kv_cache import KVCache, kv_bytes_per_block
@@ -32,15 +33,6 @@ MIB = 1 << 20
 PAGE = 4096
 
 
-def rss() -> int:
-    """This process's resident memory (VmRSS), in bytes."""
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS in /proc/self/status")
-
-
 # -- the pool's tensors ----------------------------------------------------------
 
 
@@ -49,9 +41,9 @@ def test_a_cpu_pool_commits_memory_as_blocks_are_written_not_at_allocation():
     per_block = kv_bytes_per_block(config, BLOCK_SIZE, torch.float32)
     num_blocks = (512 * MIB) // per_block
     gc.collect()
-    before = rss()
+    before = rss_bytes()
     kv = KVCache.allocate(config, num_blocks=num_blocks, block_size=BLOCK_SIZE, dtype=torch.float32, device="cpu")
-    allocated = rss()
+    allocated = rss_bytes()
     assert kv.nbytes >= 500 * MIB
     # A zero fill would have committed all 512 MiB here.
     assert allocated - before < 32 * MIB, f"allocating a {kv.nbytes / MIB:.0f} MiB pool took {(allocated - before) / MIB:.0f} MiB"
@@ -64,7 +56,7 @@ def test_a_cpu_pool_commits_memory_as_blocks_are_written_not_at_allocation():
     written = written_blocks * per_block
     pools = 2 * config.num_hidden_layers  # each layer's keys and values: one partial page at most each
     assert written <= kv.resident_bytes() <= written + pools * PAGE
-    assert rss() - allocated >= 0.9 * written
+    assert rss_bytes() - allocated >= 0.9 * written
     assert torch.count_nonzero(kv.key[:, written_blocks:]) == 0
 
 
@@ -175,11 +167,11 @@ def test_the_default_models_engine_commits_its_pool_with_the_tokens_held(default
     # An engine first, so that what any engine imports and builds once is not counted.
     make_core(default_loaded)
     gc.collect()
-    before = rss()
+    before = rss_bytes()
     core = make_core(default_loaded, kv_cache_memory=1 << 30, max_num_seqs=32, max_model_len=2048, kv_cache_dtype="float32")
     assert core.kv_cache.nbytes > 1000 * MIB
     # Zero-filled, the pool alone would have added its gigabyte.
-    assert rss() - before < 128 * MIB
+    assert rss_bytes() - before < 128 * MIB
     assert core.kv_cache.resident_bytes() == 0
 
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
