@@ -48,7 +48,8 @@ import trio
 from trioserve.engine.faults import Fault
 from trioserve.engine.sampling.grammar import unpack_bitmask
 from trioserve.engine.runtime.model_runner import RunnerOutput, StepLogits
-from trioserve.engine.core.step_plan import ScheduledChunk, StepPlan, TokenMask
+from trioserve.engine.runtime.step_plan import ScheduledChunk, StepPlan
+from trioserve.engine.sampling.rows import TokenMask
 from trioserve.engine.runtime.step_thread import StepThread, StepThreadClosed, StepThreadDied
 
 from .errors import StepHung

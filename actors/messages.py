@@ -23,7 +23,8 @@ import trio
 from trioserve.engine.core.kv_batch import KVBatch
 from trioserve.engine.runtime.model_runner import RunnerOutput
 from trioserve.engine.sampling.sampling_params import SamplingParams
-from trioserve.engine.core.step_plan import StepPlan, TokenMask
+from trioserve.engine.runtime.step_plan import StepPlan
+from trioserve.engine.sampling.rows import TokenMask
 from trioserve.engine.core.sequence import FinishReason
 
 

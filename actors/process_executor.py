@@ -49,11 +49,11 @@ import trio
 
 from trioserve.engine.config import EngineConfig
 from trioserve.engine.core.engine_core import EngineCore
-from trioserve.engine.kernels.kv_dtype import KVDtypeChoice
+from trioserve.engine.kernels.kv_dtype_choice import KVDtypeChoice
 from trioserve.engine.loading.loader import LoadedModel, describe_model
 from trioserve.engine.models.llama import ProjectionChoice
 from trioserve.engine.runtime.model_runner import RunnerOutput
-from trioserve.engine.core.step_plan import StepPlan
+from trioserve.engine.runtime.step_plan import StepPlan
 from trioserve.engine.runtime.step_thread import StepThread
 from trioserve.engine.parallel.worker_process import (
     HEADER,

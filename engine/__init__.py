@@ -7,11 +7,12 @@ contracts in pyproject.toml's ``[tool.importlinter]`` say so and CI checks):
 - ``parallel``: tensor parallelism, worker processes, placement
 - ``runtime``: running a planned step on a model
 - ``loading``: checkpoints and GGUF files into models
-- ``models``: the models' math, one module per family, and shared layers
+- ``models``: the models' math, one module per family
 - ``sampling``: sampling parameters, the sampler, grammars, speculative decoding
 - ``text``: tokenizers, detokenizing, chat templates
 - ``kernels``: compressed weights, native kernels and their choice, CPU capability
+- ``layers``: the blocks families are built of, in plain torch (attention, rotary, KV cache)
 
 Beside them, the base modules every package may use: ``config``, ``errors``,
-``faults``, ``validators``.
+``faults``, ``validators``, ``plugins`` and ``heap_trim``.
 """

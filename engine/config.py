@@ -7,11 +7,12 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import attrs
 
-from trioserve.engine.errors import ModelLoadError
+from trioserve.engine.errors import GenerationConfigError, ModelLoadError
 from trioserve.engine.validators import integer_at_least, optional_fraction, optional_positive, optional_positive_finite, positive
 
 SUPPORTED_ARCHITECTURES = (
@@ -159,8 +160,9 @@ def _kv_cache_memory(instance: Any, attribute: attrs.Attribute, value: Any) -> N
 
 
 WORKER_MODES = ("thread", "process")
-# What the KV cache may store (engine/kernels/kv_dtype.py); "fp8" is e4m3, on CUDA only.
+# What the KV cache may store (engine/kernels/kv_dtype_choice.py); "fp8" is e4m3, on CUDA only.
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "fp8")
+GENERATION_CONFIG_FILE = "generation_config.json"
 
 
 def _worker_mode(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -174,9 +176,24 @@ def _kv_cache_dtype(instance: Any, attribute: attrs.Attribute, value: Any) -> No
 
 
 def _generation_config(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
-    from trioserve.engine.loading.generation_config import check_option  # it imports SamplingParams; imported late, no cycle
+    # The form and the path only: the file's fields are checked where it is
+    # read (loading/generation_config.py), when an engine opens.
+    if not isinstance(value, str) or not value:
+        raise GenerationConfigError(f"generation_config must be 'auto', 'none' or a path, got {value!r}")
+    if value not in ("auto", "none"):
+        generation_config_path(value)
 
-    check_option(value)
+def generation_config_path(value: str) -> Path:
+    """The file a ``generation_config`` path names: the file itself, or a
+    folder's ``generation_config.json``."""
+    path = Path(value).expanduser()
+    if path.is_dir():
+        path = path / GENERATION_CONFIG_FILE
+        if not path.is_file():
+            raise GenerationConfigError(f"generation_config: {path.parent} holds no {GENERATION_CONFIG_FILE}")
+    elif not path.exists():
+        raise GenerationConfigError(f"generation_config: {path}: no such file or folder")
+    return path
 
 
 def _speculative(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -324,7 +341,7 @@ class EngineConfig:
         default=attrs.Factory(lambda self: min(2, self.speculative_max_ngram), takes_self=True),
         validator=integer_at_least(1),
     )
-    # Plugins to load by entry-point name (engine/runtime/plugins.py; --plugins).
+    # Plugins to load by entry-point name (engine/plugins.py; --plugins).
     plugins: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     # Compressed weights (engine/kernels, docs/api.md): "auto" keeps a GGUF's
     # quantized matrices compressed on CPU (float32 activations) and loads
@@ -342,7 +359,7 @@ class EngineConfig:
     # grammar while it stays in (--grammar-cache-size).
     grammar_cache_size: int = attrs.field(default=DEFAULT_GRAMMAR_CACHE_SIZE, validator=integer_at_least(1))
 
-    # What the KV cache stores (engine/kernels/kv_dtype.py): "auto" is a 16-bit
+    # What the KV cache stores (engine/kernels/kv_dtype_choice.py): "auto" is a 16-bit
     # dtype on CPU where its conversions work and measure fast here (else
     # float32), and the model's dtype on CUDA; "fp8" (e4m3, saturating) runs
     # on CUDA only. Keys and values are computed in the model's dtype and

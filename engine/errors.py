@@ -51,3 +51,8 @@ class TokenizerError(InvalidRequestError):
     Only that request is refused; the message names the exception's class,
     never its text, which may quote the prompt.
     """
+
+class GenerationConfigError(ModelLoadError, ValueError):
+    """A generation config that cannot be read: a missing path, a file that
+    is not a JSON object, a sampling field of the wrong type or range. The
+    message names the path and the field."""

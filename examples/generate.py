@@ -6,7 +6,7 @@
 import sys
 
 from trioserve.engine.config import EngineConfig
-from trioserve.engine.runtime.generate import generate_greedy
+from trioserve.engine.core.generate import generate_greedy
 
 
 def main() -> None:

@@ -23,7 +23,7 @@ import grpc
 import trio
 
 from trioserve.engine.errors import InvalidRequestError
-from trioserve.engine.runtime.plugins import RequestContext
+from trioserve.engine.plugins import RequestContext
 from trioserve.web.completions import translate
 from trioserve.web.errors import ApiError, InvalidRequest, from_exception
 from trioserve.web.host import ModelHost

@@ -38,10 +38,10 @@ def _child(quantization: str, tokens: int, profile: bool) -> dict:
     import torch
 
     torch.set_num_threads(int(os.environ.get("TRIOSERVE_BENCH_THREADS", "2")))
-    from trioserve.engine.models.attention import AttentionMetadata
+    from trioserve.engine.layers.attention import AttentionMetadata
     from trioserve.engine.config import EngineConfig
     from trioserve.engine.core.engine_core import EngineCore
-    from trioserve.engine.models.forward_batch import ForwardBatch
+    from trioserve.engine.layers.forward_batch import ForwardBatch
     from trioserve.engine.loading.loader import load_model
     from trioserve.engine.sampling.sampling_params import SamplingParams
 

@@ -14,7 +14,7 @@ import torch
 
 from trioserve.engine.loading import gguf_cache
 
-from trioserve.engine.loading import loader
+from trioserve.engine.loading import loader, sources
 
 SCHEMA = {
     "type": "object",
@@ -114,7 +114,7 @@ def main():
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    folder = gguf_cache.ensure_converted(loader.default_model_path(), None)
+    folder = gguf_cache.ensure_converted(sources.default_model_path(), None)
     # Both backends take a transformers tokenizer (the engine's own is a
     # FastTokenizer, engine/text/fast_tokenizer.py).
     from transformers import PreTrainedTokenizerFast

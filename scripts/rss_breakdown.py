@@ -13,7 +13,7 @@ each stage imported:
    ``trioserve.actors``), imported as ``trioserve serve`` imports them;
 3. the model and tokenizer (``load_model_for``), then the engine core
    (KV pool, warm-up), with the KV pool's mapped and resident bytes (a
-   CPU pool commits its pages as blocks are written: engine/models/kv_cache.py);
+   CPU pool commits its pages as blocks are written: engine/layers/kv_cache.py);
 4. ``--requests`` plain completions (128 random words in, 16 tokens out,
    greedy), 32 in flight, through ``EngineCore`` (no HTTP; the core trims
    the heap when it goes idle at the end, unless ``--no-heap-trim``);

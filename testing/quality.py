@@ -7,8 +7,8 @@ import math
 
 import torch
 
-from trioserve.engine.models.forward_batch import ForwardBatch, SeqChunk
-from trioserve.engine.models.kv_cache import KVCache
+from trioserve.engine.layers.forward_batch import ForwardBatch, SeqChunk
+from trioserve.engine.layers.kv_cache import KVCache
 from trioserve.engine.models.llama import LlamaForCausalLM
 
 BLOCK_SIZE = 16

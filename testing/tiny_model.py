@@ -19,9 +19,10 @@ import torch
 
 from trioserve.engine.config import EngineConfig, ModelConfig, RopeScaling
 from trioserve.engine.text.fast_tokenizer import FastTokenizer
-from trioserve.engine.models.kv_cache import kv_bytes_per_block
+from trioserve.engine.layers.kv_cache import kv_bytes_per_block
 from trioserve.engine.kernels.kv_dtype import DTYPES as KV_DTYPES
-from trioserve.engine.loading.loader import LoadedModel, default_model_path
+from trioserve.engine.loading.loader import LoadedModel
+from trioserve.engine.loading.sources import default_model_path
 from trioserve.engine.models.llama import LlamaForCausalLM
 
 VOCAB_SIZE = 49152  # the default model's, so its tokenizer fits

@@ -7,7 +7,7 @@ import pytest
 
 from factories import FakeRunner, make_request, make_scheduler, next_token, run_to_completion, step
 
-from trioserve.engine.runtime.plugins import PriorityPolicy
+from trioserve.engine.plugins import PriorityPolicy
 from trioserve.engine.core.scheduler import Scheduler
 from trioserve.engine.core.sequence import FinishReason, RequestStatus
 

@@ -16,9 +16,9 @@ import pytest
 import torch
 from conftest import TEST_DEVICE
 
-from trioserve.engine.models.attention import AttentionMetadata, paged_attention, write_kv
-from trioserve.engine.models.forward_batch import ForwardBatch, SeqChunk
-from trioserve.engine.models.kv_cache import KVCache
+from trioserve.engine.layers.attention import AttentionMetadata, paged_attention, write_kv
+from trioserve.engine.layers.forward_batch import ForwardBatch, SeqChunk
+from trioserve.engine.layers.kv_cache import KVCache
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 6, 2, 8, 4
 NUM_BLOCKS = 64

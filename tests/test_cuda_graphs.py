@@ -27,8 +27,8 @@ from trioserve.engine.runtime.cuda_graphs import (
 )
 from trioserve.engine.core.engine_core import EngineCore
 from trioserve.engine.text.fast_tokenizer import FastTokenizer
-from trioserve.engine.models.forward_batch import ForwardBatch, SeqChunk
-from trioserve.engine.models.kv_cache import KVCache, kv_bytes_per_block
+from trioserve.engine.layers.forward_batch import ForwardBatch, SeqChunk
+from trioserve.engine.layers.kv_cache import KVCache, kv_bytes_per_block
 from trioserve.engine.sampling.sampling_params import SamplingParams
 from trioserve.testing.tiny_model import BLOCK_SIZE as ENGINE_BLOCK_SIZE
 from trioserve.testing.tiny_model import VOCAB_SIZE, engine_config, tiny_loaded_with, write_word_tokenizer

@@ -25,12 +25,12 @@ from test_model_equivalence import _save_tiny
 
 from trioserve.engine.config import EngineConfig
 from trioserve.engine.core.engine_core import EngineCore
-from trioserve.engine.models.forward_batch import ForwardBatch, SeqChunk
-from trioserve.engine.models.kv_cache import KVCache
+from trioserve.engine.layers.forward_batch import ForwardBatch, SeqChunk
+from trioserve.engine.layers.kv_cache import KVCache
 from trioserve.engine.loading.loader import LoadedModel, load_model
 from trioserve.engine.sampling.sampler import Sampler
 from trioserve.engine.sampling.sampling_params import SamplingParams
-from trioserve.engine.core.step_plan import SamplingRow
+from trioserve.engine.sampling.rows import SamplingRow
 from trioserve.testing.tiny_model import write_word_tokenizer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -8,7 +8,7 @@ import transformers
 from hypothesis import given, settings
 
 from trioserve.engine.text.detokenizer import DetokenizerDelta, IncrementalDetokenizer
-from trioserve.engine.loading.loader import default_model_path
+from trioserve.engine.loading.sources import default_model_path
 
 EMOJI = "Hi 😀👍🏽! Family: 👨‍👩‍👧‍👦, flags 🇯🇵🇫🇷 ✨🎉 ok"
 CJK = "你好，世界！日本語のテキストと한국어 텍스트。東京タワー"

@@ -73,7 +73,7 @@ def test_greedy_continuation_equals_transformers_generate(default_loaded):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from trioserve.engine.loading.loader import default_model_path
+    from trioserve.engine.loading.sources import default_model_path
     from trioserve.engine.text.tokenizer import apply_chat_template
 
     gguf = default_model_path()

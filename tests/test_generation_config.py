@@ -20,15 +20,15 @@ from hypothesis import strategies as st
 from trioserve import testing
 from trioserve.actors import open_engine
 from trioserve.engine.config import EngineConfig
+from trioserve.engine.errors import GenerationConfigError
 from trioserve.engine.loading.generation_config import (
     BUILT_IN_SAMPLING,
-    GenerationConfigError,
     SamplingDefaults,
     load_sampling_defaults,
     read_gguf_metadata,
     read_generation_config,
 )
-from trioserve.engine.loading.loader import default_model_path
+from trioserve.engine.loading.sources import default_model_path
 from trioserve.engine.sampling.sampling_params import DEFAULTABLE_FIELDS, NEUTRAL_SAMPLING, SamplingParams
 from trioserve.web.app import create_app
 from trioserve.web.settings import ModelSpec, ServerConfig
@@ -166,8 +166,11 @@ def test_a_bad_generation_config_is_refused_naming_the_path_and_the_field(tmp_pa
     path = tmp_path / "generation_config.json"
     if content is not None:
         path.write_text(content)
+    # A missing path is refused as the config is made; a file's fields when
+    # an engine opens and reads it.
     with pytest.raises(GenerationConfigError) as info:
-        EngineConfig(generation_config=str(path))
+        config = EngineConfig(generation_config=str(path))
+        load_sampling_defaults(config.generation_config, config.model)
     assert str(path) in str(info.value) and named in str(info.value)
     assert isinstance(info.value, ValueError)
 

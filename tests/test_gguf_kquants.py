@@ -13,8 +13,8 @@ import torch
 
 from trioserve.engine.config import ModelConfig, RopeScaling
 from trioserve.engine.errors import ModelLoadError
-from trioserve.engine.models.forward_batch import ForwardBatch, SeqChunk
-from trioserve.engine.models.kv_cache import KVCache
+from trioserve.engine.layers.forward_batch import ForwardBatch, SeqChunk
+from trioserve.engine.layers.kv_cache import KVCache
 from trioserve.engine.models.llama import LlamaForCausalLM
 from trioserve.engine.loading import gguf_weights
 from trioserve.engine.kernels import native

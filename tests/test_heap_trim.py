@@ -1,4 +1,4 @@
-"""Giving freed heap memory back (engine/runtime/heap_trim.py): glibc returns the
+"""Giving freed heap memory back (engine/heap_trim.py): glibc returns the
 free pages of a fragmented heap, and a thread's free arena top once the
 thresholds are pinned; the engine trims once it goes idle after running
 steps, in process and through the actors."""
@@ -28,7 +28,7 @@ FRAGMENT = textwrap.dedent(
     """
     import json
     from trioserve.bench.memory import rss_bytes
-    from trioserve.engine.runtime.heap_trim import trim_heap
+    from trioserve.engine.heap_trim import trim_heap
 
     def rss():
         return rss_bytes() >> 20
@@ -62,7 +62,7 @@ THREAD_TOP = textwrap.dedent(
     """
     import json, sys, threading
     from trioserve.bench.memory import rss_bytes
-    from trioserve.engine.runtime.heap_trim import fix_heap_thresholds, trim_heap
+    from trioserve.engine.heap_trim import fix_heap_thresholds, trim_heap
 
     def rss():
         return rss_bytes() >> 20

@@ -1,5 +1,5 @@
 """A smaller KV cache (issue 13): what the cache stores (``kv_cache_dtype``,
-engine/kernels/kv_dtype.py) and how many blocks the pool gets (engine/core/kv_budget.py).
+engine/kernels/kv_dtype_choice.py) and how many blocks the pool gets (engine/core/kv_budget.py).
 
 A 16-bit pool holds twice the tokens in the same bytes; the engine's
 features (prefix caching, preemption, chunked prefill, speculation,
@@ -26,13 +26,15 @@ from trioserve.actors.process_executor import process_executor
 from trioserve.engine.core import kv_budget
 from trioserve.engine.kernels.capability import ASSUME_ENV, PROBES, CpuPaths, Probe
 from trioserve.engine.config import EngineConfig
-from trioserve.engine.core.engine_core import EngineCore, build_runner
+from trioserve.engine.core.engine_core import EngineCore
+from trioserve.engine.runtime.build import build_runner
 from trioserve.engine.errors import CpuCapabilityError
-from trioserve.engine.models.forward_batch import ForwardBatch, SeqChunk
+from trioserve.engine.layers.forward_batch import ForwardBatch, SeqChunk
 from trioserve.engine.core.kv_budget import CPU_DEFAULT_CEILING, CPU_MEMORY_FRACTION, available_memory, plan_pool
-from trioserve.engine.models.kv_cache import FP8, KVCache, from_cache, kv_bytes_per_block, storage_dtype, to_cache
+from trioserve.engine.layers.kv_cache import FP8, KVCache, from_cache, kv_bytes_per_block, storage_dtype, to_cache
 from trioserve.engine.kernels import kv_dtype
-from trioserve.engine.kernels.kv_dtype import CPU_PREFERENCE, DTYPES, choose_kv_dtype, kv_path, refuse_before_load, trial
+from trioserve.engine.kernels.kv_dtype import DTYPES, kv_path, trial
+from trioserve.engine.kernels.kv_dtype_choice import CPU_PREFERENCE, choose_kv_dtype, refuse_before_load
 from trioserve.engine.sampling.sampling_params import SamplingParams
 from trioserve.engine.text.tokenizer import apply_chat_template
 from trioserve.testing import engine_config

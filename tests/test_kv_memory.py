@@ -2,7 +2,7 @@
 written, not at start.
 
 A CPU pool is a mapping whose pages the kernel commits when first written
-(engine/models/kv_cache.py): the process's resident memory does not grow by the
+(engine/layers/kv_cache.py): the process's resident memory does not grow by the
 pool's size when it is allocated, and grows by about the bytes of the
 tokens written. The block manager hands out the lowest block ids first and
 reuses written blocks before new ones, so with ``reuse_written_first`` (the
@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from trioserve.bench.memory import rss_bytes
 from trioserve.engine.core.block_manager import BlockManager
 from trioserve.engine.core.kv_batch import KVAllocation, KVBatch, KVCommit
-from trioserve.engine.models.kv_cache import KVCache, kv_bytes_per_block
+from trioserve.engine.layers.kv_cache import KVCache, kv_bytes_per_block
 from trioserve.engine.sampling.sampling_params import SamplingParams
 from trioserve.testing.tiny_model import BLOCK_SIZE, tiny_model_config
 

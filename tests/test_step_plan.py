@@ -16,7 +16,7 @@ from trioserve.engine.errors import InvalidRequestError
 from trioserve.engine.runtime.model_runner import ModelRunner
 from trioserve.engine.core.new_request import NewRequest
 from trioserve.engine.sampling.sampling_params import SamplingParams
-from trioserve.engine.core.step_plan import StepPlan
+from trioserve.engine.runtime.step_plan import StepPlan
 
 # A mix that exercises every part of a plan: greedy and seeded draws,
 # penalties that read the output and the prompt, n > 1 (shared prefix

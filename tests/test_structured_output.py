@@ -21,7 +21,8 @@ from trioserve.engine.sampling.grammar import GrammarCompiler, GrammarError, Gra
 from trioserve.engine.sampling.sampler import Sampler
 from trioserve.engine.sampling.sampling_params import SamplingParams
 from trioserve.engine.core.sequence import FinishReason
-from trioserve.engine.core.step_plan import SamplingRow, StepPlan, TokenMask
+from trioserve.engine.runtime.step_plan import StepPlan
+from trioserve.engine.sampling.rows import SamplingRow, TokenMask
 from trioserve.engine.sampling.structured_output import StructuredOutput
 from trioserve.testing.tiny_model import VOCAB_SIZE, tiny_loaded, tokenizer
 

@@ -40,7 +40,7 @@ from trioserve.engine.core.engine_core import EngineCore
 from trioserve.engine.sampling.sampling_params import SamplingParams
 from trioserve.engine.sampling.structured_output import StructuredOutput
 from trioserve.engine.parallel.tensor_parallel import TPShard, check_tensor_parallel
-from trioserve.engine.loading.loader import read_model_config, resolve_checkpoint
+from trioserve.engine.loading.sources import read_model_config, resolve_checkpoint
 from trioserve.testing.tiny_model import tokenizer
 
 TRIOSERVE = str(Path(sys.executable).parent / "trioserve")

@@ -29,7 +29,7 @@ from trioserve.actors.errors import RequestFailed
 from trioserve.engine.config import EngineConfig
 from trioserve.engine.sampling.sampler import Sampler
 from trioserve.engine.sampling.sampling_params import SamplingParams
-from trioserve.engine.core.step_plan import SamplingRow
+from trioserve.engine.sampling.rows import SamplingRow
 from trioserve.web.cli import build_parser
 from trioserve.web.engine_options import engine_config_from_args
 from trioserve.web.health import model_health

@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+from importlib import metadata
 from typing import Any
 
 from trioserve.engine.config import EngineConfig
@@ -21,6 +22,8 @@ from .engine_options import (
 from .request_ids import RequestIdFilter
 from .serve_options import build_serve_parser, server_config_from_args
 
+# Entry points that add a command to ``trioserve`` (``trioserve bench``).
+COMMANDS_GROUP = "trioserve.commands"
 LOG_FORMAT = "%(asctime)s %(levelname)s [%(request_id)s] %(name)s: %(message)s"
 
 
@@ -38,7 +41,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from trioserve.engine.errors import InvalidRequestError
-    from trioserve.engine.runtime.generate import generate
+    from trioserve.engine.core.generate import generate
     from trioserve.engine.sampling.sampling_params import SamplingParams
 
     try:
@@ -191,16 +194,17 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--device", default=None, help="cpu or cuda, as on node 0 (default: cuda when present)")
     worker.set_defaults(func=cmd_worker)
 
-    from trioserve.bench.cli import add_bench_serve_parser
-    from trioserve.bench.offline import add_bench_offline_parser
-
-    bench = commands.add_parser("bench", help="benchmarks: a running server, or the engine offline")
-    bench_commands = bench.add_subparsers(
-        title="benchmarks", dest="bench_command", required=True, metavar="BENCHMARK", help="which benchmark to run"
-    )
-    add_bench_serve_parser(bench_commands)
-    add_bench_offline_parser(bench_commands)
+    add_installed_commands(commands)
     return parser
+
+
+def add_installed_commands(commands) -> None:
+    """Add the commands other packages offer in the ``COMMANDS_GROUP`` entry
+    points: each is ``add(commands)``, adding its parser to ``commands``.
+    trioserve's own ``bench`` is one (pyproject.toml): web/ imports nothing
+    of bench/, which uses web/'s engine options."""
+    for entry_point in sorted(metadata.entry_points(group=COMMANDS_GROUP), key=lambda e: e.name):
+        entry_point.load()(commands)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,8 @@ import argparse
 import os
 from typing import Any
 
-from trioserve.engine.config import DEFAULT_GRAMMAR_CACHE_SIZE, KV_CACHE_DTYPES, DegradationPolicy, EngineConfig
+from trioserve.engine.config import DEFAULT_GRAMMAR_CACHE_SIZE, KV_CACHE_DTYPES, DegradationPolicy, EngineConfig, generation_config_path
+from trioserve.engine.loading.generation_config import read_generation_config
 from trioserve.engine.parallel.placement import plan_replicas
 
 from .option_types import count, fraction_or_off, parse_memory, recording, seconds
@@ -106,7 +107,7 @@ def add_engine_options(parser: argparse.ArgumentParser, *, several_models: bool 
         help="bytes (e.g. 2G) or a fraction of free memory (e.g. 0.5) (default: on CPU what --max-num-seqs "
         "contexts take, within a quarter of the available memory and 4 GiB; on CUDA 0.8)",
     )
-    # The KV cache's dtype (engine/kernels/kv_dtype.py; its pool's size: engine/core/kv_budget.py).
+    # The KV cache's dtype (engine/kernels/kv_dtype_choice.py; its pool's size: engine/core/kv_budget.py).
     add(
         "--kv-cache-dtype",
         default="auto",
@@ -307,6 +308,10 @@ def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConf
     fields.update(overrides)
     config = EngineConfig(**fields)
     plan_replicas(config)  # more replicas than devices: refused here, before anything loads
+    if config.generation_config not in ("auto", "none"):
+        # The flag's file, read now so a bad field stops the command before
+        # anything loads (the model's own file is read as the engine opens).
+        read_generation_config(generation_config_path(config.generation_config))
     return config
 
 

@@ -22,7 +22,7 @@ from trioserve.actors.errors import (
     RequestShed,
 )
 from trioserve.engine.errors import InvalidRequestError, RequestTooLongError
-from trioserve.engine.runtime.plugins import PluginError
+from trioserve.engine.plugins import PluginError
 
 
 class ApiError(Exception):

@@ -1,4 +1,4 @@
-"""The server's side of the plugins (engine/runtime/plugins.py): request
+"""The server's side of the plugins (engine/plugins.py): request
 pre-processors, output post-processors and metrics collectors.
 
 ``ServerPlugins.load(names)`` runs at ``create_app``, before any model
@@ -20,7 +20,7 @@ import attrs
 from prometheus_client import CollectorRegistry
 
 from trioserve.engine.core.outputs import RequestOutput
-from trioserve.engine.runtime.plugins import PluginError, PluginLoadError, PluginRejection, Plugins, RequestContext
+from trioserve.engine.plugins import PluginError, PluginLoadError, PluginRejection, Plugins, RequestContext
 
 from .errors import ApiError
 

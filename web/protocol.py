@@ -200,7 +200,7 @@ def _sampling_params(body: dict[str, Any], *, max_tokens: int | None, logprobs: 
         logprobs=logprobs,
         skip_special_tokens=_bool(body, "skip_special_tokens", True),
         structured_output=structured_output(body),
-        # Plugins' logits processors by name (engine/runtime/plugins.py); SamplingParams checks the shape.
+        # Plugins' logits processors by name (engine/plugins.py); SamplingParams checks the shape.
         logits_processors=body.get("logits_processors"),
     )
     best_of = body.get("best_of")

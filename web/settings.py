@@ -16,7 +16,7 @@ from pathlib import Path
 import attrs
 
 from trioserve.engine.config import EngineConfig
-from trioserve.engine.loading.loader import DEFAULT_MODEL_NAME
+from trioserve.engine.loading.sources import DEFAULT_MODEL_NAME
 from trioserve.engine.validators import optional_positive, positive
 
 DEFAULT_MAX_BODY_SIZE = 1 << 20

@@ -13,7 +13,7 @@ without content: taken lowest id first, so the blocks ever used are always
 ids ``0 .. num_written_blocks - 1``.
 
 Where the pool's memory is committed as a block is first written (a CPU
-pool: engine/models/kv_cache.py), ``reuse_written_first`` takes a written block,
+pool: engine/layers/kv_cache.py), ``reuse_written_first`` takes a written block,
 evicting the least recently used cached one, before a block never written:
 the pool's resident memory then grows only with the most blocks requests
 held at once, and the prefix cache keeps what that memory leaves free.

@@ -19,27 +19,26 @@ import torch
 
 from trioserve.engine.core.block_manager import BlockManager
 from trioserve.engine.config import EngineConfig
-from trioserve.engine.runtime.cuda_graphs import DecodeGraphs
 from trioserve.engine.text.detokenizer import DetokenizerDelta, IncrementalDetokenizer
 from trioserve.engine.errors import InvalidRequestError, TokenizerError
 from trioserve.engine.faults import Fault
 from trioserve.engine.sampling.grammar import FilledMask, GrammarCompiler, GrammarError, GrammarMatchers, MaskFill, MaskRequest
-from trioserve.engine.runtime.heap_trim import trim_heap
+from trioserve.engine.heap_trim import trim_heap
 from trioserve.engine.core.kv_budget import KVPoolPlan, available_memory, plan_pool
-from trioserve.engine.models.kv_cache import KVCache, kv_bytes_per_block
-from trioserve.engine.kernels.kv_dtype import KVDtypeChoice, choose_kv_dtype, refuse_before_load
+from trioserve.engine.layers.kv_cache import KVCache, kv_bytes_per_block
+from trioserve.engine.kernels.kv_dtype_choice import KVDtypeChoice, refuse_before_load
 from trioserve.engine.loading.loader import LoadedModel, load_model_for, resolve_device
+from trioserve.engine.runtime.build import build_runner, kv_dtype_choice
 from trioserve.engine.runtime.model_runner import ModelRunner, RunnerOutput
 from trioserve.engine.core.outputs import RequestOutput, RequestTimes
-from trioserve.engine.runtime.plugins import PluginError, Plugins
+from trioserve.engine.plugins import PluginError, Plugins
 from trioserve.engine.core.new_request import NewRequest, check_priority, check_request_id
-from trioserve.engine.sampling.sampler import Sampler
 from trioserve.engine.sampling.sampling_params import SamplingParams
 from trioserve.engine.core.scheduler import Scheduler, SchedulerOutput
 from trioserve.engine.core.scheduling_policy import scheduling_policy
 from trioserve.engine.core.sequence import FinishReason, Request, RequestStatus
 from trioserve.engine.sampling.speculative import speculative_proposer
-from trioserve.engine.core.step_plan import TokenMask
+from trioserve.engine.sampling.rows import TokenMask
 from trioserve.engine.text.tokenizer import apply_chat_template, check_text
 
 if TYPE_CHECKING:
@@ -49,16 +48,6 @@ log = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
 
-
-def kv_dtype_choice(config: EngineConfig, loaded: LoadedModel) -> KVDtypeChoice:
-    """The dtype the KV cache stores for ``config.kv_cache_dtype`` (engine/kernels/kv_dtype.py)."""
-    return choose_kv_dtype(
-        config.kv_cache_dtype,
-        model_dtype=loaded.dtype,
-        device=loaded.device,
-        cpu_paths=loaded.cpu_paths,
-        config=loaded.model.config,  # under tensor parallelism, one rank's KV heads
-    )
 
 
 def kv_pool_plan(config: EngineConfig, loaded: LoadedModel, kv_dtype: KVDtypeChoice) -> KVPoolPlan:
@@ -91,56 +80,6 @@ def kv_pool_plan(config: EngineConfig, loaded: LoadedModel, kv_dtype: KVDtypeCho
         )
     return plan
 
-
-def build_runner(
-    loaded: LoadedModel,
-    config: EngineConfig,
-    num_blocks: int,
-    plugins: Plugins | None = None,
-    kv_dtype: KVDtypeChoice | None = None,
-) -> ModelRunner:
-    """The model runner of ``loaded``: a KV cache of ``num_blocks`` blocks
-    in ``kv_dtype`` (else chosen from ``config.kv_cache_dtype``: a worker
-    process is given the server's choice by name), a sampler with the
-    logits processors of ``plugins`` (else of the plugins ``config`` names:
-    a worker process loads them itself), and (with ``config.warm_up``) the
-    CPU kernels built."""
-    if plugins is None:
-        plugins = Plugins.load(config.plugins)
-    if kv_dtype is None:
-        kv_dtype = kv_dtype_choice(config, loaded)
-    kv_cache = KVCache.allocate(
-        loaded.model.config,  # the model's own: under tensor parallelism, one rank's KV heads
-        num_blocks=num_blocks,
-        block_size=config.block_size,
-        dtype=kv_dtype.dtype,
-        device=loaded.device,
-    )
-    graphs = DecodeGraphs.choose(
-        loaded.model,
-        kv_cache,
-        enforce_eager=config.enforce_eager,
-        max_num_seqs=config.max_num_seqs,
-        max_model_len=config.resolved_max_model_len(loaded.model_config),
-    )
-    if graphs is not None:
-        log.info(
-            "CUDA graphs for decode steps of up to %d sequences, recorded as each shape is first met",
-            graphs.batch_sizes[-1],
-        )
-    runner = ModelRunner(
-        model=loaded.model,
-        kv_cache=kv_cache,
-        sampler=Sampler(loaded.model_config.vocab_size, loaded.device, logits_processors=plugins.logits_processors),
-        device=loaded.device,
-        decode_graphs=graphs,
-    )
-    if config.warm_up:
-        start = time.perf_counter()
-        calls = loaded.model.warm_up(config.max_num_seqs)
-        if calls:
-            log.info("built the CPU kernels for every batch size in %.1f s (%d calls)", time.perf_counter() - start, calls)
-    return runner
 
 
 @attrs.define(eq=False)
@@ -182,7 +121,7 @@ class EngineCore:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)  # process-wide: the step is the only heavy user
         # What the KV cache stores and how many blocks it gets, and why
-        # (engine/kernels/kv_dtype.py, engine/core/kv_budget.py; shown in /version).
+        # (engine/kernels/kv_dtype_choice.py, engine/core/kv_budget.py; shown in /version).
         self.kv_dtype = kv_dtype_choice(config, loaded) if kv_dtype is None else kv_dtype
         self.kv_pool = kv_pool_plan(config, loaded, self.kv_dtype)
         log.info("%s: KV cache in %s; pool of %s", loaded.name, self.kv_dtype, self.kv_pool)
@@ -194,7 +133,7 @@ class EngineCore:
         # pool lives with an allocator actor (``new_block_manager``) and
         # every change reaches it as a ``KVBatch`` with the next step.
         self.block_manager: BlockManager | None = self.new_block_manager() if own_pool else None
-        # Plugins by entry-point name; an unknown one stops here (engine/runtime/plugins.py).
+        # Plugins by entry-point name; an unknown one stops here (engine/plugins.py).
         self.plugins = Plugins.load(config.plugins)
         self.scheduler = Scheduler(
             max_num_seqs=config.max_num_seqs,

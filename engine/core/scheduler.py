@@ -68,10 +68,11 @@ from trioserve.engine.core.block_manager import BlockManager
 from trioserve.engine.core.block_tables import BlockTables
 from trioserve.engine.errors import InvalidRequestError, RequestTooLongError
 from trioserve.engine.core.kv_batch import KVAllocation, KVBatch, KVBudget, KVCommit, KVResult
-from trioserve.engine.runtime.plugins import PriorityPolicy, SchedulingPolicy
+from trioserve.engine.plugins import PriorityPolicy, SchedulingPolicy
 from trioserve.engine.core.sequence import FinishReason, Request, RequestStatus
 from trioserve.engine.sampling.speculative import NgramProposer, may_speculate
-from trioserve.engine.core.step_plan import SamplingRow, ScheduledChunk, StepPlan
+from trioserve.engine.runtime.step_plan import ScheduledChunk, StepPlan
+from trioserve.engine.sampling.rows import SamplingRow
 
 
 @attrs.frozen
@@ -154,7 +155,7 @@ class Scheduler:
     _drafts: dict[str, tuple[int, ...]] = attrs.field(init=False, factory=dict)  # planned this step
     _num_draft_tokens: int = attrs.field(init=False, default=0)
     _num_accepted_tokens: int = attrs.field(init=False, default=0)
-    # The order of waiting requests and the choice of victims (engine/runtime/plugins.py);
+    # The order of waiting requests and the choice of victims (engine/plugins.py);
     # None: the built-in PriorityPolicy with aging_interval.
     policy: SchedulingPolicy | None = attrs.field(default=None, kw_only=True)
     _requests: dict[str, Request] = attrs.field(init=False, factory=dict)  # unfinished

@@ -1,5 +1,5 @@
 """The scheduler's policy: which waiting request runs first, which running
-one is preempted. ``PriorityPolicy`` (engine/runtime/plugins.py) is the built-in
+one is preempted. ``PriorityPolicy`` (engine/plugins.py) is the built-in
 one; a plugin of ``trioserve.scheduling_policies`` may replace it.
 
 A plugin's policy runs inside the scheduler, on every step, so it is
@@ -19,7 +19,7 @@ from typing import Any
 import attrs
 
 from trioserve.engine.config import EngineConfig
-from trioserve.engine.runtime.plugins import PluginLoadError, Plugins, PriorityPolicy, SchedulingPolicy
+from trioserve.engine.plugins import PluginLoadError, Plugins, PriorityPolicy, SchedulingPolicy
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from trioserve.engine.kernels import kv_dtype
 
-from trioserve.engine.models import native_attention
+from trioserve.engine.kernels import native_attention
 
 from trioserve.engine.kernels import onednn
 from trioserve.engine.errors import CpuCapabilityError
@@ -183,7 +183,7 @@ PROBES: tuple[Probe, ...] = (
         requirement="AMX-BF16 tiles (with AVX512_BF16), which oneDNN's bfloat16 GEMM runs on",
     ),
     *_native_probes("native_attention_{}", "native decode attention ({})", native_attention.trial),
-    # A KV cache narrower than the model (engine/kernels/kv_dtype.py chooses among
+    # A KV cache narrower than the model (engine/kernels/kv_dtype_choice.py chooses among
     # them by measurement); each needs the level that converts it in hardware.
     Probe(
         kv_dtype.kv_path(torch.bfloat16),

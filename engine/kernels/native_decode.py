@@ -26,7 +26,7 @@ from trioserve.engine.kernels.int4_native import Int4NativeLinear
 from trioserve.engine.kernels.int8_native import Int8GroupNativeLinear, Int8NativeLinear
 from trioserve.engine.kernels.projections import QuantizedProjections
 
-from trioserve.engine.models.native_attention import CACHE_DTYPES, MAX_QUERY_TOKENS
+from trioserve.engine.kernels.native_attention import CACHE_DTYPES, MAX_QUERY_TOKENS
 NativeLinear = Int4NativeLinear | Int8NativeLinear | Int8GroupNativeLinear
 _EMPTY = torch.empty(0)
 _INT8_HEADS = frozenset({native.ISAS["avx512vnni"], native.ISAS["avx2int8"]})

@@ -28,6 +28,7 @@ from trioserve.engine.kernels import int4_pack
 from trioserve.engine.kernels import int8_native
 from trioserve.engine.kernels import native
 from trioserve.engine.loading import rtn_cache
+from trioserve.engine.loading.sources import find_shards
 from trioserve.engine.kernels.choose import KERNELS, Kernel, KernelChoice, Linear, candidates, choose_kernel
 from trioserve.engine.kernels.embedding import CompressedEmbedding
 from trioserve.engine.kernels.projections import QuantizedProjections
@@ -331,8 +332,6 @@ def load_safetensors_quantized(
 ) -> LlamaForCausalLM:
     """The float checkpoint in ``folder``, quantized round-to-nearest in
     ``choice.scheme`` (once: the result is cached, ``rtn_cache``)."""
-    from trioserve.engine.loading.loader import find_shards
-
     scheme = f"int{choice.kernel.bits}"
     shards = find_shards(folder)
     cached = rtn_cache.cache_dir_for(folder, shards, scheme, choice.group_size, cache_dir)

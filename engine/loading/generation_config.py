@@ -31,10 +31,11 @@ from typing import Any
 
 import attrs
 
-from trioserve.engine.errors import InvalidRequestError, ModelLoadError
+from trioserve.engine.config import GENERATION_CONFIG_FILE, generation_config_path
+from trioserve.engine.errors import GenerationConfigError, InvalidRequestError
+from trioserve.engine.loading.sources import resolve_source
 from trioserve.engine.sampling.sampling_params import DEFAULTABLE_FIELDS, NEUTRAL_SAMPLING, SamplingParams
 
-GENERATION_CONFIG_FILE = "generation_config.json"
 # llama-server's defaults (common/common.h), for a model that names none.
 BUILT_IN_SAMPLING: dict[str, float | int] = {
     "temperature": 0.8,
@@ -52,12 +53,6 @@ GGUF_SAMPLING_KEYS = {
     "general.sampling.penalty_repeat": "repetition_penalty",
 }
 SOURCES = ("model", "flag", "built-in")
-
-
-class GenerationConfigError(ModelLoadError, ValueError):
-    """A generation config that cannot be read: a missing path, a file that
-    is not a JSON object, a sampling field of the wrong type or range. The
-    message names the path and the field."""
 
 
 @attrs.frozen(kw_only=True)
@@ -104,30 +99,6 @@ class SamplingDefaults:
         return f"{values} ({self.source}{': ' + self.path if self.path else ''})"
 
 
-def check_option(value: Any) -> None:
-    """Validate ``EngineConfig.generation_config``: ``"auto"``, ``"none"``,
-    or a readable ``generation_config.json`` (or a folder holding one) whose
-    sampling fields are valid. Raises ``GenerationConfigError`` naming the
-    path and the field."""
-    if not isinstance(value, str) or not value:
-        raise GenerationConfigError(f"generation_config must be 'auto', 'none' or a path, got {value!r}")
-    if value not in ("auto", "none"):
-        read_generation_config(flag_path(value))
-
-
-def flag_path(value: str) -> Path:
-    """The file a ``generation_config`` path names: the file itself, or a
-    folder's ``generation_config.json``."""
-    path = Path(value).expanduser()
-    if path.is_dir():
-        path = path / GENERATION_CONFIG_FILE
-        if not path.is_file():
-            raise GenerationConfigError(f"generation_config: {path.parent} holds no {GENERATION_CONFIG_FILE}")
-    elif not path.exists():
-        raise GenerationConfigError(f"generation_config: {path}: no such file or folder")
-    return path
-
-
 def load_sampling_defaults(option: str, model: str | None, *, folder: Path | None = None) -> SamplingDefaults:
     """The defaults for ``model`` (as ``load_model`` takes it: None is the
     default model) under the ``generation_config`` option ``option``.
@@ -137,13 +108,11 @@ def load_sampling_defaults(option: str, model: str | None, *, folder: Path | Non
     if option == "none":
         return SamplingDefaults.built_in()
     if option != "auto":
-        path = flag_path(option)
+        path = generation_config_path(option)
         return SamplingDefaults.from_values(read_generation_config(path), source="flag", path=path)
     if model is None and folder is not None:
         source = Path(folder)
     else:
-        from trioserve.engine.loading.loader import resolve_source  # it imports the model code; config.py imports this module
-
         source, _ = resolve_source(model)
     if source.is_file():
         return SamplingDefaults.from_values(read_gguf_sampling(source), source="model", path=source)

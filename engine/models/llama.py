@@ -26,17 +26,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from trioserve.engine.kernels import onednn
-from trioserve.engine.models.attention import AttentionMetadata, paged_attention, write_kv
+from trioserve.engine.layers.attention import AttentionMetadata, paged_attention, write_kv
 from trioserve.engine.kernels.capability import CpuPaths, dtype_name, packed_path
 from trioserve.engine.config import ModelConfig
 from trioserve.engine.errors import CpuCapabilityError, ModelLoadError
-from trioserve.engine.models.forward_batch import ForwardBatch
-from trioserve.engine.models.kv_cache import KVCache
-from trioserve.engine.models.native_attention import BoundAttention, NativeAttention, token_rows
+from trioserve.engine.layers.forward_batch import ForwardBatch
+from trioserve.engine.layers.kv_cache import KVCache
+from trioserve.engine.kernels.native_attention import BoundAttention, NativeAttention, token_rows
 from trioserve.engine.kernels.native import ISAS as NATIVE_ISAS
 from trioserve.engine.kernels.native_decode import NativeDecode, decode_head
 from trioserve.engine.kernels.projections import QuantizedProjections
-from trioserve.engine.models.rotary import RotaryEmbedding, apply_rotary
+from trioserve.engine.layers.rotary import RotaryEmbedding, apply_rotary
 
 # Checkpoint buffers derived from the config, never weights we load.
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$|.*rotary_emb\.(cos|sin)_cached$")

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from trioserve.engine.kernels.capability import CpuPaths
 from trioserve.engine.config import ModelConfig
 from trioserve.engine.errors import ModelLoadError, TrioserveError
-from trioserve.engine.loading.loader import find_shards
+from trioserve.engine.loading.sources import find_shards
 from trioserve.engine.models.llama import Invariance, LlamaForCausalLM, _Made
 
 _MAX_LOAD_THREADS = 4

@@ -42,13 +42,15 @@ import torch.multiprocessing as mp
 
 from trioserve.engine.config import EngineConfig
 from trioserve.engine.parallel.distributed import DistributedError, Rendezvous, backend_for, close_group, free_port, init_group, wait_reachable
-from trioserve.engine.models.kv_cache import KVCache, kv_bytes_per_block
+from trioserve.engine.layers.kv_cache import KVCache, kv_bytes_per_block
 from trioserve.engine.kernels.kv_dtype import DTYPES as KV_DTYPES
 from trioserve.engine.kernels.kv_dtype import kv_dtype_name
-from trioserve.engine.loading.loader import LoadedModel, read_model_config, resolve_checkpoint, resolve_device, resolve_dtype
+from trioserve.engine.loading.loader import LoadedModel, resolve_device, resolve_dtype
+from trioserve.engine.loading.sources import read_model_config, resolve_checkpoint
 from trioserve.engine.runtime.model_runner import ModelRunner, RunnerOutput, StepLogits
 from trioserve.engine.sampling.sampler import Sampler
-from trioserve.engine.core.step_plan import StepPlan, TokenMask
+from trioserve.engine.runtime.step_plan import StepPlan
+from trioserve.engine.sampling.rows import TokenMask
 from trioserve.engine.parallel.tensor_parallel import TPLlamaForCausalLM, TPShard, check_tensor_parallel, load_shard
 from trioserve.engine.text.tokenizer import eos_token_ids, load_tokenizer
 

@@ -39,8 +39,10 @@ import attrs
 
 from trioserve.engine.config import EngineConfig
 from trioserve.engine.loading.loader import LoadedModel, load_model_for
+from trioserve.engine.runtime.build import build_runner
 from trioserve.engine.models.llama import ProjectionChoice
-from trioserve.engine.core.step_plan import StepPlan, TokenMask
+from trioserve.engine.runtime.step_plan import StepPlan
+from trioserve.engine.sampling.rows import TokenMask
 
 log = logging.getLogger(__name__)
 
@@ -149,9 +151,6 @@ def die_with_parent(parent_pid: int) -> None:
 
 def _build(spec: WorkerSpec) -> tuple[Any, ProjectionChoice]:
     """The model runner, and how its model runs its projections."""
-    # Imported here: the engine core imports this module's siblings only.
-    from trioserve.engine.core.engine_core import build_runner
-
     config = spec.config
     if spec.cpus is not None:
         os.sched_setaffinity(0, spec.cpus)

@@ -41,9 +41,9 @@ from collections.abc import Callable, Sequence
 import attrs
 import torch
 
-from trioserve.engine.models.attention import AttentionMetadata
-from trioserve.engine.models.forward_batch import SeqChunk
-from trioserve.engine.models.kv_cache import KVCache
+from trioserve.engine.layers.attention import AttentionMetadata
+from trioserve.engine.layers.forward_batch import SeqChunk
+from trioserve.engine.layers.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
 

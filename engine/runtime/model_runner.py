@@ -10,11 +10,12 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from trioserve.engine.runtime.cuda_graphs import DecodeGraphs
-from trioserve.engine.models.forward_batch import ForwardBatch, SeqChunk
-from trioserve.engine.models.kv_cache import KVCache
-from trioserve.engine.runtime.plugins import PluginError
+from trioserve.engine.layers.forward_batch import ForwardBatch, SeqChunk
+from trioserve.engine.layers.kv_cache import KVCache
+from trioserve.engine.plugins import PluginError
 from trioserve.engine.sampling.sampler import Sampler, TokenLogprobs
-from trioserve.engine.core.step_plan import StepPlan, TokenMask
+from trioserve.engine.runtime.step_plan import StepPlan
+from trioserve.engine.sampling.rows import TokenMask
 
 # cuDNN's attention (torch's first choice for bf16 on Hopper) builds a plan
 # for each new shape, and a decode step's context lengths change every step:
@@ -50,7 +51,7 @@ class ModelRunner:
     """Executes step plans against a model and its KV cache.
 
     ``execute`` is the one call the executor actor runs in a worker thread.
-    The plan is a value (``trioserve.engine.core.step_plan``), so the event loop
+    The plan is a value (``trioserve.engine.runtime.step_plan``), so the event loop
     may go on changing the scheduler's requests while it runs; what persists
     between steps is the KV cache and the sampler's per-sequence state. Grad
     mode is per thread, so inference mode is entered inside it.

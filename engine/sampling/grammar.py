@@ -35,7 +35,7 @@ import torch
 
 from trioserve.engine.config import DEFAULT_GRAMMAR_CACHE_SIZE
 from trioserve.engine.errors import InvalidRequestError, TrioserveError
-from trioserve.engine.core.step_plan import TokenMask
+from trioserve.engine.sampling.rows import TokenMask
 from trioserve.engine.sampling.structured_output import CHOICE, GRAMMAR, JSON_OBJECT, JSON_SCHEMA, REGEX, StructuredOutput
 from trioserve.engine.validators import integer_at_least
 

@@ -27,10 +27,10 @@ import torch
 
 from trioserve.engine.sampling.argmax import argmax
 from trioserve.engine.sampling.grammar import unpack_bitmask
-from trioserve.engine.runtime.plugins import PluginError
+from trioserve.engine.plugins import PluginError
 from trioserve.engine.sampling.sampling_params import SamplingParams
 from trioserve.engine.sampling.speculative import verify_greedy, verify_sampled
-from trioserve.engine.core.step_plan import SamplingRow, TokenMask
+from trioserve.engine.sampling.rows import SamplingRow, TokenMask
 
 # Temperatures below this are treated as greedy: dividing by them overflows.
 _GREEDY_EPS = 1e-5

@@ -44,7 +44,7 @@ def _as_bias(value: Any) -> tuple[tuple[int, float], ...]:
 class LogitsProcessorSpec:
     """A logits processor a request asks for: a loaded plugin's name and
     the arguments its factory gets (a picklable value, as the step plan
-    carries it; ``engine/runtime/plugins.py``)."""
+    carries it; ``engine/plugins.py``)."""
 
     name: str
     args: tuple[tuple[str, Any], ...] = ()
@@ -149,7 +149,7 @@ class SamplingParams:
     # Structured output: the output follows this schema, regex, choice or
     # grammar (a token mask each step; see engine/sampling/grammar.py).
     structured_output: StructuredOutput | None = None
-    # Plugins (engine/runtime/plugins.py) run in the sampler, by name.
+    # Plugins (engine/plugins.py) run in the sampler, by name.
     logits_processors: tuple[LogitsProcessorSpec, ...] = attrs.field(default=(), converter=_as_processor_specs)
 
     def __attrs_post_init__(self) -> None:

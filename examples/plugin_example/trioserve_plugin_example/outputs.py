@@ -7,7 +7,7 @@ from collections.abc import Callable
 import attrs
 
 from trioserve.engine.core.outputs import RequestOutput
-from trioserve.engine.runtime.plugins import RequestContext
+from trioserve.engine.plugins import RequestContext
 from trioserve.engine.core.sequence import FinishReason
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trioserve.engine.runtime.plugins import PluginRejection, RequestContext
+from trioserve.engine.plugins import PluginRejection, RequestContext
 
 
 def preprocess(body: dict[str, Any], context: RequestContext) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """The paged KV cache: per-layer key and value block pools.
 
 The pools may store a narrower dtype than the model computes in (a 16-bit
-cache under a float32 model, fp8 under a bfloat16 one: engine/kernels/kv_dtype.py).
+cache under a float32 model, fp8 under a bfloat16 one: engine/kernels/kv_dtype_choice.py).
 ``to_cache`` rounds keys and values as they are written, ``from_cache``
 widens what attention reads back; both are no-ops when the dtypes agree.
 

@@ -26,8 +26,8 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from trioserve.engine.models.forward_batch import ForwardBatch
-from trioserve.engine.models.kv_cache import KVCache, as_stored, from_cache, to_cache
+from trioserve.engine.layers.forward_batch import ForwardBatch
+from trioserve.engine.layers.kv_cache import KVCache, as_stored, from_cache, to_cache
 
 # Gathered keys plus values per decode chunk on CPU: within the last-level
 # cache, so attention reads what the gather just wrote from cache, not DRAM.

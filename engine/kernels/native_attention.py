@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from trioserve.engine.models.forward_batch import ForwardBatch
+from trioserve.engine.layers.forward_batch import ForwardBatch
 from trioserve.engine.kernels import native
 
 # The cache dtypes the op reads and writes.
@@ -122,10 +122,10 @@ class BoundAttention:
 def trial(isa: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """The op against the model's torch attention (rotary, ``write_kv``,
     ``paged_attention``) on two decode rows over scattered blocks (``capability.Probe``)."""
-    from trioserve.engine.models.attention import AttentionMetadata, paged_attention, write_kv
-    from trioserve.engine.models.forward_batch import SeqChunk
-    from trioserve.engine.models.kv_cache import KVCache
-    from trioserve.engine.models.rotary import apply_rotary
+    from trioserve.engine.layers.attention import AttentionMetadata, paged_attention, write_kv
+    from trioserve.engine.layers.forward_batch import SeqChunk
+    from trioserve.engine.layers.kv_cache import KVCache
+    from trioserve.engine.layers.rotary import apply_rotary
 
     gen = torch.Generator().manual_seed(0)
     # 64-wide heads, three to a KV head, and a context past 16 tokens: the
