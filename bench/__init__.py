@@ -10,7 +10,7 @@ with vLLM's ``benchmark_serving`` definitions. It imports nothing from
 ``generate`` in one process.
 """
 
-from .cli import add_bench_serve_parser, bench_serve, run_bench_serve
+from .serve import add_bench_serve_parser, bench_serve, run_bench_serve
 from .client import RunResult, ServerError, Target, arrival_offsets, run_benchmark, send_request
 from .datasets import DatasetError, SampleRequest, file_dataset, load_tokenizer, prefix_dataset, random_dataset
 from .measurement import RequestMeasurement

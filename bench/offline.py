@@ -19,6 +19,8 @@ from typing import Any
 
 import attrs
 
+from trioserve.web.engine_options import add_option_groups, add_speculative_options, option_group, speculative_fields
+
 
 @attrs.frozen
 class ContenderResult:
@@ -168,8 +170,6 @@ def add_bench_offline_parser(bench_commands) -> None:
         description="Run the same prompts through EngineCore and through transformers generate "
         "(sequential and static batches) and print throughput, ratios and the matmul roofline.",
     )
-    from trioserve.web.engine_options import add_option_groups, add_speculative_options, option_group
-
     add_option_groups(p, "workload", "model", "engine", "scale-out", "output")
     work = option_group(p, "workload")
     work.add_argument("--num-prompts", type=int, default=64, help="prompts of the batch runs (default: 64)")
@@ -270,8 +270,6 @@ def _run_bench_offline(args: argparse.Namespace) -> int:
         kv_cache_dtype=args.kv_cache_dtype,
         enforce_eager=args.enforce_eager,
     )
-    from trioserve.web.engine_options import speculative_fields
-
     config_fields.update(speculative_fields(args))
     config = EngineConfig(**config_fields)
     if config.tensor_parallel_size > 1:

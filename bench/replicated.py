@@ -1,5 +1,5 @@
 """The actor engine, replicated or not, on a fixed set of prompts: what
-``scripts/bench_dp.py`` and ``trioserve bench offline --data-parallel-size``
+``trioserve bench dp`` and ``trioserve bench offline --data-parallel-size``
 measure. Prompts go in ``concurrency`` at a time; greedy, EOS ignored."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import time
 import attrs
 import trio
 
+from trioserve.actors import open_engine
 from trioserve.engine.config import EngineConfig
 from trioserve.engine.loading.loader import LoadedModel
 from trioserve.engine.sampling.sampling_params import SamplingParams
@@ -45,8 +46,6 @@ async def run_actor_engine(
 ) -> ActorRunResult:
     """Start ``open_engine(config)``, warm each replica with a tiny request,
     then time ``prompts`` through it, ``concurrency`` at a time."""
-    from trioserve.actors import open_engine
-
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     ttfts: list[float] = []
     tpots: list[float] = []
