@@ -3,8 +3,9 @@
 ``sampling_params`` builds ``SamplingParams`` from a request's parameters,
 so the engine's own validators judge them (an invalid value raises
 ``InvalidRequestError`` naming the field, as over HTTP); fields left unset
-keep the engine's defaults. ``status_of`` maps the HTTP layer's
-``ApiError`` (``web/errors.py``) to a gRPC status code.
+keep the engine's defaults. ``status_of`` maps an error as the HTTP API
+states it (``host.ClientError``: the server's ``ApiError``) to a gRPC
+status code.
 """
 
 from __future__ import annotations
@@ -17,9 +18,8 @@ import grpc
 from trioserve.engine.errors import InvalidRequestError
 from trioserve.engine.core.outputs import RequestOutput
 from trioserve.engine.sampling.sampling_params import SamplingParams
-from trioserve.web.errors import ApiError
-
 from . import trioserve_pb2 as pb
+from .host import ClientError
 
 # SamplingParameters' fields that are `optional` scalars: unset keeps the default.
 _OPTIONAL_FIELDS = (
@@ -39,7 +39,7 @@ _OPTIONAL_FIELDS = (
     "skip_special_tokens",
 )
 
-# The gRPC code for each HTTP status the web layer's errors carry.
+# The gRPC code for each HTTP status the server's errors carry.
 _CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
     401: grpc.StatusCode.UNAUTHENTICATED,
@@ -106,13 +106,13 @@ def response(output: RequestOutput) -> pb.GenerateResponse:
     return message
 
 
-def status_of(error: ApiError) -> grpc.StatusCode:
-    """The gRPC status for an ``ApiError``: 400 is INVALID_ARGUMENT, 429
+def status_of(error: ClientError) -> grpc.StatusCode:
+    """The gRPC status for an API error: 400 is INVALID_ARGUMENT, 429
     RESOURCE_EXHAUSTED, 503 UNAVAILABLE, other 5xx INTERNAL."""
     return _CODES.get(error.status, grpc.StatusCode.INTERNAL)
 
 
-def trailing_metadata(error: ApiError) -> tuple[tuple[str, str], ...]:
+def trailing_metadata(error: ClientError) -> tuple[tuple[str, str], ...]:
     """The error's field (``param``), machine-readable ``code`` and
     ``Retry-After`` as trailing metadata, for clients that want more than
     the message (which names the field already)."""

@@ -27,11 +27,9 @@ import trio
 from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from trioserve.web.host import ModelHost
-from trioserve.web.plugins import ServerPlugins
-
 from . import trioserve_pb2 as pb
 from . import trioserve_pb2_grpc as pb_grpc
+from .host import Host, NoPlugins, Plugins, Translate
 from .portal import TrioPortal
 from .servicer import GenerationServicer
 
@@ -62,12 +60,16 @@ def bind_address(host: str, port: int) -> str:
 @attrs.define(eq=False)
 class GrpcService:
     """The gRPC server for ``host``'s models, listening on ``address``
-    (``host:port``; port 0 picks a free one, then ``port`` tells which)."""
+    (``host:port``; port 0 picks a free one, then ``port`` tells which).
+    ``translate``, ``plugins`` and ``max_request_time`` are the server's
+    (``GenerationServicer``)."""
 
-    host: ModelHost
+    host: Host
     address: str
     grace: float = DEFAULT_GRACE
-    plugins: ServerPlugins = attrs.field(factory=ServerPlugins, kw_only=True)
+    translate: Translate = attrs.field(kw_only=True)
+    plugins: Plugins = attrs.field(factory=NoPlugins, kw_only=True)
+    max_request_time: float | None = attrs.field(default=None, kw_only=True)
     port: int | None = attrs.field(default=None, init=False)
     _stopped: trio.Event = attrs.field(factory=trio.Event, init=False)
 
@@ -133,7 +135,10 @@ class GrpcService:
             health = grpc_health.aio.HealthServicer()
             for name in ("", SERVICE_NAME):
                 await health.set(name, _NOT_SERVING)
-            pb_grpc.add_GenerationServicer_to_server(GenerationServicer(self.host, portal, self.plugins), server)
+            servicer = GenerationServicer(
+                self.host, portal, translate=self.translate, plugins=self.plugins, max_request_time=self.max_request_time
+            )
+            pb_grpc.add_GenerationServicer_to_server(servicer, server)
             health_pb2_grpc.add_HealthServicer_to_server(health, server)
             try:
                 port = server.add_insecure_port(self.address)

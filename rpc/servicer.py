@@ -15,26 +15,19 @@ next step boundary and frees its KV blocks.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 import trio
 
-from trioserve.engine.errors import InvalidRequestError
 from trioserve.engine.plugins import RequestContext
-from trioserve.web.completions import translate
-from trioserve.web.errors import ApiError, InvalidRequest, from_exception
-from trioserve.web.host import ModelHost
-from trioserve.web.plugins import ServerPlugins
 
 from . import messages
 from . import trioserve_pb2 as pb
 from . import trioserve_pb2_grpc as pb_grpc
+from .host import Host, NoPlugins, Plugins, Translate
 from .portal import Emit, PortalClosed, TrioPortal
-
-log = logging.getLogger(__name__)
 
 # Seconds taken off a call's deadline for the engine's, so that a request
 # ended by its deadline sends its final delta before the client gives up.
@@ -44,12 +37,25 @@ DEADLINE_MARGIN = 0.05
 class GenerationServicer(pb_grpc.GenerationServicer):
     """Serves ``host``'s models; every engine call goes through ``portal``.
     The output post-processors of ``plugins`` apply to ``Generate``'s
-    deltas as over HTTP (the request pre-processors see HTTP bodies only)."""
+    deltas as over HTTP (the request pre-processors see HTTP bodies only).
+    ``translate`` says what a failed call tells its client (a status and
+    trailing metadata, ``messages.status_of``); ``max_request_time``
+    (seconds; None: none) caps every request's deadline."""
 
-    def __init__(self, host: ModelHost, portal: TrioPortal, plugins: ServerPlugins | None = None) -> None:
+    def __init__(
+        self,
+        host: Host,
+        portal: TrioPortal,
+        *,
+        translate: Translate,
+        plugins: Plugins | None = None,
+        max_request_time: float | None = None,
+    ) -> None:
         self.host = host
         self.portal = portal
-        self.plugins = plugins or ServerPlugins()
+        self.translate = translate
+        self.plugins = plugins or NoPlugins()
+        self.max_request_time = max_request_time
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         remaining = context.time_remaining()
@@ -57,59 +63,50 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             async for output in self.portal.iterate(self._generate, request, remaining):
                 yield messages.response(output)
         except Exception as exc:
-            await _abort(context, exc)
+            await self._fail(context, exc)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         try:
             return await self.portal.run(self._abort, request)
         except Exception as exc:
-            await _abort(context, exc)
+            await self._fail(context, exc)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         try:
             return await self.portal.run(self._tokenize, request)
         except Exception as exc:
-            await _abort(context, exc)
+            await self._fail(context, exc)
 
     async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
         try:
             return await self.portal.run(self._list_models)
         except Exception as exc:
-            await _abort(context, exc)
+            await self._fail(context, exc)
 
     # -- in trio -------------------------------------------------------------------
 
     async def _generate(self, emit: Emit, request: pb.GenerateRequest, remaining: float | None) -> None:
         arrival = trio.current_time()
         served = self.host.get(request.model or None)
-        log_requests = self.host.config.log_requests
-        try:
-            params = messages.sampling_params(request.params)
-            prompt = messages.prompt(request)
-        except InvalidRequestError as exc:
-            raise InvalidRequest(str(exc), param=exc.field) from None
-        timeout = self.host.config.max_request_time
+        params = messages.sampling_params(request.params)
+        prompt = messages.prompt(request)
+        timeout = self.max_request_time
         if remaining is not None:
             remaining = max(remaining - DEADLINE_MARGIN, 0.0)
             timeout = remaining if timeout is None else min(timeout, remaining)
-        try:
-            stream = served.engine.generate_nowait(
-                prompt,
-                params,
-                request_id=request.request_id or None,
-                priority=request.priority,
-                deadline=None if timeout is None else arrival + timeout,
-            )
-        except Exception as exc:
-            raise translate(exc, log_requests=log_requests) from None
+        stream = served.engine.generate_nowait(
+            prompt,
+            params,
+            request_id=request.request_id or None,
+            priority=request.priority,
+            deadline=None if timeout is None else arrival + timeout,
+        )
         context = RequestContext("grpc.generate", served.name, stream.request_id)
         stream = self.plugins.postprocessed(stream, context, params.n)
         try:
             async for output in stream:
                 served.observe(output, params.n)
                 await emit(output)
-        except Exception as exc:  # RequestDropped, RequestFailed, ...: a status, as before any output
-            raise translate(exc, log_requests=log_requests) from None
         finally:
             stream.close()
             served.metrics.forget(stream.request_id)
@@ -125,25 +122,23 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def _list_models(self) -> pb.ListModelsResponse:
         self.host.raise_unless_ready()
-        models = []
-        for name in self.host.config.model_names:
-            served = self.host.models[name]
-            models.append(
-                pb.ModelInfo(
-                    name=name,
-                    max_model_len=served.max_model_len,
-                    vocab_size=served.engine.model_config.vocab_size,
-                    created=served.created,
-                )
+        models = [
+            pb.ModelInfo(
+                name=name,
+                max_model_len=served.max_model_len,
+                vocab_size=served.engine.model_config.vocab_size,
+                created=served.created,
             )
+            for name, served in self.host.models.items()
+        ]
         return pb.ListModelsResponse(models=models)
 
+    async def _fail(self, context: grpc.aio.ServicerContext, exc: Exception) -> Any:
+        """End the call with the status for ``exc`` (raises, as ``context.abort`` does).
+        Every failure, refusals before any output and errors after, goes
+        through ``translate``: the message and fields the HTTP API gives."""
+        if isinstance(exc, PortalClosed):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        error = self.translate(exc)
+        await context.abort(messages.status_of(error), error.message, messages.trailing_metadata(error))
 
-async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> Any:
-    """End the call with the status for ``exc`` (raises, as ``context.abort`` does)."""
-    if isinstance(exc, PortalClosed):
-        await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-    error = exc if isinstance(exc, ApiError) else from_exception(exc)
-    if not isinstance(exc, ApiError):
-        log.error("gRPC call failed: %s: %s", type(exc).__name__, exc)
-    await context.abort(messages.status_of(error), error.message, messages.trailing_metadata(error))

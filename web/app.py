@@ -11,6 +11,7 @@ configured by ``TRIOSERVE_*`` environment variables::
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,7 @@ from trioserve.engine.loading.loader import LoadedModel
 
 from . import routes
 from .asgi import TrioserveApp
+from .completions import translate
 from .host import EXTENSION, ModelHost
 from .plugins import PLUGINS_EXTENSION, ServerPlugins
 from .serve_options import server_config_from_env
@@ -100,8 +102,13 @@ def _grpc_service(app: QuartTrio, host: ModelHost) -> GrpcService | None:
         return None
     from trioserve.rpc.service import GrpcService, bind_address
 
+    config = host.config
     service = GrpcService(
-        host, bind_address(host.config.grpc_host, host.config.grpc_port), plugins=app.extensions[PLUGINS_EXTENSION]
+        host,
+        bind_address(config.grpc_host, config.grpc_port),
+        translate=functools.partial(translate, log_requests=config.log_requests),
+        plugins=app.extensions[PLUGINS_EXTENSION],
+        max_request_time=config.max_request_time,
     )
     app.extensions[GRPC_EXTENSION] = service
     return service
