@@ -99,7 +99,7 @@ def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
     if path is None:
         # Imported here: the loader imports torch, which nothing else in the
         # benchmark client needs.
-        from trioserve.engine.loading.loader import default_model_path
+        from trioserve.engine.loading.sources import default_model_path
 
         path = default_model_path()
     path = Path(path)
