@@ -23,7 +23,7 @@ from .errors import (
     RequestShed,
 )
 from .executor import Executor, FakeExecutor, ModelExecutor
-from .request import RequestStream
+from .stream import RequestStream
 from .statistics import (
     AllocatorStatistics,
     EngineStatistics,

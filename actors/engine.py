@@ -37,7 +37,7 @@ from .handle import Engine
 from .process_executor import engine_executor, worker_core
 from .messages import StepDone, StepFailed
 from .replicas import open_replicated_engine
-from .request import RequestStream
+from .stream import RequestStream
 from .scheduler import SchedulerActor
 from .step_calls import run_in_step_thread
 

@@ -20,7 +20,7 @@ import trio
 from trioserve.engine.config import EngineConfig
 from trioserve.engine.core.engine_core import EngineCore, Prompt
 from trioserve.engine.loading.generation_config import SamplingDefaults
-from trioserve.engine.models.llama import ProjectionChoice
+from trioserve.engine.models.projections import ProjectionChoice
 from trioserve.engine.core.outputs import RequestOutput
 from trioserve.engine.sampling.sampling_params import SamplingParams
 from trioserve.engine.core.sequence import FinishReason
@@ -31,7 +31,8 @@ from .degradation import Degradation
 from .errors import DuplicateRequestError, EngineClosed, EngineOverloaded
 from .executor import Executor
 from .messages import AbortAll, AddRequest
-from .request import RequestActor, RequestStream
+from .request import RequestActor
+from .stream import RequestStream
 from .request_ids import RequestIds
 from .scheduler import SchedulerActor
 from .statistics import EngineStatistics, OverloadStatistics, ReplicaStatistics, SchedulerActorStatistics

@@ -18,9 +18,8 @@ merges it into one delta per completion. A reader that falls
 ``max_buffered_outputs`` behind finds a ``Paused`` marker where the
 scheduler preempted its sequence; taking the marker sends ``Resume``.
 
-``RequestStream`` is the handle ``Engine.generate_nowait`` returns: the
-request actor behind an async iterator, closed by its finalizer if its
-owner drops it unclosed.
+``RequestStream`` (stream.py) is the handle ``Engine.generate_nowait``
+returns: the request actor behind an async iterator.
 """
 
 from __future__ import annotations
@@ -35,12 +34,12 @@ from typing import Any
 import attrs
 import trio
 
-from trioserve.engine.core.outputs import RequestOutput, RequestTimes
-from trioserve.engine.sampling.sampler import TokenLogprobs
+from trioserve.engine.core.outputs import RequestOutput
 from trioserve.engine.sampling.sampling_params import SamplingParams
 from trioserve.engine.core.sequence import FinishReason
 
 from .admission import AdmissionQueue
+from .deltas import Delta, final_output
 from .errors import EngineClosed, EngineOverloaded, QueueTimeout
 from .messages import Abort, AddRequest, Failed, Paused, Resume
 
@@ -55,75 +54,6 @@ def output_capacity(max_buffered_outputs: int, n: int) -> int:
     the step in flight, one final output per completion and a ``Failed``
     marker."""
     return max_buffered_outputs + 3 * n + 1
-
-
-def final_output(
-    request_id: str,
-    index: int,
-    reason: FinishReason,
-    *,
-    num_prompt_tokens: int,
-    arrival_time: float,
-    last: RequestOutput | None = None,
-) -> RequestOutput:
-    """A final output with no new tokens, for a completion that ends outside
-    a step (its deadline passed on the caller's side, or it was dropped
-    before it was scheduled). ``last`` is its latest output, if any."""
-    now = time.monotonic()
-    if last is not None:
-        return attrs.evolve(
-            last,
-            new_token_ids=(),
-            text_delta="",
-            logprobs=(),
-            finish_reason=reason,
-            stop_reason=None,
-            times=attrs.evolve(last.times, now=now),
-        )
-    return RequestOutput(
-        request_id=request_id,
-        index=index,
-        new_token_ids=(),
-        text_delta="",
-        logprobs=(),
-        finish_reason=reason,
-        stop_reason=None,
-        num_prompt_tokens=num_prompt_tokens,
-        num_output_tokens=0,
-        num_cached_tokens=0,
-        times=RequestTimes(arrival=arrival_time, first_scheduled=None, first_token=None, now=now),
-    )
-
-
-@attrs.define
-class _Delta:
-    """Outputs of one completion merged into one: tokens, text and logprobs
-    concatenated, everything else from the latest."""
-
-    token_ids: list[int] = attrs.field(factory=list)
-    text: list[str] = attrs.field(factory=list)
-    logprobs: list[TokenLogprobs] = attrs.field(factory=list)
-    last: RequestOutput | None = None
-
-    count: int = 0
-
-    def add(self, output: RequestOutput) -> None:
-        self.token_ids.extend(output.new_token_ids)
-        self.text.append(output.text_delta)
-        self.logprobs.extend(output.logprobs)
-        self.last = output
-        self.count += 1
-
-    def build(self) -> RequestOutput:
-        assert self.last is not None
-        if self.count == 1:
-            return self.last  # nothing to merge
-        return attrs.evolve(
-            self.last,
-            new_token_ids=tuple(self.token_ids),
-            text_delta="".join(self.text),
-            logprobs=tuple(self.logprobs),
-        )
 
 
 class RequestActor:
@@ -188,7 +118,7 @@ class RequestActor:
         self.unqueued_reason: FinishReason | None = None
         self._done: set[int] = set()  # completions over, by the engine or on this side
         self._engine_finished: set[int] = set()  # completions whose final output the engine sent
-        self._deltas: dict[int, _Delta] = {}
+        self._deltas: dict[int, Delta] = {}
         self._last: dict[int, RequestOutput] = {}
         self._ready: collections.deque[RequestOutput] = collections.deque()
 
@@ -309,7 +239,7 @@ class RequestActor:
         for message in messages:
             if isinstance(message, RequestOutput):
                 self._last[message.index] = message
-                self._deltas.setdefault(message.index, _Delta()).add(message)
+                self._deltas.setdefault(message.index, Delta()).add(message)
                 if message.finished:
                     self._done.add(message.index)
                     self._engine_finished.add(message.index)
@@ -338,7 +268,7 @@ class RequestActor:
             if delta is not None and delta.last is not None:
                 self._deltas[index].last = attrs.evolve(delta.last, finish_reason=reason, stop_reason=None)
             else:
-                self._deltas[index] = _Delta(
+                self._deltas[index] = Delta(
                     last=final_output(
                         self.request_id,
                         index,
@@ -433,74 +363,3 @@ class RequestActor:
             # holds it). Were it to, the scheduler still aborts a request
             # whose reader has closed at its next output.
             log.error("control channel full; %s for %r dropped", type(message).__name__, self.request_id)
-
-
-class RequestStream:
-    """The output stream of a request queued by ``Engine.generate_nowait``.
-
-    Iterate it (``async for``) and close it: ``async with`` or ``aclose()``,
-    or iterate to the end. A cancel or error inside an iteration closes it,
-    which aborts the request. A stream dropped unclosed is closed (its
-    request aborted) by the event loop soon after it is collected.
-    """
-
-    def __init__(self, actor: RequestActor, token: trio.lowlevel.TrioToken) -> None:
-        self._actor = actor
-        self._token = token  # the engine's event loop, for the finalizer
-        self._closed = False
-
-    @property
-    def request_id(self) -> str:
-        return self._actor.request_id
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self._closed:
-            raise StopAsyncIteration
-        try:
-            output = await self._actor.receive()
-        except BaseException:
-            self.close()
-            raise
-        if output is None:
-            self.close()
-            raise StopAsyncIteration
-        return output
-
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._actor.close()
-
-    async def aclose(self) -> None:
-        self.close()
-        await trio.lowlevel.checkpoint()
-
-    async def __aenter__(self) -> RequestStream:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        # A finalizer runs wherever the collector happens to run, even in
-        # another thread or in the middle of trio's own bookkeeping, so it
-        # touches no trio object: it hands the close (which sends the Abort)
-        # to the event loop, as trio does to finalize async generators.
-        if getattr(self, "_closed", True):
-            return
-        try:
-            self._token.run_sync_soon(_close_dropped, self._actor)
-        except trio.RunFinishedError:
-            pass  # the event loop is gone, and the engine with it
-
-
-def _close_dropped(actor: RequestActor) -> None:
-    # Runs in the event loop's own task, where an exception would crash the
-    # whole run: a bug here is logged instead.
-    try:
-        actor.close()
-    except Exception:
-        log.exception("closing the dropped stream of request %r failed", actor.request_id)

@@ -50,10 +50,10 @@ from trioserve.engine.core.sequence import FinishReason
 from .admission import AdmissionQueue
 from .concurrency import AdaptiveConcurrency
 from .deadlines import Deadlines
+from .deltas import final_output
 from .delivery import Delivery, outcome_of
 from .errors import QueueTimeout, RequestFailed, StepHung, WorkerLost, WorkerUnavailable
 from .messages import Abort, AbortAll, AddRequest, Allocate, Failed, Resume, RunStep, StepDone, StepFailed, StepMask
-from .request import final_output
 from .route import Route
 from .statistics import RateMeter, SchedulerActorStatistics
 

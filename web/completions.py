@@ -30,7 +30,7 @@ from quart import Response, g, request
 
 from trioserve.actors import RequestStream
 from trioserve.actors.errors import RequestDropped, RequestFailed
-from trioserve.actors.request import final_output
+from trioserve.actors.deltas import final_output
 from trioserve.engine.errors import TrioserveError
 from trioserve.engine.core.outputs import RequestOutput
 from trioserve.engine.plugins import RequestContext

@@ -31,7 +31,7 @@ import attrs
 import trio
 from quart import Quart, Response, g, request
 
-from trioserve.actors.request import RequestStream
+from trioserve.actors import RequestStream
 from trioserve.engine.errors import TrioserveError
 from trioserve.engine.core.outputs import RequestOutput
 from trioserve.engine.sampling.sampling_params import SamplingParams
