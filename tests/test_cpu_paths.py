@@ -25,7 +25,7 @@ from server_fixtures import MODEL, server_config, serving
 from trioserve.engine.kernels.capability import ASSUME_ENV, ISA_LEVELS, LIBRARY_CAPS, PROBES, CpuPaths, Probe, parse_assume, run_trial
 from trioserve.engine.errors import CpuCapabilityError
 from trioserve.engine.loading.loader import load_model
-from trioserve.engine.models.llama import choose_projections
+from trioserve.engine.models.projections import choose_projections
 from trioserve.web.app import create_app
 
 pytestmark = pytest.mark.cpu_paths

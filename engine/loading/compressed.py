@@ -22,7 +22,8 @@ import torch
 from trioserve.engine.kernels.capability import CpuPaths
 from trioserve.engine.config import ModelConfig
 from trioserve.engine.errors import CpuCapabilityError, ModelLoadError
-from trioserve.engine.models.llama import LlamaForCausalLM, ProjectionChoice
+from trioserve.engine.models.llama import LlamaForCausalLM
+from trioserve.engine.models.projections import ProjectionChoice
 from trioserve.engine.loading import gguf_weights
 from trioserve.engine.kernels import int4_pack
 from trioserve.engine.kernels import int8_native

@@ -27,7 +27,8 @@ from trioserve.engine.errors import CpuCapabilityError, ModelLoadError
 from trioserve.engine.loading.gguf_cache import Progress
 from trioserve.engine.loading.sources import find_shards, read_model_config, resolve_checkpoint, resolve_source
 from trioserve.engine.heap_trim import fix_heap_thresholds
-from trioserve.engine.models.llama import LlamaForCausalLM, ProjectionChoice, choose_projections
+from trioserve.engine.models.llama import LlamaForCausalLM
+from trioserve.engine.models.projections import ProjectionChoice, choose_projections
 from trioserve.engine.text.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)

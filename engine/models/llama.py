@@ -6,17 +6,13 @@ cos/sin and the attention plan are computed once per forward for all layers,
 and only the rows that want logits go through the final norm and LM head.
 ``load_weights`` maps Hugging Face checkpoint names onto the fused layout.
 
-On CPU the projections run on oneDNN over weights reordered once into its
-blocked layout (``PackedProjections``), with SiLU, the gate product and the
-residual adds fused into the matmuls, where that path works on this CPU in
-the model's dtype (``choose_projections``, by ``capability.CpuPaths``);
-elsewhere ``F.linear`` over the parameters (``PlainProjections``). Both
-compute the same float32 result up to summation order.
+How the projections run (oneDNN's packed GEMM, ``F.linear`` or compressed
+kernels) is ``models/projections.py``; whether the result is batch-invariant,
+``models/invariance.py``.
 """
 
 from __future__ import annotations
 
-import re
 import threading
 from collections.abc import Callable, Iterable
 
@@ -27,9 +23,8 @@ from torch import nn
 
 from trioserve.engine.kernels import onednn
 from trioserve.engine.layers.attention import AttentionMetadata, paged_attention, write_kv
-from trioserve.engine.kernels.capability import CpuPaths, dtype_name, packed_path
+from trioserve.engine.kernels.capability import CpuPaths, packed_path
 from trioserve.engine.config import ModelConfig
-from trioserve.engine.errors import CpuCapabilityError, ModelLoadError
 from trioserve.engine.layers.forward_batch import ForwardBatch
 from trioserve.engine.layers.kv_cache import KVCache
 from trioserve.engine.kernels.native_attention import BoundAttention, NativeAttention, token_rows
@@ -37,162 +32,21 @@ from trioserve.engine.kernels.native import ISAS as NATIVE_ISAS
 from trioserve.engine.kernels.native_decode import NativeDecode, decode_head
 from trioserve.engine.kernels.projections import QuantizedProjections
 from trioserve.engine.layers.rotary import RotaryEmbedding, apply_rotary
-
-# Checkpoint buffers derived from the config, never weights we load.
-_IGNORED = re.compile(r".*rotary_emb\.inv_freq$|.*rotary_emb\.(cos|sin)_cached$")
+from trioserve.engine.models.invariance import Invariance, compressed_on_cpu, float_on_cpu, on_device
+from trioserve.engine.models.weights import copy_weights, weight_targets
+from trioserve.engine.models.projections import (
+    PackedProjections,
+    PlainProjections,
+    ProjectionChoice,
+    Projections,
+    choose_projections,
+)
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
     # Uninitialised: every value is overwritten by load_weights, so random
     # init would only cost time.
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
-
-
-@attrs.frozen
-class Invariance:
-    """Whether a request's tokens and logprobs are independent of what
-    shares its steps (batch mates, the prefix cache, chunking, preemption,
-    speculation), and why: shown in the load log and ``/version``."""
-
-    invariant: bool
-    reason: str
-
-    def as_json(self) -> dict[str, object]:
-        return {"invariant": self.invariant, "reason": self.reason}
-
-    def __str__(self) -> str:
-        return f"{'batch-invariant' if self.invariant else 'NOT batch-invariant'}: {self.reason}"
-
-
-@attrs.frozen
-class ProjectionChoice:
-    """How a model runs its projections, and why: shown at startup, in the
-    load log and in ``/version``. ``fallback``: the packed path would have
-    been taken, but this CPU (or ``TRIOSERVE_CPU_ASSUME``) lacks it."""
-
-    device: str
-    dtype: str
-    packed: bool
-    reason: str
-    fallback: bool = False
-    quantization: str | None = None  # e.g. "int4": compressed projections (engine/kernels)
-    # Set once the model is built (``LlamaForCausalLM.invariance``).
-    invariance: Invariance | None = None
-
-    def as_json(self) -> dict[str, object]:
-        return {
-            "device": self.device,
-            "dtype": self.dtype,
-            "projections": "packed" if self.packed else "plain",
-            "fallback": self.fallback,
-            "reason": self.reason,
-            "quantization": self.quantization,
-            "invariance": None if self.invariance is None else self.invariance.as_json(),
-        }
-
-    @property
-    def summary(self) -> str:
-        """The choice without the reason, e.g. ``bfloat16 on cpu, plain projections``."""
-        if self.quantization is not None:
-            return f"{self.dtype} on {self.device}, {self.quantization} projections"
-        return f"{self.dtype} on {self.device}, {'packed' if self.packed else 'plain'} projections"
-
-    def __str__(self) -> str:
-        return f"{self.summary} ({self.reason})"
-
-
-def choose_projections(
-    device: torch.device | str, dtype: torch.dtype, cpu_paths: CpuPaths | None, pack_weights: bool | None
-) -> ProjectionChoice:
-    """Packed (oneDNN) or plain (``F.linear``) projections for a model on
-    ``device`` in ``dtype``, by what ``cpu_paths`` found works.
-
-    ``pack_weights`` None picks packed where that path works and plain
-    otherwise; False is plain; True insists on packed: a ``ValueError``
-    where the model never packs (float16, not CPU), a ``CpuCapabilityError``
-    where this CPU cannot.
-    """
-    device = torch.device(device)
-    where = {"device": str(device), "dtype": dtype_name(dtype)}
-    name = packed_path(dtype)
-    if pack_weights and (device.type != "cpu" or name is None):
-        raise ValueError(f"pack_weights needs a CPU float32 or bfloat16 model with oneDNN, not {dtype} on {device}")
-    if device.type != "cpu":
-        return ProjectionChoice(**where, packed=False, reason=f"F.linear on {device.type}")
-    if pack_weights is False:
-        return ProjectionChoice(**where, packed=False, reason="pack_weights=False: F.linear")
-    if name is None:
-        return ProjectionChoice(**where, packed=False, reason=f"no packed path for {dtype_name(dtype)}: F.linear")
-    if cpu_paths is None:
-        raise ValueError("a CPU model needs cpu_paths to choose its projections")
-    status = cpu_paths.status(name)
-    if status.available:
-        return ProjectionChoice(**where, packed=True, reason=status.reason)
-    if pack_weights:
-        raise CpuCapabilityError(
-            f"pack_weights=True, but {status.reason}; on this CPU run {dtype_name(dtype)} unpacked "
-            f"(pack_weights=None picks what works)"
-        )
-    reason = f"{status.reason}; F.linear on the plain weights instead"
-    if dtype == torch.bfloat16:
-        # Measured (docs/architecture.md, "CPU paths"): without oneDNN's
-        # bfloat16 kernels torch's bfloat16 matmul is 6-13x slower than float32's.
-        reason += " (in bfloat16 several times slower than float32 on such a CPU)"
-    return ProjectionChoice(**where, packed=False, reason=reason, fallback=True)
-
-
-@attrs.frozen
-class PlainProjections:
-    """One layer's projections as ``F.linear`` over its parameters (CUDA,
-    or CPU without packing). Each method returns what the layer needs next:
-    the fused q/k/v, or the residual stream with the projection added."""
-
-    qkv_weight: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o_weight: torch.Tensor
-    o_bias: torch.Tensor | None
-    gate_up_weight: torch.Tensor
-    down_weight: torch.Tensor
-
-    def qkv(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.qkv_weight, self.qkv_bias)
-
-    def o_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.o_weight, self.o_bias) + residual
-
-    def mlp_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_weight) + residual
-
-
-@attrs.frozen
-class PackedProjections:
-    """The same projections on oneDNN over weights reordered once
-    (``onednn.pack``), with the elementwise work fused into the matmuls: SiLU
-    into the gate projection, the gate product into the up projection, the
-    residual adds into the o and down projections."""
-
-    qkv_weight: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o_weight: torch.Tensor
-    o_bias: torch.Tensor | None
-    gate_weight: torch.Tensor
-    up_weight: torch.Tensor
-    down_weight: torch.Tensor
-
-    def qkv(self, x: torch.Tensor) -> torch.Tensor:
-        return onednn.linear(x, self.qkv_weight, self.qkv_bias, "none")
-
-    def o_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return onednn.linear_binary(x, self.o_weight, self.o_bias, "add", residual)
-
-    def mlp_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        gate = onednn.linear(x, self.gate_weight, None, "swish")  # SiLU
-        hidden = onednn.linear_binary(x, self.up_weight, None, "mul", gate)
-        return onednn.linear_binary(hidden, self.down_weight, None, "add", residual)
-
-
-Projections = PlainProjections | PackedProjections | QuantizedProjections
 
 
 class DecoderLayer(nn.Module):
@@ -355,67 +209,22 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config, dtype=dtype, device=device)
         # Every batch attends natively where that path works here (None: in torch).
         self.native_attention = NativeAttention.choose(cpu_paths, device, dtype, config.head_dim)
-        self._targets = self._weight_targets()
+        self._targets = weight_targets(self)
 
     def invariance(self) -> Invariance:
         """Whether this model, as built and set (``batch_invariant``), gives a
         token the same bits whatever shares its step, and why."""
         device = self.embed_tokens.device
         if device.type != "cpu":
-            return Invariance(
-                False,
-                f"on {device.type}, torch's GEMMs and attention choose their kernels and reduction splits "
-                "by the batch's shape (docs/architecture.md, \"Same request, same answer\")",
-            )
+            return on_device(device)
         made = self._quantized
         if made is None:
-            return self._float_invariance(device)
+            packed = self.pack_weights and self._can_pack(device, self.dtype)
+            return float_on_cpu(self.dtype, packed=packed, native_attention=self.native_attention is not None)
         if made.decode is None or (made.decode_head is None and self.batch_invariant):
-            return Invariance(
-                False,
-                "the projections or LM head run outside the fused native step (no native build, "
-                "or a kernel whose arithmetic changes with the row count)",
-            )
+            return compressed_on_cpu(None, self.batch_invariant)
         isa = next(name for name, index in NATIVE_ISAS.items() if index == made.decode.isa)
-        if not self.batch_invariant:
-            return Invariance(
-                False,
-                f"--no-batch-invariant: prompts run the layers in torch on wider activations, decode steps the "
-                f"fused native step ({isa}, int8 activations), so a token's bits depend on which computed it",
-            )
-        return Invariance(
-            True,
-            f"every token (prompts, decode steps, verification) runs the fused native step ({isa}): "
-            "activations rounded per row in groups of 32, integer products, sums in a fixed order, "
-            "attention per token over its own context",
-        )
-
-    def _float_invariance(self, device: torch.device) -> Invariance:
-        """``invariance`` for float projections on CPU: oneDNN's packed
-        float32 GEMM gives a row the same bits at every row count from two
-        (``onednn.MIN_ROWS``; tests/test_invariance.py), MKL's ``F.linear``
-        does not (its kernel and blocking follow the row count); bfloat16
-        and float16 models are not checked."""
-        packed = self.pack_weights and self._can_pack(device, self.dtype)
-        if not packed:
-            return Invariance(
-                False,
-                f"{dtype_name(self.dtype)} projections on F.linear (MKL), whose kernel and blocking follow the "
-                "row count (float32 on oneDNN's packed GEMM, or compressed weights on the native kernels, are invariant)",
-            )
-        if self.dtype != torch.float32:
-            return Invariance(
-                False,
-                f"{dtype_name(self.dtype)} projections on oneDNN's packed GEMM: not checked for invariance "
-                "(float32 is, and compressed weights on the native kernels)",
-            )
-        if self.native_attention is None:
-            return Invariance(False, "attention runs in torch, whose kernels follow the batch's shape (no native build)")
-        return Invariance(
-            True,
-            "float32 projections on oneDNN's packed GEMM, whose rows keep their bits at every row count; "
-            "attention per token over its own context (native); the rest a row at a time",
-        )
+        return compressed_on_cpu(isa, self.batch_invariant)
 
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """Run ``batch``, writing its keys and values into ``kv_cache``.
@@ -567,7 +376,7 @@ class LlamaForCausalLM(nn.Module):
             self.embed_tokens = _param(0, self.config.hidden_size, dtype=e.dtype, device=e.device)
             if self.config.tie_word_embeddings:
                 self.lm_head = self.embed_tokens
-            self._targets = self._weight_targets()
+            self._targets = weight_targets(self)
         where = (self.embed_tokens.device, self.embed_tokens.dtype)
         c = self.config
         decode = NativeDecode.build(
@@ -604,58 +413,8 @@ class LlamaForCausalLM(nn.Module):
         buffers such as ``rotary_emb.inv_freq`` are skipped and not returned.
         A tied model accepts (and ignores) a redundant ``lm_head.weight``.
         """
-        loaded: set[str] = set()
-        # inference_mode allows the in-place copy whether or not the
-        # parameters were created under inference mode.
-        with torch.inference_mode():
-            for name, tensor in weights:
-                if _IGNORED.fullmatch(name):
-                    continue
-                target = self._targets.get(name)
-                if target is None:
-                    raise ModelLoadError(f"unknown weight {name!r} for {self.config.architecture}")
-                param, start, stop = target
-                dest = param if start is None else param[start:stop]
-                if tuple(tensor.shape) != tuple(dest.shape):
-                    raise ModelLoadError(
-                        f"weight {name!r}: expected shape {tuple(dest.shape)}, got {tuple(tensor.shape)}"
-                    )
-                if not (name == "lm_head.weight" and self.config.tie_word_embeddings):
-                    dest.copy_(tensor)
-                    self._made = None  # packed copies are stale
-                loaded.add(name)
+        loaded = copy_weights(self._targets, weights, self.config)
+        if loaded:
+            self._made = None  # packed copies are stale
         return loaded
 
-    def _weight_targets(self) -> dict[str, tuple[torch.Tensor, int | None, int | None]]:
-        """Each checkpoint name -> (parameter, row slice) it fills."""
-        c = self.config
-        q_rows = c.num_attention_heads * c.head_dim
-        kv_rows = c.num_key_value_heads * c.head_dim
-        targets: dict[str, tuple[torch.Tensor, int | None, int | None]] = {
-            "model.embed_tokens.weight": (self.embed_tokens, None, None),
-            "model.norm.weight": (self.norm, None, None),
-            "lm_head.weight": (self.lm_head, None, None),
-        }
-        if self.lm_head is None:
-            del targets["lm_head.weight"]
-        for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            if layer.qkv_proj is None:  # quantized: the projections load through engine/loading/compressed.py
-                targets[f"{p}input_layernorm.weight"] = (layer.input_layernorm, None, None)
-                targets[f"{p}post_attention_layernorm.weight"] = (layer.post_attention_layernorm, None, None)
-                continue
-            qkv = {"q": (0, q_rows), "k": (q_rows, q_rows + kv_rows), "v": (q_rows + kv_rows, q_rows + 2 * kv_rows)}
-            for n, (a, b) in qkv.items():
-                targets[f"{p}self_attn.{n}_proj.weight"] = (layer.qkv_proj, a, b)
-                if layer.qkv_bias is not None:
-                    targets[f"{p}self_attn.{n}_proj.bias"] = (layer.qkv_bias, a, b)
-            targets[f"{p}self_attn.o_proj.weight"] = (layer.o_proj, None, None)
-            if layer.o_bias is not None:
-                targets[f"{p}self_attn.o_proj.bias"] = (layer.o_bias, None, None)
-            inter = c.intermediate_size
-            targets[f"{p}mlp.gate_proj.weight"] = (layer.gate_up_proj, 0, inter)
-            targets[f"{p}mlp.up_proj.weight"] = (layer.gate_up_proj, inter, 2 * inter)
-            targets[f"{p}mlp.down_proj.weight"] = (layer.down_proj, None, None)
-            targets[f"{p}input_layernorm.weight"] = (layer.input_layernorm, None, None)
-            targets[f"{p}post_attention_layernorm.weight"] = (layer.post_attention_layernorm, None, None)
-        return targets

@@ -42,7 +42,8 @@ from trioserve.engine.kernels.capability import CpuPaths
 from trioserve.engine.config import ModelConfig
 from trioserve.engine.errors import ModelLoadError, TrioserveError
 from trioserve.engine.loading.sources import find_shards
-from trioserve.engine.models.llama import Invariance, LlamaForCausalLM, _Made
+from trioserve.engine.models.llama import LlamaForCausalLM, _Made
+from trioserve.engine.models.invariance import Invariance
 
 _MAX_LOAD_THREADS = 4
 

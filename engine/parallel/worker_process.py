@@ -40,7 +40,7 @@ import attrs
 from trioserve.engine.config import EngineConfig
 from trioserve.engine.loading.loader import LoadedModel, load_model_for
 from trioserve.engine.runtime.build import build_runner
-from trioserve.engine.models.llama import ProjectionChoice
+from trioserve.engine.models.projections import ProjectionChoice
 from trioserve.engine.runtime.step_plan import StepPlan
 from trioserve.engine.sampling.rows import TokenMask
 
