@@ -350,7 +350,7 @@ class EngineConfig:
     # inputs), once, cached; "none" is the dequantized float path. "auto"
     # is the default: on the default model compressed is 2.4x faster for one
     # stream in half the memory, and 0.76x float32's throughput at 32
-    # streams, where "none" is the choice (docs/benchmarks.md, "trioserve
+    # streams, where "none" is the choice (docs/benchmarks.md in git history, "trioserve
     # against llama-server").
     quantization: str = attrs.field(default="auto", validator=attrs.validators.in_(("auto", "none", "int8", "int4")))
     quantization_group_size: int = attrs.field(default=32, validator=positive)

@@ -5,7 +5,7 @@ stay resident until the top of the heap is free too, and each thread's
 arena keeps its own. Loading a model (tensors decoded and dropped one at a
 time) and serving requests (activations, logits, Python objects) leave
 tens to a hundred MiB of such pages behind; ``malloc_trim(0)`` returns the
-free pages inside every arena (docs/benchmarks.md, "Resident memory").
+free pages inside every arena (docs/benchmarks.md, "Memory at ready").
 
 What it leaves is the free top of each thread's arena: glibc shrinks that
 only when a free leaves it above the trim threshold, and that threshold

@@ -5,7 +5,7 @@ In GGUF's layout a group's dot of a row and channel lies across a vector's
 lanes, and the exact sums need it added across them, which made a 5-row
 verification's head cost 2.8x a one-row step's on AVX2; laid out so once at
 load, the int16 tile reads each channel's sums in its own lane at any row
-count, without staging panels (docs/benchmarks.md, "The Q8_0 head in
+count, without staging panels (docs/benchmarks.md in git history, "The Q8_0 head in
 lanes"). The same bytes as the groups (no memory added), and a tied model's
 embeddings look their rows up in the same table (``rows``), so it is held
 once.

@@ -11,7 +11,7 @@ into place at the end: an interrupted one never leaves a half cache.
 The conversion runs in a child process: transformers' modeling code, which
 it needs, imports torch's compiler stack (dynamo, inductor, triton, sympy),
 about 240 MiB that would otherwise stay in a server started on a cold cache
-for its whole life (docs/benchmarks.md, "Resident memory").
+for its whole life (docs/benchmarks.md, "Memory at ready").
 """
 
 from __future__ import annotations

@@ -290,7 +290,7 @@ class LlamaForCausalLM(nn.Module):
         """The residual stream after every layer."""
         # ``forward`` directly, not through nn.Module's call (hook checks),
         # and each layer's pools from one unbind: a one-stream decode step
-        # is bound by such per-layer overheads (docs/benchmarks.md, "A lean
+        # is bound by such per-layer overheads (docs/benchmarks.md in git history, "A lean
         # decode step").
         for layer, projections, keys, values in zip(self.layers, made.layers, kv_cache.key, kv_cache.value):
             hidden = layer.forward(hidden, projections, cos, sin, keys, values, slot_mapping, meta, attend)
