@@ -6,28 +6,96 @@ so a token gets one arithmetic whatever shares its step (``runs``).
 At one row, a step on compressed weights spent more time in the ~200 small
 torch ops per layer around the matmuls (norms, rotary, the cache write,
 gather and attention, the activation) than in the matmuls themselves
-(docs/benchmarks.md, "A lean decode step"). Where every projection's
+(docs/benchmarks.md in git history, "A lean decode step"). Where every projection's
 kernel for the batch's row count is a native one, ``NativeDecode`` runs all
 layers of a batch of decode rows (or short runs of tokens, as a speculative
 step verifies) in a single call; any other batch (prefill, more rows than
 the native kernels serve, a cache the op does not take) goes through the
 layers in torch as before.
+
+The step's math is the model's decoder layer (engine/models/llama.py's
+``DecoderLayer.forward``) written a second time in C++, so it runs only
+the layers it was checked against: ``unsupported`` holds a config to
+``REQUIREMENTS``, a rule for every ``ModelConfig`` field, and ``build``
+refuses a config that breaks one, whose model then runs its layers in
+torch. A field a new family adds must be given a rule here (a test checks
+that every field has one); a family joins ``ARCHITECTURES`` once
+tests/test_native_decode_families.py, which builds a tiny random model of
+every supported family and variant, finds the step and the layers agree.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 import torch
 
+from trioserve.engine.config import ModelConfig
 from trioserve.engine.kernels import native
 from trioserve.engine.kernels.int4_native import Int4NativeLinear
 from trioserve.engine.kernels.int8_native import Int8GroupNativeLinear, Int8NativeLinear
 from trioserve.engine.kernels.projections import QuantizedProjections
 
 from trioserve.engine.kernels.native_attention import CACHE_DTYPES, MAX_QUERY_TOKENS
+
 NativeLinear = Int4NativeLinear | Int8NativeLinear | Int8GroupNativeLinear
+
+# The families whose decoder layer csrc/decode.cpp computes: pre-norm
+# RMSNorm, fused q/k/v (a bias or none), rotate-half rotary on the model's
+# own cos/sin tables, attention over the whole context, o (a bias or none)
+# plus the residual, RMSNorm, SwiGLU, down plus the residual.
+ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
+# The rotary scalings checked: each only changes the tables the model
+# computes (engine/layers/rotary.py) and passes in.
+ROPE_TYPES = frozenset({"default", "linear", "llama3"})
+
+
+def _any(value: object) -> bool:
+    return True
+
+
+# Every ModelConfig field: what the fused step needs of its value, and why.
+# A size or a field outside the decoder layers takes any value.
+REQUIREMENTS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "architecture": (
+        ARCHITECTURES.__contains__, f"a family whose layer the step computes ({', '.join(sorted(ARCHITECTURES))})"
+    ),
+    "vocab_size": (_any, "outside the layers"),
+    "hidden_size": (_any, "a size"),
+    "intermediate_size": (_any, "a size"),
+    "num_hidden_layers": (_any, "a size"),
+    "num_attention_heads": (_any, "a size"),
+    "num_key_value_heads": (_any, "a size: heads share KV heads in groups (GQA, MQA)"),
+    "head_dim": (lambda v: v % 2 == 0, "an even head_dim: rotate-half pairs a head's halves"),
+    "max_position_embeddings": (_any, "outside the layers (the rotary tables' length)"),
+    "rms_norm_eps": (_any, "a constant of the norms"),
+    "rope_theta": (_any, "in the rotary tables the model passes in"),
+    "rope_scaling": (lambda v: v.rope_type in ROPE_TYPES, f"a rotary scaling of {', '.join(sorted(ROPE_TYPES))}"),
+    "tie_word_embeddings": (_any, "outside the layers"),
+    "attention_bias": (_any, "biases of q/k/v and o are added to the linears' outputs, as the layer does"),
+    "bos_token_id": (_any, "outside the layers"),
+    "eos_token_ids": (_any, "outside the layers"),
+    "sliding_window": (_any, "the engine caps a context at the window (ModelConfig.max_context_len)"),
+}
+
+
+def unsupported(config: ModelConfig) -> list[str]:
+    """What of ``config``'s decoder layer the fused step does not compute, in
+    words; empty where it computes the layer as the model does. A field
+    without a rule in ``REQUIREMENTS`` is not supported."""
+    found = []
+    for field in attrs.fields(ModelConfig):
+        value = getattr(config, field.name)
+        rule = REQUIREMENTS.get(field.name)
+        if rule is None:
+            found.append(f"{field.name}={value!r}: a field native_decode.REQUIREMENTS has no rule for")
+        elif not rule[0](value):
+            found.append(f"{field.name}={value!r}: the fused step needs {rule[1]}")
+    return found
+
+
 _EMPTY = torch.empty(0)
 _INT8_HEADS = frozenset({native.ISAS["avx512vnni"], native.ISAS["avx2int8"]})
 
@@ -72,8 +140,13 @@ class NativeDecode:
         num_kv_heads: int,
         head_dim: int,
         eps: float,
+        config: ModelConfig | None = None,
     ) -> NativeDecode | None:
-        """The fused step over these layers, or None where a projection has no native kernel."""
+        """The fused step over these layers, or None where a projection has
+        no native kernel, an MLP projection has a bias, or ``config`` (the
+        model's) has a layer feature the step lacks (``unsupported``)."""
+        if config is not None and unsupported(config):
+            return None
         weights: list[torch.Tensor] = []
         isas = set()
         for layer, input_norm, post_norm in zip(projections, input_norms, post_norms, strict=True):
