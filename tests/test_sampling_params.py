@@ -2,6 +2,7 @@
 
 import math
 
+import attrs
 import pytest
 
 from trioserve.engine.errors import InvalidRequestError
@@ -42,6 +43,34 @@ BAD_VALUES = [
     ("min_p", [0.1]),
     ("presence_penalty", True),
     ("stop", [1]),
+    # The types JSON can send where they do not belong (the HTTP API hands
+    # its values over as they come: these rules are the only ones).
+    ("n", True),
+    ("n", 1.5),
+    ("n", "2"),
+    ("n", 129),
+    ("top_k", True),
+    ("top_k", 2.5),
+    ("seed", True),
+    ("max_tokens", "10"),
+    ("min_tokens", False),
+    ("logprobs", True),
+    ("temperature", 10**400),
+    ("stop", 3),
+    ("stop", ""),
+    ("stop_token_ids", "x"),
+    ("stop_token_ids", [True]),
+    ("ignore_eos", 1),
+    ("include_stop_str_in_output", "yes"),
+    ("skip_special_tokens", None),
+    ("logit_bias", {"5": True}),
+    ("logit_bias", {"5": "1"}),
+    ("logit_bias", [1, 2]),
+    ("logit_bias", "x"),
+    # Negative token ids are no model's: refused before the vocabulary is known.
+    ("logit_bias", {-1: 1.0}),
+    ("logit_bias", {"-1": 1.0}),
+    ("stop_token_ids", [-1]),
 ]
 
 
@@ -93,6 +122,10 @@ def test_conversions():
     assert params.stop == ("END",)
     assert params.logit_bias == ((3, 2.0), (7, -100.0))
     assert params.stop_token_ids == (4, 9)
+    # Numbers are held as floats whatever JSON gave; evolve keeps the value.
+    params = SamplingParams(temperature=0, presence_penalty=-2, top_p=1)
+    assert [type(v) for v in (params.temperature, params.presence_penalty, params.top_p)] == [float] * 3
+    assert attrs.evolve(params, n=2).logit_bias == params.logit_bias
     assert SamplingParams(temperature=0.0).greedy
     assert not SamplingParams(temperature=0.7).greedy
 
@@ -101,9 +134,7 @@ def test_conversions():
     ("kwargs", "field"),
     [
         ({"logit_bias": {100: 1.0}}, "logit_bias"),
-        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
         ({"stop_token_ids": [3, 100]}, "stop_token_ids"),
-        ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ],
 )
 def test_validate_for_vocab_rejects_unknown_token_ids(kwargs, field):

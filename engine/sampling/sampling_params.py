@@ -1,10 +1,18 @@
-"""Per-request sampling parameters, validated at construction."""
+"""Per-request sampling parameters, validated at construction.
+
+``SamplingParams``' validators are the one statement of each sampling
+field's rule: every edge (the HTTP and gRPC APIs, ``Engine.generate``, the
+CLI) builds one from what the caller sent, values as JSON has them, and maps
+its ``InvalidRequestError`` (whose ``field`` names the field) to its own
+error shape. Only the vocabulary's bound waits for the model
+(``validate_for_vocab``).
+"""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import attrs
 
@@ -12,32 +20,159 @@ from trioserve.engine.errors import InvalidRequestError
 from trioserve.engine.sampling.structured_output import StructuredOutput
 
 
-def _check(condition: bool, field: str, message: str) -> None:
-    if not condition:
-        raise InvalidRequestError(f"{field} {message}", field=field)
+# The bounds of the API's fields (OpenAI's, where it has them).
+MAX_N = 128  # completions per request
+MAX_LOGPROBS = 20  # top logprobs per token
+MAX_LOGIT_BIAS = 100.0  # |bias| added to a token's logit
 
 
-def _as_tuple_of_str(value: Any) -> tuple[str, ...]:
+def _fail(field: str, message: str) -> NoReturn:
+    raise InvalidRequestError(f"{field} {message}", field=field)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+# -- the fields' rules: attrs validators raising InvalidRequestError ------------
+# Each names the field as callers spell it (``attribute.alias``: an unset-able
+# field is stored as ``_temperature`` but given as ``temperature``). A value
+# of the wrong type fails like one out of range, so JSON's true, "2" or 1.5
+# where an integer belongs are named too.
+
+
+def _integer(low: int | None = None, high: int | None = None, *, optional: bool = False) -> Any:
+    """The field must be an integer (not a bool) in [low, high]; with ``optional`` None too."""
+
+    def check(_instance: object, attribute: attrs.Attribute, value: Any) -> None:
+        if value is None and optional:
+            return
+        if not _is_int(value):
+            _fail(attribute.alias, f"must be an integer, got {value!r}")
+        if (low is not None and value < low) or (high is not None and value > high):
+            bound = f"between {low} and {high}" if low is not None and high is not None else f">= {low}"
+            _fail(attribute.alias, f"must be {bound}, got {value}")
+
+    return check
+
+
+def _number(low: float, high: float | None = None, *, low_open: bool = False, optional: bool = False) -> Any:
+    """The field must be a finite number (not a bool) in [low, high] (``low_open``:
+    (low, high]); with ``optional`` None too."""
+
+    def check(_instance: object, attribute: attrs.Attribute, value: Any) -> None:
+        if value is None and optional:
+            return
+        if not _is_number(value):
+            _fail(attribute.alias, f"must be a number, got {value!r}")
+        try:
+            finite = math.isfinite(value)
+        except OverflowError:  # an integer past any float
+            finite = False
+        too_low = value <= low if low_open else value < low
+        if not finite or too_low or (high is not None and value > high):
+            if high is None:
+                bound = f"a finite number {'>' if low_open else '>='} {low:g}"
+            else:
+                bound = f"in {'(' if low_open else '['}{low:g}, {high:g}]"
+            _fail(attribute.alias, f"must be {bound}, got {value!r}")
+
+    return check
+
+
+def _boolean(_instance: object, attribute: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, bool):
+        _fail(attribute.alias, f"must be true or false, got {value!r}")
+
+
+def _check_top_k(_instance: object, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and not (_is_int(value) and value >= -1):
+        _fail("top_k", f"must be -1, 0 (disabled) or a positive integer, got {value!r}")
+
+
+def _check_stop(_instance: object, attribute: attrs.Attribute, value: tuple[Any, ...]) -> None:
+    if not all(isinstance(s, str) for s in value):
+        _fail("stop", f"must be a string or a list of strings, got {list(value)!r}")
+    if not all(value):
+        _fail("stop", "must not contain an empty string")
+
+
+def _check_token_ids(_instance: object, attribute: attrs.Attribute, value: tuple[Any, ...]) -> None:
+    bad = next((t for t in value if not (_is_int(t) and t >= 0)), None)
+    if bad is not None:
+        _fail(attribute.alias, f"must be token ids (integers >= 0), got {bad!r}")
+
+
+def _check_structured_output(_instance: object, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and not isinstance(value, StructuredOutput):
+        _fail("structured_output", f"must be a StructuredOutput, got {type(value).__name__}")
+
+
+# -- converters: the shapes a field may be given in ---------------------------
+
+
+def _as_float(value: Any) -> Any:
+    """An int as a float, so every number field holds floats; anything else
+    (an int past any float too) as it is, for the validator to judge."""
+    if _is_int(value):
+        try:
+            return float(value)
+        except OverflowError:
+            return value
+    return value
+
+
+def _as_stop(value: Any) -> tuple[Any, ...]:
     if value is None:
         return ()
     if isinstance(value, str):
         return (value,)
+    if not isinstance(value, list | tuple):
+        _fail("stop", f"must be a string or a list of strings, got {value!r}")
     return tuple(value)
 
 
-def _as_tuple_of_int(value: Any) -> tuple[int, ...]:
-    return () if value is None else tuple(value)
+def _as_token_ids(value: Any) -> tuple[Any, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list | tuple):
+        _fail("stop_token_ids", f"must be a list of token ids, got {value!r}")
+    return tuple(value)
 
 
 def _as_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """``{token id: bias}`` (JSON's keys are strings: ``{"50256": -100}``)
+    or its pairs, as sorted pairs; every id >= 0 and bias in [-100, 100]."""
     if value is None:
         return ()
-    items = value.items() if isinstance(value, dict) else value
+    if isinstance(value, Mapping):
+        items = list(value.items())
+    elif isinstance(value, list | tuple) and all(isinstance(item, list | tuple) and len(item) == 2 for item in value):
+        items = list(value)
+    else:
+        _fail("logit_bias", f"must be an object mapping token ids to numbers, got {value!r}")
+    bias = []
+    for key, number in items:
+        token_id = key if _is_int(key) else _int_or_none(key)
+        if token_id is None or token_id < 0:
+            _fail("logit_bias", f"keys must be token ids (integers >= 0), got {key!r}")
+        if not (_is_number(number) and -MAX_LOGIT_BIAS <= number <= MAX_LOGIT_BIAS):
+            _fail("logit_bias", f"values must be numbers in [-100, 100], got {number!r}")
+        bias.append((token_id, float(number)))
+    return tuple(sorted(bias))
+
+
+def _int_or_none(key: Any) -> int | None:
+    if not isinstance(key, str):
+        return None
     try:
-        # JSON object keys are strings: {"50256": -100}.
-        return tuple(sorted((int(k), float(v)) for k, v in items))
-    except (TypeError, ValueError):
-        raise InvalidRequestError("logit_bias must map token ids to numbers", field="logit_bias") from None
+        return int(key)
+    except ValueError:
+        return None
 
 
 @attrs.frozen
@@ -90,8 +225,6 @@ def _frozen(value: Any) -> Any:
     return value
 
 
-_NUMBER_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
-
 # The fields a model's sampling defaults fill where a request leaves them
 # out (engine/loading/generation_config.py), and what each reads as until then:
 # the API's neutral values (no scaling, no truncation, no penalty).
@@ -127,97 +260,42 @@ class SamplingParams:
     penalty), which is what an ``EngineCore`` driven directly samples with.
     """
 
-    n: int = 1
+    n: int = attrs.field(default=1, validator=_integer(1, MAX_N))
     # Stored as None when unset; read through the properties below.
-    _temperature: float | None = None
-    _top_p: float | None = None
-    _top_k: int | None = None  # 0 or -1: no top-k
-    _min_p: float | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    _repetition_penalty: float | None = None
-    seed: int | None = None
-    max_tokens: int | None = 16  # None: up to the context limit
-    min_tokens: int = 0
-    stop: tuple[str, ...] = attrs.field(default=(), converter=_as_tuple_of_str)
-    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_as_tuple_of_int)
-    include_stop_str_in_output: bool = False
-    ignore_eos: bool = False
+    _temperature: float | None = attrs.field(default=None, converter=_as_float, validator=_number(0.0, optional=True))
+    _top_p: float | None = attrs.field(
+        default=None, converter=_as_float, validator=_number(0.0, 1.0, low_open=True, optional=True)
+    )
+    _top_k: int | None = attrs.field(default=None, validator=_check_top_k)  # 0 or -1: no top-k
+    _min_p: float | None = attrs.field(default=None, converter=_as_float, validator=_number(0.0, 1.0, optional=True))
+    presence_penalty: float = attrs.field(default=0.0, converter=_as_float, validator=_number(-2.0, 2.0))
+    frequency_penalty: float = attrs.field(default=0.0, converter=_as_float, validator=_number(-2.0, 2.0))
+    _repetition_penalty: float | None = attrs.field(
+        default=None, converter=_as_float, validator=_number(0.0, low_open=True, optional=True)
+    )
+    seed: int | None = attrs.field(default=None, validator=_integer(optional=True))
+    max_tokens: int | None = attrs.field(default=16, validator=_integer(1, optional=True))  # None: up to the context limit
+    min_tokens: int = attrs.field(default=0, validator=_integer(0))
+    stop: tuple[str, ...] = attrs.field(default=(), converter=_as_stop, validator=_check_stop)
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_as_token_ids, validator=_check_token_ids)
+    include_stop_str_in_output: bool = attrs.field(default=False, validator=_boolean)
+    ignore_eos: bool = attrs.field(default=False, validator=_boolean)
     logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_as_bias)
-    logprobs: int | None = None  # None: none; k >= 0: the chosen token's logprob plus the top k
-    skip_special_tokens: bool = True
+    # None: none; k: the chosen token's logprob plus the top k.
+    logprobs: int | None = attrs.field(default=None, validator=_integer(0, MAX_LOGPROBS, optional=True))
+    skip_special_tokens: bool = attrs.field(default=True, validator=_boolean)
     # Structured output: the output follows this schema, regex, choice or
     # grammar (a token mask each step; see engine/sampling/grammar.py).
-    structured_output: StructuredOutput | None = None
+    structured_output: StructuredOutput | None = attrs.field(default=None, validator=_check_structured_output)
     # Plugins (engine/plugins.py) run in the sampler, by name.
     logits_processors: tuple[LogitsProcessorSpec, ...] = attrs.field(default=(), converter=_as_processor_specs)
 
     def __attrs_post_init__(self) -> None:
-        # Types first, so a wrong one is named rather than a TypeError below.
-        for name in _NUMBER_FIELDS:
-            value = getattr(self, name)
-            _check(isinstance(value, int | float) and not isinstance(value, bool), name, f"must be a number, got {value!r}")
-        _check(isinstance(self.n, int) and self.n >= 1, "n", f"must be >= 1, got {self.n!r}")
-        _check(
-            self.temperature >= 0.0 and math.isfinite(self.temperature),
-            "temperature",
-            f"must be a finite number >= 0, got {self.temperature!r}",
-        )
-        _check(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p!r}")
-        _check(
-            isinstance(self.top_k, int) and (self.top_k >= 0 or self.top_k == -1),
-            "top_k",
-            f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}",
-        )
-        _check(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p!r}")
-        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", f"must be in [-2, 2], got {self.presence_penalty!r}")
-        _check(
-            -2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty!r}"
-        )
-        _check(
-            self.repetition_penalty > 0.0 and math.isfinite(self.repetition_penalty),
-            "repetition_penalty",
-            f"must be a finite number > 0, got {self.repetition_penalty!r}",
-        )
-        _check(
-            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
-            "max_tokens",
-            f"must be >= 1, got {self.max_tokens!r}",
-        )
-        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", f"must be >= 0, got {self.min_tokens!r}")
-        _check(
-            self.max_tokens is None or self.min_tokens <= self.max_tokens,
-            "min_tokens",
-            f"({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
-        )
-        _check(all(isinstance(s, str) for s in self.stop), "stop", f"must be strings, got {self.stop!r}")
-        _check(all(s for s in self.stop), "stop", "must not contain an empty string")
-        _check(
-            self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
-            "logprobs",
-            f"must be between 0 and 20, got {self.logprobs!r}",
-        )
-        _check(
-            all(-100.0 <= bias <= 100.0 for _, bias in self.logit_bias),
-            "logit_bias",
-            "values must be in [-100, 100]",
-        )
-        _check(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
-        _check(
-            all(isinstance(t, int) for t in self.stop_token_ids),
-            "stop_token_ids",
-            f"must be integers, got {self.stop_token_ids!r}",
-        )
-        _check(
-            self.structured_output is None or isinstance(self.structured_output, StructuredOutput),
-            "structured_output",
-            f"must be a StructuredOutput, got {type(self.structured_output).__name__}",
-        )
-        _check(
-            self.structured_output is None or not self.ignore_eos,
-            "ignore_eos",
-            "cannot be used with structured output (the grammar ends the output with EOS)",
-        )
+        # The rules between fields, once each field has passed its own.
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            _fail("min_tokens", f"({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if self.structured_output is not None and self.ignore_eos:
+            _fail("ignore_eos", "cannot be used with structured output (the grammar ends the output with EOS)")
 
     @property
     def temperature(self) -> float:
@@ -262,10 +340,8 @@ class SamplingParams:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     def validate_for_vocab(self, vocab_size: int) -> None:
-        """Reject token ids outside the model's vocabulary."""
-        for token_id, _ in self.logit_bias:
-            _check(0 <= token_id < vocab_size, "logit_bias", f"has token id {token_id} outside the vocabulary [0, {vocab_size})")
-        for token_id in self.stop_token_ids:
-            _check(
-                0 <= token_id < vocab_size, "stop_token_ids", f"has token id {token_id} outside the vocabulary [0, {vocab_size})"
-            )
+        """Reject token ids past the model's vocabulary (negative ones never get this far)."""
+        for field, ids in (("logit_bias", [token_id for token_id, _ in self.logit_bias]), ("stop_token_ids", self.stop_token_ids)):
+            bad = next((token_id for token_id in ids if token_id >= vocab_size), None)
+            if bad is not None:
+                _fail(field, f"has token id {bad} outside the vocabulary [0, {vocab_size})")
