@@ -12,13 +12,16 @@ dropped unclosed is closed by its own finalizer (``RequestStream``).
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
 from typing import Any
 
+import attrs
 import trio
 
 from trioserve.engine.config import EngineConfig
-from trioserve.engine.core.engine_core import EngineCore, Prompt
+from trioserve.engine.core.engine_core import EngineCore
+from trioserve.engine.core.new_request import RequestInput
 from trioserve.engine.loading.generation_config import SamplingDefaults
 from trioserve.engine.models.projections import ProjectionChoice
 from trioserve.engine.core.outputs import RequestOutput
@@ -118,7 +121,7 @@ class Engine:
 
     async def generate(
         self,
-        prompt: Prompt,
+        prompt: str | Sequence[int] | Sequence[Mapping[str, Any]],
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
@@ -146,17 +149,43 @@ class Engine:
         its place in the queue (both before any output). Under pressure a
         low-priority request may get a smaller ``max_tokens``
         (``DegradationPolicy``).
+
+        The Python API's edge: the arguments become the ``RequestInput``
+        whose validators judge them (``submit`` takes one built elsewhere).
         """
-        await self.prepare(params)
-        request = self._new_request(prompt, params, request_id, priority, deadline, timeout, final_only)
-        try:
-            await request.submit()
-            if request.submitted:
-                self._num_accepted += 1
-            while (output := await request.receive()) is not None:
+        request = RequestInput(prompt, SamplingParams() if params is None else params, priority)
+        async with self._submitted(request, request_id, deadline, timeout, final_only) as actor:
+            while (output := await actor.receive()) is not None:
                 yield output
+
+    async def submit(
+        self,
+        request: RequestInput,
+        *,
+        request_id: str | None = None,
+        deadline: float | None = None,
+        timeout: float | None = None,
+        final_only: bool = False,
+    ) -> AsyncIterator[RequestOutput]:
+        """``generate`` for a request its edge has built and checked."""
+        async with self._submitted(request, request_id, deadline, timeout, final_only) as actor:
+            while (output := await actor.receive()) is not None:
+                yield output
+
+    @asynccontextmanager
+    async def _submitted(
+        self, request: RequestInput, request_id: str | None, deadline: float | None, timeout: float | None, final_only: bool
+    ) -> AsyncIterator[RequestActor]:
+        """The request's actor, queued once there is room; closed on the way out."""
+        await self.prepare(request.params)
+        actor = self._new_request(request, request_id, deadline, timeout, final_only)
+        try:
+            await actor.submit()
+            if actor.submitted:
+                self._num_accepted += 1
+            yield actor
         finally:
-            request.close()
+            actor.close()
 
     async def prepare(self, params: SamplingParams | None) -> None:
         """Compile ``params.structured_output``'s grammar in a worker thread
@@ -171,7 +200,7 @@ class Engine:
 
     def generate_nowait(
         self,
-        prompt: Prompt,
+        prompt: str | Sequence[int] | Sequence[Mapping[str, Any]],
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
@@ -187,17 +216,31 @@ class Engine:
         logprobs are refused first (``ExpensiveRequestRefused``); see
         ``DegradationPolicy``. A structured output not compiled before
         (``prepare``) is compiled here, in the event loop."""
-        request = self._new_request(prompt, params, request_id, priority, deadline, timeout, final_only)
+        request = RequestInput(prompt, SamplingParams() if params is None else params, priority)
+        return self.submit_nowait(request, request_id=request_id, deadline=deadline, timeout=timeout, final_only=final_only)
+
+    def submit_nowait(
+        self,
+        request: RequestInput,
+        *,
+        request_id: str | None = None,
+        deadline: float | None = None,
+        timeout: float | None = None,
+        final_only: bool = False,
+    ) -> RequestStream:
+        """``generate_nowait`` for a request its edge has built and checked
+        (the HTTP and gRPC APIs build theirs from the body)."""
+        actor = self._new_request(request, request_id, deadline, timeout, final_only)
         try:
-            self._degradation.check_expensive(request.params, self._admission.pressure, self._scheduler.retry_after())
-            request.submit_nowait()
+            self._degradation.check_expensive(actor.params, self._admission.pressure, self._scheduler.retry_after())
+            actor.submit_nowait()
         except BaseException as exc:
-            request.close()
+            actor.close()
             if isinstance(exc, EngineOverloaded):
                 self._num_refused += 1
             raise
         self._num_accepted += 1
-        return RequestStream(request, self._token)
+        return RequestStream(actor, self._token)
 
     def abort(self, request_id: str) -> bool:
         """End a request: queued or live, it finishes with ``ABORT`` at the
@@ -207,21 +250,23 @@ class Engine:
 
     def _new_request(
         self,
-        prompt: Prompt,
-        params: SamplingParams | None,
+        request: RequestInput,
         request_id: str | None,
-        priority: int,
         deadline: float | None,
         timeout: float | None,
         final_only: bool,
     ) -> RequestActor:
         if self._admission.closed:
             raise EngineClosed("the engine is not taking requests")
-        # The one validation of a request (the core and the scheduler trust it).
+        # ``request`` holds the rules that need no model; these are the
+        # model's (tokenizing, the vocabulary, the context). What comes out
+        # the core and the scheduler take as it is.
         request_id = uuid.uuid4().hex if request_id is None else request_id
-        new = self.core.validate(request_id, prompt, self.sampling_defaults.apply(params), priority=priority)
-        params = self._degradation.cap(new.params, priority, self._admission.pressure)
-        prompt_ids = new.prompt_token_ids
+        params = self.sampling_defaults.apply(request.params)
+        new = self.core.validate(request_id, request.prompt, params, priority=request.priority)
+        capped = self._degradation.cap(new.params, new.priority, self._admission.pressure)
+        if capped is not new.params:
+            new = attrs.evolve(new, params=capped)
         if timeout is not None:
             after = trio.current_time() + timeout
             deadline = after if deadline is None else min(deadline, after)
@@ -229,12 +274,9 @@ class Engine:
             raise DuplicateRequestError(request_id)
         max_queue_time = self.core.config.max_queue_time
         actor = RequestActor(
+            new,
             queue_deadline=None if max_queue_time is None else trio.current_time() + max_queue_time,
             on_full=self._shed,
-            request_id=request_id,
-            prompt_token_ids=prompt_ids,
-            params=params,
-            priority=priority,
             deadline=deadline,
             final_only=final_only,
             max_buffered_outputs=self.core.config.max_buffered_outputs,

@@ -21,6 +21,7 @@ import attrs
 import trio
 
 from trioserve.engine.core.kv_batch import KVBatch
+from trioserve.engine.core.new_request import NewRequest
 from trioserve.engine.runtime.model_runner import RunnerOutput
 from trioserve.engine.sampling.sampling_params import SamplingParams
 from trioserve.engine.runtime.step_plan import StepPlan
@@ -30,7 +31,7 @@ from trioserve.engine.core.sequence import FinishReason
 
 @attrs.frozen
 class AddRequest:
-    """A tokenized request asking to be scheduled.
+    """A validated, tokenized request (``request``) asking to be scheduled.
 
     ``deadline`` is in ``trio.current_time()`` units (None: none);
     ``arrival_time`` is ``time.monotonic()``, the clock of ``RequestTimes``.
@@ -41,18 +42,31 @@ class AddRequest:
     (arrival plus ``max_queue_time``).
     """
 
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    params: SamplingParams
-    priority: int
+    request: NewRequest
     deadline: float | None
     arrival_time: float
     outputs: trio.MemorySendChannel[Any] = attrs.field(eq=False, repr=False)
     queue_deadline: float | None = None
 
     @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt_token_ids(self) -> tuple[int, ...]:
+        return self.request.prompt_token_ids
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def priority(self) -> int:
+        return self.request.priority
+
+    @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        return self.request.num_tokens
 
 
 @attrs.frozen

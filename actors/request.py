@@ -35,7 +35,7 @@ import attrs
 import trio
 
 from trioserve.engine.core.outputs import RequestOutput
-from trioserve.engine.sampling.sampling_params import SamplingParams
+from trioserve.engine.core.new_request import NewRequest
 from trioserve.engine.core.sequence import FinishReason
 
 from .admission import AdmissionQueue
@@ -57,7 +57,7 @@ def output_capacity(max_buffered_outputs: int, n: int) -> int:
 
 
 class RequestActor:
-    """One request, from admission to its last output.
+    """One request (``request``, validated), from admission to its last output.
 
     ``submit()`` waits for room in the admission queue (bounded by the
     deadline and the queue deadline); ``submit_nowait()`` raises
@@ -77,11 +77,8 @@ class RequestActor:
 
     def __init__(
         self,
+        request: NewRequest,
         *,
-        request_id: str,
-        prompt_token_ids: tuple[int, ...],
-        params: SamplingParams,
-        priority: int,
         deadline: float | None,
         final_only: bool,
         max_buffered_outputs: int,
@@ -92,10 +89,9 @@ class RequestActor:
         queue_deadline: float | None = None,
         on_full: Callable[[AddRequest], None] | None = None,
     ) -> None:
-        self.request_id = request_id
-        self.prompt_token_ids = prompt_token_ids
-        self.params = params
-        self.priority = priority
+        self.request = request
+        self.request_id = request.request_id
+        self.params = request.params
         self.deadline = deadline
         self.queue_deadline = queue_deadline
         self.final_only = final_only
@@ -105,7 +101,7 @@ class RequestActor:
         self._control = control
         self._retry_after = retry_after
         self._on_close = on_close
-        capacity = output_capacity(max_buffered_outputs, params.n)
+        capacity = output_capacity(max_buffered_outputs, request.params.n)
         self._outputs_send, self._inbox = trio.open_memory_channel[Any](capacity)
         self._submitted = False
         self._submit_scope: trio.CancelScope | None = None
@@ -126,10 +122,7 @@ class RequestActor:
 
     def _message(self) -> AddRequest:
         return AddRequest(
-            request_id=self.request_id,
-            prompt_token_ids=self.prompt_token_ids,
-            params=self.params,
-            priority=self.priority,
+            request=self.request,
             deadline=self.deadline,
             arrival_time=self.arrival_time,
             outputs=self._outputs_send,
@@ -173,7 +166,7 @@ class RequestActor:
             f"and was dropped before any compute; retry in about {retry_after:.1f} s",
             request_id=self.request_id,
             retry_after=retry_after,
-            num_prompt_tokens=len(self.prompt_token_ids),
+            num_prompt_tokens=self.request.num_tokens,
         )
 
     def submit_nowait(self) -> None:
@@ -273,7 +266,7 @@ class RequestActor:
                         self.request_id,
                         index,
                         reason,
-                        num_prompt_tokens=len(self.prompt_token_ids),
+                        num_prompt_tokens=self.request.num_tokens,
                         arrival_time=self.arrival_time,
                         last=self._last.get(index),
                     )

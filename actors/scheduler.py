@@ -39,7 +39,6 @@ from trioserve.engine.core.engine_core import EngineCore
 from trioserve.engine.errors import InvalidRequestError
 from trioserve.engine.sampling.grammar import GrammarError, MaskFill
 from trioserve.engine.core.kv_batch import KVBatch, KVResult
-from trioserve.engine.core.new_request import NewRequest
 from trioserve.engine.runtime.step_thread import StepThreadClosed, StepThreadDied
 from trioserve.engine.runtime.model_runner import RunnerOutput
 from trioserve.engine.core.outputs import RequestOutput
@@ -467,8 +466,7 @@ class SchedulerActor:
                 self._send(route, self._dropped(message, index, reason))
             self._close_route(route, outcome=outcome_of({reason}))
             return
-        # Validated at the edge (Engine._new_request): admitted as is.
-        new = NewRequest(message.request_id, message.prompt_token_ids, message.params, message.priority)
+        new = message.request  # validated by the engine's edge: admitted as it is
         if (self._quarantine or self._withheld) and self._in_quarantine(new.sequence_ids()):
             error = InvalidRequestError(
                 f"request id {message.request_id!r} is still in use (its earlier request's step hung)",

@@ -26,7 +26,9 @@ from trioserve.actors import (
     RequestFailed,
     open_engine,
 )
+from trioserve.engine.core.new_request import RequestInput
 from trioserve.engine.core.outputs import RequestOutput
+from trioserve.engine.errors import InvalidRequestError
 from trioserve.engine.sampling.sampling_params import SamplingParams
 from trioserve.engine.core.sequence import FinishReason
 from trioserve.testing import engine_config
@@ -96,6 +98,23 @@ async def test_duplicate_request_ids_are_refused_while_live(autojump_clock):
             with pytest.raises(DuplicateRequestError):
                 engine.generate_nowait("y", request_id="dup")
         await collect(engine, "y", request_id="dup")  # free again once it ended
+
+
+async def test_the_python_edge_checks_a_request_once_into_a_request_input(autojump_clock):
+    async with fake_engine() as engine:
+        for prompt, priority in (("", 0), ([-1], 0), ("hi", True)):
+            with pytest.raises(InvalidRequestError) as info:
+                engine.generate_nowait(prompt, priority=priority)
+            assert info.value.field == ("priority" if priority is True else "prompt")
+            with pytest.raises(InvalidRequestError):
+                await collect(engine, prompt, priority=priority)
+        # An edge that built its RequestInput hands it over as it is.
+        request = RequestInput("hello there", params(3), priority=-1)
+        async with engine.submit_nowait(request, request_id="built") as stream:
+            outputs = [output async for output in stream]
+        assert outputs[-1].finish_reason is FinishReason.LENGTH and stream.request_id == "built"
+        outputs = [output async for output in engine.submit(request)]
+        assert sum(len(o.new_token_ids) for o in outputs) == 3
 
 
 async def test_caller_cancel_scope_aborts_at_the_next_step_boundary(autojump_clock):

@@ -17,6 +17,7 @@ from trioserve.actors.concurrency import AdaptiveConcurrency
 from trioserve.actors.messages import AddRequest
 from trioserve.actors.statistics import OverloadStatistics
 from trioserve.engine.config import DegradationPolicy
+from trioserve.engine.core.new_request import NewRequest
 from trioserve.engine.sampling.sampling_params import SamplingParams
 from trioserve.web.metrics import OVERLOAD_ACTIONS, Metrics
 from trioserve.web.serve_options import build_serve_parser, server_config_from_args, server_config_from_env
@@ -124,10 +125,7 @@ def test_the_limiter_validates_its_settings():
 def message(request_id: str, *, priority: int = 0, num_tokens: int = 1, queue_deadline: float | None = None):
     send, _ = trio.open_memory_channel(1)
     return AddRequest(
-        request_id=request_id,
-        prompt_token_ids=tuple(range(num_tokens)),
-        params=SamplingParams(),
-        priority=priority,
+        NewRequest(request_id, tuple(range(num_tokens)), SamplingParams(), priority),
         deadline=None,
         arrival_time=0.0,
         outputs=send,
