@@ -1,7 +1,7 @@
 """Translation between the proto's messages and the engine's values.
 
-``sampling_params`` builds ``SamplingParams`` from a request's parameters,
-so the engine's own validators judge them (an invalid value raises
+``request_input`` builds the engine's ``RequestInput`` and
+``SamplingParams`` from a request, so their own validators judge it (an invalid value raises
 ``InvalidRequestError`` naming the field, as over HTTP); fields left unset
 keep the engine's defaults. ``status_of`` maps an error as the HTTP API
 states it (``host.ClientError``: the server's ``ApiError``) to a gRPC
@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 
 from trioserve.engine.errors import InvalidRequestError
+from trioserve.engine.core.new_request import RequestInput
 from trioserve.engine.core.outputs import RequestOutput
 from trioserve.engine.sampling.sampling_params import SamplingParams
 from . import trioserve_pb2 as pb
@@ -74,14 +75,15 @@ def _processor(message: pb.LogitsProcessor) -> dict[str, Any]:
     return {"name": message.name, "args": args}
 
 
-def prompt(request: pb.GenerateRequest) -> str | list[int]:
-    """The prompt: text or token ids; ``InvalidRequestError`` if neither is set."""
+def request_input(request: pb.GenerateRequest) -> RequestInput:
+    """The request's ``RequestInput`` (its prompt, text or token ids, its
+    parameters and priority); raises ``InvalidRequestError`` naming a bad
+    field, or ``prompt`` if neither prompt is set."""
     which = request.WhichOneof("prompt")
-    if which == "text":
-        return request.text
-    if which == "token_ids":
-        return list(request.token_ids.ids)
-    raise InvalidRequestError("prompt must be set: text or token_ids", field="prompt")
+    if which is None:
+        raise InvalidRequestError("prompt must be set: text or token_ids", field="prompt")
+    prompt = request.text if which == "text" else tuple(request.token_ids.ids)
+    return RequestInput(prompt, sampling_params(request.params), request.priority)
 
 
 def response(output: RequestOutput) -> pb.GenerateResponse:

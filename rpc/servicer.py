@@ -2,9 +2,9 @@
 server's asyncio loop and do their work in trio through a ``TrioPortal``.
 
 ``Generate`` does what ``POST /v1/completions`` does (web/completions.py):
-it validates the request with the engine's own validators, queues it with
-``generate_nowait`` (so every refusal is a status before any response) and
-streams its deltas. The call's deadline (``context.time_remaining()``),
+it builds the engine's ``RequestInput`` (whose validators judge it),
+queues it with ``submit_nowait`` (so every refusal is a status before any
+response) and streams its deltas. The call's deadline (``context.time_remaining()``),
 capped by ``--max-request-time``, becomes the request's ``deadline``, less
 ``DEADLINE_MARGIN`` so the final ``deadline`` delta can still reach the
 client. When the call is cancelled, or its deadline passes on the client's
@@ -88,24 +88,20 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     async def _generate(self, emit: Emit, request: pb.GenerateRequest, remaining: float | None) -> None:
         arrival = trio.current_time()
         served = self.host.get(request.model or None)
-        params = messages.sampling_params(request.params)
-        prompt = messages.prompt(request)
+        new = messages.request_input(request)
         timeout = self.max_request_time
         if remaining is not None:
             remaining = max(remaining - DEADLINE_MARGIN, 0.0)
             timeout = remaining if timeout is None else min(timeout, remaining)
-        stream = served.engine.generate_nowait(
-            prompt,
-            params,
-            request_id=request.request_id or None,
-            priority=request.priority,
-            deadline=None if timeout is None else arrival + timeout,
+        stream = served.engine.submit_nowait(
+            new, request_id=request.request_id or None, deadline=None if timeout is None else arrival + timeout
         )
+        n = new.params.n
         context = RequestContext("grpc.generate", served.name, stream.request_id)
-        stream = self.plugins.postprocessed(stream, context, params.n)
+        stream = self.plugins.postprocessed(stream, context, n)
         try:
             async for output in stream:
-                served.observe(output, params.n)
+                served.observe(output, n)
                 await emit(output)
         finally:
             stream.close()
