@@ -30,16 +30,10 @@ from trioserve.engine.sampling.sampler import TokenLogprobs
 from trioserve.engine.core.sequence import FinishReason
 from trioserve.web import errors
 from trioserve.web.errors import ApiError
-from trioserve.web.protocol import (
-    ChatCompletionRequest,
-    ChatMessage,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
-    effective_timeout,
-    parse_json_body,
-    parse_timeout_header,
-)
+from trioserve.web.chat_messages import ChatMessage
+from trioserve.web.json_body import parse_json_body
+from trioserve.web.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from trioserve.web.timeouts import effective_timeout, parse_timeout_header
 from trioserve.web.completion_bodies import ChatCompletionStream, CompletionStream, OutputAccumulator
 from trioserve.web.logprobs import TokenTexts
 from trioserve.web.sse import SSE_DONE, sse_error, sse_event, sse_events

@@ -16,7 +16,7 @@ import trio
 from quart import g, request
 
 from .errors import BodyTimeout, RequestTooLarge
-from .protocol import parse_json_body
+from .json_body import parse_json_body
 
 
 async def read_body(limit: int, timeout: float) -> None:

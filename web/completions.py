@@ -1,7 +1,7 @@
 """``POST /v1/completions`` and ``POST /v1/chat/completions``.
 
 A handler parses the body, picks the served model, works out the request's
-deadline and queues it with ``engine.generate_nowait``, so every refusal
+deadline and queues it with ``engine.submit_nowait``, so every refusal
 (invalid, too long, overloaded, draining) is an HTTP status before any byte
 of the response. Then it either streams the engine's deltas as SSE chunks or
 gathers them into one JSON body. The deadline is the engine's own
@@ -25,6 +25,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+import attrs
 import trio
 from quart import Response, g, request
 
@@ -41,10 +42,11 @@ from .completion_bodies import ChatCompletionStream, CompletionStream, OutputAcc
 from .errors import ApiError, RequestTimeout, from_exception
 from .host import current_host
 from .plugins import current_plugins
-from .protocol import ChatCompletionRequest, CompletionRequest, effective_timeout, parse_timeout_header
+from .protocol import CHAT_NAMES, ChatCompletionRequest, CompletionRequest
 from .responses import json_response
 from .served import ServedModel
 from .sse import SSE_DONE, sse_error, sse_events
+from .timeouts import effective_timeout, parse_timeout_header
 from .tools import render_prompt
 
 log = logging.getLogger(__name__)
@@ -95,23 +97,17 @@ async def _generate(kind: type[CompletionRequest] | type[ChatCompletionRequest],
     timeout = effective_timeout(
         parsed.timeout, parse_timeout_header(request.headers.get(TIMEOUT_HEADER)), host.config.max_request_time
     )
-    prompt = parsed.engine_prompt
+    new = parsed.request
     tools = parsed.tools if chat else None
-    # The fields the body left out take the model's defaults here, so that
-    # a trace records what the request samples with.
+    # What the request samples with, the fields the body left out taken
+    # from the model's defaults (as the engine takes them): for the trace.
     params = served.engine.sampling_defaults.apply(parsed.params)
     try:
         if chat and parsed.renders_tools:
-            prompt = render_prompt(served.engine.tokenizer, prompt, tools)
+            new = attrs.evolve(new, prompt=render_prompt(served.engine.tokenizer, parsed.engine_prompt, tools))
         # A schema, regex or grammar compiles in a worker thread (cached).
         await served.engine.prepare(parsed.params)
-        stream = request_ids.generate_nowait(
-            served.engine,
-            prompt,
-            params,
-            priority=parsed.priority,
-            deadline=None if timeout is None else arrival + timeout,
-        )
+        stream = request_ids.submit_nowait(served.engine, new, deadline=None if timeout is None else arrival + timeout)
     except Exception as exc:
         raise _refusal(translate(exc, log_requests=log_requests), chat) from None
     stream = tracing.follow(stream, params, parsed.model, served.name)  # itself when tracing is off
@@ -150,10 +146,10 @@ async def _generate(kind: type[CompletionRequest] | type[ChatCompletionRequest],
 
 
 def _refusal(error: ApiError, chat: bool) -> ApiError:
-    if chat and error.param == "logprobs":
-        error.param = "top_logprobs"  # the chat API's name for the engine's logprobs count
-    if chat and error.param == "prompt":  # the engine's prompt is the templated messages
-        error.param = "messages"
+    """The engine's refusal, its field named as the chat API names it
+    (its prompt is the templated messages; its logprobs, top_logprobs)."""
+    if chat and error.param in CHAT_NAMES:
+        error.param = CHAT_NAMES[error.param]
     return error
 
 

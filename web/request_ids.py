@@ -27,6 +27,7 @@ from quart import Quart, Response, g, request
 
 from trioserve.actors import Engine, RequestStream
 from trioserve.actors.errors import DuplicateRequestError
+from trioserve.engine.core.new_request import RequestInput
 
 HEADER = "X-Request-Id"
 MAX_LENGTH = 128
@@ -86,17 +87,17 @@ def register(app: Quart) -> None:
     app.after_request(add_request_id_header)
 
 
-def generate_nowait(engine: Engine, prompt: Any, params: Any, **options: Any) -> RequestStream:
-    """``engine.generate_nowait`` under the current request's id: the
+def submit_nowait(engine: Engine, request: RequestInput, **options: Any) -> RequestStream:
+    """``engine.submit_nowait`` under the current request's id: the
     engine's request id is the HTTP one, or ``ID-xxxxxxxx`` when a request
     with that id is still in the engine."""
     request_id = g.get("request_id") or new_request_id()
     try:
-        return engine.generate_nowait(prompt, params, request_id=request_id, **options)
+        return engine.submit_nowait(request, request_id=request_id, **options)
     except DuplicateRequestError:
         alias = f"{request_id[: MAX_LENGTH - 9]}-{uuid.uuid4().hex[:8]}"
         log.info("request id %s is still in the engine; the engine calls this request %s", request_id, alias)
-        return engine.generate_nowait(prompt, params, request_id=alias, **options)
+        return engine.submit_nowait(request, request_id=alias, **options)
 
 
 class RequestIdFilter(logging.Filter):

@@ -14,6 +14,7 @@ from trioserve.engine.errors import InvalidRequestError
 from trioserve.engine.sampling.structured_output import StructuredOutput
 
 from .errors import InvalidRequest
+from .fields import invalid
 
 # vLLM's structured_outputs keys, each a kind of constraint.
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -65,8 +66,6 @@ def _structured_outputs(value: Any) -> StructuredOutput:
         return StructuredOutput.json_object(field=field)
     if kind == "choice":
         return StructuredOutput.choice(spec, field=field)
-    if not isinstance(spec, str):
-        raise InvalidRequest(f"{field} must be a string", param=field)
     if kind == "regex":
         return StructuredOutput.regex(spec, field=field)
     return StructuredOutput.grammar(spec, field=field)
@@ -86,4 +85,4 @@ def structured_output(body: dict[str, Any]) -> StructuredOutput | None:
             )
         return _structured_outputs(outputs)
     except InvalidRequestError as exc:
-        raise InvalidRequest(str(exc), param=exc.field) from None
+        raise invalid(exc) from None

@@ -28,7 +28,7 @@ from server_fixtures import MODEL
 KEY = "fuzz-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_BODY = 64 << 10
-MAX_JSON_DEPTH = 32  # web/protocol.py
+MAX_JSON_DEPTH = 32  # web/json_body.py
 VOCAB_SIZE = 49152
 
 JSON_ROUTES = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
