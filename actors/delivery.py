@@ -13,6 +13,7 @@ again).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -22,7 +23,7 @@ from trioserve.engine.core.outputs import RequestOutput
 from trioserve.engine.core.sequence import FinishReason
 
 from .deadlines import Deadlines
-from .messages import AddRequest, Paused
+from .messages import AddRequest, Failed, Paused
 from .route import Route
 from .statistics import RateMeter
 
@@ -49,12 +50,14 @@ class Delivery:
     ``max_buffered_outputs``: unread outputs before the ``Paused`` marker.
     ``deadlines``: told when a route closes (its entry goes stale).
     ``request_rate``: counts every request let go, queue timeouts aside (the
-    completion rate behind ``retry_after``).
+    completion rate behind ``retry_after``). ``on_close()`` is called
+    whenever a route closes (the scheduler has room for one more).
     """
 
     max_buffered_outputs: int
     deadlines: Deadlines
     request_rate: RateMeter
+    on_close: Callable[[], None] = lambda: None
     routes: dict[str, Route] = attrs.field(init=False, factory=dict)
     counts: dict[str, int] = attrs.field(init=False, factory=lambda: dict.fromkeys(OUTCOMES, 0))
 
@@ -114,6 +117,12 @@ class Delivery:
             # The rate behind Retry-After: requests served (or ended), not
             # those turned away for lack of room.
             self.request_rate.add(trio.current_time(), 1)
+        self.on_close()
+
+    def fail(self, route: Route, error: Exception, *, outcome: str = "failed") -> None:
+        """End the request with ``error`` (its ``generate`` raises it)."""
+        self.send(route, Failed(route.request_id, error))
+        self.close(route, outcome=outcome)
 
     def close_all(self) -> None:
         """The scheduler is stopping: end every stream (the readers get

@@ -45,7 +45,7 @@ from trioserve.engine.loading.generation_config import SamplingDefaults
 from trioserve.engine.core.kv_batch import KVResult
 from trioserve.engine.kernels.kv_dtype_choice import KVDtypeChoice
 from trioserve.engine.loading.loader import LoadedModel, load_model_for
-from trioserve.engine.models.llama import ProjectionChoice
+from trioserve.engine.models.projections import ProjectionChoice
 from trioserve.engine.parallel.placement import ParallelConfigError, PinnedStepThread, ReplicaPlacement, plan_replicas
 
 from .admission import AdmissionQueue
@@ -58,7 +58,7 @@ from .replica_admission import ReplicaControl, ReplicatedAdmission
 from .request import RequestActor
 from .router import ReplicaRouter
 from .scheduler import SchedulerActor
-from .statistics import OverloadStatistics, ReplicaStatistics, SchedulerActorStatistics
+from .statistics import OverloadStatistics, ReplicaStatistics, SchedulerActorStatistics, estimate_retry_after
 from .step_calls import run_in_step_thread
 
 __all__ = ["Replica", "ReplicaControl", "ReplicatedAdmission", "ReplicatedEngine", "combine", "open_replicated_engine"]
@@ -147,10 +147,7 @@ class _Schedulers(_Combined):
     def retry_after(self) -> float:
         """As ``SchedulerActor.retry_after``, over the whole bound and every
         replica's completion rate."""
-        rate = sum(actor.statistics().requests_per_s for actor in self.actors)
-        if rate <= 0:
-            return 1.0
-        return min(60.0, max(0.1, (self._admission.num_queued + 1) / rate))
+        return estimate_retry_after(self._admission.num_queued, sum(actor.statistics().requests_per_s for actor in self.actors))
 
     @property
     def stopped(self) -> bool:

@@ -1,9 +1,10 @@
 """The scheduler actor: admission, control and the step loop.
 
 It owns the engine core's scheduling state (``EngineCore`` minus its pool and
-runner), the routes of the requests it holds (``Delivery``, delivery.py) and
-their deadlines (``Deadlines``, deadlines.py), and runs three loops in one
-nursery:
+runner), the routes of the requests it holds (``Delivery``, delivery.py),
+their deadlines (``Deadlines``, deadlines.py), what is applied between steps
+(``StepBoundary``, boundary.py) and the blocks of hung steps
+(``Quarantine``, quarantine.py), and runs three loops in one nursery:
 
 - the *admission loop* takes ``AddRequest`` messages from the admission
   queue, but only while the core's waiting queue is short and its working
@@ -36,42 +37,29 @@ import attrs
 import trio
 
 from trioserve.engine.core.engine_core import EngineCore
-from trioserve.engine.errors import InvalidRequestError
-from trioserve.engine.sampling.grammar import GrammarError, MaskFill
-from trioserve.engine.core.kv_batch import KVBatch, KVResult
-from trioserve.engine.runtime.step_thread import StepThreadClosed, StepThreadDied
-from trioserve.engine.runtime.model_runner import RunnerOutput
+from trioserve.engine.core.kv_batch import KVResult
 from trioserve.engine.core.outputs import RequestOutput
-from trioserve.engine.plugins import PluginError
 from trioserve.engine.core.scheduler import SchedulerOutput
 from trioserve.engine.core.sequence import FinishReason
+from trioserve.engine.runtime.model_runner import RunnerOutput
+from trioserve.engine.sampling.grammar import MaskFill
 
 from .admission import AdmissionQueue
+from .boundary import StepBoundary
 from .concurrency import AdaptiveConcurrency
 from .deadlines import Deadlines
-from .deltas import final_output
-from .delivery import Delivery, outcome_of
-from .errors import QueueTimeout, RequestFailed, StepHung, WorkerLost, WorkerUnavailable
-from .messages import Abort, AbortAll, AddRequest, Allocate, Failed, Resume, RunStep, StepDone, StepFailed, StepMask
-from .route import Route
-from .statistics import RateMeter, SchedulerActorStatistics
+from .delivery import Delivery
+from .errors import WorkerLost
+from .failures import output_failure, step_failure
+from .messages import Abort, AddRequest, Allocate, RunStep, StepDone, StepFailed, StepMask
+from .quarantine import Quarantine
+from .statistics import RateMeter, SchedulerActorStatistics, estimate_retry_after
 
 __all__ = ["SchedulerActor"]
 
 log = logging.getLogger(__name__)
 
 _NO_OUTPUT = RunnerOutput(sampled={}, logprobs={})
-
-
-@attrs.define(eq=False)
-class _Quarantine:
-    """The requests of a hung step: their blocks are held (their frees
-    withheld from the pool) until ``released`` is set, when the step has
-    returned and can write nothing more."""
-
-    released: trio.Event
-    children: frozenset[str]  # sequence ids, as the pool knows them
-    num_blocks: int
 
 
 class SchedulerActor:
@@ -108,7 +96,6 @@ class SchedulerActor:
     ) -> None:
         self.core = core
         self.concurrency = concurrency
-        self._max_queue_time = core.config.max_queue_time
         self.admission = admission
         num_seqs = core.scheduler.max_num_seqs
         self.max_ready = max_ready or num_seqs
@@ -119,13 +106,13 @@ class SchedulerActor:
         self.control_capacity = 4 * (admission.max_requests + self.max_live) + 16
         now = trio.current_time()
         self._deadlines = Deadlines()
-        self._delivery = Delivery(core.config.max_buffered_outputs, self._deadlines, RateMeter(rate_window, now))
+        self._delivery = Delivery(
+            core.config.max_buffered_outputs, self._deadlines, RateMeter(rate_window, now), on_close=self._made_room
+        )
         self._routes = self._delivery.routes  # the same dict: the delivery changes it, the step loop reads it
-        self._pending_aborts: dict[str, FinishReason] = {}  # for requests still in the admission queue
-        self._control: list[Any] = []
-        self._abort_all: FinishReason | None = None
+        self._quarantine = Quarantine()
+        self._boundary = StepBoundary(core, admission, self._delivery, self._deadlines, self._quarantine, self.retry_after)
         self._input_closed = False
-        self._receiving = False
         self._release_needed = False
         self._wakeup = trio.Event()
         self._room = trio.Event()
@@ -136,8 +123,6 @@ class SchedulerActor:
         self._total_prompt = 0
         self._total_generation = 0
         self._nursery: trio.Nursery | None = None
-        self._quarantine: list[_Quarantine] = []
-        self._withheld: set[str] = set()  # quarantined ids whose free the pool has not had
         self._num_worker_recoveries = 0  # steps failed with WorkerLost: all running requests recomputed
 
     # -- the actor --------------------------------------------------------------
@@ -182,7 +167,7 @@ class SchedulerActor:
 
     async def _control_loop(self, control: trio.MemoryReceiveChannel[Any]) -> None:
         async for message in control:
-            self._control.append(message)
+            self._boundary.put(message)
             self._wakeup.set()
 
     async def _admission_loop(self) -> None:
@@ -190,10 +175,10 @@ class SchedulerActor:
             while not self._has_room():
                 await self._room.wait()
                 self._room = trio.Event()
-            self._receiving = True
+            self._boundary.receiving = True
             try:
                 message = await self.admission.receive()
-                self._receiving = False
+                self._boundary.receiving = False
                 self._admit(message)
                 # Take what else is queued without a checkpoint per message,
                 # so requests that arrive together start in the same step.
@@ -208,10 +193,18 @@ class SchedulerActor:
                 self._wakeup.set()
                 return
             finally:
-                self._receiving = False
+                self._boundary.receiving = False
+
+    def _admit(self, message: AddRequest) -> None:
+        if self._boundary.admit(message):
+            self._wakeup.set()
 
     def _has_room(self) -> bool:
         return self.core.scheduler.num_waiting < self.max_ready and len(self._routes) < self.max_live
+
+    def _made_room(self) -> None:
+        """A route closed: the admission loop may take one more."""
+        self._room.set()
 
     async def _step_loop(
         self,
@@ -222,7 +215,8 @@ class SchedulerActor:
     ) -> None:
         pending: list[RequestOutput] = []  # the last step's outputs, delivered during the next
         while True:
-            self._apply_control()
+            if self._boundary.apply():
+                self._release_needed = True
             if not self._has_work():
                 self._deliver_all(pending)
                 pending = []
@@ -276,10 +270,11 @@ class SchedulerActor:
         """Sleep until a message arrives, a request is admitted or the
         earliest deadline or queue deadline passes."""
         deadline = self._deadlines.next_time()
-        if self._max_queue_time is not None:
+        max_queue_time = self.core.config.max_queue_time
+        if max_queue_time is not None:
             # A request queued while we sleep expires no sooner than this.
             queued = self.admission.next_queue_deadline()
-            deadline = min(deadline, trio.current_time() + self._max_queue_time, math.inf if queued is None else queued)
+            deadline = min(deadline, trio.current_time() + max_queue_time, math.inf if queued is None else queued)
         with trio.move_on_at(deadline):
             await self._wakeup.wait()
         self._wakeup = trio.Event()
@@ -296,7 +291,7 @@ class SchedulerActor:
         scheduler = self.core.scheduler
         batch = scheduler.propose()
         self._release_needed = False
-        sent = self._quarantined(batch) if self._quarantine or self._withheld else batch
+        sent = self._quarantine.filter(batch) if self._quarantine else batch
         if sent.commits or sent.frees or sent.allocations:
             try:
                 await allocator.send(Allocate(sent))
@@ -319,19 +314,17 @@ class SchedulerActor:
         if isinstance(reply, StepFailed) and isinstance(reply.error, WorkerLost):
             return self._recompute_all(plan, reply.error)
         if isinstance(reply, StepFailed):
-            code, public = self._describe(reply.error)
-            message = public if code == "step_hung" else f"{public}: {reply.error}"
             if reply.released is not None:
-                self._quarantine_step(plan, reply.released)
+                # Hung: the step may still write its blocks until it returns.
+                self._quarantine.hold(plan, reply.released)
+                assert self._nursery is not None
+                self._nursery.start_soon(self._wait_released, reply.released)
             for request_id in {self.core.parent_of(c.request_id) for c in plan.chunks}:
                 if request_id is None:
                     continue
                 route = self._routes.get(request_id)
                 if route is not None:
-                    error = RequestFailed(message, request_id=request_id, code=code, public_message=public)
-                    error.__cause__ = reply.error
-                    self._send(route, Failed(request_id, error))
-                    self._close_route(route, outcome="failed")
+                    self._delivery.fail(route, step_failure(request_id, reply.error))
                 self.core.abort(request_id, FinishReason.ERROR)
                 self._release_needed = True
             return self.core.process_output(plan, _NO_OUTPUT)
@@ -370,58 +363,10 @@ class SchedulerActor:
         log.warning("%s: %d running requests recompute on the next worker", error, len(preempted))
         return self.core.process_output(plan, _NO_OUTPUT)
 
-    @staticmethod
-    def _describe(error: Exception) -> tuple[str, str]:
-        """A failed step's fault code, and what to tell its requests'
-        clients: the error's class, never its text (it may hold paths)."""
-        if isinstance(error, StepHung):
-            return "step_hung", str(error)
-        if isinstance(error, (StepThreadDied, StepThreadClosed)):
-            return "step_thread_died", "the model step's thread died during the step"
-        if isinstance(error, WorkerUnavailable):
-            return "worker_unavailable", "the model worker process is down and is not restarted"
-        return "step_failed", f"the model step failed ({type(error).__name__})"
-
-    def _quarantine_step(self, plan: SchedulerOutput, released: trio.Event) -> None:
-        """Hold the blocks of a hung step's sequences until it returns: it
-        may still write them, so they must not be reused before."""
-        children = frozenset(c.request_id for c in plan.chunks)
-        blocks = {block for c in plan.chunks for block in c.block_ids}
-        entry = _Quarantine(released, children, len(blocks))
-        self._quarantine.append(entry)
-        assert self._nursery is not None
-        self._nursery.start_soon(self._wait_released, entry)
-
-    async def _wait_released(self, entry: _Quarantine) -> None:
-        await entry.released.wait()
+    async def _wait_released(self, released: trio.Event) -> None:
+        await released.wait()
         self._release_needed = True  # the withheld frees go with the next batch
         self._wakeup.set()
-
-    def _quarantined(self, batch: KVBatch) -> KVBatch:
-        """``batch`` with the frees of quarantined sequences withheld, and
-        the withheld frees of released ones added."""
-        released = [q for q in self._quarantine if q.released.is_set()]
-        held: set[str] = set()
-        for entry in self._quarantine:
-            if entry.released.is_set():
-                continue
-            held |= entry.children
-        self._quarantine = [q for q in self._quarantine if not q.released.is_set()]
-        frees = []
-        for request_id in batch.frees:
-            if request_id in held:
-                self._withheld.add(request_id)
-            else:
-                frees.append(request_id)
-        for entry in released:
-            frees.extend(sorted(entry.children & self._withheld))
-            self._withheld -= entry.children
-        return attrs.evolve(batch, frees=frees)
-
-    def _in_quarantine(self, ids: tuple[str, ...]) -> bool:
-        """Whether one of these sequence ids is still quarantined (the pool
-        would take it for the hung sequence's holding)."""
-        return any(i in self._withheld or any(i in q.children for q in self._quarantine) for i in ids)
 
     def _fail_detokenized(self) -> None:
         """Tell the requests whose detokenizer or grammar failed (the core has ended them)."""
@@ -429,159 +374,20 @@ class SchedulerActor:
             route = self._routes.get(request_id)
             if route is None:
                 continue
-            if isinstance(error, PluginError):  # a logits processor
-                public, code, detail = str(error), "plugin_error", error.detail
-            elif isinstance(error, GrammarError):
-                public, code, detail = str(error), "structured_output_failed", str(error)
-            else:
-                public = f"the detokenizer failed on this request's output ({type(error).__name__})"
-                code = "detokenizer_failed"
-                detail = str(error)
-            failure = RequestFailed(f"{public}: {detail}", request_id=request_id, code=code, public_message=public)
-            failure.__cause__ = error
-            self._fail(route, failure)
+            self._delivery.fail(route, output_failure(request_id, error))
             self._release_needed = True
 
     @property
     def num_quarantined_blocks(self) -> int:
         """Blocks held for hung steps (until their frees reach the pool)."""
-        return sum(q.num_blocks for q in self._quarantine)
-
-    # -- admission ----------------------------------------------------------------
-
-    def _admit(self, message: AddRequest) -> None:
-        reason = self._pending_aborts.pop(message.request_id, None) or self._abort_all
-        now = trio.current_time()
-        if reason is None and message.deadline is not None and message.deadline <= now:
-            reason = FinishReason.DEADLINE
-        if not self.admission.num_queued:
-            self._pending_aborts.clear()  # nothing else queued: the rest are stale
-        route = self._delivery.open(message)
-        if reason is None and message.queue_deadline is not None and message.queue_deadline <= now:
-            self._queue_timeout(route)
-            return
-        if reason is not None:
-            # Dropped before any compute was spent on it.
-            for index in range(message.params.n):
-                self._send(route, self._dropped(message, index, reason))
-            self._close_route(route, outcome=outcome_of({reason}))
-            return
-        new = message.request  # validated by the engine's edge: admitted as it is
-        if (self._quarantine or self._withheld) and self._in_quarantine(new.sequence_ids()):
-            error = InvalidRequestError(
-                f"request id {message.request_id!r} is still in use (its earlier request's step hung)",
-                field="request_id",
-            )
-            self._fail(route, error)
-            return
-        try:
-            self.core.admit(new, arrival_time=message.arrival_time)
-        except InvalidRequestError as exc:
-            self._fail(route, exc)
-            return
-        self._deadlines.add(route, deadline=message.deadline, queue_deadline=message.queue_deadline)
-        self._wakeup.set()
-
-    @staticmethod
-    def _dropped(message: AddRequest, index: int, reason: FinishReason) -> RequestOutput:
-        return final_output(
-            message.request_id,
-            index,
-            reason,
-            num_prompt_tokens=message.num_tokens,
-            arrival_time=message.arrival_time,
-        )
-
-    # -- step boundary: control, deadlines, pauses ----------------------------------
-
-    def _apply_control(self) -> None:
-        control, self._control = self._control, []
-        for message in control:
-            if isinstance(message, Abort):
-                self._abort(message.request_id, message.reason)
-            elif isinstance(message, Resume):
-                route = self._routes.get(message.request_id)
-                if route is not None and route.pause_pending:
-                    route.pause_pending = False
-                elif route is not None and route.paused:
-                    route.paused = False
-                    self.core.resume(route.request_id)
-            elif isinstance(message, AbortAll):
-                self._abort_all = message.reason
-                for request_id in list(self._routes):
-                    self._abort(request_id, message.reason)
-        for route in self._deadlines.expired(trio.current_time()):
-            self._abort(route.request_id, FinishReason.DEADLINE)
-        if self._max_queue_time is not None:
-            self._expire_queue_deadlines()
-        for route in self._routes.values():
-            if route.pause_pending:
-                route.pause_pending = False
-                if self.core.pause(route.request_id):
-                    route.paused = True
-                    self._release_needed = True
-
-    def _expire_queue_deadlines(self) -> None:
-        """Drop the requests past their queue deadline that nothing has been
-        computed for: those still in the admission queue, and those admitted
-        but never scheduled. Requests that have run are left alone."""
-        now = trio.current_time()
-        for message in self.admission.remove_expired(now):
-            self._pending_aborts.pop(message.request_id, None)
-            self._queue_timeout(self._delivery.open(message))
-        for route in self._deadlines.queue_expired(now):
-            if self.core.is_unscheduled(route.request_id):
-                self._queue_timeout(route)
-                self.core.abort(route.request_id, FinishReason.QUEUE_TIMEOUT)
-                self._release_needed = True
-
-    def _queue_timeout(self, route: Route) -> None:
-        assert self._max_queue_time is not None
-        retry_after = self.retry_after()
-        error = QueueTimeout(
-            f"request {route.request_id!r} waited longer than max_queue_time ({self._max_queue_time:g} s) "
-            f"before any compute and was dropped; retry in about {retry_after:.1f} s",
-            request_id=route.request_id,
-            retry_after=retry_after,
-            num_prompt_tokens=route.num_prompt_tokens,
-        )
-        self._fail(route, error, outcome="queue_timeout")
-
-    def _abort(self, request_id: str, reason: FinishReason) -> None:
-        route = self._routes.get(request_id)
-        if route is None:
-            # Still in the admission queue (or being handed to the admission
-            # loop): drop it when it is taken. Otherwise it is stale.
-            in_transit = self._receiving and not self.admission.receiver_parked
-            if self.admission.num_queued or in_transit:
-                self._pending_aborts[request_id] = reason
-            return
-        if self.core.abort(request_id, reason):
-            self._release_needed = True
-            route.paused = False
-
-    # -- delivery (delivery.py) -----------------------------------------------------
+        return self._quarantine.num_blocks
 
     def _deliver_all(self, outputs: list[RequestOutput]) -> None:
-        num_live = len(self._routes)
+        """Deliver the last step's outputs (delivery.py)."""
         for request_id in self._delivery.deliver(outputs):
             # Its reader is gone without an abort reaching us (it raced the
             # admission): end the request here.
-            self._control.append(Abort(request_id))
-        if len(self._routes) < num_live:
-            self._room.set()
-
-    def _send(self, route: Route, message: Any) -> None:
-        self._delivery.send(route, message)
-
-    def _close_route(self, route: Route, *, outcome: str) -> None:
-        self._delivery.close(route, outcome=outcome)
-        self._room.set()
-
-    def _fail(self, route: Route, error: Exception, *, outcome: str = "failed") -> None:
-        """End the request with ``error`` (its ``generate`` raises it)."""
-        self._send(route, Failed(route.request_id, error))
-        self._close_route(route, outcome=outcome)
+            self._boundary.put(Abort(request_id))
 
     # -- statistics ---------------------------------------------------------------
 
@@ -619,7 +425,4 @@ class SchedulerActor:
         """Seconds until the admission queue has room, estimated from its
         length and the recent completion rate (1 s before there is a
         rate), in [0.1, 60]: what a refused or dropped request is told."""
-        rate = self._delivery.request_rate.rate(trio.current_time())
-        if rate <= 0:
-            return 1.0
-        return min(60.0, max(0.1, (self.admission.num_queued + 1) / rate))
+        return estimate_retry_after(self.admission.num_queued, self._delivery.request_rate.rate(trio.current_time()))

@@ -195,3 +195,12 @@ class RateMeter:
     def _expire(self, now: float) -> None:
         while self._events and self._events[0][0] <= now - self.window:
             self._total_in_window -= self._events.popleft()[1]
+
+
+def estimate_retry_after(num_queued: int, completion_rate: float) -> float:
+    """Seconds until an admission queue holding ``num_queued`` requests has
+    room, at ``completion_rate`` requests a second (1 s before there is a
+    rate), in [0.1, 60]: what a refused or dropped request is told."""
+    if completion_rate <= 0:
+        return 1.0
+    return min(60.0, max(0.1, (num_queued + 1) / completion_rate))
