@@ -19,6 +19,7 @@ from trioserve.engine.text.tokenizer import apply_chat_template
 from . import chat_page, completions, request_ids
 from .body import body_left_unread, read_body, request_json
 from .errors import ApiError, AuthenticationError, InternalError, InvalidRequest, NotFoundError, log_unexpected
+from .fields import invalid
 from .health import health_report
 from .host import HostState, ModelHost, current_host
 from .protocol import DetokenizeRequest, TokenizeRequest
@@ -136,7 +137,7 @@ async def tokenize() -> Response:
         else:
             ids = list(tokenizer.encode(parsed.prompt, add_special_tokens=parsed.add_special_tokens))
     except InvalidRequestError as exc:
-        raise InvalidRequest(str(exc), param=exc.field) from None
+        raise invalid(exc) from None
     return json_response({"count": len(ids), "max_model_len": served.max_model_len, "tokens": ids})
 
 
