@@ -4,10 +4,17 @@
 ``/v1/chat/completions``) requests from a random, prefix-sharing or file
 dataset, under a concurrency limit and a Poisson arrival rate, and reports
 throughput, TTFT, TPOT, ITL, E2E latency, goodput and prefix-cache reuse
-with vLLM's ``benchmark_serving`` definitions. It imports nothing from
-``trioserve.web``: any OpenAI-compatible server will do. ``bench offline``
-(``trioserve.bench.offline``) runs the engine core against transformers
-``generate`` in one process.
+with vLLM's ``benchmark_serving`` definitions. Its client imports nothing
+from ``trioserve.web``: any OpenAI-compatible server will do. ``bench
+offline`` (``offline.py``) runs the engine core against transformers
+``generate`` in one process; the other commands, the figures of
+docs/benchmarks.md, are ``figures/``, one module each. ``cli.py`` adds them
+all to ``trioserve`` through an entry point.
+
+Shared by them, the soak and the tests: ``stats`` (the one percentile),
+``memory`` (resident memory from /proc), ``scrape`` (a server's /metrics,
+and waiting until it is idle), ``process`` (a server in a process of its
+own).
 """
 
 from .serve import add_bench_serve_parser, bench_serve, run_bench_serve

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 
+from .figures import COMMANDS
 from .offline import add_bench_offline_parser
 from .serve import add_bench_serve_parser
 
@@ -25,4 +26,6 @@ def add_bench_parser(commands) -> argparse.ArgumentParser:
     )
     add_bench_serve_parser(bench_commands)
     add_bench_offline_parser(bench_commands)
+    for command in COMMANDS:
+        command.add_parser(bench_commands)
     return bench

@@ -1,12 +1,14 @@
 """A trioserve server in a process of its own, as the benchmarks, the soak
 and the tests run it: a free loopback port, the server started and stopped
-(``serving_process``), and its open file descriptors read from /proc
-(Linux). Its resident memory is ``memory``'s, its ``/metrics`` ``scrape``'s."""
+(``serving_process``; any server's command: ``running``), and its open
+file descriptors read from /proc (Linux). Its resident memory is
+``memory``'s, its ``/metrics`` ``scrape``'s."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -19,6 +21,8 @@ import httpx
 
 # Seconds a server may take to answer /health: a cold start converts the GGUF.
 READY_TIMEOUT = 300.0
+# The trioserve command of this interpreter's environment.
+TRIOSERVE = Path(sys.executable).parent / "trioserve"
 
 
 class ServerStartError(RuntimeError):
@@ -61,7 +65,7 @@ def serving_process(flags: Sequence[str], log: Path | None = None) -> Iterator[t
     (SIGKILL after a minute) when the block ends, on an error too. The block
     may stop the process itself, to see its exit status."""
     port = free_port()
-    command = [str(Path(sys.executable).parent / "trioserve"), "serve", "--port", str(port)]
+    command = [str(TRIOSERVE), "serve", "--port", str(port)]
     see = f"; see {log}" if log is not None else ""
     with open(log, "w") if log is not None else contextlib.nullcontext(subprocess.DEVNULL) as output:
         proc = subprocess.Popen([*command, "--shutdown-timeout", "5", *flags], stdout=output, stderr=subprocess.STDOUT)
@@ -76,3 +80,35 @@ def serving_process(flags: Sequence[str], log: Path | None = None) -> Iterator[t
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+@contextlib.contextmanager
+def running(command: Sequence[str], url: str, log: Path, ready_timeout: float) -> Iterator[subprocess.Popen]:
+    """Run any server's ``command`` (trioserve's, llama-server's) in a
+    session of its own, its output in ``log``; yield it once ``url``/health
+    answers 200 (``ServerStartError`` if it exits or takes over
+    ``ready_timeout`` seconds first), and stop the whole session, what the
+    server started included (SIGTERM, then SIGKILL after 30 s), when the
+    block ends, on an error too."""
+    with open(log, "w") as output:
+        print("$", shlex.join(command), flush=True)
+        proc = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            wait_healthy(proc, url, ready_timeout, name=Path(command[0]).name, see=f"; see {log}")
+            yield proc
+        finally:
+            _stop_session(proc)
+
+
+def _stop_session(proc: subprocess.Popen) -> None:
+    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)  # the server and anything it started
+        try:
+            proc.wait(timeout=wait)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    # Children that outlived the leader are still in its process group.
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)

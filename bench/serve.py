@@ -14,35 +14,12 @@ import trio
 
 from trioserve.engine.errors import TrioserveError
 
+from .arguments import int_list, positive_float, positive_int
 from .client import RunResult, Target, fetch_first_model, run_benchmark
 from .datasets import SampleRequest, file_dataset, load_tokenizer, prefix_dataset, random_dataset
 from .metrics import SLO, BenchmarkMetrics, calculate_metrics
 from .plot import require_matplotlib, write_plots
 from .report import ProgressBar, format_sweep, format_table, result_json
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def _concurrency_list(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected integers like 1,8,16, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected integers >= 1 like 1,8,16, got {text!r}")
-    return values
 
 
 def add_bench_serve_parser(commands) -> argparse.ArgumentParser:
@@ -59,7 +36,7 @@ def add_bench_serve_parser(commands) -> argparse.ArgumentParser:
     server.add_argument("--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions")
     server.add_argument("--model", default=None, help="model name to request (default: first id of GET /v1/models)")
     server.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default: $OPENAI_API_KEY")
-    server.add_argument("--request-timeout", type=_positive_float, default=3600.0, help="seconds per request")
+    server.add_argument("--request-timeout", type=positive_float, default=3600.0, help="seconds per request")
     server.add_argument("--ignore-eos", action="store_true", help="send ignore_eos: every output is --output-len long")
 
     data = p.add_argument_group("dataset")
@@ -71,20 +48,20 @@ def add_bench_serve_parser(commands) -> argparse.ArgumentParser:
     )
     data.add_argument("--dataset-path", default=None, help="JSON list or JSONL of {prompt, output_len?}")
     data.add_argument("--tokenizer", default=None, help="tokenizer.json, HF folder or .gguf (default: SmolLM2-135M)")
-    data.add_argument("--num-prompts", type=_positive_int, default=100, help="requests to send (default: 100)")
-    data.add_argument("--input-len", type=_positive_int, default=256, help="prompt tokens (prefix: the distinct part)")
-    data.add_argument("--output-len", type=_positive_int, default=128, help="max_tokens of each request")
+    data.add_argument("--num-prompts", type=positive_int, default=100, help="requests to send (default: 100)")
+    data.add_argument("--input-len", type=positive_int, default=256, help="prompt tokens (prefix: the distinct part)")
+    data.add_argument("--output-len", type=positive_int, default=128, help="max_tokens of each request")
     data.add_argument("--range-ratio", type=float, default=0.0, help="lengths drawn from [len*(1-r), len*(1+r)]")
-    data.add_argument("--prefix-len", type=_positive_int, default=512, help="shared prefix tokens (--dataset prefix)")
-    data.add_argument("--num-prefixes", type=_positive_int, default=1, help="distinct shared prefixes")
+    data.add_argument("--prefix-len", type=positive_int, default=512, help="shared prefix tokens (--dataset prefix)")
+    data.add_argument("--num-prefixes", type=positive_int, default=1, help="distinct shared prefixes")
     data.add_argument("--seed", type=int, default=0, help="seeds the dataset and the arrival times")
 
     load = p.add_argument_group("load")
-    load.add_argument("--max-concurrency", type=_positive_int, default=None, help="requests in flight at most")
-    load.add_argument("--request-rate", type=_positive_float, default=math.inf, help="requests/s (default: inf)")
-    load.add_argument("--burstiness", type=_positive_float, default=1.0, help="gamma shape of the gaps; 1 is Poisson")
+    load.add_argument("--max-concurrency", type=positive_int, default=None, help="requests in flight at most")
+    load.add_argument("--request-rate", type=positive_float, default=math.inf, help="requests/s (default: inf)")
+    load.add_argument("--burstiness", type=positive_float, default=1.0, help="gamma shape of the gaps; 1 is Poisson")
     load.add_argument("--num-warmups", type=int, default=0, help="requests sent first and left out of the results")
-    load.add_argument("--sweep-concurrency", type=_concurrency_list, default=None, metavar="1,8,16,32,64",
+    load.add_argument("--sweep-concurrency", type=int_list, default=None, metavar="1,8,16,32,64",
                       help="run once per max concurrency")
 
     out = p.add_argument_group("output")

@@ -29,7 +29,7 @@ fails:
 - the server not exiting with status 0 within a minute of SIGTERM.
 
 Everything here talks only to 127.0.0.1. What a client that stops reading
-costs the others is measured by scripts/slow_reader.py.
+costs the others is measured by ``trioserve bench slow-reader``.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Logits and perplexity of a model over a text, for the quality checks of
-compressed weights (tests/test_quant_quality.py, scripts)."""
+compressed weights (tests/test_quant_quality.py, ``trioserve bench quality``)."""
 
 from __future__ import annotations
 

@@ -5,9 +5,7 @@ JSON. Nothing here needs llama.cpp."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
@@ -24,18 +22,16 @@ from trioserve.bench.vs_llama import (
     ratio_rows,
     trioserve_command,
 )
+from trioserve.bench.figures.vs_llama import prompts_at
 from trioserve.web.cli import build_parser
 from trioserve.web.engine_options import engine_config_from_args
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_vs_llama.py"
 LAYOUT = Layout(slots=32, ctx_per_slot=512, threads=2)
 
 
-def load_script():
-    spec = importlib.util.spec_from_file_location("bench_vs_llama", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def vs_llama(*argv: str):
+    """``trioserve bench vs-llama ARGV``, parsed."""
+    return build_parser().parse_args(["bench", "vs-llama", *argv])
 
 
 def test_weight_type_from_the_file_name():
@@ -155,34 +151,41 @@ def test_tables():
     assert "| **97-128** (asked 128) |" in format_tables(short)
 
 
-def test_the_script_redraws_tables_and_plot_from_its_json(tmp_path, capsys):
-    script = load_script()
+def test_the_command_redraws_tables_and_plot_from_its_json(tmp_path, capsys):
     results = tmp_path / "results.json"
     results.write_text(json.dumps(DOCUMENT))
     out, png = tmp_path / "out", tmp_path / "images" / "vs_llama.png"
-    assert script.main(["--from-json", str(results), "--out", str(out), "--plot", str(png)]) == 0
+    args = vs_llama("--from-json", str(results), "--out", str(out), "--plot", str(png))
+    assert args.func(args) == 0
     assert (out / "results.md").read_text() == format_tables(DOCUMENT)
     assert png.read_bytes().startswith(b"\x89PNG")
     assert "| against llama-server |" in capsys.readouterr().out
 
 
-def test_the_script_refuses_unknown_configurations(capsys):
+def test_the_command_refuses_unknown_configurations(capsys):
     with pytest.raises(SystemExit):
-        load_script().parse_args(["--trioserve-quantization", "none,fp8"])
+        vs_llama("--trioserve-quantization", "none,fp8")
     assert "unknown fp8" in capsys.readouterr().err
+    assert vs_llama("--trioserve-quantization", "").quantizations == ()
 
 
 def test_num_prompts_is_one_value_or_one_per_concurrency(capsys):
-    script = load_script()
-    args = script.parse_args(["--concurrency", "1,32", "--num-prompts", "4,32"])
-    assert [script._prompts_at(args.num_prompts, i, c) for i, c in enumerate(args.concurrency)] == [4, 32]
-    args = script.parse_args(["--concurrency", "1,32", "--num-prompts", "8"])
-    assert [script._prompts_at(args.num_prompts, i, c) for i, c in enumerate(args.concurrency)] == [8, 8]
-    args = script.parse_args(["--concurrency", "1,32"])
-    assert [script._prompts_at(args.num_prompts, i, c) for i, c in enumerate(args.concurrency)] == [16, 64]
-    with pytest.raises(SystemExit):
-        script.parse_args(["--concurrency", "1,32", "--num-prompts", "4,8,16"])
+    args = vs_llama("--concurrency", "1,32", "--num-prompts", "4,32")
+    assert [prompts_at(args.num_prompts, i, c) for i, c in enumerate(args.concurrency)] == [4, 32]
+    args = vs_llama("--concurrency", "1,32", "--num-prompts", "8")
+    assert [prompts_at(args.num_prompts, i, c) for i, c in enumerate(args.concurrency)] == [8, 8]
+    args = vs_llama("--concurrency", "32,1")
+    assert args.concurrency == [1, 32]
+    assert [prompts_at(args.num_prompts, i, c) for i, c in enumerate(args.concurrency)] == [16, 64]
+    args = vs_llama("--concurrency", "1,32", "--num-prompts", "4,8,16")
+    assert args.func(args) == 2
     assert "one per --concurrency value (2)" in capsys.readouterr().err
+
+
+def test_no_llama_server_binary_is_a_usage_error(tmp_path, capsys):
+    args = vs_llama("--llama-server", str(tmp_path / "missing"), "--trioserve-quantization", "", "--out", str(tmp_path))
+    assert args.func(args) == 2
+    assert "no llama-server binary" in capsys.readouterr().err
 
 
 def test_plot_needs_a_finished_server(tmp_path):

@@ -1,7 +1,7 @@
-"""Resident memory of a server at ready and after requests: trioserve, and
-llama-server beside it on the same GGUF.
+"""``trioserve bench rss-ready``: resident memory of a server at ready and
+after requests: trioserve, and llama-server beside it on the same GGUF.
 
-    .venv/bin/python scripts/rss_ready.py [--requests 500] [--in-flight 32]
+    trioserve bench rss-ready [--requests 500] [--in-flight 32]
         [--trioserve-args='...'] [--llama-server PATH --llama-args='-np 64 -c 524288']
 
 Starts ``trioserve serve`` (its defaults plus ``--trioserve-args``) on a
@@ -24,45 +24,49 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import contextlib
-import os
 import random
 import shlex
-import signal
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
+import gguf
 import httpx
 
-from trioserve.bench.datasets import random_words
-from trioserve.bench.process import free_port, wait_healthy
-from trioserve.bench.memory import tree_memory
+from trioserve.engine.core.kv_budget import available_memory
+from trioserve.engine.loading.sources import default_model_path
 
-BIN = Path(sys.executable).parent / "trioserve"
+from ..arguments import non_negative_int, positive_int
+from ..datasets import random_words
+from ..memory import tree_memory
+from ..process import TRIOSERVE, free_port, running
 
 
-@contextlib.contextmanager
-def running(command: list[str], log: Path, url: str) -> Iterator[subprocess.Popen]:
-    """``command`` in a session of its own; yielded once ``url``/health
-    answers; the session stopped (SIGTERM, then SIGKILL) when the block ends."""
-    print("$", shlex.join(command), flush=True)
-    with open(log, "w") as output:
-        proc = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            wait_healthy(proc, url, 600, name=Path(command[0]).name, see=f"; see {log}")
-            yield proc
-        finally:
-            for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, sig)
-                try:
-                    proc.wait(timeout=wait)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+def add_parser(commands) -> argparse.ArgumentParser:
+    p = commands.add_parser(
+        "rss-ready",
+        help="resident memory of trioserve (and llama-server) at ready and after requests",
+        description=__doc__.split("\n\n")[0].removeprefix("``trioserve bench rss-ready``: "),
+        epilog=__doc__.split("\n\n", 2)[2],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    work = p.add_argument_group("workload")
+    work.add_argument("--requests", type=non_negative_int, default=500, help="completions after ready (default: 500)")
+    work.add_argument("--in-flight", type=positive_int, default=32, help="completions at once (default: 32)")
+    work.add_argument("--input-words", type=positive_int, default=128, help="random words a prompt (default: 128)")
+    work.add_argument("--output-len", type=positive_int, default=16, help="tokens out, ignore_eos (default: 16)")
+    work.add_argument("--seed", type=int, default=1, help="seeds the prompts (default: 1)")
+    servers = p.add_argument_group("servers")
+    servers.add_argument("--trioserve-args", default="", help="more flags for trioserve serve, one string")
+    servers.add_argument("--no-trioserve", action="store_true", help="measure llama-server only")
+    servers.add_argument("--llama-server", default=None, help="the llama-server binary (none: trioserve only)")
+    servers.add_argument("--llama-args", default="", help="flags for llama-server, one string: '-np 64 -c 524288'")
+    servers.add_argument("--model", default=None, help="GGUF for llama-server (default: the default model's)")
+    servers.add_argument("--skip-above-available", type=float, default=None, metavar="GIB",
+                         help="start no llama-server whose KV cache leaves less than GIB available")  # fmt: skip
+    out = p.add_argument_group("output")
+    out.add_argument("--log-dir", type=Path, default=Path("/tmp"), help="servers' logs (default: /tmp)")
+    p.set_defaults(func=run)
+    return p
 
 
 def send(url: str, args: argparse.Namespace) -> None:
@@ -81,9 +85,9 @@ def send(url: str, args: argparse.Namespace) -> None:
 
 
 def measure(name: str, command: list[str], url: str, args: argparse.Namespace) -> None:
-    log = Path(args.log_dir) / f"rss_ready-{name}.log"
+    log = args.log_dir / f"rss_ready-{name}.log"
     start = time.monotonic()
-    with running(command, log, url) as proc:
+    with running(command, url, log, 600) as proc:
         ready = tree_memory(proc.pid)
         print(f"{name}: ready in {time.monotonic() - start:.0f} s, RSS {ready.rss >> 20} MiB "
               f"(anon {ready.rss_anon >> 20}, file {ready.rss_file >> 20}, peak {ready.hwm >> 20})", flush=True)  # fmt: skip
@@ -95,29 +99,12 @@ def measure(name: str, command: list[str], url: str, args: argparse.Namespace) -
                   f"(anon {after.rss_anon >> 20}, file {after.rss_file >> 20}, peak {after.hwm >> 20})", flush=True)  # fmt: skip
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=500)
-    parser.add_argument("--in-flight", type=int, default=32)
-    parser.add_argument("--input-words", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--trioserve-args", default="", help="more flags for trioserve serve, one string")
-    parser.add_argument("--no-trioserve", action="store_true")
-    parser.add_argument("--llama-server", default=None, help="the llama-server binary (none: trioserve only)")
-    parser.add_argument("--llama-args", default="", help="flags for llama-server, one string: '-np 64 -c 524288'")
-    parser.add_argument("--model", default=None, help="GGUF for llama-server (default: the default model's)")
-    parser.add_argument("--skip-above-available", type=float, default=None, metavar="GIB")
-    parser.add_argument("--log-dir", default="/tmp")
-    args = parser.parse_args()
-
+def run(args: argparse.Namespace) -> int:
     if not args.no_trioserve:
         port = free_port()
-        command = [str(BIN), "serve", "--host", "127.0.0.1", "--port", str(port), "--shutdown-timeout", "5"]
+        command = [str(TRIOSERVE), "serve", "--host", "127.0.0.1", "--port", str(port), "--shutdown-timeout", "5"]
         measure("trioserve", command + shlex.split(args.trioserve_args), f"http://127.0.0.1:{port}", args)
     if args.llama_server:
-        from trioserve.engine.loading.sources import default_model_path
-
         model = args.model or str(default_model_path())
         port = free_port()
         command = [args.llama_server, "-m", model, "--host", "127.0.0.1", "--port", str(port)]
@@ -131,10 +118,6 @@ def main() -> int:
 def _fits(command: list[str], keep_gib: float) -> bool:
     """Whether llama-server's KV cache (f16, from ``-c``) leaves ``keep_gib``
     GiB of the host's available memory; prints why not."""
-    import gguf
-
-    from trioserve.engine.core.kv_budget import available_memory
-
     fields = gguf.GGUFReader(command[command.index("-m") + 1]).fields
 
     def value(key: str) -> int:
@@ -149,7 +132,3 @@ def _fits(command: list[str], keep_gib: float) -> bool:
         print(f"llama-server not started: its {kv / (1 << 30):.1f} GiB KV cache would leave {left:.1f} GiB available")
         return False
     return True
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

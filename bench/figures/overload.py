@@ -1,6 +1,7 @@
-"""Goodput under overload, with and without overload control.
+"""``trioserve bench overload``: goodput under overload, with and without
+overload control.
 
-    .venv/bin/python scripts/overload.py [--duration 60] [--factor 2] [--out overload-results]
+    trioserve bench overload [--duration 60] [--factor 2] [--out overload-results]
 
 1. Starts ``trioserve serve`` (the default model) on a free loopback port and
    measures what it sustains: ``--calibration-requests`` requests in a closed
@@ -35,26 +36,57 @@ from pathlib import Path
 import httpx
 import trio
 
-from trioserve.bench.client import RunResult, Target, run_benchmark
-from trioserve.bench.datasets import SampleRequest, load_tokenizer, random_dataset
-from trioserve.bench.metrics import SLO, calculate_metrics, tpot_of
-from trioserve.bench.stats import percentile
-from trioserve.bench.process import serving_process
+from trioserve.engine.loading.sources import DEFAULT_MODEL_NAME
 
-MODEL = "SmolLM2-135M-Instruct"
+from ..arguments import positive_float, positive_int
+from ..client import RunResult, Target, run_benchmark
+from ..datasets import SampleRequest, load_tokenizer, random_dataset
+from ..metrics import SLO, calculate_metrics, tpot_of
+from ..process import serving_process
+from ..scrape import metric_values
+from ..stats import percentile
+
+# The overload metrics and refusals reported of each server.
+_OVERLOAD = ("trioserve:overload_actions_total", "trioserve:request_rejected_total", "trioserve:concurrency_limit")
 
 
 def overload_counters(url: str) -> dict[str, float]:
-    """The server's overload metrics and refusals, from /metrics."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    wanted = ("trioserve:overload_actions_total", "trioserve:request_rejected_total", "trioserve:concurrency_limit")
-    values = {}
-    for line in text.splitlines():
-        if line.startswith(wanted):
-            name, value = line.rsplit(" ", 1)
-            if float(value):
-                values[name.replace(f'model_name="{MODEL}",', "").replace(f'{{model_name="{MODEL}"}}', "")] = float(value)
-    return values
+    """The server's overload metrics and refusals that are not zero, from /metrics."""
+    values = metric_values(httpx.get(f"{url}/metrics", timeout=10).text, DEFAULT_MODEL_NAME)
+    return {key: value for key, value in values.items() if key.startswith(_OVERLOAD) and value}
+
+
+def add_parser(commands) -> argparse.ArgumentParser:
+    p = commands.add_parser(
+        "overload",
+        help="goodput under twice the load a server sustains, with and without overload control",
+        description=__doc__.split("\n\n")[0].removeprefix("``trioserve bench overload``: "),
+        epilog=__doc__.split("\n\n", 2)[2],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    load = p.add_argument_group("load")
+    load.add_argument("--duration", type=positive_float, default=60.0, help="seconds of offered load per server (default: 60)")
+    load.add_argument("--factor", type=positive_float, default=2.0, help="offered load over what the server sustains (default: 2)")
+    load.add_argument("--input-len", type=positive_int, default=64, help="prompt tokens (default: 64)")
+    load.add_argument("--output-len", type=positive_int, default=64, help="tokens out, ignore_eos (default: 64)")
+    load.add_argument("--calibration-requests", type=positive_int, default=64,
+                      help="requests of the closed-loop run that measures the sustained rate (default: 64)")  # fmt: skip
+    load.add_argument("--rate", type=positive_float, default=None, help="skip calibration: the sustained requests/s")
+    load.add_argument("--client-timeout", type=positive_float, default=30.0,
+                      help="seconds a client waits before it hangs up (default: 30)")  # fmt: skip
+    load.add_argument("--seed", type=int, default=0, help="seeds prompts and arrivals (default: 0)")
+    slo = p.add_argument_group("SLO and control")
+    slo.add_argument("--slo-ttft-ms", type=positive_float, default=None, help="default: from the calibration")
+    slo.add_argument("--slo-tpot-ms", type=positive_float, default=None, help="default: from the calibration")
+    slo.add_argument("--max-queue-time", type=positive_float, default=None, help="seconds (default: half the TTFT SLO)")
+    slo.add_argument("--target-tpot-ms", type=positive_float, default=None, help="default: 0.8 of the TPOT SLO")
+    server = p.add_argument_group("server")
+    server.add_argument("--max-num-seqs", type=positive_int, default=32, help="every server's --max-num-seqs (default: 32)")
+    server.add_argument("--num-threads", type=positive_int, default=None, help="every server's --num-threads")
+    out = p.add_argument_group("output")
+    out.add_argument("--out", type=Path, default=Path("overload-results"), help="folder for logs and summary.json")
+    p.set_defaults(func=run)
+    return p
 
 
 def summarize(run: RunResult, slo: SLO, offered_rate: float) -> dict:
@@ -103,31 +135,14 @@ async def calibrate(target: Target, samples: list[SampleRequest], concurrency: i
     }
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("overload-results"))
-    parser.add_argument("--duration", type=float, default=60.0, help="seconds of offered load per server")
-    parser.add_argument("--factor", type=float, default=2.0, help="offered load over what the server sustains")
-    parser.add_argument("--input-len", type=int, default=64)
-    parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--max-num-seqs", type=int, default=32, help="both servers' --max-num-seqs")
-    parser.add_argument("--num-threads", type=int, default=None, help="both servers' --num-threads")
-    parser.add_argument("--calibration-requests", type=int, default=64)
-    parser.add_argument("--rate", type=float, default=None, help="skip calibration: the sustained requests/s")
-    parser.add_argument("--slo-ttft-ms", type=float, default=None, help="default: from the calibration")
-    parser.add_argument("--slo-tpot-ms", type=float, default=None, help="default: from the calibration")
-    parser.add_argument("--client-timeout", type=float, default=30.0)
-    parser.add_argument("--max-queue-time", type=float, default=None, help="default: half the TTFT SLO")
-    parser.add_argument("--target-tpot-ms", type=float, default=None, help="default: 0.8 of the TPOT SLO")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+def run(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     common = ["--max-num-seqs", str(args.max_num_seqs)]
     if args.num_threads is not None:
         common += ["--num-threads", str(args.num_threads)]
     tokenizer = load_tokenizer()
     summary: dict = {
-        "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+        "command": " ".join(["trioserve", *sys.argv[1:]]),
         "cpus": os.cpu_count(),
         "client_timeout_s": args.client_timeout,
     }
@@ -138,7 +153,7 @@ def main() -> int:
             seed=args.seed + 1,
         )  # fmt: skip
         with serving_process(common, args.out / "calibration.log") as (url, _):
-            target = Target(base_url=url, model=MODEL, ignore_eos=True, request_timeout=600.0)
+            target = Target(base_url=url, model=DEFAULT_MODEL_NAME, ignore_eos=True, request_timeout=600.0)
             measured = trio.run(calibrate, target, calibration, args.max_num_seqs)
         summary["calibration"] = measured
         print(f"calibration at concurrency {args.max_num_seqs}: {json.dumps(measured)}", flush=True)
@@ -163,10 +178,10 @@ def main() -> int:
     )  # fmt: skip
     for name, flags in setups.items():
         with serving_process(flags, args.out / f"{name.replace(' ', '_')}.log") as (url, _):
-            target = Target(base_url=url, model=MODEL, ignore_eos=True, request_timeout=args.client_timeout)
+            target = Target(base_url=url, model=DEFAULT_MODEL_NAME, ignore_eos=True, request_timeout=args.client_timeout)
             print(f"{name}: {len(samples)} requests at {offered:.2f}/s", flush=True)
-            run = trio.run(lambda: run_benchmark(target, samples, request_rate=offered, seed=args.seed))
-            summary[name] = {**summarize(run, slo, offered), "server": overload_counters(url)}
+            result = trio.run(lambda: run_benchmark(target, samples, request_rate=offered, seed=args.seed))
+            summary[name] = {**summarize(result, slo, offered), "server": overload_counters(url)}
         print(json.dumps(summary[name], indent=2), flush=True)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print_table(summary)
@@ -197,7 +212,3 @@ def print_table(summary: dict) -> None:
         print(f"| {label} | " + " | ".join(cells) + " |")
     for name in names:
         print(f"{name}: failed {summary[name]['failed']}; server {summary[name]['server']}")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,16 +1,15 @@
-"""The KV cache's dtype (``--kv-cache-dtype``), side by side in one run on the
-embedded engine core: decode TPOT at concurrency 1 and 32 and the pool's
-bytes per dtype, the pool sized by default (``max_num_seqs`` contexts of
-``max_model_len`` tokens, engine/core/kv_budget.py), greedy, ignore_eos.
-
-    python scripts/bench_kv_dtype.py [--dtypes float32,bfloat16] [--input-len 128] [--output-len 128] [--rounds 3]
+"""``trioserve bench kv-dtype``: the KV cache's dtype (``--kv-cache-dtype``),
+side by side in one run on the embedded engine core: decode TPOT at each
+concurrency and the pool's bytes per dtype, the pool sized by default
+(``max_num_seqs`` contexts of ``max_model_len`` tokens,
+engine/core/kv_budget.py), greedy, ignore_eos.
 
 The model is loaded once and shared by one core per cache dtype. Each round
 runs every concurrency on every dtype in turn, so drift on a shared machine
 hits them alike; the first round builds the CPU kernels of the batch sizes
-it meets and is left out of the medians. TPOT is the median time of the
-steps in which every running request decodes one token (at concurrency 32,
-a step of 32 tokens). Everything runs on one step thread, as the server does.
+it meets and is left out of the medians (unless it is the only one). TPOT
+is the median time of the steps in which every running request decodes one
+token. Everything runs on one step thread, as the server does.
 """
 
 from __future__ import annotations
@@ -23,8 +22,31 @@ import time
 from trioserve.engine.config import EngineConfig
 from trioserve.engine.core.engine_core import EngineCore
 from trioserve.engine.loading.loader import load_model
-from trioserve.engine.sampling.sampling_params import SamplingParams
 from trioserve.engine.runtime.step_thread import StepThread
+from trioserve.engine.sampling.sampling_params import SamplingParams
+
+from ..arguments import int_list, name_list, positive_int
+
+
+def add_parser(commands) -> argparse.ArgumentParser:
+    p = commands.add_parser(
+        "kv-dtype",
+        help="decode time and pool size of each KV cache dtype, on the engine core",
+        description=__doc__.split("\n\n")[0].removeprefix("``trioserve bench kv-dtype``: "),
+    )
+    work = p.add_argument_group("workload")
+    work.add_argument("--dtypes", type=name_list, default=["float32", "bfloat16"],
+                      help="cache dtypes, comma-separated; the first is the baseline (default: float32,bfloat16)")  # fmt: skip
+    work.add_argument("--concurrency", type=int_list, default=[1, 32], help="requests at once, comma-separated (default: 1,32)")
+    work.add_argument("--input-len", type=positive_int, default=128, help="prompt tokens (default: 128)")
+    work.add_argument("--output-len", type=positive_int, default=128, help="tokens out (default: 128)")
+    work.add_argument("--rounds", type=positive_int, default=3, help="rounds of every dtype (default: 3)")
+    engine = p.add_argument_group("engine")
+    engine.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
+    engine.add_argument("--quantization", default="none", help="the weights' (docs/api.md; default: none)")
+    engine.add_argument("--num-threads", type=positive_int, default=None, help="torch threads (default: torch's)")
+    p.set_defaults(func=run)
+    return p
 
 
 def decode_steps(core: EngineCore, tag: str, concurrency: int, input_len: int, output_len: int, vocab: int) -> list[float]:
@@ -86,27 +108,7 @@ def bench(args: argparse.Namespace) -> None:
         print(f"{name}: {core.kv_dtype.reason}; pool: {core.kv_pool.reason}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
-    parser.add_argument("--quantization", default="none", help="the weights' (docs/api.md; default: none)")
-    parser.add_argument(
-        "--dtypes",
-        type=lambda s: s.split(","),
-        default=["float32", "bfloat16"],
-        help="cache dtypes, comma-separated; the first is the baseline (default: float32,bfloat16)",
-    )
-    parser.add_argument(
-        "--concurrency", type=lambda s: [int(c) for c in s.split(",")], default=[1, 32], help="default: 1,32"
-    )
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--num-threads", type=int, default=None)
-    args = parser.parse_args()
+def run(args: argparse.Namespace) -> int:
     with StepThread(args.num_threads) as thread:
         thread.call(bench, args)
-
-
-if __name__ == "__main__":
-    main()
+    return 0

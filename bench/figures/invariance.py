@@ -1,11 +1,10 @@
-"""What batch invariance costs: the default model batch-invariant against
-``--no-batch-invariant`` (the same kernels, prompts on wider arithmetic),
-in one process, taking turns.
+"""``trioserve bench invariance``: what batch invariance costs, the default
+model batch-invariant against ``--no-batch-invariant`` (the same kernels,
+prompts on wider arithmetic), in one process, taking turns.
 
-    .venv/bin/python scripts/bench_invariance.py --rounds 3
-
-Prints, per mode and round: one stream's time per output token (c=1), 32
-streams' output tokens per second (c=32), and the 32 prompts' prefill time.
+Prints, per mode and round: one stream's time per output token (c=1),
+``--concurrency`` streams' output tokens per second, and their prompts'
+prefill time; then the medians and the ratios.
 """
 
 from __future__ import annotations
@@ -15,12 +14,27 @@ import random
 import statistics
 import time
 
-import torch
-
 from trioserve.engine.config import EngineConfig
 from trioserve.engine.core.engine_core import EngineCore
 from trioserve.engine.loading.loader import load_model
 from trioserve.engine.sampling.sampling_params import SamplingParams
+
+from ..arguments import positive_int, usage_error
+
+
+def add_parser(commands) -> argparse.ArgumentParser:
+    p = commands.add_parser(
+        "invariance",
+        help="the batch-invariant default against --no-batch-invariant, on the engine core",
+        description=__doc__.split("\n\n")[0].removeprefix("``trioserve bench invariance``: "),
+    )
+    work = p.add_argument_group("workload")
+    work.add_argument("--rounds", type=positive_int, default=3, help="turns each mode takes (default: 3)")
+    work.add_argument("--input-len", type=positive_int, default=128, help="tokens of each prompt (default: 128)")
+    work.add_argument("--output-len", type=int, default=64, help="tokens each request generates, >= 2 (default: 64)")
+    work.add_argument("--concurrency", type=positive_int, default=32, help="streams of the batched run (default: 32)")
+    p.set_defaults(func=run)
+    return p
 
 
 def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -47,14 +61,9 @@ def _run(core: EngineCore, prompts: list[list[int]], output_len: int) -> tuple[f
     return max(firsts.values()) - start, end - start, tpot
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3, help="turns each mode takes (default: 3)")
-    parser.add_argument("--input-len", type=int, default=128, help="tokens of each prompt (default: 128)")
-    parser.add_argument("--output-len", type=int, default=64, help="tokens each request generates (default: 64)")
-    parser.add_argument("--concurrency", type=int, default=32, help="streams of the batched run (default: 32)")
-    args = parser.parse_args()
-    torch.set_num_threads(torch.get_num_threads())
+def run(args: argparse.Namespace) -> int:
+    if args.output_len < 2:
+        return usage_error("invariance", "--output-len must be >= 2 (TPOT needs two tokens)")
     modes = {"invariant": True, "fast": False}
     loaded = {name: load_model(None, quantization="auto", batch_invariant=flag) for name, flag in modes.items()}
     for name, model in loaded.items():
@@ -85,7 +94,4 @@ def main() -> None:
         f"invariant / fast: TPOT {inv[0] / fast[0]:.3f}x, throughput {inv[1] / fast[1]:.3f}x, "
         f"prefill {inv[2] / fast[2]:.3f}x"
     )
-
-
-if __name__ == "__main__":
-    main()
+    return 0

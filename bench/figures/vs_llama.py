@@ -1,6 +1,7 @@
-"""trioserve against llama.cpp's llama-server, side by side in one run (issue #13).
+"""``trioserve bench vs-llama``: trioserve against llama.cpp's llama-server,
+side by side in one run.
 
-    .venv/bin/python scripts/bench_vs_llama.py --llama-server /path/to/llama-server \\
+    trioserve bench vs-llama --llama-server /path/to/llama-server \\
         --out bench-vs-llama --plot docs/images/vs_llama.png
 
 For each configuration in turn (trioserve with each ``--trioserve-quantization``,
@@ -19,7 +20,9 @@ fails. Only one server runs at a time. It writes ``results.json`` and
 
 Build llama-server with scripts/build_llama_server.sh. Flags after
 ``--trioserve-args=`` / ``--llama-args=`` (one quoted string each) go to
-every trioserve / the llama-server command line unchanged.
+every trioserve / the llama-server command line unchanged. The parts that
+need no server (command lines, token checks, tables, plot) are
+``trioserve.bench.vs_llama``.
 """
 
 from __future__ import annotations
@@ -36,14 +39,18 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 
-from trioserve.bench.memory import tree_memory
-from trioserve.bench.process import ServerStartError, free_port, wait_healthy
-from trioserve.bench.vs_llama import (
+from trioserve.engine.loading.sources import DEFAULT_MODEL_NAME, default_model_path
+
+from ..arguments import int_list, non_negative_int, positive_int, usage_error
+from ..datasets import load_tokenizer, random_dataset
+from ..memory import tree_memory
+from ..plot import require_matplotlib
+from ..process import TRIOSERVE, ServerStartError, free_port, running
+from ..vs_llama import (
     LLAMA_SERVER,
     Contender,
     Layout,
@@ -56,47 +63,31 @@ from trioserve.bench.vs_llama import (
     trioserve_command,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
-BIN = Path(sys.executable).parent / "trioserve"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class ServerFailed(RuntimeError):
     """A server exited, or did not become ready, or a run against it failed."""
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _concurrencies(text: str) -> list[int]:
+def _quantizations(text: str) -> tuple[str, ...]:
     try:
-        values = sorted({int(part) for part in text.split(",") if part.strip()})
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected integers like 1,32, got {text!r}") from None
-    if not values or values[0] < 1:
-        raise argparse.ArgumentTypeError(f"expected integers >= 1 like 1,32, got {text!r}")
-    return values
+        return parse_quantizations(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--trioserve-quantization: ")) from None
 
 
-def _counts(text: str) -> list[int]:
-    """Positive integers in the order given: ``4,32``."""
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected integers like 4,32, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected integers >= 1 like 4,32, got {text!r}")
-    return values
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+def add_parser(commands) -> argparse.ArgumentParser:
+    p = commands.add_parser(
+        "vs-llama",
+        help="trioserve against llama-server on the same GGUF, side by side",
+        description=__doc__.split("\n\n")[0].removeprefix("``trioserve bench vs-llama``: "),
+        epilog=__doc__.split("\n\n", 2)[2],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     who = p.add_argument_group("servers")
-    who.add_argument("--trioserve-quantization", default="none,int8,int4", metavar="none,int8,int4",
+    who.add_argument("--trioserve-quantization", dest="quantizations", type=_quantizations,
+                     default=("none", "int8", "int4"), metavar="none,int8,int4",
                      help="trioserve configurations to run, by --quantization (auto, none, int8, int4); "
                           "'' runs none (default: none,int8,int4)")  # fmt: skip
     who.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER") or shutil.which("llama-server"),
@@ -107,26 +98,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      help="more flags for every trioserve serve, one string: --trioserve-args='--dtype bfloat16'")
     who.add_argument("--llama-args", default="", metavar="'FLAGS'",
                      help="more flags for llama-server, one string: --llama-args='--cache-ram 0'")
-    who.add_argument("--ctx-per-slot", type=_positive_int, default=512,
+    who.add_argument("--ctx-per-slot", type=positive_int, default=512,
                      help="context per sequence: trioserve --max-model-len; llama-server -c is this times the "
                           "slots (default: 512)")  # fmt: skip
-    who.add_argument("--threads", type=_positive_int, default=2, help="trioserve --num-threads, llama-server -t/-tb")
+    who.add_argument("--threads", type=positive_int, default=2, help="trioserve --num-threads, llama-server -t/-tb")
     who.add_argument("--ready-timeout", type=float, default=600.0, help="seconds a server may take to start")
 
     load = p.add_argument_group("workload")
-    load.add_argument("--concurrency", type=_concurrencies, default=[1, 32], metavar="1,32",
+    load.add_argument("--concurrency", type=lambda text: sorted(set(int_list(text))), default=[1, 32], metavar="1,32",
                       help="bench serve --max-concurrency values; the highest is both servers' slot count")
-    load.add_argument("--input-len", type=_positive_int, default=128)
-    load.add_argument("--output-len", type=_positive_int, default=128)
-    load.add_argument("--num-prompts", type=_counts, default=None, metavar="N[,N...]",
+    load.add_argument("--input-len", type=positive_int, default=128, help="prompt tokens (default: 128)")
+    load.add_argument("--output-len", type=positive_int, default=128, help="tokens out, ignore_eos (default: 128)")
+    load.add_argument("--num-prompts", type=int_list, default=None, metavar="N[,N...]",
                       help="timed requests per concurrency: one value for all, or one per --concurrency value "
                            "(default: max(16, 2 x concurrency))")
-    load.add_argument("--num-warmups", type=int, default=2, help="untimed requests before each timed run")
-    load.add_argument("--memory-after", type=_positive_int, default=500,
+    load.add_argument("--num-warmups", type=non_negative_int, default=2, help="untimed requests before each timed run")
+    load.add_argument("--memory-after", type=positive_int, default=500,
                       help="requests a server has served (all runs included) when its memory is read")
-    load.add_argument("--memory-input-len", type=_positive_int, default=128,
+    load.add_argument("--memory-input-len", type=positive_int, default=128,
                       help="prompt tokens of the requests sent to reach --memory-after")
-    load.add_argument("--memory-output-len", type=_positive_int, default=16,
+    load.add_argument("--memory-output-len", type=positive_int, default=16,
                       help="output tokens of the requests sent to reach --memory-after")
     load.add_argument("--seed", type=int, default=0, help="prompts (the same for every server)")
 
@@ -134,48 +125,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     out.add_argument("--out", type=Path, default=Path("bench-vs-llama"), help="folder for JSON, tables and logs")
     out.add_argument("--plot", type=Path, default=None, help="write the plot here (PNG; needs the plot extra)")
     out.add_argument("--from-json", type=Path, default=None, help="only redraw tables and plot from this results.json")
-    args = p.parse_args(argv)
-    try:
-        args.quantizations = parse_quantizations(args.trioserve_quantization)
-    except ValueError as exc:
-        p.error(str(exc))
-    if args.num_warmups < 0:
-        p.error("--num-warmups must be >= 0")
-    if args.num_prompts and len(args.num_prompts) not in (1, len(args.concurrency)):
-        p.error(f"--num-prompts takes one value or one per --concurrency value ({len(args.concurrency)})")
-    return args
+    p.set_defaults(func=run)
+    return p
 
 
-@contextlib.contextmanager
-def running(command: list[str], url: str, log: Path, ready_timeout: float) -> Iterator[subprocess.Popen]:
-    """Run ``command`` in a session of its own, output in ``log``; yield it
-    once ``url``/health answers 200, and stop the whole session (SIGTERM,
-    then SIGKILL after 30 s) when the block ends, on an error too."""
-    with open(log, "w") as output:
-        print("$", shlex.join(command), flush=True)
-        proc = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            wait_healthy(proc, url, ready_timeout, name=Path(command[0]).name, see=f"; see {log}")
-            yield proc
-        finally:
-            _stop_session(proc)
-
-
-def _stop_session(proc: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)  # the server and anything it started
-        try:
-            proc.wait(timeout=wait)
-            break
-        except subprocess.TimeoutExpired:
-            continue
-    # Children that outlived the leader are still in its process group.
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-
-
-def _prompts_at(num_prompts: list[int] | None, index: int, concurrency: int) -> int:
+def prompts_at(num_prompts: list[int] | None, index: int, concurrency: int) -> int:
     """The timed requests of the ``index``-th concurrency: ``--num-prompts``'
     value for it (or its only value), else max(16, 2 x concurrency)."""
     if not num_prompts:
@@ -187,7 +141,7 @@ def bench(url: str, model: Path, out: Path, *, concurrency: int, num_prompts: in
           output_len: int, seed: int) -> dict:  # fmt: skip
     """One ``trioserve bench serve`` run; its JSON result (per-request lists included)."""
     command = [
-        str(BIN), "bench", "serve", "--base-url", url, "--tokenizer", str(model), "--dataset", "random",
+        str(TRIOSERVE), "bench", "serve", "--base-url", url, "--tokenizer", str(model), "--dataset", "random",
         "--input-len", str(input_len), "--output-len", str(output_len), "--ignore-eos", "--seed", str(seed),
         "--max-concurrency", str(concurrency), "--num-prompts", str(num_prompts), "--num-warmups", str(warmups),
         "--result-json", str(out), "--save-detailed", "--no-progress",
@@ -228,7 +182,7 @@ def measure(contender: Contender, args: argparse.Namespace, layout: Layout, mode
     if contender.kind == LLAMA_SERVER:
         command = llama_server_command(args.llama_server, model, contender, layout, port)
     else:
-        command = trioserve_command(BIN, contender, layout, port)
+        command = trioserve_command(TRIOSERVE, contender, layout, port)
         if args.model is not None:
             command += ["--model", str(model)]
     result: dict = {"label": contender.label, "kind": contender.kind, "quantization": contender.quantization,
@@ -244,7 +198,7 @@ def measure(contender: Contender, args: argparse.Namespace, layout: Layout, mode
                   file=sys.stderr, flush=True)  # fmt: skip
         served = 1
         for index, concurrency in enumerate(args.concurrency):
-            prompts = _prompts_at(args.num_prompts, index, concurrency)
+            prompts = prompts_at(args.num_prompts, index, concurrency)
             run = bench(url, model, args.out / f"{contender.slug}-c{concurrency}.json", concurrency=concurrency,
                         num_prompts=prompts, warmups=args.num_warmups, input_len=args.input_len,
                         output_len=args.output_len, seed=args.seed + concurrency)  # fmt: skip
@@ -289,8 +243,11 @@ def write_outputs(document: dict, out: Path, plot: Path | None) -> None:
         print(f"plot written to {plot_comparison(document, plot)}", file=sys.stderr)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def run(args: argparse.Namespace) -> int:
+    """The comparison the parsed ``args`` describe; 1 if a server failed."""
+    if args.num_prompts and len(args.num_prompts) not in (1, len(args.concurrency)):
+        count = len(args.concurrency)
+        return usage_error("vs-llama", f"--num-prompts takes one value or one per --concurrency value ({count})")
     if args.from_json is not None:
         document = json.loads(args.from_json.read_text())
         args.out.mkdir(parents=True, exist_ok=True)
@@ -298,27 +255,21 @@ def main(argv: list[str] | None = None) -> int:
         print(format_tables(document))
         return 0
     if args.plot is not None:
-        from trioserve.bench.plot import require_matplotlib
-
         require_matplotlib()  # fail before the runs, not after them
-    from trioserve.engine.loading.sources import DEFAULT_MODEL_NAME, default_model_path
-
     model = Path(args.model) if args.model else default_model_path()
     contenders = [Contender.trioserve(q, shlex.split(args.trioserve_args)) for q in args.quantizations]
     llama_version = None
     if not args.no_llama_server:
         if not args.llama_server or not os.access(args.llama_server, os.X_OK):
-            sys.exit(f"bench_vs_llama: no llama-server binary ({args.llama_server!r}): build it with "
-                     "scripts/build_llama_server.sh and pass --llama-server PATH, or give --no-llama-server")  # fmt: skip
+            return usage_error("vs-llama", f"no llama-server binary ({args.llama_server!r}): build it with "
+                               "scripts/build_llama_server.sh and pass --llama-server PATH, or give --no-llama-server")  # fmt: skip
         contenders.append(Contender.llama_server(model, shlex.split(args.llama_args)))
         llama_version = _version([args.llama_server, "--version"])
     if not contenders:
-        sys.exit("bench_vs_llama: nothing to run")
+        return usage_error("vs-llama", "nothing to run")
     # SIGTERM/SIGHUP unwind like Ctrl-C, so the running server is stopped.
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
-
-    from trioserve.bench.datasets import load_tokenizer, random_dataset
 
     # The prompt of the token-count request (the runs' own come from bench serve).
     prompt = random_dataset(load_tokenizer(model), num_prompts=1, input_len=args.input_len,
@@ -361,7 +312,3 @@ def main(argv: list[str] | None = None) -> int:
     write_outputs(document, args.out, args.plot)
     print(format_tables(document))
     return 1 if any(s.get("error") for s in document["servers"]) else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,12 +1,13 @@
-"""Time every linear kernel the engine could run for SmolLM2-135M's matmuls.
+"""``trioserve bench kernels``: every linear kernel the engine could run for
+SmolLM2-135M's matmuls, timed side by side.
 
 One "forward" is all the projections of the 30 layers plus the LM head at M
-rows (the native kernels where ``scripts/setup.sh`` built them, each ISA
-variant this CPU runs) (M=1 is a one-stream decode step, 32/64 a batched one), run in a worker
-thread with ``--threads`` torch threads, as the engine's step thread runs
-them. Prints a Markdown table of the best of ``--repeat`` forwards, in ms.
-
-    .venv/bin/python scripts/bench_qlinear.py --threads 2 --rows 1 32 64
+rows (M=1 is a one-stream decode step, 32 or 64 a batched one): float32
+(``F.linear``, oneDNN packed), torch's int8 and int4 packed kernels, and the
+native kernels where scripts/setup.sh built them, each ISA variant this CPU
+runs. They run in a worker thread with ``--threads`` torch threads, as the
+engine's step thread runs them. Prints a Markdown table of the best of
+``--repeat`` forwards, in ms.
 """
 
 from __future__ import annotations
@@ -18,14 +19,26 @@ import time
 import torch
 import torch.nn.functional as F
 
-from trioserve.engine.kernels import onednn
-from trioserve.engine.kernels import int4_native
-from trioserve.engine.kernels import int4_pack
-from trioserve.engine.kernels import int8_dynamic
-from trioserve.engine.kernels import int8_native
-from trioserve.engine.kernels import int8_pack
-from trioserve.engine.kernels import native
-from trioserve.engine.kernels import rtn
+from trioserve.engine.kernels import int4_native, int4_pack, int8_dynamic, int8_native, int8_pack, native, onednn, rtn
+
+from ..arguments import int_list, positive_int
+
+
+def add_parser(commands) -> argparse.ArgumentParser:
+    p = commands.add_parser(
+        "kernels",
+        help="every linear kernel the engine could run, on SmolLM2-135M's matmuls",
+        description=__doc__.split("\n\n")[0].removeprefix("``trioserve bench kernels``: "),
+    )
+    work = p.add_argument_group("workload")
+    work.add_argument("--rows", type=int_list, default=[1, 32, 64], help="rows M of a forward, comma-separated (default: 1,32,64)")
+    work.add_argument("--repeat", type=positive_int, default=5, help="forwards timed, the best kept (default: 5)")
+    work.add_argument("--slow-limit", type=float, default=1.0,
+                      help="skip a kernel's larger M once a forward takes this many s (default: 1)")  # fmt: skip
+    work.add_argument("--threads", type=positive_int, default=2, help="torch threads (default: 2)")
+    p.set_defaults(func=run)
+    return p
+
 
 # SmolLM2-135M: hidden 576, intermediate 1536, 9 heads and 3 KV heads of 64.
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
@@ -76,42 +89,35 @@ def kernels(weights: list[torch.Tensor]) -> dict[str, list]:
     return out
 
 
+def measure(args: argparse.Namespace, result: dict[str, dict[int, float]]) -> None:
+    torch.set_num_threads(args.threads)
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(s, generator=gen) * 0.05 for s in LAYER_SHAPES + [LM_HEAD]]
+    with torch.inference_mode():
+        for name, fns in kernels(weights).items():
+            result[name] = {}
+            for rows in args.rows:
+                xs = {k: torch.randn(rows, k, generator=gen) for k in (576, 1536)}
+                calls = [(f, xs[w.shape[1]]) for f, w in zip(fns, weights)]
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 32, 64])
-    parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--slow-limit", type=float, default=1.0, help="skip larger M once a forward takes this many s")
-    args = parser.parse_args()
+                def once() -> float:
+                    t = time.perf_counter()
+                    for _ in range(LAYERS):
+                        for f, x in calls[:-1]:
+                            f(x)
+                    calls[-1][0](calls[-1][1])
+                    return time.perf_counter() - t
+
+                first = once()  # kernel creation, caches
+                best = min([first] + [once() for _ in range(args.repeat if first < 1 else 1)])
+                result[name][rows] = best * 1e3
+                if best > args.slow_limit:
+                    break
+
+
+def run(args: argparse.Namespace) -> int:
     result: dict[str, dict[int, float]] = {}
-
-    def run() -> None:
-        torch.set_num_threads(args.threads)
-        gen = torch.Generator().manual_seed(0)
-        weights = [torch.randn(s, generator=gen) * 0.05 for s in LAYER_SHAPES + [LM_HEAD]]
-        with torch.inference_mode():
-            for name, fns in kernels(weights).items():
-                result[name] = {}
-                for rows in args.rows:
-                    xs = {k: torch.randn(rows, k, generator=gen) for k in (576, 1536)}
-                    calls = [(f, xs[w.shape[1]]) for f, w in zip(fns, weights)]
-
-                    def once() -> float:
-                        t = time.perf_counter()
-                        for _ in range(LAYERS):
-                            for f, x in calls[:-1]:
-                                f(x)
-                        calls[-1][0](calls[-1][1])
-                        return time.perf_counter() - t
-
-                    first = once()  # kernel creation, caches
-                    best = min([first] + [once() for _ in range(args.repeat if first < 1 else 1)])
-                    result[name][rows] = best * 1e3
-                    if best > args.slow_limit:
-                        break
-
-    thread = threading.Thread(target=run)
+    thread = threading.Thread(target=measure, args=(args, result))
     thread.start()
     thread.join()
     print(f"torch {torch.__version__}, capability {torch.backends.cpu.get_cpu_capability()}, {args.threads} threads")
@@ -120,7 +126,4 @@ def main() -> None:
     for name, by_rows in result.items():
         cells = [f"{by_rows[r]:,.1f} ms" if r in by_rows else "" for r in args.rows]
         print(f"| {name} | " + " | ".join(cells) + " |")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,13 +1,15 @@
-"""Run every serving benchmark of docs/benchmarks.md in one go and save the JSON.
+"""``trioserve bench suite``: the float path's serving benchmarks in one
+go, their JSON saved: the start, the engine against transformers, and a
+server under ``trioserve bench serve``.
 
-    .venv/bin/python scripts/bench_suite.py --out bench-results [--quick]
-
-It runs ``trioserve bench offline`` (the engine against transformers
-``generate`` on the same prompts), starts ``trioserve serve`` on a free
-loopback port, and drives it with ``trioserve bench serve``: concurrency 32
-and 1, a concurrency sweep with plots, 32 requests arriving at once, prefix
-sharing with the prefix cache on and off, and 2,000 requests while sampling
-the server's resident memory. Everything here talks only to 127.0.0.1.
+It measures the default model's start in a fresh process, runs ``trioserve
+bench offline`` (the engine against transformers ``generate`` on the same
+prompts), starts ``trioserve serve`` on a free loopback port, and drives it
+with ``trioserve bench serve``: concurrency 32 and 1, a concurrency sweep
+with plots, 32 requests arriving at once, prefix sharing with the prefix
+cache on and off, and 2,000 requests while sampling the server's resident
+memory. ``--quick`` runs small counts, to check that it runs. Everything
+here talks only to 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -15,23 +17,52 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from trioserve.bench.memory import rss_bytes
-from trioserve.bench.process import serving_process
+from ..arguments import name_list
+from ..memory import rss_bytes
+from ..process import TRIOSERVE, serving_process
 
-BIN = Path(sys.executable).parent / "trioserve"
+PARTS = ("start", "offline", "c32", "c1", "sweep", "burst", "prefix", "memory")
+
+
+def _parts(text: str) -> set[str]:
+    parts = set(name_list(text))
+    if parts - set(PARTS):
+        raise argparse.ArgumentTypeError(f"unknown {', '.join(sorted(parts - set(PARTS)))}; the parts: {','.join(PARTS)}")
+    return parts
+
+
+def add_parser(commands) -> argparse.ArgumentParser:
+    p = commands.add_parser(
+        "suite",
+        help="the float path's figures in one go: start, bench offline, and a server under bench serve",
+        description=__doc__.split("\n\n")[0].removeprefix("``trioserve bench suite``: "),
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
+    work = p.add_argument_group("workload")
+    work.add_argument("--quick", action="store_true", help="small counts, to check that the suite runs")
+    work.add_argument("--skip", type=_parts, default=set(), metavar="PART,...",
+                      help=f"parts to skip, comma-separated: {','.join(PARTS)}")  # fmt: skip
+    engine = p.add_argument_group("engine")
+    engine.add_argument("--dtype", default=None, help="the engine's weights and KV cache (server and bench offline)")
+    engine.add_argument("--quantization", default="none",
+                        help="the engine's weights (default: none, the float path the suite's figures use)")  # fmt: skip
+    out = p.add_argument_group("output")
+    out.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for the JSON and logs")
+    out.add_argument("--plots", type=Path, default=Path("docs/images"), help="folder for the sweep's plots")
+    p.set_defaults(func=run)
+    return p
 
 
 def measure_start(cache: Path) -> dict:
     """Wall time of a fresh process that loads the default model (weights and
     tokenizer ready), imports included: once with an empty cache (the GGUF is
     converted), then twice from the cache."""
-    import shutil
-
     shutil.rmtree(cache, ignore_errors=True)
     env = dict(os.environ, TRIOSERVE_CACHE=str(cache))
     code = "from trioserve.engine.loading.loader import load_model; load_model(None)"
@@ -45,25 +76,15 @@ def measure_start(cache: Path) -> dict:
 
 
 def bench(url: str, out: Path, *args: str) -> dict:
-    cmd = [str(BIN), "bench", "serve", "--base-url", url, "--result-json", str(out), "--no-progress", *args]
+    cmd = [str(TRIOSERVE), "bench", "serve", "--base-url", url, "--result-json", str(out), "--no-progress", *args]
     print("$", " ".join(cmd[1:]), flush=True)
     subprocess.run(cmd, check=True)
     return json.loads(out.read_text())
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, default=Path("bench-results"))
-    parser.add_argument("--plots", type=Path, default=Path("docs/images"))
-    parser.add_argument("--quick", action="store_true", help="small counts, to check the script runs")
-    parser.add_argument("--dtype", default=None, help="the engine's weights and KV cache (server and bench offline)")
-    parser.add_argument(
-        "--quantization", default="none", help="the engine's weights (default: none, the float path the suite's figures use)"
-    )
-    parser.add_argument("--skip", default="", help="comma list of parts to skip: start,offline,c32,c1,sweep,burst,prefix,memory")
-    args = parser.parse_args()
+def run(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
-    skip = set(filter(None, args.skip.split(",")))
+    skip = args.skip
     q = args.quick
     n32, n1, n_mem = (8, 2, 50) if q else (64, 8, 2000)
     out_len = 16 if q else 128
@@ -75,7 +96,7 @@ def main() -> int:
         summary["start"] = measure_start(args.out / "start-cache")
 
     if "offline" not in skip:
-        cmd = [str(BIN), "bench", "offline", "--result-json", str(args.out / "offline.json"), *dtype]
+        cmd = [str(TRIOSERVE), "bench", "offline", "--result-json", str(args.out / "offline.json"), *dtype]
         if q:
             cmd += ["--num-prompts", "8", "--output-len", "16", "--batch-size", "4", "--sequential-prompts", "1", "--prefill-batch", "8"]
         print("$", " ".join(cmd[1:]), flush=True)
@@ -153,7 +174,3 @@ def print_summary(s: dict) -> None:
         base = samples[0][1]
         for label, value in samples:
             print(f"RSS {label}: {value / 2**20:.0f} MiB ({(value - base) / base:+.1%})")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,5 @@
-"""Time one decoder layer's projections on each CPU path this machine runs.
+"""``trioserve bench cpu-paths``: one decoder layer's projections on each
+CPU path this machine runs.
 
 For SmolLM2-135M's shapes (q/k/v, o, gate/up, down) and a batch of decode
 rows, every path ``CpuPaths.from_environment()`` finds available: packed
@@ -8,7 +9,7 @@ Run it with the AVX2 caps (docs/architecture.md, "CPU paths") to see what
 an AVX2-only CPU gets:
 
     ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 \\
-        .venv/bin/python scripts/bench_cpu_paths.py --rows 64
+        trioserve bench cpu-paths --rows 64
 """
 
 from __future__ import annotations
@@ -22,8 +23,26 @@ import torch.nn.functional as F
 from trioserve.engine.kernels import onednn
 from trioserve.engine.kernels.capability import CpuPaths, packed_path
 
+from ..arguments import positive_float, positive_int
+
 # SmolLM2-135M: hidden 576, 9 heads and 3 KV heads of 64, intermediate 1536.
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
+
+
+def add_parser(commands) -> argparse.ArgumentParser:
+    p = commands.add_parser(
+        "cpu-paths",
+        help="one layer's projections on each float CPU path: packed or plain, float32 or bfloat16",
+        description=__doc__.split("\n\n")[0].removeprefix("``trioserve bench cpu-paths``: "),
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    work = p.add_argument_group("workload")
+    work.add_argument("--rows", type=positive_int, default=64, help="decode rows in the batch (default: 64)")
+    work.add_argument("--seconds", type=positive_float, default=5.0, help="time per path (default: 5)")
+    work.add_argument("--threads", type=positive_int, default=2, help="torch threads (default: 2)")
+    p.set_defaults(func=run)
+    return p
 
 
 def layer_call(dtype: torch.dtype, packed: bool, rows: int):
@@ -48,12 +67,7 @@ def best_time(call, seconds: float) -> float:
     return best
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, default=64, help="decode rows in the batch (default: 64)")
-    parser.add_argument("--seconds", type=float, default=5.0, help="time per path (default: 5)")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads (default: 2)")
-    args = parser.parse_args()
+def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     paths = CpuPaths.from_environment()
     print(paths.describe()[0])
@@ -66,7 +80,4 @@ def main() -> None:
                 continue
             seconds = best_time(layer_call(dtype, packed, args.rows), args.seconds)
             print(f"{label:16s} {seconds * 1e3:8.2f} ms per layer  {flops / seconds / 1e9:7.1f} GFLOP/s")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,7 +1,8 @@
-"""What a client that stops reading costs the others, on the default model over HTTP.
+"""``trioserve bench slow-reader``: what a client that stops reading costs
+the others, on the default model over HTTP.
 
-    .venv/bin/python scripts/slow_reader.py [--others 8] [--seconds 60] [--stall 60] [--slow-tokens 1000]
-                                            [--log server.log] [-- <trioserve serve options>]
+    trioserve bench slow-reader [--others 8] [--seconds 60] [--stall 60] [--slow-tokens 1000]
+                                [--log server.log] [-- <trioserve serve options>]
 
 Starts ``trioserve serve`` on a free loopback port (a subprocess, stopped at
 the end, on failure too). ``--others`` streaming clients (64-token
@@ -9,11 +10,11 @@ completions, one after another) run for ``--seconds`` alone, then as long
 again next to one client that opens a ``--slow-tokens`` stream on a socket
 with a 4 KiB receive buffer, reads its first event, reads nothing for
 ``--stall`` seconds, then reads the rest. It prints the others'
-inter-token latency in both phases (percentiles interpolated as
-``trioserve bench`` does) and their ratio, and the preemptions meanwhile
-(the stalled reader's pause is one); it exits 1 if the stalled reader lost
-tokens or missed ``[DONE]``, or the server died. Everything here talks only
-to 127.0.0.1. docs/reliability.md, "Slow readers", records a run.
+inter-token latency in both phases (percentiles as ``trioserve.bench.stats``
+defines them) and their ratio, and the preemptions meanwhile (the stalled
+reader's pause is one); it exits 1 if the stalled reader lost tokens or
+missed ``[DONE]``, or the server died. Everything here talks only to
+127.0.0.1. docs/reliability.md, "Slow readers", records a run.
 """
 
 from __future__ import annotations
@@ -24,17 +25,39 @@ import random
 import re
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import attrs
 import httpx
 import trio
 
-from trioserve.bench.datasets import random_words
-from trioserve.bench.process import ServerStartError, serving_process
-from trioserve.bench.scrape import scrape
-from trioserve.bench.stats import percentile
+from ..arguments import positive_float, positive_int
+from ..datasets import random_words
+from ..process import ServerStartError, serving_process
+from ..scrape import scrape
+from ..stats import percentile
+
+
+def add_parser(commands) -> argparse.ArgumentParser:
+    p = commands.add_parser(
+        "slow-reader",
+        help="the others' inter-token latency while one client stops reading",
+        description=__doc__.split("\n\n")[0].removeprefix("``trioserve bench slow-reader``: "),
+        epilog=__doc__.split("\n\n", 2)[2],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    load = p.add_argument_group("load")
+    load.add_argument("--others", type=positive_int, default=8, help="streaming clients measured (default: 8)")
+    load.add_argument("--seconds", type=positive_float, default=60.0, help="length of each phase (default: 60)")
+    load.add_argument("--stall", type=positive_float, default=60.0,
+                      help="seconds the stalled reader reads nothing (default: 60)")  # fmt: skip
+    load.add_argument("--slow-tokens", type=positive_int, default=1000,
+                      help="the stalled reader's max_tokens (default: 1000)")  # fmt: skip
+    server = p.add_argument_group("server")
+    server.add_argument("--log", type=Path, default=None, help="write the server's log to this file")
+    server.add_argument("server_args", nargs="*", help="options for trioserve serve, after --, e.g. -- --num-threads 1")
+    p.set_defaults(func=run)
+    return p
 
 
 async def stream_itls(url: str, end: float, itls: list[float], seed: int) -> None:
@@ -158,28 +181,10 @@ def ratios(with_slow: list[float], alone: list[float]) -> tuple[float, float, fl
     return mean, percentile(with_slow, 50) / percentile(alone, 50), percentile(with_slow, 90) / percentile(alone, 90)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--others", type=int, default=8, help="streaming clients measured (default: 8)")
-    parser.add_argument("--seconds", type=float, default=60.0, help="length of each phase (default: 60)")
-    parser.add_argument("--stall", type=float, default=60.0, help="seconds the stalled reader reads nothing (default: 60)")
-    parser.add_argument("--slow-tokens", type=int, default=1000, help="the stalled reader's max_tokens (default: 1000)")
-    parser.add_argument("--log", default=None, help="write the server's log to this file")
-    parser.add_argument(
-        "server_args", nargs="*", help="options for trioserve serve, after --, e.g. -- --num-threads 1"
-    )
-    return parser.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def run(args: argparse.Namespace) -> int:
     try:
-        with serving_process(args.server_args, Path(args.log) if args.log else None) as (url, proc):
+        with serving_process(args.server_args, args.log) as (url, proc):
             return trio.run(measure, url, proc, args)
     except ServerStartError as exc:
         print(f"FAIL {exc}", flush=True)
         return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

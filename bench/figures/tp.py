@@ -1,20 +1,19 @@
-"""Tensor parallelism on this machine: TP=1 against TP=N, in one run.
+"""``trioserve bench tp``: tensor parallelism on this machine, TP=1 against
+TP=N in one run.
 
 Builds a random-weight Llama of about the default model's size whose heads
 split evenly over N ranks (SmolLM2-135M's 9 heads do not split over 2),
 saves it with the default model's tokenizer, and runs the same greedy
 workload through ``EngineCore`` at each TP size: ``--concurrency`` requests
-at once (each a list: 1 and 32 by default) of ``--input-len`` prompt
-tokens and ``--output-len`` generated tokens, EOS ignored. Rank 0's time
-inside its collectives (the all-reduces after o_proj and down_proj, the
-embedding's all-reduce, the logits' gather) is read from its timers
-around them; it includes any wait for a slower rank. With
-``--profile-steps K`` the same is read a second way, from torch's profiler:
-K decode steps at each concurrency run under ``torch.profiler`` on rank 0,
-and the time of its collective events (``gloo:all_reduce`` and the like,
-which torch records itself) is summed per step.
-
-    .venv/bin/python scripts/bench_tp.py --tp 2 --threads 2 --profile-steps 16
+at once of ``--input-len`` prompt tokens and ``--output-len`` generated
+tokens, EOS ignored. Rank 0's time inside its collectives (the all-reduces
+after o_proj and down_proj, the embedding's all-reduce, the logits' gather)
+is read from its timers around them; it includes any wait for a slower
+rank. With ``--profile-steps K`` the same is read a second way, from
+torch's profiler: K decode steps at each concurrency run under
+``torch.profiler`` on rank 0, and the time of its collective events
+(``gloo:all_reduce`` and the like, which torch records itself) is summed
+per step.
 """
 
 from __future__ import annotations
@@ -27,12 +26,45 @@ import time
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from trioserve.engine.config import EngineConfig
+from trioserve.engine.core.engine_core import EngineCore
+from trioserve.engine.runtime.step_thread import StepThread
+from trioserve.engine.sampling.sampling_params import SamplingParams
+from trioserve.testing.tiny_model import tokenizer
+
+from ..arguments import int_list, non_negative_int, positive_int
+
+
+def add_parser(commands) -> argparse.ArgumentParser:
+    p = commands.add_parser(
+        "tp",
+        help="tensor parallelism against one rank, on a random Llama whose heads split",
+        description=__doc__.split("\n\n")[0].removeprefix("``trioserve bench tp``: "),
+    )
+    layout = p.add_argument_group("layout")
+    layout.add_argument("--tp", type=positive_int, default=2, help="the tensor-parallel size against 1 (default: 2)")
+    layout.add_argument("--threads", type=positive_int, default=2,
+                        help="cores in all: TP=1 gets them all, TP=N a share each (default: 2)")  # fmt: skip
+    work = p.add_argument_group("workload")
+    work.add_argument("--concurrency", type=int_list, default=[1, 32], help="comma-separated (default: 1,32)")
+    work.add_argument("--input-len", type=positive_int, default=128, help="prompt tokens (default: 128)")
+    work.add_argument("--output-len", type=positive_int, default=128, help="tokens out (default: 128)")
+    work.add_argument("--profile-steps", type=non_negative_int, default=0,
+                      help="also profile this many decode steps (TP > 1; default: 0)")  # fmt: skip
+    model = p.add_argument_group("model")
+    model.add_argument("--layers", type=positive_int, default=24, help="decoder layers (default: 24)")
+    model.add_argument("--hidden", type=positive_int, default=512, help="hidden size (default: 512)")
+    model.add_argument("--heads", type=positive_int, default=8, help="attention heads (default: 8)")
+    model.add_argument("--kv-heads", type=positive_int, default=4, help="KV heads (default: 4)")
+    model.add_argument("--intermediate", type=positive_int, default=1536, help="MLP size (default: 1536)")
+    p.set_defaults(func=run)
+    return p
 
 
 def save_model(path: Path, *, layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int) -> Path:
-    import transformers
-
-    from trioserve.testing.tiny_model import tokenizer
+    import transformers  # seconds to import, for this command only
 
     config = transformers.LlamaConfig(
         vocab_size=49152, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
@@ -46,9 +78,7 @@ def save_model(path: Path, *, layers: int, hidden: int, heads: int, kv_heads: in
     return path
 
 
-def run(core, prompts: list[list[int]], output_len: int, tp_runner) -> dict:
-    from trioserve.engine.sampling.sampling_params import SamplingParams
-
+def measure(core, prompts: list[list[int]], output_len: int, tp_runner) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     for i, ids in enumerate(prompts):
         core.add_request(f"r{i}", ids, params)
@@ -72,7 +102,7 @@ def run(core, prompts: list[list[int]], output_len: int, tp_runner) -> dict:
     seconds = time.perf_counter() - start
     return {
         "tokens_per_s": tokens / seconds,
-        "decode_step_ms": statistics.median(decode_ms),
+        "decode_step_ms": statistics.median(decode_ms) if decode_ms else float("nan"),
         "collective_ms": statistics.median(collective_ms) if collective_ms else 0.0,
         "collective_calls": statistics.median(calls) if calls else 0,
     }
@@ -81,10 +111,6 @@ def run(core, prompts: list[list[int]], output_len: int, tp_runner) -> dict:
 def profile_collectives(core, prompts: list[list[int]], steps: int) -> dict:
     """Median per decode step of rank 0's collective time as torch's profiler
     records it, over ``steps`` decode steps after the prompts' prefill."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    from trioserve.engine.sampling.sampling_params import SamplingParams
-
     params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
     for i, ids in enumerate(prompts):
         core.add_request(f"p{i}", ids, params)
@@ -118,25 +144,7 @@ def profile_collectives(core, prompts: list[list[int]], steps: int) -> dict:
     }
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=2, help="cores in all: TP=1 gets them all, TP=N a share each")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=4)
-    parser.add_argument("--intermediate", type=int, default=1536)
-    parser.add_argument("--profile-steps", type=int, default=0, help="also profile this many decode steps (TP > 1)")
-    args = parser.parse_args()
-
-    from trioserve.engine.config import EngineConfig
-    from trioserve.engine.core.engine_core import EngineCore
-    from trioserve.engine.runtime.step_thread import StepThread
-
+def run(args: argparse.Namespace) -> int:
     folder = Path(tempfile.mkdtemp(prefix="bench-tp-"))
     save_model(folder, layers=args.layers, hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
                intermediate=args.intermediate)  # fmt: skip
@@ -155,9 +163,9 @@ def main() -> int:
             core = thread.call(EngineCore.from_config, config)
             tp_runner = core.runner if tp > 1 else None
             try:
-                thread.call(run, core, prompts[:2], 4, tp_runner)  # warm-up
+                thread.call(measure, core, prompts[:2], 4, tp_runner)  # warm-up
                 for c in args.concurrency:
-                    r = thread.call(run, core, prompts[:c], args.output_len, tp_runner)
+                    r = thread.call(measure, core, prompts[:c], args.output_len, tp_runner)
                     results.append((tp, threads, c, r))
                     print(f"TP={tp} ({threads} thread(s) per rank) concurrency {c}: {r}", file=sys.stderr)
                 if tp_runner is not None and args.profile_steps:
@@ -182,7 +190,3 @@ def main() -> int:
         for name, ms in p["collectives_ms_per_step"].items():
             print(f"  {name:<40} {ms:8.2f} ms/step")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,15 +1,14 @@
-"""Speculative decoding (``--speculative ngram``) against plain decoding,
-side by side in one run on the embedded engine core: TPOT of one stream on
-prompts that ask to repeat or edit a given text, greedy, with the acceptance
-rate and the speed-up, and a check that both produce the same tokens.
-
-    python scripts/bench_speculative.py [--max-tokens 128] [--rounds 3] [--num-speculative-tokens 4]
+"""``trioserve bench speculative``: speculative decoding (``--speculative
+ngram``) against plain decoding, side by side in one run on the embedded
+engine core: TPOT of one stream on prompts that ask to repeat or edit a
+given text, greedy, with the acceptance rate and the speed-up, and a check
+that both produce the same tokens.
 
 The model is loaded once; each round runs every prompt without and then
-with speculation (two cores sharing the weights), so drift on a shared
-machine hits both alike. The first round builds the CPU kernels of the
-chunk sizes it meets and is left out of the medians. Everything runs on one
-step thread, as the server does.
+with speculation, so drift on a shared machine hits both alike. The first
+round builds the CPU kernels of the chunk sizes it meets and is left out of
+the medians (unless it is the only one). Everything runs on one step
+thread, as the server does.
 """
 
 from __future__ import annotations
@@ -21,8 +20,10 @@ import time
 from trioserve.engine.config import EngineConfig
 from trioserve.engine.core.engine_core import EngineCore
 from trioserve.engine.loading.loader import load_model
-from trioserve.engine.sampling.sampling_params import SamplingParams
 from trioserve.engine.runtime.step_thread import StepThread
+from trioserve.engine.sampling.sampling_params import SamplingParams
+
+from ..arguments import positive_int
 
 TEXT = (
     "The river starts high in the mountains, where snow melts slowly in the spring sun. "
@@ -35,6 +36,25 @@ PROMPTS = {
     "repeat": f"Repeat the following text exactly, without any comment:\n\n{TEXT}",
     "edit": f"Rewrite the following text, replacing every 'river' with 'stream'. Change nothing else:\n\n{TEXT}",
 }
+
+
+def add_parser(commands) -> argparse.ArgumentParser:
+    p = commands.add_parser(
+        "speculative",
+        help="n-gram speculative decoding against plain decoding, one stream on the engine core",
+        description=__doc__.split("\n\n")[0].removeprefix("``trioserve bench speculative``: "),
+    )
+    work = p.add_argument_group("workload")
+    work.add_argument("--max-tokens", type=positive_int, default=128, help="tokens of each answer, >= 2 (default: 128)")
+    work.add_argument("--rounds", type=positive_int, default=3, help="rounds of both modes (default: 3)")
+    engine = p.add_argument_group("engine")
+    engine.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
+    engine.add_argument("--num-speculative-tokens", type=positive_int, default=4, help="tokens proposed a step (default: 4)")
+    engine.add_argument("--quantization", default="auto",
+                        help="as serve's --quantization (default auto: compressed for the default GGUF)")  # fmt: skip
+    engine.add_argument("--num-threads", type=positive_int, default=None, help="torch threads (default: torch's)")
+    p.set_defaults(func=run)
+    return p
 
 
 def run_one(core: EngineCore, request_id: str, prompt: str, max_tokens: int) -> tuple[list[int], float]:
@@ -103,20 +123,7 @@ def bench(args: argparse.Namespace) -> None:
     print("greedy tokens identical with and without speculation:", same)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--num-speculative-tokens", type=int, default=4)
-    parser.add_argument(
-        "--quantization", default="auto", help="as serve's --quantization (default auto: compressed for the default GGUF)"
-    )
-    parser.add_argument("--num-threads", type=int, default=None)
-    args = parser.parse_args()
+def run(args: argparse.Namespace) -> int:
     with StepThread(args.num_threads) as thread:
         thread.call(bench, args)
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,11 +1,8 @@
-"""Structured output's cost, side by side in one run on the embedded engine:
-TPOT at concurrency 1 and output throughput at concurrency 32, every request
-constrained by a mid-size JSON schema against the same run unconstrained;
-the mask time per step (all constrained rows of a step, in one batch) and
-the compile time of the schema.
-
-    python scripts/bench_structured.py [--requests 32] [--max-tokens 64] [--c1-requests 3]
-        [--masks overlapped|sequential|both] [--rounds 4]
+"""``trioserve bench structured``: structured output's cost, side by side in
+one run on the embedded engine: TPOT at concurrency 1 and output throughput
+at concurrency 32, every request constrained by a mid-size JSON schema
+against the same run unconstrained; the mask time per step (all constrained
+rows of a step, in one batch) and the compile time of the schema.
 
 Unconstrained requests use ``ignore_eos`` and constrained ones are asked for
 a long enough schema, so both runs decode about ``--max-tokens`` per request.
@@ -25,13 +22,14 @@ import time
 import attrs
 import trio
 
-from trioserve.engine.sampling.grammar import FilledMask, MaskFill
-
 from trioserve.actors.engine import open_engine
 from trioserve.engine.config import EngineConfig
-from trioserve.engine.sampling.grammar import GrammarCompiler
+from trioserve.engine.sampling.grammar import FilledMask, GrammarCompiler, MaskFill
 from trioserve.engine.sampling.sampling_params import SamplingParams
 from trioserve.engine.sampling.structured_output import StructuredOutput
+
+from ..arguments import positive_int
+
 
 STRING = {"type": "string", "maxLength": 24}
 SCHEMA = {
@@ -54,6 +52,33 @@ SCHEMA = {
     "required": ["name", "age", "email", "tags", "address", "role", "score", "active", "notes"],
 }
 MESSAGES = [{"role": "user", "content": "Invent a customer record as JSON."}]
+
+
+def add_parser(commands) -> argparse.ArgumentParser:
+    p = commands.add_parser(
+        "structured",
+        help="JSON-schema-constrained requests against free ones, through the actors",
+        description=__doc__.split("\n\n")[0].removeprefix("``trioserve bench structured``: "),
+        epilog=__doc__.split("\n\n", 2)[2],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    work = p.add_argument_group("workload")
+    work.add_argument("--requests", type=positive_int, default=32, help="requests at concurrency 32 (default: 32)")
+    work.add_argument("--max-tokens", type=positive_int, default=64, help="tokens of each request (default: 64)")
+    work.add_argument("--c1-requests", type=positive_int, default=3,
+                      help="requests run one at a time for TPOT at concurrency 1 (default: 3)")  # fmt: skip
+    work.add_argument("--masks", choices=["overlapped", "sequential", "both"], default="overlapped",
+                      help="fill each step's mask beside its forward (the engine's way), before the plan goes out, "
+                           "or both side by side (default: overlapped)")  # fmt: skip
+    work.add_argument("--rounds", type=positive_int, default=1,
+                      help="repeat the runs this many times, alternating their order (default: 1)")  # fmt: skip
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    trio.run(measure, args)
+    return 0
 
 
 async def _one(engine, params, index, gaps, counts):
@@ -124,7 +149,7 @@ def _time_masks(engine, masks: list, mode: str) -> None:
     actor._plan = plan_with_masks
 
 
-async def main(args):
+async def measure(args: argparse.Namespace) -> None:
     schema = StructuredOutput.json_schema(SCHEMA)
     free = SamplingParams(temperature=0.7, max_tokens=args.max_tokens, ignore_eos=True)
     constrained = SamplingParams(temperature=0.7, max_tokens=args.max_tokens, structured_output=schema)
@@ -193,19 +218,3 @@ def _report(results, modes) -> None:
                 rows = statistics.mean(n for n, _ in mask_times)
                 line += f"; mask per step median {statistics.median(per_step):.2f} ms (mean {rows:.1f} rows)"
             print(line)
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--c1-requests", type=int, default=3, help="requests run one at a time for TPOT at concurrency 1")
-    parser.add_argument(
-        "--masks",
-        choices=["overlapped", "sequential", "both"],
-        default="overlapped",
-        help="fill each step's mask beside its forward (the engine's way), before the plan goes out, or both "
-        "side by side (default: overlapped)",
-    )
-    parser.add_argument("--rounds", type=int, default=1, help="repeat the runs this many times, alternating their order")
-    trio.run(main, parser.parse_args())
