@@ -9,6 +9,7 @@ put against the machine's roofline.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -18,8 +19,19 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import torch
+import trio
 
+from trioserve.engine.config import EngineConfig
+from trioserve.engine.core.engine_core import EngineCore
+from trioserve.engine.loading.loader import load_model_for
+from trioserve.engine.parallel.placement import plan_replicas
+from trioserve.engine.parallel.tp_runner import start_tensor_parallel, stop_tensor_parallel
+from trioserve.engine.runtime.step_thread import StepThread
+from trioserve.engine.sampling.sampling_params import SamplingParams
 from trioserve.web.engine_options import add_option_groups, add_speculative_options, option_group, speculative_fields
+
+from .replicated import run_actor_engine
 
 
 @attrs.frozen
@@ -37,8 +49,6 @@ class ContenderResult:
 
 def measure_matmul_gflops(dtype: Any, device: Any, size: int = 2048, repeats: int = 10) -> float:
     """GEMM throughput of this machine in ``dtype`` with torch's current threads."""
-    import torch
-
     a = torch.randn(size, size, dtype=dtype, device=device)
     b = torch.randn(size, size, dtype=dtype, device=device)
     torch.mm(a, b)  # warm-up: thread pool and allocator
@@ -51,8 +61,6 @@ def measure_matmul_gflops(dtype: Any, device: Any, size: int = 2048, repeats: in
 
 
 def synchronize(device: Any) -> None:
-    import torch
-
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -68,8 +76,6 @@ def decode_flops_per_token(model_config: Any, context_len: int) -> float:
 
 
 def make_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
-    import torch
-
     generator = torch.Generator().manual_seed(seed)
     # Skip the low ids, where special tokens live.
     return torch.randint(100, vocab_size, (num, length), generator=generator).tolist()
@@ -78,8 +84,6 @@ def make_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[list
 def run_engine(core_factory: Callable[[], Any], prompts: list[list[int]], output_len: int) -> tuple[ContenderResult, list[float]]:
     """All prompts through EngineCore at once; also return the times of the
     steps in which every running request decoded (no prefill)."""
-    from trioserve.engine.sampling.sampling_params import SamplingParams
-
     core = core_factory()
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     for i, ids in enumerate(prompts):
@@ -105,10 +109,6 @@ def measure_batch_prefill(loaded: Any, prompts: list[list[int]], config_fields: 
     """Seconds the engine takes to prefill every prompt in one batch (one
     step, the token budget raised to hold them all): the floor for the
     slowest time to first token when they all arrive at once."""
-    from trioserve.engine.config import EngineConfig
-    from trioserve.engine.core.engine_core import EngineCore
-    from trioserve.engine.sampling.sampling_params import SamplingParams
-
     total = sum(len(p) for p in prompts)
     fields = config_fields | {"max_num_batched_tokens": total, "max_num_seqs": max(len(prompts), 1)}
     core = EngineCore(loaded, EngineConfig(**fields))
@@ -125,8 +125,6 @@ def run_transformers(
 ) -> ContenderResult:
     """transformers ``generate`` over static batches of ``batch_size`` prompts
     (equal lengths, so no padding is involved)."""
-    import torch
-
     tokens = 0
     start = time.perf_counter()
     with torch.inference_mode():
@@ -151,12 +149,6 @@ def run_transformers(
 def run_replicated(args: argparse.Namespace, config: Any, loaded: Any, prompts: list[list[int]]) -> ContenderResult:
     """The actor engine with ``--data-parallel-size`` replicas, every prompt
     at once (on CPU the replicas share ``loaded``'s weights)."""
-    import functools
-
-    import trio
-
-    from .replicated import run_actor_engine
-
     replicated = attrs.evolve(config, data_parallel_size=args.data_parallel_size, num_threads=args.num_threads)
     shared = loaded if loaded.device.type == "cpu" else None  # on CUDA each replica loads onto its device
     run = trio.run(functools.partial(run_actor_engine, loaded=shared), replicated, prompts, args.output_len, len(prompts))
@@ -240,10 +232,6 @@ def add_bench_offline_parser(bench_commands) -> None:
 def run_bench_offline(args: argparse.Namespace) -> int:
     """Every contender, and the load, runs on one long-lived thread: one
     OpenMP pool for all of them (see ``trioserve.engine.runtime.step_thread``)."""
-    from trioserve.engine.config import EngineConfig
-    from trioserve.engine.parallel.placement import plan_replicas
-    from trioserve.engine.runtime.step_thread import StepThread
-
     # More replicas than devices: refused before anything loads.
     plan_replicas(EngineConfig(device=args.device, data_parallel_size=args.data_parallel_size))
     with StepThread(args.num_threads) as step_thread:
@@ -251,12 +239,6 @@ def run_bench_offline(args: argparse.Namespace) -> int:
 
 
 def _run_bench_offline(args: argparse.Namespace) -> int:
-    import torch
-
-    from trioserve.engine.config import EngineConfig
-    from trioserve.engine.core.engine_core import EngineCore
-    from trioserve.engine.loading.loader import load_model_for
-
     config_fields = dict(
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -273,8 +255,6 @@ def _run_bench_offline(args: argparse.Namespace) -> int:
     config_fields.update(speculative_fields(args))
     config = EngineConfig(**config_fields)
     if config.tensor_parallel_size > 1:
-        from trioserve.engine.parallel.tp_runner import start_tensor_parallel
-
         # One group for every engine of the run (each sizes the ranks' KV pools anew).
         loaded = start_tensor_parallel(config)
     else:
@@ -348,7 +328,5 @@ def _run_bench_offline(args: argparse.Namespace) -> int:
         }
         args.result_json.write_text(json.dumps(payload, indent=2))
     if config.tensor_parallel_size > 1:
-        from trioserve.engine.parallel.tp_runner import stop_tensor_parallel
-
         stop_tensor_parallel(loaded.model)
     return 0
