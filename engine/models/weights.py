@@ -6,15 +6,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
-
 import torch
+from torch import nn
 
 from trioserve.engine.config import ModelConfig
 from trioserve.engine.errors import ModelLoadError
-
-if TYPE_CHECKING:
-    from trioserve.engine.models.llama import LlamaForCausalLM
 
 # Checkpoint buffers derived from the config, never weights we load.
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$|.*rotary_emb\.(cos|sin)_cached$")
@@ -23,8 +19,10 @@ _IGNORED = re.compile(r".*rotary_emb\.inv_freq$|.*rotary_emb\.(cos|sin)_cached$"
 Target = tuple[torch.Tensor, int | None, int | None]
 
 
-def weight_targets(model: LlamaForCausalLM) -> dict[str, Target]:
-    """Each checkpoint name -> (parameter, row slice) it fills."""
+def weight_targets(model: nn.Module) -> dict[str, Target]:
+    """Each checkpoint name -> (parameter, row slice) it fills, for a
+    Llama-family model (``models.llama.LlamaForCausalLM``; typed loosely so
+    this module need not import the family that imports it)."""
     c = model.config
     q_rows = c.num_attention_heads * c.head_dim
     kv_rows = c.num_key_value_heads * c.head_dim
