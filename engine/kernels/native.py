@@ -38,8 +38,8 @@ SOURCE_DIR = Path(__file__).parent / "csrc"
 # Compiled; the headers they include count toward a build's identity too.
 SOURCES = ("linear.cpp", "decode.cpp")
 HEADERS = (
-    "kernels.h", "panel.h", "panel_vnni.h", "rows_vnni.h", "panel_avx2.h", "panel_avx2_int16.h", "rows_avx2.h",
-    "lanes_avx2.h", "q8_lanes_avx2.h", "attend.h",
+    "kernels.h", "isa.h", "vexp.h", "panel.h", "panel_vnni.h", "rows_vnni.h", "panel_avx2.h", "panel_avx2_int16.h",
+    "rows_avx2.h", "lanes_avx2.h", "q8_lanes_avx2.h", "attend.h",
 )
 LIBRARY_NAME = "trioserve_native"
 SWITCH_ENV = "TRIOSERVE_NATIVE_KERNELS"

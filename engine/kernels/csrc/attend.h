@@ -1,9 +1,6 @@
-// Decode attention over a sequence's paged keys and values. Included by
-// decode.cpp once per ISA, inside that ISA's
-// `#pragma GCC target` region and namespace, which define Vec, kWidth and
-// vzero / vset / vload / vfma / vsum / vstore (vload for float, c10::Half
-// and c10::BFloat16 sources), vadd / vneg / vmul / vdiv / vmin / vmax, vexp
-// and vstore_half; so one body is compiled three ways. The decode step's
+// Decode attention over a sequence's paged keys and values, written once
+// against the vector primitives of isa.h and included by decode.cpp in
+// each ISA's namespace: one body compiled three ways. The decode step's
 // other per-row work (RMSNorm, rotary, the cache write, SwiGLU) is here too,
 // vectorized the same way: run one row at a time on one thread between the
 // parallel matmuls, it had the other thread waiting.
@@ -94,7 +91,7 @@ inline void rms_norm_row(const float* x, const float* weight, int64_t n, float e
 // One head (``head_dim`` floats, in place) rotated by the rotate-half tables
 // of its position: v[i] * cos[i] + v[i +- half] * sin[i] (``sin`` carries
 // the sign of rotate-half's first half). Two products and a sum, each
-// rounded, as torch's rotary (engine/models/rotary.py) computes them: GCC would fuse
+// rounded, as torch's rotary (engine/layers/rotary.py) computes them: GCC would fuse
 // the intrinsics into an FMA, and a prompt's keys (rotated by torch) would
 // then differ in the last bit from a decode step's, which moved near-ties in
 // greedy tokens between a request run alone and in a batch.
@@ -120,7 +117,7 @@ inline void rotate_half(float* v, const float* cos, const float* sin, int64_t he
 #pragma GCC pop_options
 
 // n floats into the cache's dtype: float16 saturating at +-65504 (as
-// engine/models/kv_cache.py's to_cache), rounded to nearest even as c10's
+// engine/layers/kv_cache.py's to_cache), rounded to nearest even as c10's
 // conversions are.
 template <typename T>
 inline void store_cache(T* dst, const float* src, int64_t n) {

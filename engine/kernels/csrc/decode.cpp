@@ -13,25 +13,23 @@
 // fused q/k/v, rotary with the rotate-half tables the model passes in, the
 // new key and value stored into the cache first (rounded as the cache's
 // dtype rounds them, float16 saturating), attention over the cache, o plus
-// residual, RMSNorm, SwiGLU, down plus residual.
+// residual, RMSNorm, SwiGLU, down plus residual. tests/test_native_decode_families.py
+// holds the two to one definition for every family the engine loads, and
+// engine/kernels/native_decode.py refuses a layer this does not compute.
+//
+// The per-row work is written once (attend.h) on isa.h's primitives and
+// compiled per ISA below; attention over 64-wide heads has its own AVX2
+// and AVX-512 paths (attend64), whose sums run in other orders.
 
 #include "kernels.h"
-
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
 #include <type_traits>
 #include <vector>
 
+namespace trioserve_native {
 namespace {
-
-using namespace trioserve_native;
-
-inline float widen(float v) { return v; }
-inline float widen(c10::Half v) { return static_cast<float>(v); }
-inline float widen(c10::BFloat16 v) { return static_cast<float>(v); }
 
 constexpr int64_t kHead64 = 64;
 
@@ -83,75 +81,14 @@ struct FetchAhead {
   }
 };
 
+}  // namespace
+
 namespace scalar_isa {
-using Vec = float;
-constexpr int64_t kWidth = 1;
-inline Vec vzero() { return 0.f; }
-inline Vec vset(float v) { return v; }
-template <typename T>
-inline Vec vload(const T* p) { return widen(*p); }
-inline Vec vfma(Vec a, Vec b, Vec c) { return a * b + c; }
-inline float vsum(Vec v) { return v; }
-inline void vstore(float* p, Vec v) { *p = v; }
-inline Vec vexp(Vec v) { return std::exp(v); }
-inline Vec vadd(Vec a, Vec b) { return a + b; }
-inline Vec vneg(Vec a) { return -a; }
-inline Vec vmul(Vec a, Vec b) { return a * b; }
-inline Vec vdiv(Vec a, Vec b) { return a / b; }
-// As std::min / std::max: a NaN in the second argument comes through.
-inline Vec vmin(Vec a, Vec b) { return std::min(b, a); }
-inline Vec vmax(Vec a, Vec b) { return std::max(b, a); }
-inline void vstore_half(c10::Half* p, Vec v) { *p = c10::Half(v); }
 #include "attend.h"
 }  // namespace scalar_isa
 
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
+TRIOSERVE_ISA_BEGIN_AVX2
 namespace avx2_isa {
-using Vec = __m256;
-constexpr int64_t kWidth = 8;
-inline Vec vzero() { return _mm256_setzero_ps(); }
-inline Vec vset(float v) { return _mm256_set1_ps(v); }
-inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline Vec vload(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-inline Vec vload(const c10::BFloat16* p) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline float vsum(Vec v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
-inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
-inline Vec vneg(Vec a) { return _mm256_sub_ps(_mm256_setzero_ps(), a); }
-inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
-inline Vec vdiv(Vec a, Vec b) { return _mm256_div_ps(a, b); }
-inline Vec vmin(Vec a, Vec b) { return _mm256_min_ps(a, b); }  // a NaN in b comes through
-inline Vec vmax(Vec a, Vec b) { return _mm256_max_ps(a, b); }
-inline void vstore_half(c10::Half* p, Vec v) {
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
-inline Vec vexp(Vec x) {
-  // e^x = 2^n e^r, n = round(x / ln 2), |r| <= ln 2 / 2, e^r by its Taylor
-  // polynomial to degree 6 (relative error about 2e-7, as libm's expf).
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.f / 720);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
 #include "attend.h"
 
 constexpr int kHeadsAtOnce = 3;  // 12 value accumulators, 3 weights and a value of 16 registers
@@ -241,48 +178,10 @@ void attend64(const float* q, int64_t group, const T* key, const T* value, const
   }
 }
 }  // namespace avx2_isa
-#pragma GCC pop_options
+TRIOSERVE_ISA_END
 
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,fma,f16c")
+TRIOSERVE_ISA_BEGIN_AVX512
 namespace avx512_isa {
-using Vec = __m512;
-constexpr int64_t kWidth = 16;
-inline Vec vzero() { return _mm512_setzero_ps(); }
-inline Vec vset(float v) { return _mm512_set1_ps(v); }
-inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline Vec vload(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-inline Vec vload(const c10::BFloat16* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
-inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
-inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
-inline Vec vneg(Vec a) { return _mm512_sub_ps(_mm512_setzero_ps(), a); }
-inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
-inline Vec vdiv(Vec a, Vec b) { return _mm512_div_ps(a, b); }
-inline Vec vmin(Vec a, Vec b) { return _mm512_min_ps(a, b); }  // a NaN in b comes through
-inline Vec vmax(Vec a, Vec b) { return _mm512_max_ps(a, b); }
-inline void vstore_half(c10::Half* p, Vec v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
-inline Vec vexp(Vec x) {  // as avx2_isa::vexp
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
 #include "attend.h"
 
 // ---- attention for 64-wide heads, a few query heads at a time ---------------
@@ -379,7 +278,13 @@ void attend64(const float* q, int64_t group, const T* key, const T* value, const
   }
 }
 }  // namespace avx512_isa
-#pragma GCC pop_options
+TRIOSERVE_ISA_END
+
+}  // namespace trioserve_native
+
+namespace {
+
+using namespace trioserve_native;
 
 // The weights of one layer, in this order, in the flat list the op takes;
 // an empty tensor is "none" (a bias), or "not int8" (a scale).
@@ -431,32 +336,6 @@ void check_linear(const torch::Tensor& w, const torch::Tensor& scale, const torc
               ": bias must be float32 [out]");
 }
 
-// The per-row work of attend.h on this ISA's vectors.
-void rms_norm_row(int64_t isa, const float* x, const float* weight, int64_t n, float eps, float* y) {
-  if (isa >= kAvx512) avx512_isa::rms_norm_row(x, weight, n, eps, y);
-  else if (isa >= kAvx2) avx2_isa::rms_norm_row(x, weight, n, eps, y);
-  else scalar_isa::rms_norm_row(x, weight, n, eps, y);
-}
-
-void silu_mul(int64_t isa, const float* gate, const float* up, float* out, int64_t n) {
-  if (isa >= kAvx512) avx512_isa::silu_mul(gate, up, out, n);
-  else if (isa >= kAvx2) avx2_isa::silu_mul(gate, up, out, n);
-  else scalar_isa::silu_mul(gate, up, out, n);
-}
-
-void rotate_half(int64_t isa, float* v, const float* cos, const float* sin, int64_t head_dim) {
-  if (isa >= kAvx512) avx512_isa::rotate_half(v, cos, sin, head_dim);
-  else if (isa >= kAvx2) avx2_isa::rotate_half(v, cos, sin, head_dim);
-  else scalar_isa::rotate_half(v, cos, sin, head_dim);
-}
-
-template <typename T>
-void store_cache(int64_t isa, T* dst, const float* src, int64_t n) {
-  if (isa >= kAvx512) avx512_isa::store_cache<T>(dst, src, n);
-  else if (isa >= kAvx2) avx2_isa::store_cache<T>(dst, src, n);
-  else scalar_isa::store_cache<T>(dst, src, n);
-}
-
 // Rows in chunks of at least ``grain`` over torch's threads: a few rows run
 // inline, below what a parallel region costs.
 template <typename F>
@@ -482,9 +361,10 @@ void attention_step(float* qkv, T* key, T* value, int64_t rows, int64_t heads, i
   over_rows_of(rows, kRotaryGrain, [&](int64_t r) {
     float* row = qkv + r * qkv_out;
     const float *c = cos + r * head_dim, *s = sin + r * head_dim;
-    for (int64_t h = 0; h < heads + kv_heads; ++h) rotate_half(isa, row + h * head_dim, c, s, head_dim);
-    store_cache<T>(isa, key + slots[r] * kv_width, row + q_width, kv_width);
-    store_cache<T>(isa, value + slots[r] * kv_width, row + q_width + kv_width, kv_width);
+    for (int64_t h = 0; h < heads + kv_heads; ++h)
+      TRIOSERVE_BY_ISA(isa, rotate_half(row + h * head_dim, c, s, head_dim));
+    TRIOSERVE_BY_ISA(isa, store_cache<T>(key + slots[r] * kv_width, row + q_width, kv_width));
+    TRIOSERVE_BY_ISA(isa, store_cache<T>(value + slots[r] * kv_width, row + q_width + kv_width, kv_width));
   });
   parallel_chunks(rows * kv_heads, 1, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
@@ -539,7 +419,7 @@ torch::Tensor decode_impl(const torch::Tensor& hidden, const std::vector<torch::
   // 100 ns, its SwiGLU a microsecond; a parallel region costs a few.
   constexpr int64_t kNormGrain = 16, kSiluGrain = 4;
   over_rows_of(rows, kNormGrain, [&](int64_t r) {
-    rms_norm_row(isa, res + r * dim, weights[kInputNorm].data_ptr<float>(), dim, eps, xp + r * dim);
+    TRIOSERVE_BY_ISA(isa, rms_norm_row(res + r * dim, weights[kInputNorm].data_ptr<float>(), dim, eps, xp + r * dim));
   });
   for (int64_t l = 0; l < layers; ++l) {
     const torch::Tensor* w = weights.data() + l * kParts;
@@ -551,19 +431,19 @@ torch::Tensor decode_impl(const torch::Tensor& hidden, const std::vector<torch::
     over_rows_of(rows, kNormGrain, [&](int64_t r) {  // the residual, then the post-attention norm
       float* rr = res + r * dim;
       for (int64_t i = 0; i < dim; ++i) rr[i] += projp[r * dim + i];
-      rms_norm_row(isa, rr, w[kPostNorm].data_ptr<float>(), dim, eps, xp + r * dim);
+      TRIOSERVE_BY_ISA(isa, rms_norm_row(rr, w[kPostNorm].data_ptr<float>(), dim, eps, xp + r * dim));
     });
     Linear{w[kGateUp], w[kGateUpScale], torch::Tensor()}(xp, rows, dim, gup, isa);
     over_rows_of(rows, kSiluGrain, [&](int64_t r) {
       const float* g = gup + r * 2 * inter;
-      silu_mul(isa, g, g + inter, actp + r * inter, inter);
+      TRIOSERVE_BY_ISA(isa, silu_mul(g, g + inter, actp + r * inter, inter));
     });
     Linear{w[kDown], w[kDownScale], torch::Tensor()}(actp, rows, inter, projp, isa);
     const float* next_norm = l + 1 < layers ? w[kParts + kInputNorm].data_ptr<float>() : nullptr;
     over_rows_of(rows, kNormGrain, [&](int64_t r) {  // the residual, then the next layer's input norm
       float* rr = res + r * dim;
       for (int64_t i = 0; i < dim; ++i) rr[i] += projp[r * dim + i];
-      if (next_norm != nullptr) rms_norm_row(isa, rr, next_norm, dim, eps, xp + r * dim);
+      if (next_norm != nullptr) TRIOSERVE_BY_ISA(isa, rms_norm_row(rr, next_norm, dim, eps, xp + r * dim));
     });
   }
   return residual;
@@ -643,7 +523,7 @@ torch::Tensor decode_layers(const torch::Tensor& hidden, std::vector<torch::Tens
 }
 
 // Rotary, the cache write and paged attention of one layer for a batch of
-// decode rows, between the model's own projections (engine/models/native_attention.py):
+// decode rows, between the model's own projections (engine/kernels/native_attention.py):
 // returns [rows, heads * head_dim]. ``key_cache``/``value_cache`` are one
 // layer's [blocks, block_size, kv_heads, head_dim] pools.
 torch::Tensor decode_attention(const torch::Tensor& qkv_in, const torch::Tensor& key_cache,

@@ -9,6 +9,8 @@
 #include <c10/util/Half.h>
 #include <ATen/Parallel.h>
 
+#include "isa.h"
+
 #include <immintrin.h>
 
 #include <algorithm>
