@@ -1,9 +1,12 @@
-"""The cache-allocator actor: owns the KV block pool and its prefix cache.
+"""The cache-allocator actor: serves the engine core's KV block pool.
 
-It serves one ``Allocate`` (a ``KVBatch``: commits, frees and allocations
-with their prefix-cache lookups) per step with one ``KVResult``: at most one
-round trip a step, however many sequences the step touches. Nothing else
-changes the pool, so the pool needs no lock.
+The pool (``EngineCore.block_manager``, with its prefix cache) is the
+core's, as it is offline; on the actors' path this actor is the only one
+that applies batches to it. It serves one ``Allocate`` (a ``KVBatch``:
+commits, frees and allocations with their prefix-cache lookups) per step
+with one ``KVResult``: at most one round trip a step, however many sequences
+the step touches. Nothing else changes the pool here (the actors never call
+the core's in-process ``schedule`` or ``step``), so it needs no lock.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ INBOX_CAPACITY = 1
 
 class AllocatorActor:
     """Serves ``Allocate`` messages from the scheduler against
-    ``block_manager``, which is its own: nothing else holds it."""
+    ``block_manager``, the core's pool: nothing else writes to it."""
 
     def __init__(self, block_manager: BlockManager) -> None:
         self._block_manager = block_manager

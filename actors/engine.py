@@ -89,18 +89,18 @@ async def open_engine(
     step_thread = StepThread(config.num_threads)
     core: EngineCore | None = None
     try:
-        # The core gets no pool of its own: the allocator actor owns it, and
-        # the core reaches it only with KVBatch / KVResult messages.
+        # The core's KV pool is served by the allocator actor, its only
+        # writer here: the scheduler reaches it with KVBatch / KVResult messages.
         in_process = config.worker_mode == "process" and executor is None
         if in_process:
             make_core = functools.partial(worker_core, config, loaded, worker_model)
         elif loaded is None:
-            make_core = functools.partial(EngineCore.from_config, config, own_pool=False)
+            make_core = functools.partial(EngineCore.from_config, config)
         else:
-            make_core = functools.partial(EngineCore, loaded, config, own_pool=False)
+            make_core = functools.partial(EngineCore, loaded, config)
         core = await run_in_step_thread(step_thread, make_core)
         admission = AdmissionQueue(config.max_queued_requests, config.max_queued_tokens)
-        allocator = AllocatorActor(core.new_block_manager())
+        allocator = AllocatorActor(core.block_manager)
         executor_actor = engine_executor(core, config, step_thread, executor=executor, worker_model=worker_model)
         scheduler = SchedulerActor.from_config(core, admission)
         kv_send, kv_receive = trio.open_memory_channel[KVResult](1)

@@ -51,7 +51,7 @@ from trioserve.engine.config import EngineConfig
 from trioserve.engine.core.engine_core import EngineCore
 from trioserve.engine.kernels.kv_dtype_choice import KVDtypeChoice
 from trioserve.engine.loading.loader import LoadedModel, describe_model
-from trioserve.engine.models.llama import ProjectionChoice
+from trioserve.engine.models.projections import ProjectionChoice
 from trioserve.engine.runtime.model_runner import RunnerOutput
 from trioserve.engine.runtime.step_plan import StepPlan
 from trioserve.engine.runtime.step_thread import StepThread
@@ -389,7 +389,7 @@ def worker_core(
         raise ValueError("worker_mode='process' with a loaded model needs worker_model: how the worker process gets it")
     if loaded is None:
         loaded = describe_model(config.model, dtype=config.dtype, device=config.device)
-    return EngineCore(loaded, config, own_pool=False, runner=False, kv_dtype=kv_dtype)
+    return EngineCore(loaded, config, runner=False, kv_dtype=kv_dtype)
 
 
 def process_executor(

@@ -242,7 +242,7 @@ def _build_core(
         loaded = load_model_for(replica_config)
     else:
         loaded = shared
-    return EngineCore(loaded, replica_config, own_pool=False, kv_dtype=kv_dtype)
+    return EngineCore(loaded, replica_config, kv_dtype=kv_dtype)
 
 
 @asynccontextmanager
@@ -305,7 +305,7 @@ async def open_replicated_engine(
             max_model_len=min(core.max_model_len for core in built),
             affinity_slack=max(1, config.max_num_seqs // 2),
         )
-        allocators = [AllocatorActor(core.new_block_manager()) for core in built]
+        allocators = [AllocatorActor(core.block_manager) for core in built]
         admission = ReplicatedAdmission(
             config.max_queued_requests,
             config.max_queued_tokens,

@@ -105,21 +105,23 @@ def test_greedy_continuation_equals_transformers_generate(default_loaded):
         assert ours[(rid, 0)]["tokens"] == expected, rid
 
 
-def test_abort_frees_every_block_at_once(default_loaded):
+def test_abort_frees_every_block_before_the_next_step(default_loaded):
     core = make_core(default_loaded)
     free_before = core.block_manager.statistics().num_free_blocks
     core.add_request("long", "Count slowly to one thousand:", SamplingParams(max_tokens=200, **GREEDY))
-    core.add_request("other", "Hello", SamplingParams(max_tokens=4, **GREEDY))
+    core.add_request("other", "Hello", SamplingParams(max_tokens=8, **GREEDY))
     for _ in range(3):
         core.step()
     assert core.block_manager.statistics().num_free_blocks < free_before
     assert core.abort("long")
-    # Freed before any further step; 'other' still holds its own blocks.
-    held_by_other = len(core.scheduler.block_holders().get("other", ()))
-    assert core.block_manager.statistics().num_free_blocks == free_before - held_by_other
-    results = run_all(core)
-    assert results[("long", 0)]["finish"] is FinishReason.ABORT
-    assert results[("other", 0)]["finish"] is FinishReason.LENGTH
+    # The next plan's batch frees them before its allocations; 'other'
+    # still holds its own blocks.
+    outputs = core.step()
+    assert [(o.request_id, o.finish_reason) for o in outputs if o.request_id == "long"] == [("long", FinishReason.ABORT)]
+    holders = core.scheduler.block_holders()
+    assert list(holders) == ["other"]
+    assert core.block_manager.statistics().num_free_blocks == free_before - len(holders["other"])
+    assert run_all(core)[("other", 0)]["finish"] is FinishReason.LENGTH
     assert core.block_manager.statistics().num_free_blocks == free_before
     core.block_manager.check_invariants({})
 

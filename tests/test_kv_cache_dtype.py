@@ -285,7 +285,7 @@ def test_the_cli_refuses_fp8_on_cpu_in_one_line():
 
 
 async def test_a_worker_process_stores_the_dtype_the_server_sized_the_pool_for():
-    core = EngineCore(tiny_loaded(), engine_config(kv_cache_dtype="auto"), own_pool=False, runner=False)
+    core = EngineCore(tiny_loaded(), engine_config(kv_cache_dtype="auto"), runner=False)
     executor = process_executor(core, core.config, tiny_worker_model)
     assert executor.spec.config.kv_cache_dtype == core.kv_dtype.name != "auto"
     runner = build_runner(tiny_worker_model(), executor.spec.config, core.num_blocks)

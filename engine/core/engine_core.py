@@ -104,7 +104,6 @@ class EngineCore:
         loaded: LoadedModel,
         config: EngineConfig,
         *,
-        own_pool: bool = True,
         runner: bool = True,
         kv_dtype: KVDtypeChoice | None = None,
     ) -> None:
@@ -127,12 +126,19 @@ class EngineCore:
         log.info("%s: KV cache in %s; pool of %s", loaded.name, self.kv_dtype, self.kv_pool)
         num_blocks = self.kv_pool.num_blocks
         self.num_blocks = num_blocks
-        # The KV pool, when this core drives it in process (offline use:
-        # ``step()``; abort() and process_output() then return finished
-        # requests' blocks at once). Without one (``own_pool=False``) the
-        # pool lives with an allocator actor (``new_block_manager``) and
-        # every change reaches it as a ``KVBatch`` with the next step.
-        self.block_manager: BlockManager | None = self.new_block_manager() if own_pool else None
+        # The KV pool: this core's, whoever drives it. Every change reaches
+        # it as one ``KVBatch`` (the scheduler's ``propose``) answered by one
+        # ``KVResult`` (``finalize``): applied here by ``schedule()`` and
+        # ``step()`` in process, or by the allocator actor, which serves
+        # this same pool, on the actors' path (actors/allocator.py). A
+        # CPU pool commits a block's memory when it is first written, so
+        # written blocks are reused first (engine/core/block_manager.py).
+        self.block_manager = BlockManager(
+            num_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            reuse_written_first=loaded.device.type == "cpu",
+        )
         # Plugins by entry-point name; an unknown one stops here (engine/plugins.py).
         self.plugins = Plugins.load(config.plugins)
         self.scheduler = Scheduler(
@@ -185,7 +191,7 @@ class EngineCore:
         trim_heap()
 
     @classmethod
-    def from_config(cls, config: EngineConfig, *, own_pool: bool = True) -> EngineCore:
+    def from_config(cls, config: EngineConfig) -> EngineCore:
         """Load ``config.model`` (the default model when None) and build an engine on it."""
         refuse_before_load(config.kv_cache_dtype, resolve_device(config.device))
         if config.tensor_parallel_size > 1:
@@ -194,18 +200,7 @@ class EngineCore:
             loaded = start_tensor_parallel(config)
         else:
             loaded = load_model_for(config)
-        return cls(loaded, config, own_pool=own_pool)
-
-    def new_block_manager(self) -> BlockManager:
-        """A KV pool of this core's size: its own, or the allocator actor's.
-        A CPU pool commits a block's memory when it is first written, so
-        written blocks are reused first (engine/core/block_manager.py)."""
-        return BlockManager(
-            self.num_blocks,
-            self.config.block_size,
-            enable_prefix_caching=self.config.enable_prefix_caching,
-            reuse_written_first=self.loaded.device.type == "cpu",
-        )
+        return cls(loaded, config)
 
     # -- requests ---------------------------------------------------------
 
@@ -348,7 +343,9 @@ class EngineCore:
         self._children[request_id] = tuple(r.request_id for r in children)
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
-        """End a request (all its completions) now; its KV blocks are freed before the next step runs."""
+        """End a request (all its completions) now. Its KV blocks go back
+        with the next batch, before the next step runs; its final outputs
+        come with that step."""
         children = self._children.get(request_id)
         if children is None:
             return False
@@ -360,10 +357,6 @@ class EngineCore:
             held.status, held.finish_reason = RequestStatus.FINISHED, reason
             self._ended.append(held)
             found = True
-        if found and self.block_manager is not None:
-            # Give the blocks back now rather than with the next plan; the
-            # final outputs still go out with the next step.
-            self._ended.extend(self.scheduler.free_finished(self.block_manager))
         return found
 
     def pause(self, request_id: str) -> bool:
@@ -400,10 +393,13 @@ class EngineCore:
     # -- the step -----------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run and post-process one step; trim the heap when that
-        step left the core idle (``release_memory``)."""
+        """Schedule, run and post-process one step, give the blocks of the
+        requests it finished back to the pool, so an idle core holds none,
+        and trim the heap when that step left the core idle
+        (``release_memory``)."""
         plan = self.schedule()
         outputs = self.process_output(plan, self.execute(plan))
+        self._free_finished()
         self.release_memory()
         return outputs
 
@@ -420,10 +416,22 @@ class EngineCore:
         return trimmed
 
     def schedule(self) -> SchedulerOutput:
-        """Plan a step against the core's own pool."""
-        if self.block_manager is None:
-            raise RuntimeError("this core's KV pool lives with an allocator actor: plan with propose/finalize")
-        return self.attach_masks(self.scheduler.schedule(self.block_manager))
+        """Plan a step in process: one batch applied to the core's pool,
+        then the structured-output masks (``attach_masks``). The blocks of
+        the requests the masks ended go back at once, and their final
+        outputs come with this step. On the actors' path the scheduler
+        actor plans instead (``propose``, the allocator actor, ``finalize``)."""
+        plan = self.attach_masks(self.scheduler.schedule(self.block_manager))
+        self._free_finished()
+        return plan
+
+    def _free_finished(self) -> None:
+        """In process: give the blocks of finished and aborted requests
+        back to the pool now rather than with the next plan; the final
+        outputs not yet reported go out with the next ``process_output``."""
+        if self.scheduler.has_blocks_to_free():
+            freed = self.scheduler.free_finished(self.block_manager)
+            self._ended.extend(r for r in freed if r.request_id in self._completions)
 
     def attach_masks(self, plan: SchedulerOutput) -> SchedulerOutput:
         """``plan`` with the allowed-token bitmask of every constrained row
@@ -542,9 +550,6 @@ class EngineCore:
                 outputs.append(self._final_output(completion, token_ids, delta.text, logprobs, now, delta.stop_str))
             else:
                 outputs.append(self._output(completion, token_ids, delta.text, logprobs, None, None, now))
-        if finished and self.block_manager is not None:
-            # Return finished requests' blocks now, so an idle engine holds none.
-            self._ended.extend(r for r in self.scheduler.free_finished(self.block_manager) if r.request_id in self._completions)
         if self._failures:
             self._end_failed()
         return outputs

@@ -304,6 +304,11 @@ class Scheduler:
         batch = self.propose_release()
         return self.finalize(batch, block_manager.apply(batch)).finished
 
+    def has_blocks_to_free(self) -> bool:
+        """Whether requests finished or aborted since the last batch still
+        hold their blocks (``free_finished`` gives them back now)."""
+        return bool(self._to_free)
+
     def propose_release(self) -> KVBatch:
         """A batch that only commits and frees, for releasing blocks between
         steps. Must be followed by ``finalize``."""
