@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build llama.cpp's llama-server (CPU only: this machine's CPU features, or AVX2 only) for
-# scripts/bench_vs_llama.py, from the llama.cpp tree vendored in
+# trioserve bench vs-llama, from the llama.cpp tree vendored in
 # llama-cpp-python's source distribution, outside this repository.
 #
 #   scripts/build_llama_server.sh --build DIR [--src DIR] [--sdist FILE] [--isa avx2]

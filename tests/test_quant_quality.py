@@ -2,7 +2,7 @@
 over a fixed text of 2,705 tokens (tests/data/quality_text.txt) within 2% of
 the float32 path, greedy top-1 agreement on 4 x 64 tokens of at least 90%, and
 the logits' largest difference from the float32 path, which dequantizes the
-same GGUF exactly (so only the kernel differs; scripts/quant_quality.py
+same GGUF exactly (so only the kernel differs; trioserve bench quality
 prints the figures)."""
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ works here and stores the scheme asked for (``RULE``): the choice is a pure
 function of the CPU's features, the shapes and the flags, so two starts of
 a server on one machine compute the same bits (issue 39; the load-time
 timing it replaced could pick differently from one start to the next;
-scripts/bench_qlinear.py compares the kernels' speed).
+trioserve bench kernels compares the kernels' speed).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class Kernel:
 # rows up, but it rounds each call's activations to 7 bits with one scale
 # for the whole call, and the default model's perplexity went from 23.2 to
 # 38.6 with it (docs/benchmarks.md): it is measured by
-# scripts/bench_qlinear.py, not chosen.
+# trioserve bench kernels, not chosen.
 def _native(bits: int, isa: str, what: str) -> Kernel:
     linear = int4_native.Int4NativeLinear if bits == 4 else int8_native.Int8NativeLinear
     # avx512vnni rounds a 4-bit call's activations to int8 below 10 rows and

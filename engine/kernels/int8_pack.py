@@ -1,7 +1,7 @@
 """int8 weights per channel, float activations: ATen's ``_weight_int8pack_mm``
 (runs on any CPU torch runs on). ``act_dtype`` is the dtype the kernel
 multiplies in: its bfloat16 kernel on an AVX-512 CPU is some 20x faster than
-its float32 one (scripts/bench_qlinear.py), at the cost of rounding the
+its float32 one (trioserve bench kernels), at the cost of rounding the
 activations to bfloat16."""
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ anything is computed.
   ``TRIOSERVE_CPU_ASSUME`` turns them off like any other path. The choice
   is a rule, not a timing: a read timed at load once put two engines on one
   model on different caches, and a near tie in the greedy tokens went apart
-  (issue 39); scripts/bench_kv_dtype.py compares their speed.
+  (issue 39); trioserve bench kv-dtype compares their speed.
 
 An explicit dtype is taken where its path works (on CPU, the trial must
 pass; the switch does not refuse it), else ``CpuCapabilityError`` names the

@@ -6,7 +6,7 @@ without the stalled readers, while each stalled reader is paused (its
 sequence out of the batch, its output kept) and, once it reads again, gets
 every token it would have got. The figure for the real model (the others'
 inter-token latency with a reader stalled for a minute) is measured by
-``scripts/slow_reader.py`` and recorded in docs/reliability.md.
+``trioserve bench slow-reader`` and recorded in docs/reliability.md.
 """
 
 from __future__ import annotations
