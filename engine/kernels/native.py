@@ -39,12 +39,12 @@ SOURCE_DIR = Path(__file__).parent / "csrc"
 SOURCES = ("linear.cpp", "decode.cpp")
 HEADERS = (
     "kernels.h", "isa.h", "vexp.h", "panel.h", "panel_vnni.h", "rows_vnni.h", "panel_avx2.h", "panel_avx2_int16.h",
-    "rows_avx2.h", "lanes_avx2.h", "q8_lanes_avx2.h", "attend.h",
+    "rows_avx2.h", "lanes_avx2.h", "q8_lanes_avx2.h", "attend.h", "rows.h",
 )
 LIBRARY_NAME = "trioserve_native"
 SWITCH_ENV = "TRIOSERVE_NATIVE_KERNELS"
 # Not under $TRIOSERVE_CACHE (engine/loading/gguf_cache.py), whose default root it
-# shares: tests and scripts/bench_suite.py point that at an empty folder to
+# shares: tests and trioserve bench suite point that at an empty folder to
 # convert a model afresh, and a process started so must still find the kernels.
 CACHE_ENV = "TRIOSERVE_NATIVE_CACHE"
 CFLAGS = ("-O3", "-fopenmp")

@@ -193,11 +193,30 @@ inline void parallel_chunks(int64_t n, int64_t grain, int64_t align, const F& f)
   });
 }
 
-// ---- 4-bit ---------------------------------------------------------------
+// ---- row kernels on float32 activations ------------------------------------
+// q4_rows (4-bit blocks), q8_rows (int8 per channel) and q8g_rows (int8 in
+// groups of 32, GGUF's Q8_0) in each ISA's namespace: written once in rows.h
+// for AVX2 and AVX-512, here for scalar_isa. TRIOSERVE_FLOAT_ROWS calls the
+// variant that runs an isa.
 
+// A 4-bit block's 32 weights as the vectors of AVX2 (4) or AVX-512 (2), for rows.h.
+__attribute__((target("avx2,fma,f16c"))) inline void q4_block(const uint8_t* p, __m256 (&v)[4]) {
+  const Block256 b = q4_block_avx2(p);
+  for (int i = 0; i < 4; ++i) v[i] = b.v[i];
+}
+
+__attribute__((target("avx512f,avx512bw,f16c"))) inline void q4_block(const uint8_t* p, __m512 (&v)[2]) {
+  const Block512 b = q4_block_avx512(p);
+  v[0] = b.lo;
+  v[1] = b.hi;
+}
+
+namespace scalar_isa {
+
+// A block's dot and sum of inputs, then d and m applied once.
 template <int R>
-void q4_rows_scalar(const float* x, int64_t ldx, const uint8_t* w, int64_t groups, int64_t n0, int64_t n1,
-                    float* y, int64_t ldy) {
+void q4_rows(const float* x, int64_t ldx, const uint8_t* w, int64_t groups, int64_t n0, int64_t n1,
+             float* y, int64_t ldy) {
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * groups * kBlockBytes;
     float acc[R] = {};
@@ -217,63 +236,64 @@ void q4_rows_scalar(const float* x, int64_t ldx, const uint8_t* w, int64_t group
   }
 }
 
-inline __attribute__((target("avx2,fma,f16c"))) float hsum256(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 template <int R>
-__attribute__((target("avx2,fma,f16c"))) void q4_rows_avx2(const float* x, int64_t ldx, const uint8_t* w,
-                                                     int64_t groups, int64_t n0, int64_t n1, float* y,
-                                                     int64_t ldy) {
+void q8_rows(const float* x, int64_t ldx, const int8_t* w, const float* scale, int64_t k, int64_t n0,
+             int64_t n1, float* y, int64_t ldy) {
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = w + n * groups * kBlockBytes;
-    __m256 acc[R][2];
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g) {
-      const Block256 b = q4_block_avx2(row + g * kBlockBytes);
-      for (int r = 0; r < R; ++r) {
-        const float* xg = x + r * ldx + g * kGroup;
-        acc[r][0] = _mm256_fmadd_ps(b.v[0], _mm256_loadu_ps(xg), acc[r][0]);
-        acc[r][1] = _mm256_fmadd_ps(b.v[1], _mm256_loadu_ps(xg + 8), acc[r][1]);
-        acc[r][0] = _mm256_fmadd_ps(b.v[2], _mm256_loadu_ps(xg + 16), acc[r][0]);
-        acc[r][1] = _mm256_fmadd_ps(b.v[3], _mm256_loadu_ps(xg + 24), acc[r][1]);
-      }
-    }
-    for (int r = 0; r < R; ++r) y[r * ldy + n] = hsum256(_mm256_add_ps(acc[r][0], acc[r][1]));
+    const int8_t* row = w + n * k;
+    float acc[R] = {};
+    for (int64_t j = 0; j < k; ++j)
+      for (int r = 0; r < R; ++r) acc[r] += float(row[j]) * x[r * ldx + j];
+    for (int r = 0; r < R; ++r) y[r * ldy + n] = acc[r] * scale[n];
   }
 }
 
+// w = q * scale[group]: ``scale`` is float32 [out, k / 32].
 template <int R>
-__attribute__((target("avx512f,avx512bw,f16c"))) void q4_rows_avx512(const float* x, int64_t ldx, const uint8_t* w,
-                                                               int64_t groups, int64_t n0, int64_t n1, float* y,
-                                                               int64_t ldy) {
+void q8g_rows(const float* x, int64_t ldx, const int8_t* w, const float* scale, int64_t k, int64_t n0,
+              int64_t n1, float* y, int64_t ldy) {
+  const int64_t groups = k / kGroup;
   for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = w + n * groups * kBlockBytes;
-    // Two accumulators a row (two independent FMA chains) at every row
-    // count: a row's sums then run in the same order however many rows share
-    // the pass, so a sequence's results do not depend on how many rows it
-    // is computed with (a speculative step's verified rows give exactly what
-    // plain one-row decoding gives).
-    __m512 acc[R][2];
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    float acc[R] = {};
     for (int64_t g = 0; g < groups; ++g) {
-      const Block512 b = q4_block_avx512(row + g * kBlockBytes);
-      const __m512 w0 = b.lo, w1 = b.hi;
+      const int8_t* q = w + n * k + g * kGroup;
+      const float d = scale[n * groups + g];
       for (int r = 0; r < R; ++r) {
-        const float* xg = x + r * ldx + g * kGroup;
-        acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xg), acc[r][0]);
-        acc[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xg + 16), acc[r][1]);
+        float dot = 0.f;
+        for (int j = 0; j < kGroup; ++j) dot += float(q[j]) * x[r * ldx + g * kGroup + j];
+        acc[r] += d * dot;
       }
     }
-    for (int r = 0; r < R; ++r) {
-      const __m512 sum = _mm512_add_ps(acc[r][0], acc[r][1]);
-      y[r * ldy + n] = _mm512_reduce_add_ps(sum);
-    }
+    for (int r = 0; r < R; ++r) y[r * ldy + n] = acc[r];
   }
 }
+
+}  // namespace scalar_isa
+
+TRIOSERVE_ISA_BEGIN_AVX2
+namespace avx2_isa {
+#include "rows.h"
+}  // namespace avx2_isa
+TRIOSERVE_ISA_END
+
+TRIOSERVE_ISA_BEGIN_AVX512
+namespace avx512_isa {
+#include "rows.h"
+}  // namespace avx512_isa
+TRIOSERVE_ISA_END
+
+// ``call`` (a row kernel, with its arguments) for R rows on the variant that
+// runs ``isa``: AVX-512 passes of up to kMaxRows rows, AVX2 and scalar of up
+// to kMaxRowsAvx2 (over_rows).
+#define TRIOSERVE_FLOAT_ROWS(isa, R, call) \
+  do {                                     \
+    if ((isa) >= kAvx512) {                \
+      avx512_isa::call;                    \
+    } else if constexpr (R <= kMaxRowsAvx2) { \
+      if ((isa) >= kAvx2) avx2_isa::call;  \
+      else scalar_isa::call;               \
+    }                                      \
+  } while (0)
 
 // ---- 4-bit against int8 activations (AVX512_VNNI) --------------------------
 // At one row the float kernel above is bound by its instructions, not by
@@ -388,156 +408,10 @@ inline QuantizedRows quantize_rows_q8(const float* x, int64_t rows, int64_t k, u
 // int16 (at most 2 x 15 x 127, so never saturating), VPMADDWD adds those
 // pairs in int32; the block's dot is exact, and d dx and m dx sum qx are
 // applied once per block (the row kernels are in rows_avx2.h, the panels in
-// panel_avx2.h). At one row the float kernel (q4_rows_avx2) widens every
+// panel_avx2.h). At one row the float kernel (avx2_isa::q4_rows) widens every
 // nibble to a float and runs two FMAs per 8 weights: on a Zen 1 core, which
 // splits 256-bit operations in two, it took 20.7 ms for the default model's
 // matmuls of a token against llama-server's whole 15.8 ms step.
-
-// ---- int8 per channel ----------------------------------------------------
-
-template <int R>
-void q8_rows_scalar(const float* x, int64_t ldx, const int8_t* w, const float* scale, int64_t k, int64_t n0,
-                    int64_t n1, float* y, int64_t ldy) {
-  for (int64_t n = n0; n < n1; ++n) {
-    const int8_t* row = w + n * k;
-    float acc[R] = {};
-    for (int64_t j = 0; j < k; ++j)
-      for (int r = 0; r < R; ++r) acc[r] += float(row[j]) * x[r * ldx + j];
-    for (int r = 0; r < R; ++r) y[r * ldy + n] = acc[r] * scale[n];
-  }
-}
-
-template <int R>
-__attribute__((target("avx2,fma,f16c"))) void q8_rows_avx2(const float* x, int64_t ldx, const int8_t* w,
-                                                     const float* scale, int64_t k, int64_t n0, int64_t n1,
-                                                     float* y, int64_t ldy) {
-  const int64_t body = k - k % 16;
-  for (int64_t n = n0; n < n1; ++n) {
-    const int8_t* row = w + n * k;
-    __m256 acc[R][2];
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int64_t j = 0; j < body; j += 16) {
-      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + j));
-      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
-      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)));
-      for (int r = 0; r < R; ++r) {
-        acc[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * ldx + j), acc[r][0]);
-        acc[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * ldx + j + 8), acc[r][1]);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      float sum = hsum256(_mm256_add_ps(acc[r][0], acc[r][1]));
-      for (int64_t j = body; j < k; ++j) sum += float(row[j]) * x[r * ldx + j];
-      y[r * ldy + n] = sum * scale[n];
-    }
-  }
-}
-
-template <int R>
-__attribute__((target("avx512f,avx512bw,f16c"))) void q8_rows_avx512(const float* x, int64_t ldx, const int8_t* w,
-                                                               const float* scale, int64_t k, int64_t n0,
-                                                               int64_t n1, float* y, int64_t ldy) {
-  const int64_t body = k - k % 32;
-  for (int64_t n = n0; n < n1; ++n) {
-    const int8_t* row = w + n * k;
-    // Two accumulators a row at every row count, as in q4_rows_avx512.
-    __m512 acc[R][2];
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < body; j += 32) {
-      const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + j))));
-      const __m512 w1 =
-          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + j + 16))));
-      for (int r = 0; r < R; ++r) {
-        acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + r * ldx + j), acc[r][0]);
-        acc[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + r * ldx + j + 16), acc[r][1]);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      float sum = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
-      for (int64_t j = body; j < k; ++j) sum += float(row[j]) * x[r * ldx + j];
-      y[r * ldy + n] = sum * scale[n];
-    }
-  }
-}
-
-// ---- int8 in groups of 32 (GGUF's Q8_0) -----------------------------------
-// w = q * scale[group]: ``scale`` is float32 [out, k / 32]. The LM head of a
-// model with tied embeddings runs on the embedding table's own values.
-
-template <int R>
-void q8g_rows_scalar(const float* x, int64_t ldx, const int8_t* w, const float* scale, int64_t k, int64_t n0,
-                     int64_t n1, float* y, int64_t ldy) {
-  const int64_t groups = k / kGroup;
-  for (int64_t n = n0; n < n1; ++n) {
-    float acc[R] = {};
-    for (int64_t g = 0; g < groups; ++g) {
-      const int8_t* q = w + n * k + g * kGroup;
-      const float d = scale[n * groups + g];
-      for (int r = 0; r < R; ++r) {
-        float dot = 0.f;
-        for (int j = 0; j < kGroup; ++j) dot += float(q[j]) * x[r * ldx + g * kGroup + j];
-        acc[r] += d * dot;
-      }
-    }
-    for (int r = 0; r < R; ++r) y[r * ldy + n] = acc[r];
-  }
-}
-
-template <int R>
-__attribute__((target("avx2,fma,f16c"))) void q8g_rows_avx2(const float* x, int64_t ldx, const int8_t* w,
-                                                      const float* scale, int64_t k, int64_t n0, int64_t n1,
-                                                      float* y, int64_t ldy) {
-  const int64_t groups = k / kGroup;
-  for (int64_t n = n0; n < n1; ++n) {
-    __m256 acc[R][2];
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g) {
-      const int8_t* q = w + n * k + g * kGroup;
-      const __m256 d = _mm256_broadcast_ss(scale + n * groups + g);
-      const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-      const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16));
-      const __m256 w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q0)), d);
-      const __m256 w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q0, 8))), d);
-      const __m256 w2 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q1)), d);
-      const __m256 w3 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q1, 8))), d);
-      for (int r = 0; r < R; ++r) {
-        const float* xg = x + r * ldx + g * kGroup;
-        acc[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xg), acc[r][0]);
-        acc[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xg + 8), acc[r][1]);
-        acc[r][0] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xg + 16), acc[r][0]);
-        acc[r][1] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xg + 24), acc[r][1]);
-      }
-    }
-    for (int r = 0; r < R; ++r) y[r * ldy + n] = hsum256(_mm256_add_ps(acc[r][0], acc[r][1]));
-  }
-}
-
-template <int R>
-__attribute__((target("avx512f,avx512bw,f16c"))) void q8g_rows_avx512(const float* x, int64_t ldx, const int8_t* w,
-                                                                const float* scale, int64_t k, int64_t n0,
-                                                                int64_t n1, float* y, int64_t ldy) {
-  const int64_t groups = k / kGroup;
-  for (int64_t n = n0; n < n1; ++n) {
-    // Two accumulators a row at every row count, as in q4_rows_avx512.
-    __m512 acc[R][2];
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g) {
-      const int8_t* q = w + n * k + g * kGroup;
-      const __m512 d = _mm512_set1_ps(scale[n * groups + g]);
-      const __m512 w0 = _mm512_mul_ps(
-          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)))), d);
-      const __m512 w1 = _mm512_mul_ps(
-          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)))), d);
-      for (int r = 0; r < R; ++r) {
-        const float* xg = x + r * ldx + g * kGroup;
-        acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xg), acc[r][0]);
-        acc[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xg + 16), acc[r][1]);
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      y[r * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]));
-  }
-}
 
 }  // namespace trioserve_native
 
@@ -644,11 +518,7 @@ inline void q4_matmul(const float* x, int64_t rows, int64_t k, const uint8_t* w,
     constexpr int R = decltype(r_tag)::value;
     const float* xr = x + r0 * k;
     float* yr = y + r0 * out;
-    if (isa >= kAvx512) q4_rows_avx512<R>(xr, k, w, groups, n0, n1, yr, out);
-    else if constexpr (R <= kMaxRowsAvx2) {
-      if (isa >= kAvx2) q4_rows_avx2<R>(xr, k, w, groups, n0, n1, yr, out);
-      else q4_rows_scalar<R>(xr, k, w, groups, n0, n1, yr, out);
-    }
+    TRIOSERVE_FLOAT_ROWS(isa, R, q4_rows<R>(xr, k, w, groups, n0, n1, yr, out));
   });
 }
 
@@ -670,11 +540,7 @@ inline void q8_matmul(const float* x, int64_t rows, int64_t k, const int8_t* w, 
     constexpr int R = decltype(r_tag)::value;
     const float* xr = x + r0 * k;
     float* yr = y + r0 * out;
-    if (isa >= kAvx512) q8_rows_avx512<R>(xr, k, w, scale, k, n0, n1, yr, out);
-    else if constexpr (R <= kMaxRowsAvx2) {
-      if (isa >= kAvx2) q8_rows_avx2<R>(xr, k, w, scale, k, n0, n1, yr, out);
-      else q8_rows_scalar<R>(xr, k, w, scale, k, n0, n1, yr, out);
-    }
+    TRIOSERVE_FLOAT_ROWS(isa, R, q8_rows<R>(xr, k, w, scale, k, n0, n1, yr, out));
   });
 }
 
@@ -717,11 +583,7 @@ inline void q8g_matmul(const float* x, int64_t rows, int64_t k, const int8_t* w,
     constexpr int R = decltype(r_tag)::value;
     const float* xr = x + r0 * k;
     float* yr = y + r0 * out;
-    if (isa >= kAvx512) q8g_rows_avx512<R>(xr, k, w, scale, k, n0, n1, yr, out);
-    else if constexpr (R <= kMaxRowsAvx2) {
-      if (isa >= kAvx2) q8g_rows_avx2<R>(xr, k, w, scale, k, n0, n1, yr, out);
-      else q8g_rows_scalar<R>(xr, k, w, scale, k, n0, n1, yr, out);
-    }
+    TRIOSERVE_FLOAT_ROWS(isa, R, q8g_rows<R>(xr, k, w, scale, k, n0, n1, yr, out));
   });
 }
 
