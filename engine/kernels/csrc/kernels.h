@@ -495,7 +495,7 @@ inline void q4_matmul(const float* x, int64_t rows, int64_t k, const uint8_t* w,
   if (use_panels(rows, isa)) {
     panel_matmul(
         x, rows, k, out, y, isa,
-        [&](int64_t n, float* dst) { q4_decode_avx512(w + n * groups * kBlockBytes, groups, dst); },
+        [&](int64_t n, float* dst) { avx512_isa::q4_decode(w + n * groups * kBlockBytes, groups, dst); },
         [&](int64_t n, uint16_t* dst) { q4_decode_bf16_avx512(w + n * groups * kBlockBytes, groups, dst); });
     return;
   }
@@ -528,12 +528,13 @@ inline void q8_matmul(const float* x, int64_t rows, int64_t k, const int8_t* w, 
   if (isa == kAvx2Int8) isa = kAvx2;  // no int8 activations for weights per channel
   if (use_panels(rows, isa)) {
     panel_matmul(
-        x, rows, k, out, y, isa, [&](int64_t n, float* dst) { q8_decode_avx512(w + n * k, scale + n, k, k, dst); },
+        x, rows, k, out, y, isa, [&](int64_t n, float* dst) { avx512_isa::q8_decode(w + n * k, scale + n, k, k, dst); },
         [&](int64_t n, uint16_t* dst) { q8_decode_bf16_avx512(w + n * k, scale + n, k, k, dst, bf16_padded(k)); });
     return;
   }
   if (use_avx2_panels(rows, isa)) {
-    panel_matmul_avx2(x, rows, k, out, y, [&](int64_t n, float* dst) { q8_decode_avx2(w + n * k, scale + n, k, k, dst); });
+    panel_matmul_avx2(x, rows, k, out, y,
+                      [&](int64_t n, float* dst) { avx2_isa::q8_decode(w + n * k, scale + n, k, k, dst); });
     return;
   }
   over_rows(rows, out, isa, [&](auto r_tag, int64_t r0, int64_t n0, int64_t n1) {
@@ -556,7 +557,7 @@ inline void q8g_matmul(const float* x, int64_t rows, int64_t k, const int8_t* w,
     const int64_t groups = k / kGroup;
     panel_matmul(
         x, rows, k, out, y, isa,
-        [&](int64_t n, float* dst) { q8_decode_avx512(w + n * k, scale + n * groups, k, kGroup, dst); },
+        [&](int64_t n, float* dst) { avx512_isa::q8_decode(w + n * k, scale + n * groups, k, kGroup, dst); },
         [&](int64_t n, uint16_t* dst) {
           q8_decode_bf16_avx512(w + n * k, scale + n * groups, k, kGroup, dst, bf16_padded(k));
         });
@@ -564,7 +565,7 @@ inline void q8g_matmul(const float* x, int64_t rows, int64_t k, const int8_t* w,
   }
   if (use_avx2_panels(rows, isa)) {
     panel_matmul_avx2(x, rows, k, out, y, [&](int64_t n, float* dst) {
-      q8_decode_avx2(w + n * k, scale + n * (k / kGroup), k, kGroup, dst);
+      avx2_isa::q8_decode(w + n * k, scale + n * (k / kGroup), k, kGroup, dst);
     });
     return;
   }

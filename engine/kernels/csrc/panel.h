@@ -41,28 +41,6 @@ constexpr int64_t kPanelFromRows = 10;
 // with blocks against 26 without.
 constexpr int64_t kRowBlockBytes = 512 << 10;
 
-// ---- decoding one channel into float32 -------------------------------------
-
-__attribute__((target("avx512f,avx512bw,f16c"))) inline void q4_decode_avx512(const uint8_t* row, int64_t groups,
-                                                                        float* dst) {
-  for (int64_t g = 0; g < groups; ++g) {
-    const Block512 b = q4_block_avx512(row + g * kBlockBytes);
-    _mm512_storeu_ps(dst + g * kGroup, b.lo);
-    _mm512_storeu_ps(dst + g * kGroup + 16, b.hi);
-  }
-}
-
-// int8 times one scale a run of ``step`` values (the channel's, or a group's).
-__attribute__((target("avx512f,avx512bw,f16c"))) inline void q8_decode_avx512(const int8_t* q, const float* scale,
-                                                                        int64_t k, int64_t step, float* dst) {
-  const int64_t body = k - k % 16;
-  for (int64_t j = 0; j < body; j += 16) {
-    const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j)));
-    _mm512_storeu_ps(dst + j, _mm512_mul_ps(_mm512_cvtepi32_ps(v), _mm512_set1_ps(scale[j / step])));
-  }
-  for (int64_t j = body; j < k; ++j) dst[j] = float(q[j]) * scale[j / step];
-}
-
 // ---- a tile: R rows by kTileChannels decoded channels ----------------------
 
 // Four channels' accumulators of one row to its four sums, in one tree: pairs
@@ -149,7 +127,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16,f16c"))) inline void q4_decod
   }
 }
 
-// As q8_decode_avx512, to bfloat16 with zeros up to kp; ``step`` is k or a
+// As avx512_isa::q8_decode (rows.h), to bfloat16 with zeros up to kp; ``step`` is k or a
 // multiple of 16.
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void q8_decode_bf16_avx512(
     const int8_t* q, const float* scale, int64_t k, int64_t step, uint16_t* dst, int64_t kp) {

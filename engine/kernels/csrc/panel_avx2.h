@@ -31,19 +31,6 @@ constexpr int kAvx2PanelVectors = 2;                      // vectors of 8 channe
 constexpr int64_t kAvx2PanelChannels = 8 * kAvx2PanelVectors;
 constexpr int kAvx2TileRows = 6;                          // 12 accumulators of 16 registers
 
-// ---- decoding one channel into float32 -------------------------------------
-
-// int8 times one scale a run of ``step`` values (the channel's, or a group's).
-__attribute__((target("avx2,fma,f16c"))) inline void q8_decode_avx2(const int8_t* q, const float* scale, int64_t k,
-                                                                  int64_t step, float* dst) {
-  const int64_t body = k - k % 8;
-  for (int64_t j = 0; j < body; j += 8) {
-    const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + j)));
-    _mm256_storeu_ps(dst + j, _mm256_mul_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(scale[j / step])));
-  }
-  for (int64_t j = body; j < k; ++j) dst[j] = float(q[j]) * scale[j / step];
-}
-
 // An 8 x 8 transpose of 32-bit words: word i of a[c] to word c of a[i].
 __attribute__((target("avx2"))) inline void transpose_8x8_avx2(__m256 (&a)[8]) {
   __m256 b[8];

@@ -83,3 +83,20 @@ void q8g_rows(const float* x, int64_t ldx, const int8_t* w, const float* scale, 
     for (int r = 0; r < R; ++r) y[r * ldy + n] = vsum(vadd(acc[r][0], acc[r][1]));
   }
 }
+
+// One channel's weights decoded to float32, for the panels (panel.h,
+// panel_avx2.h): 4-bit blocks, or int8 times one scale a run of ``step``
+// values (the channel's, k; or a group's, a multiple of kWidth).
+inline void q4_decode(const uint8_t* row, int64_t groups, float* dst) {
+  for (int64_t g = 0; g < groups; ++g) {
+    Vec b[kGroupVectors];
+    q4_block(row + g * kBlockBytes, b);
+    for (int i = 0; i < kGroupVectors; ++i) vstore(dst + g * kGroup + i * kWidth, b[i]);
+  }
+}
+
+inline void q8_decode(const int8_t* q, const float* scale, int64_t k, int64_t step, float* dst) {
+  const int64_t body = k - k % kWidth;
+  for (int64_t j = 0; j < body; j += kWidth) vstore(dst + j, vmul(vload_i8(q + j), vset(scale[j / step])));
+  for (int64_t j = body; j < k; ++j) dst[j] = float(q[j]) * scale[j / step];
+}
