@@ -299,7 +299,7 @@ def test_a_failing_policy_falls_back_to_the_builtin_one(caplog):
         scheduler.add_request(make_request(f"r{i}", prompt_len=4, priority=priority))
     assert policy.failed and "'broken' failed" in caplog.text
     scheduler.check_invariants()
-    assert [r.request_id for r in scheduler._waiting] == ["r1", "r2", "r0"]
+    assert [r.request_id for r in scheduler._queues.waiting] == ["r1", "r2", "r0"]
 
 
 def test_plugin_errors_pickle_with_their_message():

@@ -1,7 +1,7 @@
 """The scheduler's mirror of the KV pool's block tables.
 
-The pool (``BlockManager``) lives with the allocator; the scheduler only sees
-its answers. From them it keeps every sequence's block table and each
+The scheduler never reads the pool (``BlockManager``); it only sees its
+answers. From them it keeps every sequence's block table and each
 block's reference count, which is all it needs to plan exactly: how many
 blocks a free returns to the pool (those no other table holds) and what
 preempting a sequence would free. It also remembers how many tokens of each

@@ -1,8 +1,10 @@
 """The messages between the scheduler and the KV pool: one round trip a step.
 
-The pool (``BlockManager``) is driven by the cache-allocator actor
-(``trioserve.actors.allocator``), so the scheduler never calls it method by
-method. Each step it sends one ``KVBatch`` and gets one ``KVResult`` back. The pool applies a batch in this order:
+The scheduler never calls the pool (``BlockManager``) method by method:
+each step it sends one ``KVBatch`` and gets one ``KVResult`` back, from
+``EngineCore.schedule`` in process or from the cache-allocator actor
+(``trioserve.actors.allocator``), which serves the same pool. The pool
+applies a batch in this order:
 
 1. ``commits``: newly computed full blocks are hashed into the prefix cache.
    They go first so that a request freed in the same batch (finished,
