@@ -92,6 +92,7 @@ namespace avx2_isa {
 #include "attend.h"
 
 constexpr int kHeadsAtOnce = 3;  // 12 value accumulators, 3 weights and a value of 16 registers
+constexpr int64_t kTokensAtOnce = 8;  // sums8
 
 // The horizontal sums of v[0..7], in order.
 inline __m256 sums8(const __m256* v) {
@@ -160,23 +161,7 @@ void attend_heads64(const float* q, Tokens<T> keys, Tokens<T> values, int64_t co
   }
 }
 
-// The group in passes of up to kHeadsAtOnce heads.
-template <typename T>
-void attend64(const float* q, int64_t group, const T* key, const T* value, const int64_t* table, int64_t context,
-              int64_t block_size, int64_t token_stride, float scale, std::vector<float>& scores, float* out) {
-  const int64_t padded = (context + 7) / 8 * 8;
-  scores.resize(kHeadsAtOnce * padded);
-  const Tokens<T> keys{key, table, block_size, token_stride}, values{value, table, block_size, token_stride};
-  for (int64_t g0 = 0; g0 < group; g0 += kHeadsAtOnce) {
-    const float* qg = q + g0 * kHead64;
-    float* og = out + g0 * kHead64;
-    switch (std::min<int64_t>(kHeadsAtOnce, group - g0)) {
-      case 3: attend_heads64<T, 3>(qg, keys, values, context, scale, padded, scores.data(), og); break;
-      case 2: attend_heads64<T, 2>(qg, keys, values, context, scale, padded, scores.data(), og); break;
-      default: attend_heads64<T, 1>(qg, keys, values, context, scale, padded, scores.data(), og); break;
-    }
-  }
-}
+#include "attend64.h"
 }  // namespace avx2_isa
 TRIOSERVE_ISA_END
 
@@ -210,12 +195,13 @@ inline __m512 sums16(const __m512* v) {
 }
 
 constexpr int kHeadsAtOnce = 4;
+constexpr int64_t kTokensAtOnce = 16;  // sums16
 
 // G query heads (q, out: G * 64 floats) over one sequence's context, as
 // attend() does for a group; ``scores`` holds G * padded floats (padded:
 // the context rounded up to 16).
 template <typename T, int G>
-void attend_head64(const float* q, Tokens<T> keys, Tokens<T> values, int64_t context, float scale,
+void attend_heads64(const float* q, Tokens<T> keys, Tokens<T> values, int64_t context, float scale,
                    int64_t padded, float* scores, float* out) {
   __m512 qv[G][4];
   for (int g = 0; g < G; ++g)
@@ -259,24 +245,7 @@ void attend_head64(const float* q, Tokens<T> keys, Tokens<T> values, int64_t con
     for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + g * kHead64 + 16 * j, o[g][j]);
 }
 
-// attend() for 64-wide heads: the group in passes of up to kHeadsAtOnce heads.
-template <typename T>
-void attend64(const float* q, int64_t group, const T* key, const T* value, const int64_t* table, int64_t context,
-              int64_t block_size, int64_t token_stride, float scale, std::vector<float>& scores, float* out) {
-  const int64_t padded = (context + 15) / 16 * 16;
-  scores.resize(kHeadsAtOnce * padded);
-  const Tokens<T> keys{key, table, block_size, token_stride}, values{value, table, block_size, token_stride};  // copied per pass
-  for (int64_t g0 = 0; g0 < group; g0 += kHeadsAtOnce) {
-    const float* qg = q + g0 * kHead64;
-    float* og = out + g0 * kHead64;
-    switch (std::min<int64_t>(kHeadsAtOnce, group - g0)) {
-      case 4: attend_head64<T, 4>(qg, keys, values, context, scale, padded, scores.data(), og); break;
-      case 3: attend_head64<T, 3>(qg, keys, values, context, scale, padded, scores.data(), og); break;
-      case 2: attend_head64<T, 2>(qg, keys, values, context, scale, padded, scores.data(), og); break;
-      default: attend_head64<T, 1>(qg, keys, values, context, scale, padded, scores.data(), og); break;
-    }
-  }
-}
+#include "attend64.h"
 }  // namespace avx512_isa
 TRIOSERVE_ISA_END
 

@@ -30,6 +30,18 @@ constexpr int64_t kBlockBytes = 20;  // float16 d, float16 m, 16 bytes of nibble
 constexpr int kMaxRows = 8;
 constexpr int kMaxRowsAvx2 = 4;
 
+// ``f(std::integral_constant<int, n>{})`` for a count n known at run time
+// (1 to Max; less is 1, more Max): a tile's rows, a pass's heads, as a
+// constant of the kernel's template.
+template <int Max, typename F>
+inline void with_count(int64_t n, const F& f) {
+  static_assert(Max >= 1, "counts from 1");
+  if constexpr (Max > 1) {
+    if (n < Max) return with_count<Max - 1>(n, f);
+  }
+  f(std::integral_constant<int, Max>{});
+}
+
 // kAvx2Int8 is kAvx2 whose kernels for weights in groups of 32 multiply
 // rounded activations at any row count: 4-bit ones int8 activations
 // (VPMADDUBSW and VPMADDWD: the int8 panels of panel_avx2.h from
@@ -458,16 +470,7 @@ inline void over_rows(int64_t rows, int64_t out, int64_t isa, const Kernel& kern
   at::parallel_for(0, out, grain, [&](int64_t n0, int64_t n1) {
     for (int64_t r0 = 0; r0 < rows;) {
       const int64_t left = std::min<int64_t>(chunk, rows - r0);
-      switch (left) {
-        case 8: kernel(std::integral_constant<int, 8>{}, r0, n0, n1); break;
-        case 7: kernel(std::integral_constant<int, 7>{}, r0, n0, n1); break;
-        case 6: kernel(std::integral_constant<int, 6>{}, r0, n0, n1); break;
-        case 5: kernel(std::integral_constant<int, 5>{}, r0, n0, n1); break;
-        case 4: kernel(std::integral_constant<int, 4>{}, r0, n0, n1); break;
-        case 3: kernel(std::integral_constant<int, 3>{}, r0, n0, n1); break;
-        case 2: kernel(std::integral_constant<int, 2>{}, r0, n0, n1); break;
-        default: kernel(std::integral_constant<int, 1>{}, r0, n0, n1); break;
-      }
+      with_count<kMaxRows>(left, [&](auto r_tag) { kernel(r_tag, r0, n0, n1); });
       r0 += left;
     }
   });

@@ -213,20 +213,12 @@ __attribute__((target("avx512f,avx512bw"))) inline void bf16_to_lanes(const uint
 
 // ---- the matmul --------------------------------------------------------------
 
-// Calls ``tile(R, r0)`` for rows [r0, r0 + R) in tiles of MaxRows (at most 6).
+// Calls ``tile(R, r0)`` for rows [r0, r0 + R) in tiles of MaxRows.
 template <int MaxRows = kTileRows, typename Tile>
 inline void over_tiles(int64_t rows, const Tile& tile) {
-  static_assert(MaxRows >= 1 && MaxRows <= 6, "tiles of 1 to 6 rows");
   for (int64_t r0 = 0; r0 < rows;) {
     const int64_t left = std::min<int64_t>(MaxRows, rows - r0);
-    switch (left) {
-      case 6: if constexpr (MaxRows >= 6) tile(std::integral_constant<int, 6>{}, r0); break;
-      case 5: if constexpr (MaxRows >= 5) tile(std::integral_constant<int, 5>{}, r0); break;
-      case 4: if constexpr (MaxRows >= 4) tile(std::integral_constant<int, 4>{}, r0); break;
-      case 3: if constexpr (MaxRows >= 3) tile(std::integral_constant<int, 3>{}, r0); break;
-      case 2: if constexpr (MaxRows >= 2) tile(std::integral_constant<int, 2>{}, r0); break;
-      default: tile(std::integral_constant<int, 1>{}, r0); break;
-    }
+    with_count<MaxRows>(left, [&](auto r_tag) { tile(r_tag, r0); });
     r0 += left;
   }
 }

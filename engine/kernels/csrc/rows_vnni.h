@@ -178,16 +178,7 @@ inline void over_vnni_rows(int64_t rows, int64_t out, int64_t channel_bytes, con
       const int64_t next = std::min(out, n + 2 * kVnniRowChannels);
       const int64_t ahead_bytes = std::min(kVnniRowChannels, out - next) * channel_bytes;
       const uint8_t* ahead = w + next * channel_bytes;
-      switch (rows) {
-        case 8: pass(std::integral_constant<int, 8>{}, n, live, ahead, ahead_bytes); break;
-        case 7: pass(std::integral_constant<int, 7>{}, n, live, ahead, ahead_bytes); break;
-        case 6: pass(std::integral_constant<int, 6>{}, n, live, ahead, ahead_bytes); break;
-        case 5: pass(std::integral_constant<int, 5>{}, n, live, ahead, ahead_bytes); break;
-        case 4: pass(std::integral_constant<int, 4>{}, n, live, ahead, ahead_bytes); break;
-        case 3: pass(std::integral_constant<int, 3>{}, n, live, ahead, ahead_bytes); break;
-        case 2: pass(std::integral_constant<int, 2>{}, n, live, ahead, ahead_bytes); break;
-        default: pass(std::integral_constant<int, 1>{}, n, live, ahead, ahead_bytes); break;
-      }
+      with_count<kVnniRowsMax>(rows, [&](auto r_tag) { pass(r_tag, n, live, ahead, ahead_bytes); });
     }
   });
 }
