@@ -88,11 +88,24 @@ def _model_type(architecture: str) -> str:
     return next((t for t in types if transformers.CONFIG_MAPPING[t].__name__ == named), types[0])
 
 
+def _parameters(architecture: str) -> set[str]:
+    return set(inspect.signature(transformers.CONFIG_MAPPING[_model_type(architecture)].__init__).parameters)
+
+
 def _takes(architecture: str, fields: dict[str, object]) -> bool:
     """Whether the family's transformers config has every field (any config
-    stores an unknown one, which its model then ignores)."""
-    config_class = transformers.CONFIG_MAPPING[_model_type(architecture)]
-    return set(fields) <= set(inspect.signature(config_class.__init__).parameters)
+    stores an unknown one, which its model then ignores); a head width
+    without head_dim is the hidden size over the heads (``_fields``)."""
+    return set(fields) - {"head_dim", "hidden_size"} <= _parameters(architecture)
+
+
+def _fields(architecture: str, variant: dict[str, object]) -> dict[str, object]:
+    """The variant's config fields for the family: a head width where its
+    config has no head_dim (Qwen2's) set by the hidden size."""
+    fields = {**BASE, **variant}
+    if "head_dim" not in _parameters(architecture):
+        fields["hidden_size"] = int(fields["num_attention_heads"]) * int(fields.pop("head_dim"))  # type: ignore[call-overload]
+    return fields
 
 
 CASES = [
@@ -135,7 +148,7 @@ def tiny_checkpoint(architecture: str, fields: dict[str, object]) -> tuple[Model
     of unit gain, norm weights and biases away from 1 and 0 (so a norm
     that drops its weight, or a bias left out, shows)."""
     kind = _model_type(architecture)
-    hf = transformers.AutoConfig.for_model(kind, architectures=[architecture], **{**BASE, **fields})
+    hf = transformers.AutoConfig.for_model(kind, architectures=[architecture], **_fields(architecture, fields))
     config = ModelConfig.from_hf_config(hf.to_dict())
     with torch.device("meta"):  # the names and shapes only
         names = transformers.AutoModelForCausalLM.from_config(hf).state_dict()
