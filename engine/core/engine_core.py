@@ -1,99 +1,52 @@
 """EngineCore: the synchronous engine, one step at a time.
 
-It ties the scheduler, the KV pool, the model runner, the sampler and the
-detokenizers together. The trio actors drive the same pieces from separate
-tasks (the scheduler's ``propose`` / ``finalize`` around one KV-pool round
-trip, the runner's ``execute``, then ``process_output``); this facade runs
-them in a row for offline use and tests.
+It ties together the scheduler, the KV pool (its own, whoever drives it),
+the model runner, the structured-output grammars, and the processors of a
+request's input (input_processor.py) and output (output_processor.py). The
+trio actors drive the same pieces from separate tasks (the scheduler's
+``propose`` / ``finalize`` around one round trip to the allocator actor,
+which serves this core's pool; the runner's ``execute``; then
+``process_output``); ``step()`` runs them in a row for offline use and tests.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
 
-from trioserve.engine.core.block_manager import BlockManager
 from trioserve.engine.config import EngineConfig
-from trioserve.engine.text.detokenizer import DetokenizerDelta, IncrementalDetokenizer
-from trioserve.engine.errors import InvalidRequestError, TokenizerError
-from trioserve.engine.faults import Fault
-from trioserve.engine.sampling.grammar import FilledMask, GrammarCompiler, GrammarError, GrammarMatchers, MaskFill, MaskRequest
-from trioserve.engine.heap_trim import trim_heap
-from trioserve.engine.core.kv_budget import KVPoolPlan, available_memory, plan_pool
-from trioserve.engine.layers.kv_cache import KVCache, kv_bytes_per_block
-from trioserve.engine.kernels.kv_dtype_choice import KVDtypeChoice, refuse_before_load
-from trioserve.engine.loading.loader import LoadedModel, load_model_for, resolve_device
-from trioserve.engine.runtime.build import build_runner, kv_dtype_choice
-from trioserve.engine.runtime.model_runner import ModelRunner, RunnerOutput
-from trioserve.engine.core.outputs import RequestOutput, RequestTimes
-from trioserve.engine.plugins import PluginError, Plugins
-from trioserve.engine.core.new_request import NewRequest, check_priority, check_request_id
-from trioserve.engine.sampling.sampling_params import SamplingParams
+from trioserve.engine.core.input_processor import InputProcessor, Prompt
+from trioserve.engine.core.kv_pool import kv_pool_plan, new_pool
+from trioserve.engine.core.new_request import NewRequest
+from trioserve.engine.core.output_processor import Completion, OutputProcessor
+from trioserve.engine.core.outputs import RequestOutput
 from trioserve.engine.core.scheduler import Scheduler, SchedulerOutput
 from trioserve.engine.core.scheduling_policy import scheduling_policy
-from trioserve.engine.core.sequence import FinishReason, Request, RequestStatus
-from trioserve.engine.sampling.speculative import speculative_proposer
+from trioserve.engine.core.sequence import FinishReason, Request, RequestStatus, completion_requests
+from trioserve.engine.errors import InvalidRequestError
+from trioserve.engine.faults import Fault
+from trioserve.engine.heap_trim import trim_heap
+from trioserve.engine.kernels.kv_dtype_choice import KVDtypeChoice, refuse_before_load
+from trioserve.engine.layers.kv_cache import KVCache
+from trioserve.engine.loading.loader import LoadedModel, load_model_for, resolve_device
+from trioserve.engine.plugins import Plugins
+from trioserve.engine.runtime.build import build_runner, kv_dtype_choice
+from trioserve.engine.runtime.model_runner import ModelRunner, RunnerOutput
+from trioserve.engine.sampling.grammar import FilledMask, GrammarCompiler, GrammarError, GrammarMatchers, MaskFill, MaskRequest
 from trioserve.engine.sampling.rows import TokenMask
-from trioserve.engine.text.tokenizer import apply_chat_template, check_text
+from trioserve.engine.sampling.sampling_params import SamplingParams
+from trioserve.engine.sampling.speculative import speculative_proposer
 
 if TYPE_CHECKING:
     from trioserve.engine.parallel.tp_runner import TPRunner
 
+__all__ = ["EngineCore", "Prompt"]
+
 log = logging.getLogger(__name__)
-
-Prompt = str | Sequence[int] | Sequence[dict[str, Any]]
-
-
-
-def kv_pool_plan(config: EngineConfig, loaded: LoadedModel, kv_dtype: KVDtypeChoice) -> KVPoolPlan:
-    """The KV pool's size from ``config.kv_cache_memory`` (engine/core/kv_budget.py)."""
-    # The model's own config: under tensor parallelism, one rank's KV heads.
-    per_block = kv_bytes_per_block(loaded.model.config, config.block_size, kv_dtype.dtype)
-    budget = config.kv_cache_memory
-    free = 0
-    if not isinstance(budget, int):  # a fraction, or a default that depends on what is free
-        if loaded.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(loaded.device)
-        else:
-            free = available_memory()
-    per_sequence = config.blocks_per_sequence(loaded.model_config)
-    plan = plan_pool(
-        budget,
-        device_type=loaded.device.type,
-        free_memory=free,
-        bytes_per_block=per_block,
-        block_size=config.block_size,
-        blocks_per_sequence=per_sequence,
-        max_num_seqs=config.max_num_seqs,
-        dtype=kv_dtype.name,
-    )
-    if plan.num_blocks < per_sequence:
-        # A pool smaller than one full context could refuse requests the
-        # model accepts; say so instead of failing later.
-        log.warning(
-            "KV pool of %d blocks holds less than one max_model_len context (%d blocks)", plan.num_blocks, per_sequence
-        )
-    return plan
-
-
-
-@attrs.define(eq=False)
-class _Completion:
-    """Engine-side bookkeeping of one of a request's ``n`` completions."""
-
-    request: Request
-    parent_id: str
-    index: int
-    detokenizer: IncrementalDetokenizer
-    first_scheduled: float | None = None
-    first_token: float | None = None
-    admitted: float = attrs.field(factory=time.monotonic)
-    preemptions: tuple[float, ...] = ()
 
 
 class EngineCore:
@@ -124,28 +77,20 @@ class EngineCore:
         self.kv_dtype = kv_dtype_choice(config, loaded) if kv_dtype is None else kv_dtype
         self.kv_pool = kv_pool_plan(config, loaded, self.kv_dtype)
         log.info("%s: KV cache in %s; pool of %s", loaded.name, self.kv_dtype, self.kv_pool)
-        num_blocks = self.kv_pool.num_blocks
-        self.num_blocks = num_blocks
+        self.num_blocks = self.kv_pool.num_blocks
         # The KV pool: this core's, whoever drives it. Every change reaches
         # it as one ``KVBatch`` (the scheduler's ``propose``) answered by one
         # ``KVResult`` (``finalize``): applied here by ``schedule()`` and
         # ``step()`` in process, or by the allocator actor, which serves
-        # this same pool, on the actors' path (actors/allocator.py). A
-        # CPU pool commits a block's memory when it is first written, so
-        # written blocks are reused first (engine/core/block_manager.py).
-        self.block_manager = BlockManager(
-            num_blocks,
-            config.block_size,
-            enable_prefix_caching=config.enable_prefix_caching,
-            reuse_written_first=loaded.device.type == "cpu",
-        )
+        # this same pool, on the actors' path (actors/allocator.py).
+        self.block_manager = new_pool(self.num_blocks, config, loaded.device)
         # Plugins by entry-point name; an unknown one stops here (engine/plugins.py).
         self.plugins = Plugins.load(config.plugins)
         self.scheduler = Scheduler(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=self.max_model_len,
-            num_blocks=num_blocks,
+            num_blocks=self.num_blocks,
             block_size=config.block_size,
             aging_interval=config.priority_aging_steps,
             proposer=speculative_proposer(config),
@@ -153,24 +98,13 @@ class EngineCore:
         )
         self.runner: ModelRunner | TPRunner | None = None
         if runner:
-            self.runner = build_runner(loaded, config, num_blocks, self.plugins, self.kv_dtype)
+            self.runner = build_runner(loaded, config, self.num_blocks, self.plugins, self.kv_dtype)
         self.kv_cache: KVCache | None = None if self.runner is None else self.runner.kv_cache
         if self.runner is not None and config.tensor_parallel_size > 1:
             from trioserve.engine.parallel.tp_runner import tensor_parallel_runner  # torch.distributed only when asked for
 
             # Rank 0's runner, driving the other ranks.
             self.runner = tensor_parallel_runner(self.runner)
-        self._completions: dict[str, _Completion] = {}  # by child request id
-        self._children: dict[str, tuple[str, ...]] = {}  # request id -> its completions' ids
-        self._ended: list[Request] = []  # ended between steps, final output not yet reported
-        self._held_siblings: dict[str, list[Request]] = {}  # n > 1: completions waiting for the first's prefill
-        # Faults of the tokenizer (at admission) and detokenizer (mid-stream):
-        # counted, the latest kept, and the detokenizer's failed requests
-        # queued for the caller (``take_failures``).
-        self.num_tokenizer_errors = 0
-        self.num_detokenizer_errors = 0
-        self.last_fault: Fault | None = None
-        self._failures: dict[str, Exception] = {}  # request id -> the detokenizer's (or grammar's) error
         # Structured output: compiled grammars (cached) and each constrained
         # sequence's matcher; _grammar_dead holds sequences ended because
         # their grammar allowed no token, whose token this step is dropped.
@@ -183,6 +117,12 @@ class EngineCore:
             )
         )
         self._grammar_dead: set[str] = set()
+        self.input_processor = InputProcessor(
+            loaded.tokenizer, loaded.model_config.vocab_size, self.grammars, self.plugins, self.scheduler.check_fits
+        )
+        self.output_processor = OutputProcessor(loaded.tokenizer, self.grammars)
+        self._ended: list[Request] = []  # ended between steps, final output not yet reported
+        self._held_siblings: dict[str, list[Request]] = {}  # n > 1: completions waiting for the first's prefill
         # Whether steps ran since the heap was last trimmed, and how many
         # times it was trimmed since the start (``release_memory``).
         self._ran_since_trim = False
@@ -202,50 +142,26 @@ class EngineCore:
             loaded = load_model_for(config)
         return cls(loaded, config)
 
+    # -- faults of the tokenizer (at admission) and detokenizer (mid-stream) ---
+
+    @property
+    def num_tokenizer_errors(self) -> int:
+        return self.input_processor.num_tokenizer_errors
+
+    @property
+    def num_detokenizer_errors(self) -> int:
+        return self.output_processor.num_detokenizer_errors
+
+    @property
+    def last_fault(self) -> Fault | None:
+        return Fault.latest(self.input_processor.last_fault, self.output_processor.last_fault)
+
     # -- requests ---------------------------------------------------------
 
     def tokenize(self, prompt: Prompt) -> list[int]:
-        """Token ids of a prompt: text, token ids, or chat messages (templated).
-
-        Raises ``InvalidRequestError`` naming the field; an exception from
-        inside the tokenizer becomes ``TokenizerError`` (the request is
-        refused, nothing else is affected).
-        """
-        try:
-            return self._tokenize(prompt)
-        except InvalidRequestError:
-            raise
-        except Exception as exc:
-            field = "prompt" if isinstance(prompt, str) or not prompt or not isinstance(prompt[0], dict) else "messages"
-            raise self._tokenizer_error(f"the tokenizer failed on this request's {field}", field, exc) from exc
-
-    def _tokenizer_error(self, message: str, field: str, exc: Exception) -> TokenizerError:
-        # The class name only: the exception's text may quote the prompt,
-        # which is never logged or echoed.
-        message = f"{message} ({type(exc).__name__})"
-        self.num_tokenizer_errors += 1
-        self.last_fault = Fault("tokenizer_failed", message)
-        log.warning("%s", message)
-        return TokenizerError(message, field=field)
-
-    def _tokenize(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt must not be empty", field="prompt")
-            check_text(prompt, "prompt")
-            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
-        items = list(prompt)
-        if not items:
-            raise InvalidRequestError("prompt must not be empty", field="prompt")
-        if all(isinstance(item, dict) for item in items):
-            return apply_chat_template(self.tokenizer, items, add_generation_prompt=True)
-        if all(isinstance(item, int) and not isinstance(item, bool) for item in items):
-            vocab = self.model_config.vocab_size
-            bad = next((t for t in items if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise InvalidRequestError(f"prompt has token id {bad} outside the vocabulary [0, {vocab})", field="prompt")
-            return items
-        raise InvalidRequestError("prompt must be a string, a list of token ids or a list of messages", field="prompt")
+        """Token ids of a prompt: text, token ids, or chat messages (templated);
+        see ``InputProcessor.tokenize``."""
+        return self.input_processor.tokenize(prompt)
 
     def validate(
         self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, *, priority: int = 0
@@ -255,18 +171,7 @@ class EngineCore:
         and its parameters against the vocabulary. Raises
         ``InvalidRequestError`` (or ``RequestTooLongError``,
         ``TokenizerError``) naming the field at fault."""
-        check_request_id(request_id)
-        check_priority(priority)
-        params = params or SamplingParams()
-        params.validate_for_vocab(self.model_config.vocab_size)
-        if params.structured_output is not None:
-            # A dict hit when Engine.prepare compiled it in a worker thread.
-            self.grammars.compiler.compile(params.structured_output)
-        if params.logits_processors:
-            self.plugins.check_logits_processors(params.logits_processors)
-        prompt_ids = self.tokenize(prompt)
-        self.scheduler.check_fits(len(prompt_ids))
-        return NewRequest(request_id, tuple(prompt_ids), params, priority)
+        return self.input_processor.validate(request_id, prompt, params, priority)
 
     def add_request(
         self,
@@ -290,45 +195,19 @@ class EngineCore:
         """Admit a validated request (``validate``). Raises
         ``InvalidRequestError`` only if its id is in use, and
         ``TokenizerError`` if the tokenizer fails on its prompt's tail."""
-        request_id, params, prompt_ids = new.request_id, new.params, new.prompt_token_ids
-        if request_id in self._children:
+        request_id = new.request_id
+        if self.output_processor.children(request_id) is not None:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", field="request_id")
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        eos = self.model_config.eos_token_ids
-        children = []
-        for index, child_id in enumerate(new.sequence_ids()):
-            child_params = params
-            if params.n > 1:
-                # Each completion is its own sequence; derive distinct seeds so
-                # n seeded completions differ but stay reproducible.
-                seed = None if params.seed is None else params.seed + index
-                child_params = attrs.evolve(params, n=1, seed=seed)
-            children.append(
-                Request(
-                    request_id=child_id,
-                    prompt_token_ids=list(prompt_ids),
-                    sampling_params=child_params,
-                    eos_token_ids=eos,
-                    priority=new.priority,
-                    arrival_time=arrival,
-                )
-            )
+        children = completion_requests(new, self.model_config.eos_token_ids, arrival)
         completions = []
         for index, request in enumerate(children):
-            params_i = request.sampling_params
             try:
-                # Decodes the prompt's tail: the tokenizer may fail here too.
-                detokenizer = IncrementalDetokenizer(
-                    self.tokenizer,
-                    list(prompt_ids),
-                    skip_special_tokens=params_i.skip_special_tokens,
-                    stop=params_i.stop,
-                    include_stop_str_in_output=params_i.include_stop_str_in_output,
-                )
+                detokenizer = self.output_processor.new_detokenizer(list(new.prompt_token_ids), request)
             except Exception as exc:
                 message = "the tokenizer failed to decode this request's prompt"
-                raise self._tokenizer_error(message, "prompt", exc) from exc
-            completions.append(_Completion(request=request, parent_id=request_id, index=index, detokenizer=detokenizer))
+                raise self.input_processor.tokenizer_error(message, "prompt", exc) from exc
+            completions.append(Completion(request=request, parent_id=request_id, index=index, detokenizer=detokenizer))
         # Only the first completion is scheduled now (its id is checked free
         # there, before anything is kept). Its siblings wait until it has
         # computed the prompt, so they find every full prompt block in the
@@ -336,17 +215,13 @@ class EngineCore:
         self.scheduler.add_request(children[0])
         if len(children) > 1:
             self._held_siblings[request_id] = children[1:]
-        for completion in completions:
-            self._completions[completion.request.request_id] = completion
-            if completion.request.sampling_params.structured_output is not None:
-                self.grammars.add(completion.request.request_id, completion.request.sampling_params.structured_output)
-        self._children[request_id] = tuple(r.request_id for r in children)
+        self.output_processor.add(request_id, completions)
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
         """End a request (all its completions) now. Its KV blocks go back
         with the next batch, before the next step runs; its final outputs
         come with that step."""
-        children = self._children.get(request_id)
+        children = self.output_processor.children(request_id)
         if children is None:
             return False
         found = False
@@ -363,32 +238,38 @@ class EngineCore:
         """Preempt a request's completions by recompute and keep them out of
         scheduling until ``resume`` (its reader is behind). Their output is
         kept; their blocks go back with the next batch."""
-        children = self._children.get(request_id, ())
+        children = self.output_processor.children(request_id) or ()
         return any([self.scheduler.pause(child_id) for child_id in children])
 
     def resume(self, request_id: str) -> bool:
         """Let a paused request's completions be scheduled again."""
-        children = self._children.get(request_id, ())
+        children = self.output_processor.children(request_id) or ()
         return any([self.scheduler.resume(child_id) for child_id in children])
 
     def is_unscheduled(self, request_id: str) -> bool:
         """Whether nothing has been computed for this request yet: its first
         completion (the one its siblings wait for) has never been scheduled."""
-        children = self._children.get(request_id)
-        first = self._completions.get(children[0]) if children else None
+        children = self.output_processor.children(request_id)
+        first = self.output_processor.get(children[0]) if children else None
         return first is not None and first.request.status is RequestStatus.WAITING
 
     def parent_of(self, child_id: str) -> str | None:
         """The request id a completion's sequence id belongs to."""
-        completion = self._completions.get(child_id)
-        return None if completion is None else completion.parent_id
+        return self.output_processor.parent_of(child_id)
 
     def has_unfinished(self) -> bool:
-        return bool(self._children)
+        return bool(len(self.output_processor))
 
     @property
     def num_requests(self) -> int:
-        return len(self._children)
+        return len(self.output_processor)
+
+    def take_failures(self) -> dict[str, Exception]:
+        """The requests whose detokenizer (or logits processor, a
+        ``PluginError``, or grammar) failed since the last call, with its
+        exception. Each is ended with ``ERROR`` already (its output stops
+        there); its caller should be told."""
+        return self.output_processor.take_failures()
 
     # -- the step -----------------------------------------------------------
 
@@ -431,7 +312,7 @@ class EngineCore:
         outputs not yet reported go out with the next ``process_output``."""
         if self.scheduler.has_blocks_to_free():
             freed = self.scheduler.free_finished(self.block_manager)
-            self._ended.extend(r for r in freed if r.request_id in self._completions)
+            self._ended.extend(r for r in freed if r.request_id in self.output_processor)
 
     def attach_masks(self, plan: SchedulerOutput) -> SchedulerOutput:
         """``plan`` with the allowed-token bitmask of every constrained row
@@ -470,12 +351,12 @@ class EngineCore:
         return filled.mask
 
     def _grammar_failed(self, request_id: str, why: str) -> None:
-        completion = self._completions.get(request_id)
-        if completion is None or completion.parent_id in self._failures:
+        completion = self.output_processor.get(request_id)
+        if completion is None:
             return
-        self._grammar_dead.add(request_id)
-        self._failures[completion.parent_id] = GrammarError(f"structured output failed: {why}")
-        self.abort(completion.parent_id, FinishReason.ERROR)
+        if self.output_processor.fail(completion.parent_id, GrammarError(f"structured output failed: {why}")):
+            self._grammar_dead.add(request_id)
+            self.abort(completion.parent_id, FinishReason.ERROR)
 
     def close(self) -> None:
         """Stop what the core started beside its own thread: the other ranks
@@ -492,22 +373,11 @@ class EngineCore:
     def process_output(self, plan: SchedulerOutput, output: RunnerOutput) -> list[RequestOutput]:
         """Apply a step's result: append tokens, detokenize, apply stops, report."""
         now = time.monotonic()
-        outputs: list[RequestOutput] = []
+        completions = self.output_processor
         self._ran_since_trim = self._ran_since_trim or bool(plan.chunks)
         # Requests that ended between steps (abort, deadline) report first.
         ended, self._ended = [*self._ended, *plan.finished], []
-        for request in ended:
-            completion = self._completions.get(request.request_id)
-            if completion is not None:
-                outputs.append(self._final_output(completion, (), "", (), now))
-        for chunk in plan.chunks:
-            completion = self._completions.get(chunk.request_id)
-            if completion is not None and completion.first_scheduled is None:
-                completion.first_scheduled = now
-        for request_id in plan.preempted:
-            completion = self._completions.get(request_id)
-            if completion is not None:
-                completion.preemptions += (now,)
+        outputs = completions.step_started(ended, plan, now)
         constrained = [rid for rid in output.sampled if rid in self.grammars and self.scheduler.get_request(rid) is not None]
         # A speculating request may append several tokens (engine/sampling/speculative.py).
         before = {rid: r.num_output_tokens for rid in output.extra_tokens if (r := self.scheduler.get_request(rid))}
@@ -521,11 +391,11 @@ class EngineCore:
             self._admit_siblings(output.sampled.keys() | finished)
         dead, self._grammar_dead = self._grammar_dead, set()
         for request_id, token_id in output.sampled.items():
-            completion = self._completions.get(request_id)
+            completion = completions.get(request_id)
             if completion is None or request_id in dead:
                 continue
             if request_id in output.failed:
-                self._plugin_failed(completion, output.failed[request_id])
+                completions.plugin_failed(completion, output.failed[request_id])
                 continue
             if completion.first_token is None:
                 completion.first_token = now
@@ -533,9 +403,9 @@ class EngineCore:
             if request_id in before:
                 token_ids = tuple(completion.request.output_token_ids[before[request_id] :])
             try:
-                token_ids, delta = self._detokenize(completion, token_ids)
+                token_ids, delta = completions.detokenize(completion, token_ids)
             except Exception as exc:
-                self._detokenizer_failed(completion, exc)
+                completions.detokenizer_failed(completion, exc)
                 continue
             logprobs = (output.logprobs[request_id],) if request_id in output.logprobs else ()
             if delta.stop_str is not None:
@@ -547,129 +417,33 @@ class EngineCore:
                     self.scheduler.finish_request(request_id, FinishReason.STOP)
                     finished.add(request_id)
             if request_id in finished:
-                outputs.append(self._final_output(completion, token_ids, delta.text, logprobs, now, delta.stop_str))
+                outputs.append(completions.final_output(completion, token_ids, delta.text, logprobs, now, delta.stop_str))
             else:
-                outputs.append(self._output(completion, token_ids, delta.text, logprobs, None, None, now))
-        if self._failures:
-            self._end_failed()
+                outputs.append(completions.output(completion, token_ids, delta.text, logprobs, now))
+        self._end_failed()
         return outputs
-
-    @staticmethod
-    def _detokenize(completion: _Completion, token_ids: tuple[int, ...]) -> tuple[tuple[int, ...], DetokenizerDelta]:
-        """Feed a step's tokens to the completion's detokenizer one at a
-        time, so a stop string ends the output where plain decoding would:
-        the tokens after it are taken off the request's output. Returns the
-        tokens kept and their delta."""
-        if len(token_ids) == 1:
-            return token_ids, completion.detokenizer.add_tokens(token_ids)
-        texts = []
-        for j, token_id in enumerate(token_ids):
-            delta = completion.detokenizer.add_tokens([token_id])
-            texts.append(delta.text)
-            if delta.stop_str is not None:
-                dropped = len(token_ids) - j - 1
-                if dropped:
-                    request = completion.request
-                    del request.output_token_ids[-dropped:]
-                    request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
-                return token_ids[: j + 1], attrs.evolve(delta, text="".join(texts))
-        return token_ids, attrs.evolve(delta, text="".join(texts))
-
-    # -- detokenizer faults -----------------------------------------------------
-
-    def _detokenizer_failed(self, completion: _Completion, exc: Exception) -> None:
-        if completion.parent_id in self._failures:
-            return
-        message = f"the detokenizer failed on this request's output ({type(exc).__name__})"
-        self.num_detokenizer_errors += 1
-        self.last_fault = Fault("detokenizer_failed", message)
-        log.warning("request %s: %s", completion.parent_id, message)
-        self._failures[completion.parent_id] = exc
-
-    def _plugin_failed(self, completion: _Completion, error: PluginError) -> None:
-        """A logits processor raised on this sequence: fail its request
-        (as a detokenizer failure does; ``take_failures`` hands it on)."""
-        if completion.parent_id in self._failures:
-            return
-        log.warning("request %s: %s", completion.parent_id, error)
-        self._failures[completion.parent_id] = error
 
     def _end_failed(self) -> None:
         """End every completion of the requests whose detokenizer failed:
         unfinished ones with ``ERROR`` (their final outputs come with the
         next step), finished ones at once (no output)."""
-        for parent_id in self._failures:
-            if self._children.get(parent_id) is None:
+        for parent_id in self.output_processor.failed():
+            children = self.output_processor.children(parent_id)
+            if children is None:
                 continue
             self.abort(parent_id, FinishReason.ERROR)
-            for child_id in self._children[parent_id]:
-                completion = self._completions.get(child_id)
+            for child_id in children:
+                completion = self.output_processor.get(child_id)
                 if completion is None or completion.request.finish_reason in (None, FinishReason.ERROR):
                     continue  # reported already, or its ERROR output comes next step
-                self._forget(completion)
-
-    def take_failures(self) -> dict[str, Exception]:
-        """The requests whose detokenizer (or logits processor, a
-        ``PluginError``) failed since the last call, with its exception.
-        Each is ended with ``ERROR`` already (its output stops there); its
-        caller should be told."""
-        failures, self._failures = self._failures, {}
-        return failures
-
-    def _forget(self, completion: _Completion) -> None:
-        request_id = completion.request.request_id
-        del self._completions[request_id]
-        self.grammars.remove(request_id)
-        siblings = self._children[completion.parent_id]
-        if all(child not in self._completions for child in siblings):
-            del self._children[completion.parent_id]
+                self.output_processor.forget(completion)
 
     def _admit_siblings(self, progressed: set[str]) -> None:
         """Schedule the held completions of requests whose first completion
         has computed its prompt (it sampled or finished)."""
         for child_id in progressed:
-            completion = self._completions.get(child_id)
+            completion = self.output_processor.get(child_id)
             if completion is None or completion.index != 0:
                 continue
             for sibling in self._held_siblings.pop(completion.parent_id, ()):
                 self.scheduler.add_request(sibling)
-
-    def _final_output(self, completion, token_ids, text, logprobs, now, stop_str=None) -> RequestOutput:
-        request = completion.request
-        reason = request.finish_reason
-        assert reason is not None, f"{request.request_id} reported finished without a reason"
-        if stop_str is None and reason is not FinishReason.ERROR:
-            try:
-                text += completion.detokenizer.finish()
-            except Exception as exc:
-                self._detokenizer_failed(completion, exc)
-        stop_reason: str | int | None = stop_str
-        if stop_reason is None and reason is FinishReason.STOP and request.output_token_ids:
-            last = request.output_token_ids[-1]
-            if last in request.sampling_params.stop_token_ids:
-                stop_reason = last
-        self._forget(completion)
-        return self._output(completion, token_ids, text, logprobs, reason, stop_reason, now)
-
-    def _output(self, completion, token_ids, text, logprobs, reason, stop_reason, now) -> RequestOutput:
-        request = completion.request
-        return RequestOutput(
-            request_id=completion.parent_id,
-            index=completion.index,
-            new_token_ids=tuple(token_ids),
-            text_delta=text,
-            logprobs=tuple(logprobs),
-            finish_reason=reason,
-            stop_reason=stop_reason,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens,
-            num_cached_tokens=request.num_cached_tokens,
-            times=RequestTimes(
-                arrival=request.arrival_time,
-                first_scheduled=completion.first_scheduled,
-                first_token=completion.first_token,
-                now=now,
-                admitted=completion.admitted,
-                preemptions=completion.preemptions,
-            ),
-        )

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 import attrs
 
 from trioserve.engine.sampling.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from trioserve.engine.core.new_request import NewRequest
 
 
 class RequestStatus(enum.Enum):
@@ -79,3 +83,27 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+
+def completion_requests(new: NewRequest, eos_token_ids: tuple[int, ...], arrival_time: float) -> list[Request]:
+    """One ``Request`` per completion of ``new``, named by its sequence ids.
+    With ``n > 1`` each is its own sequence of ``n == 1``, and a seed gives
+    each its own (``seed + index``): ``n`` seeded completions differ, and
+    stay reproducible."""
+    params = new.params
+    requests = []
+    for index, sequence_id in enumerate(new.sequence_ids()):
+        own = params
+        if params.n > 1:
+            own = attrs.evolve(params, n=1, seed=None if params.seed is None else params.seed + index)
+        requests.append(
+            Request(
+                request_id=sequence_id,
+                prompt_token_ids=list(new.prompt_token_ids),
+                sampling_params=own,
+                eos_token_ids=eos_token_ids,
+                priority=new.priority,
+                arrival_time=arrival_time,
+            )
+        )
+    return requests
