@@ -16,9 +16,11 @@
 // reach (docs/benchmarks.md); at one row a step is all weight streaming.
 //
 // No CPU feature is assumed at build time: each ISA variant is compiled for
-// its own target by function attribute, and a call names the variant it
-// wants (0 scalar, 1 AVX2+FMA+F16C, 2 AVX-512 F/BW, 3 with BF16, 4 with BF16
-// and VNNI: kernels.h's Isa); one the CPU lacks is refused.
+// its own target (by function attribute, or in isa.h's per-ISA namespaces
+// for the code written once for all of them: rows.h, attend.h), and a call
+// names the variant it wants (0 scalar, 1 AVX2+FMA+F16C, 2 the same with
+// int8 activations, 3 AVX-512 F/BW, 4 with BF16, 5 with BF16 and VNNI:
+// kernels.h's Isa); one the CPU lacks is refused.
 // The Python side (engine/kernels/native.py) picks the variant through the
 // capability probes, so TRIOSERVE_CPU_ASSUME can force the lower ones.
 //
