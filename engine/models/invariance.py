@@ -6,6 +6,8 @@ tests/test_invariance.py checks the paths said to be invariant."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import attrs
 import torch
 
@@ -37,10 +39,13 @@ def on_device(device: torch.device) -> Invariance:
     )
 
 
-def compressed_on_cpu(isa: str | None, batch_invariant: bool) -> Invariance:
+def compressed_on_cpu(isa: str | None, batch_invariant: bool, unsupported: Sequence[str] = ()) -> Invariance:
     """Compressed projections on CPU; ``isa`` is the fused native step's
-    variant, None where the projections or LM head run outside it."""
+    variant, None where the projections or LM head run outside it, which
+    ``unsupported`` (what of the model the step does not compute) may say why."""
     if isa is None:
+        if unsupported:
+            return Invariance(False, f"the layers run in torch: the fused native step does not compute {'; '.join(unsupported)}")
         return Invariance(
             False,
             "the projections or LM head run outside the fused native step (no native build, "

@@ -29,7 +29,7 @@ from trioserve.engine.layers.forward_batch import ForwardBatch
 from trioserve.engine.layers.kv_cache import KVCache
 from trioserve.engine.kernels.native_attention import BoundAttention, NativeAttention, token_rows
 from trioserve.engine.kernels.native import ISAS as NATIVE_ISAS
-from trioserve.engine.kernels.native_decode import NativeDecode, decode_head
+from trioserve.engine.kernels.native_decode import NativeDecode, decode_head, unsupported
 from trioserve.engine.kernels.projections import QuantizedProjections
 from trioserve.engine.layers.rotary import RotaryEmbedding, apply_rotary
 from trioserve.engine.models.invariance import Invariance, compressed_on_cpu, float_on_cpu, on_device
@@ -222,7 +222,7 @@ class LlamaForCausalLM(nn.Module):
             packed = self.pack_weights and self._can_pack(device, self.dtype)
             return float_on_cpu(self.dtype, packed=packed, native_attention=self.native_attention is not None)
         if made.decode is None or (made.decode_head is None and self.batch_invariant):
-            return compressed_on_cpu(None, self.batch_invariant)
+            return compressed_on_cpu(None, self.batch_invariant, unsupported(self.config))
         isa = next(name for name, index in NATIVE_ISAS.items() if index == made.decode.isa)
         return compressed_on_cpu(isa, self.batch_invariant)
 
@@ -387,6 +387,7 @@ class LlamaForCausalLM(nn.Module):
             num_kv_heads=c.num_key_value_heads,
             head_dim=c.head_dim,
             eps=c.rms_norm_eps,
+            config=c,  # a config with a feature the step was not checked for runs the layers
         )
         self._quantized = _Made(list(layers), self.lm_head, False, where, head, decode, decode_head(head))
 
