@@ -20,6 +20,7 @@ import os
 import pytest
 import torch
 
+from trioserve.engine.kernels import native
 from trioserve.engine.kernels.capability import CpuPaths
 from trioserve.engine.config import EngineConfig
 from trioserve.engine.core.engine_core import EngineCore
@@ -64,6 +65,18 @@ def pytest_report_header(config):
 def cpu_paths(pytestconfig) -> CpuPaths:
     """The CPU paths detected at the session's start (see the header)."""
     return pytestconfig.stash[_CPU_PATHS]
+
+
+@pytest.fixture(scope="session")
+def isas() -> tuple[str, ...]:
+    """The native kernels' ISA variants this CPU runs; the native tests skip
+    without a build, except under CI, where setup must have built them."""
+    try:
+        return native.cpu_isas()
+    except native.NativeUnavailable as exc:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"scripts/setup.sh must build the native kernels under CI: {exc}")
+        pytest.skip(str(exc))
 
 
 @pytest.fixture(scope="session")

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import os
 import random
 from pathlib import Path
 
@@ -35,7 +34,7 @@ import pytest
 import torch
 
 from trioserve.engine.config import SUPPORTED_ARCHITECTURES, SUPPORTED_ROPE_TYPES, ModelConfig
-from trioserve.engine.kernels import choose, native, native_decode
+from trioserve.engine.kernels import choose, native_decode
 from trioserve.engine.kernels.capability import CpuPaths
 from trioserve.engine.kernels.rtn import quantize_int8_groups
 from trioserve.engine.layers.forward_batch import ForwardBatch, SeqChunk
@@ -114,16 +113,6 @@ CASES = [
     for name, fields in VARIANTS.items()
     if _takes(arch, fields)
 ]
-
-
-@pytest.fixture(scope="module")
-def isas() -> tuple[str, ...]:
-    try:
-        return native.cpu_isas()
-    except native.NativeUnavailable as exc:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"scripts/setup.sh must build the native kernels under CI: {exc}")
-        pytest.skip(str(exc))
 
 
 @pytest.fixture(scope="module")

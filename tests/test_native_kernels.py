@@ -8,7 +8,6 @@ except under CI=true, where setup.sh must have built it."""
 from __future__ import annotations
 
 import json
-import os
 import random
 
 import attrs
@@ -30,16 +29,6 @@ from trioserve.engine.loading.compressed import load_safetensors_quantized
 from trioserve.engine.kernels.rtn import quantize_int4, quantize_int8, quantize_int8_groups
 
 from test_quant import _checkpoint
-
-
-@pytest.fixture(scope="module")
-def isas() -> tuple[str, ...]:
-    try:
-        return native.cpu_isas()
-    except native.NativeUnavailable as exc:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"scripts/setup.sh must build the native kernels under CI: {exc}")
-        pytest.skip(str(exc))
 
 
 def test_the_library_is_built_for_this_source_and_runs_scalar_everywhere(isas):
