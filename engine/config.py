@@ -97,6 +97,10 @@ class ModelConfig:
             )
         if hf.get("hidden_act", "silu") != "silu":
             raise ModelLoadError(f"{source}: unsupported hidden_act {hf['hidden_act']!r}; only 'silu' is supported")
+        if hf.get("mlp_bias"):
+            # Llama's config allows biases on gate/up/down; the model has none
+            # to load them into, and would fail later naming a weight.
+            raise ModelLoadError(f"{source}: unsupported mlp_bias=true (field 'mlp_bias'); MLP projections carry no bias")
         hidden = int(_required(hf, "hidden_size", source))
         heads = int(_required(hf, "num_attention_heads", source))
         kv_heads = int(hf.get("num_key_value_heads") or heads)

@@ -279,6 +279,18 @@ def test_unsupported_architecture_lists_supported_ones(llama_dir):
     assert "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM" in message
 
 
+def test_mlp_bias_is_refused_naming_the_field(llama_dir):
+    folder, _ = llama_dir
+    config = json.loads((folder / "config.json").read_text())
+    config["mlp_bias"] = True
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="'mlp_bias'"):
+        load_model(str(folder))
+    config["mlp_bias"] = False  # transformers writes the default too
+    (folder / "config.json").write_text(json.dumps(config))
+    load_model(str(folder))
+
+
 def test_missing_default_model_package_says_how_to_install(monkeypatch):
     def not_installed(name):
         raise metadata.PackageNotFoundError(name)
