@@ -112,8 +112,8 @@ def add_engine_options(parser: argparse.ArgumentParser, *, several_models: bool 
         "--kv-cache-dtype",
         default="auto",
         choices=list(KV_CACHE_DTYPES),
-        help="what the KV cache stores: auto picks a 16-bit dtype on CPU where its conversions work and measure "
-        "fast here (twice the tokens in the same memory), else float32, and the model's dtype on CUDA; "
+        help="what the KV cache stores: auto picks the first 16-bit dtype (float16, then "
+        "bfloat16) whose conversions this CPU runs in hardware (twice the tokens in the same memory), else float32, and the model's dtype on CUDA; "
         "fp8 (e4m3) runs on CUDA only. Unless --kv-cache-memory is given, the CPU pool is sized for "
         "--max-num-seqs contexts of --max-model-len tokens in this dtype, within 4 GiB and a quarter of the available "
         "memory (default: auto)",
