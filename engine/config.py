@@ -12,146 +12,26 @@ from typing import Any
 
 import attrs
 
-from trioserve.engine.errors import GenerationConfigError, ModelLoadError
+from trioserve.engine.errors import GenerationConfigError
+from trioserve.engine.model_config import (  # noqa: F401  # re-exported: where callers import them from
+    ARCHITECTURE_BY_MODEL_TYPE,
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    SUPPORTED_ACTIVATIONS,
+    SUPPORTED_ARCHITECTURES,
+    SUPPORTED_ROPE_TYPES,
+    ModelConfig,
+    Rope,
+    RopeScaling,
+)
 from trioserve.engine.validators import integer_at_least, optional_fraction, optional_positive, optional_positive_finite, positive
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-)
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DEFAULT_WATCHDOG_TIMEOUT = 300.0
 DEFAULT_MAX_BUFFERED_OUTPUTS = 64
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 # Compiled grammars kept for structured output: a mid-size JSON schema's
 # takes a few hundred KB (docs/api.md), so the cache stays in tens of MB.
 DEFAULT_GRAMMAR_CACHE_SIZE = 128
-
-
-def _required(hf: dict[str, Any], key: str, source: str) -> Any:
-    if key not in hf or hf[key] is None:
-        raise ModelLoadError(f"{source}: required field {key!r} is missing")
-    return hf[key]
-
-
-@attrs.frozen
-class RopeScaling:
-    """RoPE frequency scaling, as in transformers' ``rope_type`` values."""
-
-    rope_type: str = "default"
-    factor: float = 1.0
-    # llama3 only
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-
-@attrs.frozen
-class ModelConfig:
-    """The architecture of a Llama-family model (Llama, Mistral, Qwen2)."""
-
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    max_position_embeddings: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: RopeScaling
-    tie_word_embeddings: bool
-    attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-    # Attention span of a sliding-window model (Mistral v0.1, Qwen2 with
-    # use_sliding_window). The engine attends to the whole context, which is
-    # the same thing only up to the window: it caps the context there.
-    sliding_window: int | None = None
-
-    @property
-    def max_context_len(self) -> int:
-        """The longest context this engine computes exactly."""
-        if self.sliding_window is None:
-            return self.max_position_embeddings
-        return min(self.max_position_embeddings, self.sliding_window)
-
-    @classmethod
-    def from_hf_config(cls, hf: dict[str, Any], *, source: str = "config.json") -> ModelConfig:
-        """Build from a parsed ``config.json``; raise ``ModelLoadError`` naming
-        ``source`` and the field for anything missing or unsupported."""
-        archs = hf.get("architectures") or []
-        model_type = hf.get("model_type")
-        by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None and not archs and model_type in by_type:
-            arch = by_type[model_type]
-        if arch is None:
-            found = ", ".join(archs) or f"model_type={model_type!r}"
-            raise ModelLoadError(
-                f"{source}: unsupported architecture {found} (field 'architectures'); "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ModelLoadError(f"{source}: unsupported hidden_act {hf['hidden_act']!r}; only 'silu' is supported")
-        if hf.get("mlp_bias"):
-            # Llama's config allows biases on gate/up/down; the model has none
-            # to load them into, and would fail later naming a weight.
-            raise ModelLoadError(f"{source}: unsupported mlp_bias=true (field 'mlp_bias'); MLP projections carry no bias")
-        hidden = int(_required(hf, "hidden_size", source))
-        heads = int(_required(hf, "num_attention_heads", source))
-        kv_heads = int(hf.get("num_key_value_heads") or heads)
-        if heads % kv_heads:
-            raise ModelLoadError(
-                f"{source}: num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv_heads})"
-            )
-        head_dim = int(hf.get("head_dim") or hidden // heads)
-        # transformers 5 moved rope_theta and rope_scaling into rope_parameters.
-        rope_params = dict(hf.get("rope_parameters") or {})
-        rope_theta = float(rope_params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-        scaling = dict(hf.get("rope_scaling") or {})
-        if rope_params.get("rope_type", "default") != "default" or "factor" in rope_params:
-            scaling = {**rope_params, **scaling}
-        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ModelLoadError(
-                f"{source}: unsupported rope_scaling type {rope_type!r} (field 'rope_scaling'); "
-                f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-            )
-        rope = RopeScaling(
-            rope_type=rope_type,
-            factor=float(scaling.get("factor", 1.0)),
-            low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)),
-        )
-        eos = hf.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        window = hf.get("sliding_window")
-        if arch == "LlamaForCausalLM" or (arch == "Qwen2ForCausalLM" and not hf.get("use_sliding_window", False)):
-            window = None  # present in some configs, but not applied by these models
-        return cls(
-            architecture=arch,
-            vocab_size=int(_required(hf, "vocab_size", source)),
-            hidden_size=hidden,
-            intermediate_size=int(_required(hf, "intermediate_size", source)),
-            num_hidden_layers=int(_required(hf, "num_hidden_layers", source)),
-            num_attention_heads=heads,
-            num_key_value_heads=kv_heads,
-            head_dim=head_dim,
-            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta,
-            rope_scaling=rope,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            sliding_window=None if window is None else int(window),
-        )
 
 
 def _kv_cache_memory(instance: Any, attribute: attrs.Attribute, value: Any) -> None:

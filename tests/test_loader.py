@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from trioserve.engine.loading import gguf_cache, loader, sources
-from trioserve.engine.config import EngineConfig, ModelConfig
+from trioserve.engine.config import SUPPORTED_ARCHITECTURES, EngineConfig, ModelConfig
 from trioserve.engine.errors import InvalidRequestError, ModelLoadError
 from trioserve.engine.loading.loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from trioserve.engine.models.llama import LlamaForCausalLM
@@ -270,13 +270,14 @@ def test_unreadable_tokenizer_names_the_folder(llama_dir):
 def test_unsupported_architecture_lists_supported_ones(llama_dir):
     folder, _ = llama_dir
     config = json.loads((folder / "config.json").read_text())
-    config.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    # Not a causal LM: neither native nor on the transformers fallback (test_hf_fallback.py).
+    config.update(architectures=["BertModel"], model_type="bert")
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError) as excinfo:
         load_model(str(folder))
     message = str(excinfo.value)
-    assert "GPT2LMHeadModel" in message and "'architectures'" in message
-    assert "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM" in message
+    assert "BertModel" in message and "'architectures'" in message
+    assert all(arch in message for arch in SUPPORTED_ARCHITECTURES)
 
 
 def test_mlp_bias_is_refused_naming_the_field(llama_dir):
@@ -476,7 +477,9 @@ def test_a_folder_holding_one_gguf_file_loads_it(default_cache, tmp_path, monkey
     assert loaded.path == first.path and loaded.name == "downloaded"
 
 
-def test_sliding_window_caps_the_context_only_where_the_model_applies_it():
+def test_sliding_window_applies_only_where_the_model_applies_it():
+    """A window masks attention in the layers that slide; the context is the
+    model's whole length (the window no longer caps it)."""
     base = {
         "hidden_size": 64,
         "num_attention_heads": 4,
@@ -486,14 +489,13 @@ def test_sliding_window_caps_the_context_only_where_the_model_applies_it():
         "max_position_embeddings": 32768,
     }
     mistral = ModelConfig.from_hf_config({**base, "architectures": ["MistralForCausalLM"], "sliding_window": 4096})
-    # Full attention equals windowed attention up to the window: no further.
-    assert mistral.max_context_len == 4096
-    assert EngineConfig().resolved_max_model_len(mistral) == 4096
-    assert EngineConfig(max_model_len=1024).resolved_max_model_len(mistral) == 1024
+    assert mistral.max_context_len == 32768
+    assert [mistral.layer_window(i) for i in range(2)] == [4096, 4096]
     unwindowed = ModelConfig.from_hf_config({**base, "architectures": ["MistralForCausalLM"], "sliding_window": None})
-    assert unwindowed.max_context_len == 32768
+    assert [unwindowed.layer_window(i) for i in range(2)] == [None, None]
     qwen2 = {**base, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 4096}
-    assert ModelConfig.from_hf_config(qwen2).max_context_len == 32768  # use_sliding_window defaults to off
-    assert ModelConfig.from_hf_config({**qwen2, "use_sliding_window": True}).max_context_len == 4096
+    assert ModelConfig.from_hf_config(qwen2).layer_window(1) is None  # use_sliding_window defaults to off
+    slides = ModelConfig.from_hf_config({**qwen2, "use_sliding_window": True, "max_window_layers": 1})
+    assert [slides.layer_window(i) for i in range(2)] == [None, 4096]
     llama = {**base, "architectures": ["LlamaForCausalLM"], "sliding_window": 4096}
-    assert ModelConfig.from_hf_config(llama).max_context_len == 32768
+    assert ModelConfig.from_hf_config(llama).layer_window(0) is None

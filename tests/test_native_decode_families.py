@@ -2,7 +2,7 @@
 model's own layers in torch, for every family the engine loads.
 
 The step writes the decoder layer a second time, in C++; these tests hold
-the two to one definition. For each family in ``SUPPORTED_ARCHITECTURES``
+the two to one definition. For each family in ``native_decode.ARCHITECTURES``
 (its config from transformers' own config class, found by the architecture's
 name) and each variant of what a config may say (GQA, MHA and MQA, head
 widths each attention kernel takes, biases, tied embeddings, every rotary
@@ -49,7 +49,7 @@ BLOCK_SIZE = 4
 BASE = dict(
     vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, head_dim=16, max_position_embeddings=128, rms_norm_eps=1e-5, bos_token_id=1,
-    eos_token_id=2, tie_word_embeddings=False,
+    eos_token_id=2, tie_word_embeddings=False, sliding_window=None,
 )  # fmt: skip
 # What a config may say, each tried on every family whose transformers
 # config takes its fields. The head widths pick each attention kernel:
@@ -109,7 +109,7 @@ def _fields(architecture: str, variant: dict[str, object]) -> dict[str, object]:
 
 CASES = [
     pytest.param(arch, name, id=f"{_model_type(arch)}-{name}")
-    for arch in SUPPORTED_ARCHITECTURES
+    for arch in sorted(native_decode.ARCHITECTURES)
     for name, fields in VARIANTS.items()
     if _takes(arch, fields)
 ]
@@ -264,9 +264,9 @@ def test_the_fused_step_computes_each_familys_layers(isas, cpu_paths, architectu
 
 def test_every_supported_family_and_rope_scaling_is_tried():
     tried = {(arch, name) for arch, name in (case.values for case in CASES)}
-    assert {arch for arch, _ in tried} == set(SUPPORTED_ARCHITECTURES)
+    assert {arch for arch, _ in tried} == set(native_decode.ARCHITECTURES) <= set(SUPPORTED_ARCHITECTURES)
     ropes = {VARIANTS[name].get("rope_parameters", {}).get("rope_type", "default") for _, name in tried}
-    assert ropes == set(SUPPORTED_ROPE_TYPES) == native_decode.ROPE_TYPES
+    assert ropes == native_decode.ROPE_TYPES <= set(SUPPORTED_ROPE_TYPES)
     # Qwen2's q/k/v carry a bias in every variant; Llama's attention_bias adds o's.
     assert ("LlamaForCausalLM", "attention-bias") in tried
 
@@ -312,3 +312,24 @@ def test_a_model_with_a_feature_the_step_lacks_runs_its_layers(isas, cpu_paths):
     assert model._projections().decode is None
     invariance = model.invariance()
     assert not invariance.invariant and "architecture" in invariance.reason, invariance.reason
+
+
+@pytest.mark.parametrize(
+    ("architecture", "fields", "reason"),
+    [
+        ("MistralForCausalLM", {"sliding_window": 64}, "sliding_window"),
+        ("Qwen3ForCausalLM", {}, "qk_norm"),
+        ("Gemma2ForCausalLM", {}, "sandwich_norms"),
+        ("Gemma3ForCausalLM", {}, "qk_norm"),
+        ("SmolLM3ForCausalLM", {"num_hidden_layers": 4}, "rope_layers"),
+        ("Phi3ForCausalLM", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ],
+)
+def test_a_layer_the_step_does_not_compute_is_refused_by_field(architecture, fields, reason):
+    """Families and features outside the fused step run their layers in
+    torch, and the refusal names the field (``/version``'s invariance)."""
+    hf = transformers.AutoConfig.for_model(
+        _model_type(architecture), architectures=[architecture], **{**_fields(architecture, {}), **fields}
+    )
+    config = ModelConfig.from_hf_config(hf.to_dict())
+    assert any(line.startswith(f"{reason}=") for line in native_decode.unsupported(config))

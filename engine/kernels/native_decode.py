@@ -77,7 +77,20 @@ REQUIREMENTS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "attention_bias": (_any, "biases of q/k/v and o are added to the linears' outputs, as the layer does"),
     "bos_token_id": (_any, "outside the layers"),
     "eos_token_ids": (_any, "outside the layers"),
-    "sliding_window": (_any, "the engine caps a context at the window (ModelConfig.max_context_len)"),
+    "sliding_window": (lambda v: v is None, "attention over the whole context, no sliding window"),
+    "layer_types": (_any, "which layers slide: only with a sliding_window, which has its own rule"),
+    "sliding_rope": (lambda v: v is None, "one rotary table for every layer"),
+    "rope_layers": (lambda v: v == (), "rotary in every layer"),
+    "partial_rotary_factor": (lambda v: v == 1.0, "rotary over the whole head"),
+    "hidden_act": (lambda v: v == "silu", "SwiGLU's SiLU"),
+    "o_bias": (_any, "o's bias is added to the linear's output, as the layer does"),
+    "qk_norm": (lambda v: not v, "no norm of q and k heads"),
+    "norm_weight_offset": (_any, "folded into the norms' weights at load"),
+    "embedding_multiplier": (_any, "outside the layers"),
+    "sandwich_norms": (lambda v: not v, "pre-norm blocks only"),
+    "attention_scale": (lambda v: v is None, "scores scaled by head_dim ** -0.5"),
+    "attn_logit_softcapping": (lambda v: v is None, "no soft-capping of attention scores"),
+    "final_logit_softcapping": (_any, "outside the layers"),
 }
 
 

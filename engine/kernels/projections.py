@@ -11,6 +11,16 @@ import torch.nn.functional as F
 from trioserve.engine.kernels.choose import Linear
 
 
+def gate_activation(gate: torch.Tensor, activation: str) -> torch.Tensor:
+    """A gated MLP's activation of its gate: SwiGLU's SiLU, or GeGLU's
+    tanh-approximated GELU (Gemma's ``gelu_pytorch_tanh``)."""
+    if activation == "silu":
+        return F.silu(gate)
+    if activation == "gelu_pytorch_tanh":
+        return F.gelu(gate, approximate="tanh")
+    raise ValueError(f"unsupported MLP activation {activation!r}")
+
+
 @attrs.frozen
 class QuantizedProjections:
     """One layer's compressed projections; biases live inside the kernels."""
@@ -29,3 +39,10 @@ class QuantizedProjections:
     def mlp_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_linear(x).chunk(2, dim=-1)
         return self.down_linear(F.silu(gate).mul_(up)).add_(residual)
+
+    def o(self, x: torch.Tensor) -> torch.Tensor:
+        return self.o_linear(x)
+
+    def mlp(self, x: torch.Tensor, activation: str) -> torch.Tensor:
+        gate, up = self.gate_up_linear(x).chunk(2, dim=-1)
+        return self.down_linear(gate_activation(gate, activation).mul_(up))

@@ -90,6 +90,16 @@ class AttentionMetadata:
     decode_key_buffer: torch.Tensor | None
     decode_value_buffer: torch.Tensor | None
     prefills: tuple[PrefillPlan, ...]
+    # Each decode row's context length, in attention order: what a sliding
+    # window's mask is made from (built when a layer asks: ``decode_contexts``).
+    decode_context_lens: tuple[int, ...] = ()
+    decode_context_tensor: torch.Tensor | None = None
+
+    def decode_contexts(self, device: torch.device) -> torch.Tensor:
+        """``[D]`` int64 context lengths of the decode rows, in attention order."""
+        if self.decode_context_tensor is not None:
+            return self.decode_context_tensor
+        return torch.tensor(self.decode_context_lens, dtype=torch.int64, device=device)
 
     @classmethod
     def build(
@@ -145,6 +155,7 @@ class AttentionMetadata:
             decode_key_buffer=key_buffer,
             decode_value_buffer=value_buffer,
             prefills=tuple(prefills),
+            decode_context_lens=tuple(d[0] for d in decodes),
         )
 
     @classmethod
@@ -176,6 +187,7 @@ class AttentionMetadata:
             decode_key_buffer=kv_cache.key.new_empty(shape),
             decode_value_buffer=kv_cache.value.new_empty(shape),
             prefills=(),
+            decode_context_tensor=context_lens,
         )
 
 
@@ -262,23 +274,28 @@ def paged_attention(
     meta: AttentionMetadata,
     *,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attend ``query`` (``[T, heads, head_dim]``) over each sequence's cache.
 
     ``key``/``value`` (``[T, kv_heads, head_dim]``) are the step's fresh
     keys and values, already written to the cache with ``write_kv``; a
-    prefill chunk that starts at position 0 reads them directly. Returns
-    ``[T, heads * head_dim]``.
+    prefill chunk that starts at position 0 reads them directly. With
+    ``window``, a query sees only the last ``window`` positions up to its
+    own; with ``softcap``, scores pass through ``softcap * tanh(s / softcap)``
+    (Gemma 2). Returns ``[T, heads * head_dim]``.
     """
     num_tokens, heads, head_dim = query.shape
     kv_heads = key_cache.shape[2]
     group = heads // kv_heads
     if meta.num_decodes == num_tokens and meta.decode_token_indices is None:
-        return _decode(query, key_cache, value_cache, meta, scale).view(num_tokens, heads * head_dim)
+        return _decode(query, key_cache, value_cache, meta, scale, window, softcap).view(num_tokens, heads * head_dim)
     out = query.new_empty(num_tokens, heads * head_dim)
     if meta.num_decodes:
         q = query.index_select(0, meta.decode_token_indices)
-        out.index_copy_(0, meta.decode_token_indices, _decode(q, key_cache, value_cache, meta, scale).flatten(1))
+        decoded = _decode(q, key_cache, value_cache, meta, scale, window, softcap)
+        out.index_copy_(0, meta.decode_token_indices, decoded.flatten(1))
     for p in meta.prefills:
         qlen = p.token_end - p.token_start
         # [qlen, heads, d] -> [kv_heads, group, qlen, d]: a view, no copy.
@@ -297,14 +314,41 @@ def paged_attention(
         shape = (kv_heads, group, k.shape[0], head_dim)
         k = k.permute(1, 0, 2).unsqueeze(1).expand(shape)
         v = v.permute(1, 0, 2).unsqueeze(1).expand(shape)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, is_causal=p.mask is None, scale=scale)
+        mask = p.mask
+        if window is not None:
+            # Query i sits at position ctx - qlen + i; key j is seen when i's position - j < window.
+            rows = torch.arange(p.context_len - qlen, p.context_len, device=query.device)[:, None]
+            cols = torch.arange(p.context_len, device=query.device)[None, :]
+            mask = (cols <= rows) & (cols > rows - window)
+        o = _attend(q, k, v, mask, scale, softcap)
         # [kv_heads, group, qlen, d] -> [qlen, heads * d]
         out[p.token_start : p.token_end] = o.permute(2, 0, 1, 3).reshape(qlen, heads * head_dim)
     return out
 
 
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, softcap: float | None
+) -> torch.Tensor:
+    """Scaled dot-product attention; ``mask`` None is causal. With
+    ``softcap``, in plain torch: SDPA has no soft-capping."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril(scores.shape[-1] - scores.shape[-2])
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1).to(v.dtype), v)
+
+
 def _decode(
-    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of the ``D`` single-token queries (in attention order); returns ``[D, heads, head_dim]``."""
     num_decodes, heads, head_dim = query.shape
@@ -312,6 +356,7 @@ def _decode(
     # [D, heads, d] -> [D, kv_heads, group, d]: a KV head's query heads share its keys.
     query = query.view(num_decodes, kv_heads, heads // kv_heads, head_dim)
     outs = []
+    contexts = None
     for c in meta.decode_chunks:
         rows = c.end - c.start
         if c.blocks is None:
@@ -326,7 +371,19 @@ def _decode(
         k = k.view(rows, -1, kv_heads, head_dim)[:, : c.context_len].transpose(1, 2)
         v = v.view(rows, -1, kv_heads, head_dim)[:, : c.context_len].transpose(1, 2)
         k, v = from_cache(k, query.dtype), from_cache(v, query.dtype)  # a narrower cache, widened
-        outs.append(F.scaled_dot_product_attention(query[c.start : c.end], k, v, attn_mask=c.mask, scale=scale))
+        mask = c.mask
+        if window is not None:
+            if contexts is None:
+                contexts = meta.decode_contexts(query.device)
+            ctx = contexts[c.start : c.end, None]
+            positions = torch.arange(c.context_len, device=query.device)[None, :]
+            mask = ((positions < ctx) & (positions >= ctx - window))[:, None, None, :]
+        if mask is None and softcap is None:
+            outs.append(F.scaled_dot_product_attention(query[c.start : c.end], k, v, scale=scale))
+        else:
+            if mask is None:
+                mask = torch.ones(1, 1, 1, c.context_len, dtype=torch.bool, device=query.device)
+            outs.append(_attend(query[c.start : c.end], k, v, mask, scale, softcap))
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     # CUDA's SDPA kernels may return a permuted layout: reshape copies only then.
     return out.reshape(num_decodes, heads, head_dim)

@@ -50,10 +50,18 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Pa
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention and SwiGLU MLP blocks with residuals."""
+    """Pre-norm attention and gated MLP blocks with residuals, and what each
+    family changes of them (``ModelConfig``): q/k norms, Gemma's norms after
+    each block, a sliding window, rotary on part of a head or none."""
 
     def __init__(
-        self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device | str, float_projections: bool = True
+        self,
+        config: ModelConfig,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        float_projections: bool = True,
+        index: int = 0,
     ):
         super().__init__()
         hidden, hd = config.hidden_size, config.head_dim
@@ -62,7 +70,13 @@ class DecoderLayer(nn.Module):
         self.head_dim = hd
         self.eps = config.rms_norm_eps
         self.norm_shape = (hidden,)
-        self.scale = hd**-0.5
+        self.scale = config.attn_scale
+        self.window = config.layer_window(index)
+        self.softcap = config.attn_logit_softcapping
+        self.activation = config.hidden_act
+        # Which of the model's rotary tables this layer turns q and k by (None: no rotary).
+        rope = config.layer_rope(index)
+        self.rope = None if rope is None else config.rope_tables().index(rope)
         qkv_out = (self.num_heads + 2 * self.num_kv_heads) * hd
         self.input_layernorm = _param(hidden, dtype=dtype, device=device)
         # Without float projections (a quantized model) the four matrices
@@ -71,10 +85,15 @@ class DecoderLayer(nn.Module):
         self.qkv_proj = proj(qkv_out, hidden, dtype=dtype, device=device)
         self.qkv_bias = _param(qkv_out, dtype=dtype, device=device) if config.attention_bias else None
         self.o_proj = proj(hidden, self.num_heads * hd, dtype=dtype, device=device)
-        # Llama's attention_bias also covers o_proj; Qwen2's covers q/k/v only.
-        has_o_bias = config.attention_bias and config.architecture == "LlamaForCausalLM"
-        self.o_bias = _param(hidden, dtype=dtype, device=device) if has_o_bias else None
+        self.o_bias = _param(hidden, dtype=dtype, device=device) if config.o_bias else None
+        self.q_norm = _param(hd, dtype=dtype, device=device) if config.qk_norm else None
+        self.k_norm = _param(hd, dtype=dtype, device=device) if config.qk_norm else None
         self.post_attention_layernorm = _param(hidden, dtype=dtype, device=device)
+        # Gemma: post_attention_layernorm norms the attention's output; these
+        # norm the MLP's input and output.
+        sandwich = config.sandwich_norms
+        self.pre_feedforward_layernorm = _param(hidden, dtype=dtype, device=device) if sandwich else None
+        self.post_feedforward_layernorm = _param(hidden, dtype=dtype, device=device) if sandwich else None
         self.gate_up_proj = proj(2 * config.intermediate_size, hidden, dtype=dtype, device=device)
         self.down_proj = proj(hidden, config.intermediate_size, dtype=dtype, device=device)
 
@@ -82,8 +101,7 @@ class DecoderLayer(nn.Module):
         self,
         residual: torch.Tensor,
         projections: Projections,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rotary: list[tuple[torch.Tensor, torch.Tensor]],
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
@@ -91,27 +109,44 @@ class DecoderLayer(nn.Module):
         attend: BoundAttention | None = None,
     ) -> torch.Tensor:
         """Return the residual stream after this layer's attention and MLP
-        blocks; ``projections`` is ``self.projections(...)``. With ``attend``,
-        the tokens' rotary, cache write and attention run natively in one
-        call (``native_attention``); without, in torch as ``meta`` plans."""
+        blocks; ``projections`` is ``self.projections(...)``, ``rotary`` the
+        model's ``(cos, sin)`` per table. With ``attend``, the tokens'
+        rotary, cache write and attention run natively in one call
+        (``native_attention``); without, in torch as ``meta`` plans."""
         norm_shape, eps, heads, head_dim = self.norm_shape, self.eps, self.num_heads, self.head_dim
         x = F.rms_norm(residual, norm_shape, self.input_layernorm, eps)
         qkv = projections.qkv(x)
+        tokens = qkv.shape[0]
+        q_and_k = heads + self.num_kv_heads
+        if self.q_norm is not None:
+            # Each head of q and k normed on its own, before rotary (Qwen3, Gemma 3).
+            qk = qkv[:, : q_and_k * head_dim].view(tokens, q_and_k, head_dim)
+            qk[:, :heads] = F.rms_norm(qk[:, :heads], (head_dim,), self.q_norm, eps)
+            qk[:, heads:] = F.rms_norm(qk[:, heads:], (head_dim,), self.k_norm, eps)
         if attend is not None:
             attn = attend(qkv, key_cache, value_cache, heads, self.scale)
         else:
             assert meta is not None
-            tokens = qkv.shape[0]
-            q_and_k = heads + self.num_kv_heads
-            # Rotate q and k together: one rotary op per layer.
-            qk = apply_rotary(qkv[:, : q_and_k * head_dim].view(tokens, q_and_k, head_dim), cos, sin)
+            qk = qkv[:, : q_and_k * head_dim].view(tokens, q_and_k, head_dim)
+            if self.rope is not None:
+                # Rotate q and k together: one rotary op per layer.
+                qk = apply_rotary(qk, *rotary[self.rope])
             q, k = qk[:, :heads], qk[:, heads:]
             v = qkv[:, q_and_k * head_dim :].view(tokens, self.num_kv_heads, head_dim)
             write_kv(k, v, key_cache, value_cache, slot_mapping)
-            attn = paged_attention(q, k, v, key_cache, value_cache, meta, scale=self.scale)
-        residual = projections.o_add(attn, residual)
-        x = F.rms_norm(residual, norm_shape, self.post_attention_layernorm, eps)
-        return projections.mlp_add(x, residual)
+            attn = paged_attention(
+                q, k, v, key_cache, value_cache, meta, scale=self.scale, window=self.window, softcap=self.softcap
+            )
+        if self.pre_feedforward_layernorm is None:
+            residual = projections.o_add(attn, residual)
+            x = F.rms_norm(residual, norm_shape, self.post_attention_layernorm, eps)
+            if self.activation == "silu":
+                return projections.mlp_add(x, residual)
+            return projections.mlp(x, self.activation) + residual
+        residual = residual + F.rms_norm(projections.o(attn), norm_shape, self.post_attention_layernorm, eps)
+        x = F.rms_norm(residual, norm_shape, self.pre_feedforward_layernorm, eps)
+        out = projections.mlp(x, self.activation)
+        return residual + F.rms_norm(out, norm_shape, self.post_feedforward_layernorm, eps)
 
     def projections(self, pack: bool) -> Projections:
         """This layer's projections, on packed copies of its weights when ``pack``."""
@@ -196,8 +231,8 @@ class LlamaForCausalLM(nn.Module):
         self._pack_lock = threading.Lock()
         self.embed_tokens = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, dtype=dtype, device=device, float_projections=quantization is None)
-            for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, dtype=dtype, device=device, float_projections=quantization is None, index=i)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = _param(config.hidden_size, dtype=dtype, device=device)
         if config.tie_word_embeddings:
@@ -206,9 +241,16 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None  # compressed, given by set_quantized
         else:
             self.lm_head = _param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        self.rotary = RotaryEmbedding(config, dtype=dtype, device=device)
-        # Every batch attends natively where that path works here (None: in torch).
-        self.native_attention = NativeAttention.choose(cpu_paths, device, dtype, config.head_dim)
+        # One table per distinct rotary embedding the layers use (Gemma 3:
+        # the full layers' and the sliding layers').
+        self.rotaries = nn.ModuleList(
+            RotaryEmbedding(config, rope=rope, dtype=dtype, device=device) for rope in config.rope_tables()
+        )
+        # Every batch attends natively where that path works here (None: in
+        # torch): layers that attend as Llama's do, on one rotary table.
+        self.native_attention = (
+            NativeAttention.choose(cpu_paths, device, dtype, config.head_dim) if config.plain_attention else None
+        )
         self._targets = weight_targets(self)
 
     def invariance(self) -> Invariance:
@@ -233,7 +275,7 @@ class LlamaForCausalLM(nn.Module):
         one row per entry of ``logits_indices``, in that order.
         """
         made = self._projections()
-        cos, sin = self.rotary.cos_sin(batch.positions)
+        rotary = [r.cos_sin(batch.positions) for r in self.rotaries]
         hidden = self.embed(batch.input_ids)
         slots = batch.slot_mapping
         fused = made.decode is not None and made.decode.runs(
@@ -241,14 +283,15 @@ class LlamaForCausalLM(nn.Module):
         )
         if fused:
             tables, lens = token_rows(batch.query_lens_cpu, batch.positions, batch.block_tables, batch.context_lens)
-            hidden = made.decode(hidden, cos, sin, kv_cache.key, kv_cache.value, slots, tables, lens)
+            hidden = made.decode(hidden, *rotary[0], kv_cache.key, kv_cache.value, slots, tables, lens)
             if made.decode_head is not None:
                 made = attrs.evolve(made, head=made.decode_head)
         else:
             native = self.native_attention
-            attend = native.bind(batch, cos, sin) if native is not None and native.runs(hidden, kv_cache.key) else None
+            runs = native is not None and native.runs(hidden, kv_cache.key)
+            attend = native.bind(batch, *rotary[0]) if runs else None
             meta = None if attend is not None else AttentionMetadata.build(batch, kv_cache)
-            hidden = self._decoder_layers(hidden, made, cos, sin, kv_cache, slots, meta, attend)
+            hidden = self._decoder_layers(hidden, made, rotary, kv_cache, slots, meta, attend)
         hidden = hidden.index_select(0, batch.logits_indices)
         hidden = F.rms_norm(hidden, (hidden.shape[-1],), self.norm, self.config.rms_norm_eps)
         return self.lm_logits(hidden, made)
@@ -271,8 +314,8 @@ class LlamaForCausalLM(nn.Module):
         the CPU's native paths.
         """
         made = self._projections()
-        cos, sin = self.rotary.cos_sin(positions)
-        hidden = self._decoder_layers(self.embed(input_ids), made, cos, sin, kv_cache, slot_mapping, meta, None)
+        rotary = [r.cos_sin(positions) for r in self.rotaries]
+        hidden = self._decoder_layers(self.embed(input_ids), made, rotary, kv_cache, slot_mapping, meta, None)
         hidden = F.rms_norm(hidden, (hidden.shape[-1],), self.norm, self.config.rms_norm_eps)
         return self.lm_logits(hidden, made)
 
@@ -280,8 +323,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         hidden: torch.Tensor,
         made: _Made,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rotary: list[tuple[torch.Tensor, torch.Tensor]],
         kv_cache: KVCache,
         slot_mapping: torch.Tensor,
         meta: AttentionMetadata | None,
@@ -293,23 +335,30 @@ class LlamaForCausalLM(nn.Module):
         # is bound by such per-layer overheads (docs/benchmarks.md in git history, "A lean
         # decode step").
         for layer, projections, keys, values in zip(self.layers, made.layers, kv_cache.key, kv_cache.value):
-            hidden = layer.forward(hidden, projections, cos, sin, keys, values, slot_mapping, meta, attend)
+            hidden = layer.forward(hidden, projections, rotary, keys, values, slot_mapping, meta, attend)
         return hidden
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The input embeddings of ``input_ids`` (a tensor-parallel shard
         overrides this and ``lm_logits``: engine/parallel/tensor_parallel.py)."""
-        if self._embedding is not None:
-            return self._embedding(input_ids)
-        return F.embedding(input_ids, self.embed_tokens)
+        hidden = self._embedding(input_ids) if self._embedding is not None else F.embedding(input_ids, self.embed_tokens)
+        if self.config.embedding_multiplier != 1.0:
+            # Gemma: the multiplier is rounded to the model's dtype first, as transformers does.
+            hidden = hidden * torch.tensor(self.config.embedding_multiplier, dtype=self.dtype).to(hidden.dtype)
+        return hidden
 
     def lm_logits(self, hidden: torch.Tensor, made: _Made) -> torch.Tensor:
         """Float32 logits of the final-normed ``hidden`` rows."""
         if made.head is not None:
-            return made.head(hidden).float()
-        if made.packed:
-            return onednn.linear(hidden, made.lm_head, None, "none").float()
-        return F.linear(hidden, made.lm_head).float()
+            logits = made.head(hidden).float()
+        elif made.packed:
+            logits = onednn.linear(hidden, made.lm_head, None, "none").float()
+        else:
+            logits = F.linear(hidden, made.lm_head).float()
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # Gemma 2
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def _projections(self) -> _Made:
         """Each layer's projections and the LM head weight, packed when

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from trioserve.engine.errors import CpuCapabilityError
 from trioserve.engine.kernels import onednn
 from trioserve.engine.kernels.capability import CpuPaths, dtype_name, packed_path
-from trioserve.engine.kernels.projections import QuantizedProjections
+from trioserve.engine.kernels.projections import QuantizedProjections, gate_activation
 from trioserve.engine.models.invariance import Invariance
 
 
@@ -119,6 +119,13 @@ class PlainProjections:
         gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, self.down_weight) + residual
 
+    def o(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.o_weight, self.o_bias)
+
+    def mlp(self, x: torch.Tensor, activation: str) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        return F.linear(gate_activation(gate, activation) * up, self.down_weight)
+
 
 @attrs.frozen
 class PackedProjections:
@@ -145,6 +152,14 @@ class PackedProjections:
         gate = onednn.linear(x, self.gate_weight, None, "swish")  # SiLU
         hidden = onednn.linear_binary(x, self.up_weight, None, "mul", gate)
         return onednn.linear_binary(hidden, self.down_weight, None, "add", residual)
+
+    def o(self, x: torch.Tensor) -> torch.Tensor:
+        return onednn.linear(x, self.o_weight, self.o_bias, "none")
+
+    def mlp(self, x: torch.Tensor, activation: str) -> torch.Tensor:
+        gate = gate_activation(onednn.linear(x, self.gate_weight, None, "none"), activation)
+        hidden = onednn.linear_binary(x, self.up_weight, None, "mul", gate)
+        return onednn.linear(hidden, self.down_weight, None, "none")
 
 
 Projections = PlainProjections | PackedProjections | QuantizedProjections

@@ -15,8 +15,9 @@ from trioserve.engine.errors import ModelLoadError
 # Checkpoint buffers derived from the config, never weights we load.
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$|.*rotary_emb\.(cos|sin)_cached$")
 
-# A parameter, and the rows of it a checkpoint tensor fills (None: all).
-Target = tuple[torch.Tensor, int | None, int | None]
+# A parameter, the rows of it a checkpoint tensor fills (None: all), and
+# what is added to the tensor on the way (Gemma's norms hold 1 + weight).
+Target = tuple[torch.Tensor, int | None, int | None, float]
 
 
 def weight_targets(model: nn.Module) -> dict[str, Target]:
@@ -26,34 +27,59 @@ def weight_targets(model: nn.Module) -> dict[str, Target]:
     c = model.config
     q_rows = c.num_attention_heads * c.head_dim
     kv_rows = c.num_key_value_heads * c.head_dim
+    offset = c.norm_weight_offset
     targets: dict[str, Target] = {
-        "model.embed_tokens.weight": (model.embed_tokens, None, None),
-        "model.norm.weight": (model.norm, None, None),
-        "lm_head.weight": (model.lm_head, None, None),
+        "model.embed_tokens.weight": (model.embed_tokens, None, None, 0.0),
+        "model.norm.weight": (model.norm, None, None, offset),
+        "lm_head.weight": (model.lm_head, None, None, 0.0),
     }
     if model.lm_head is None:
         del targets["lm_head.weight"]
+    norms = (
+        "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm",
+        "self_attn.q_norm", "self_attn.k_norm",
+    )  # fmt: skip
     for i, layer in enumerate(model.layers):
         p = f"model.layers.{i}."
+        for name in norms:
+            param = getattr(layer, name.removeprefix("self_attn."))
+            if param is not None:
+                targets[f"{p}{name}.weight"] = (param, None, None, offset)
         if layer.qkv_proj is None:  # quantized: the projections load through engine/loading/compressed.py
-            targets[f"{p}input_layernorm.weight"] = (layer.input_layernorm, None, None)
-            targets[f"{p}post_attention_layernorm.weight"] = (layer.post_attention_layernorm, None, None)
             continue
         qkv = {"q": (0, q_rows), "k": (q_rows, q_rows + kv_rows), "v": (q_rows + kv_rows, q_rows + 2 * kv_rows)}
         for n, (a, b) in qkv.items():
-            targets[f"{p}self_attn.{n}_proj.weight"] = (layer.qkv_proj, a, b)
+            targets[f"{p}self_attn.{n}_proj.weight"] = (layer.qkv_proj, a, b, 0.0)
             if layer.qkv_bias is not None:
-                targets[f"{p}self_attn.{n}_proj.bias"] = (layer.qkv_bias, a, b)
-        targets[f"{p}self_attn.o_proj.weight"] = (layer.o_proj, None, None)
+                targets[f"{p}self_attn.{n}_proj.bias"] = (layer.qkv_bias, a, b, 0.0)
+        targets[f"{p}self_attn.o_proj.weight"] = (layer.o_proj, None, None, 0.0)
         if layer.o_bias is not None:
-            targets[f"{p}self_attn.o_proj.bias"] = (layer.o_bias, None, None)
+            targets[f"{p}self_attn.o_proj.bias"] = (layer.o_bias, None, None, 0.0)
         inter = c.intermediate_size
-        targets[f"{p}mlp.gate_proj.weight"] = (layer.gate_up_proj, 0, inter)
-        targets[f"{p}mlp.up_proj.weight"] = (layer.gate_up_proj, inter, 2 * inter)
-        targets[f"{p}mlp.down_proj.weight"] = (layer.down_proj, None, None)
-        targets[f"{p}input_layernorm.weight"] = (layer.input_layernorm, None, None)
-        targets[f"{p}post_attention_layernorm.weight"] = (layer.post_attention_layernorm, None, None)
+        targets[f"{p}mlp.gate_proj.weight"] = (layer.gate_up_proj, 0, inter, 0.0)
+        targets[f"{p}mlp.up_proj.weight"] = (layer.gate_up_proj, inter, 2 * inter, 0.0)
+        targets[f"{p}mlp.down_proj.weight"] = (layer.down_proj, None, None, 0.0)
     return targets
+
+
+def fused_names(name: str, config: ModelConfig) -> list[tuple[str, slice]]:
+    """A fused checkpoint tensor's parts under the separate names
+    ``weight_targets`` knows, each with its rows (Phi-3's ``qkv_proj`` and
+    ``gate_up_proj``); empty for any other name."""
+    m = re.fullmatch(r"(model\.layers\.\d+\.)(self_attn\.qkv_proj|mlp\.gate_up_proj)\.weight", name)
+    if m is None:
+        return []
+    p, which = m.groups()
+    if which == "mlp.gate_up_proj":
+        inter = config.intermediate_size
+        return [(f"{p}mlp.gate_proj.weight", slice(0, inter)), (f"{p}mlp.up_proj.weight", slice(inter, 2 * inter))]
+    q_rows = config.num_attention_heads * config.head_dim
+    kv_rows = config.num_key_value_heads * config.head_dim
+    return [
+        (f"{p}self_attn.q_proj.weight", slice(0, q_rows)),
+        (f"{p}self_attn.k_proj.weight", slice(q_rows, q_rows + kv_rows)),
+        (f"{p}self_attn.v_proj.weight", slice(q_rows + kv_rows, q_rows + 2 * kv_rows)),
+    ]
 
 
 def copy_weights(targets: dict[str, Target], weights: Iterable[tuple[str, torch.Tensor]], config: ModelConfig) -> set[str]:
@@ -66,14 +92,22 @@ def copy_weights(targets: dict[str, Target], weights: Iterable[tuple[str, torch.
         for name, tensor in weights:
             if _IGNORED.fullmatch(name):
                 continue
+            parts = fused_names(name, config)
+            if parts:
+                rows = sum(s.stop - s.start for _, s in parts)
+                if tensor.dim() != 2 or tensor.shape[0] != rows:
+                    raise ModelLoadError(f"weight {name!r}: expected {rows} rows, got shape {tuple(tensor.shape)}")
+                loaded |= copy_weights(targets, [(n, tensor[s]) for n, s in parts], config)
+                loaded.add(name)
+                continue
             target = targets.get(name)
             if target is None:
                 raise ModelLoadError(f"unknown weight {name!r} for {config.architecture}")
-            param, start, stop = target
+            param, start, stop, offset = target
             dest = param if start is None else param[start:stop]
             if tuple(tensor.shape) != tuple(dest.shape):
                 raise ModelLoadError(f"weight {name!r}: expected shape {tuple(dest.shape)}, got {tuple(tensor.shape)}")
             if not (name == "lm_head.weight" and config.tie_word_embeddings):
-                dest.copy_(tensor)
+                dest.copy_(tensor.float() + offset if offset else tensor)
             loaded.add(name)
     return loaded

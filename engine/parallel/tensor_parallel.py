@@ -59,6 +59,21 @@ def check_tensor_parallel(config: ModelConfig, size: int) -> None:
     must split evenly."""
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise TensorParallelSizeError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
+    unsplit = [
+        name
+        for name, default in (
+            ("sandwich_norms", False), ("hidden_act", "silu"), ("embedding_multiplier", 1.0),
+            ("final_logit_softcapping", None),
+        )
+        if getattr(config, name) != default
+    ]  # fmt: skip
+    if size > 1 and unsplit:
+        # The shards' projections, embedding and LM head compute Llama's
+        # layer; Gemma's norms, GeGLU and scalings are not split yet.
+        raise TensorParallelSizeError(
+            f"tensor_parallel_size {size}: {config.architecture} is not split across ranks "
+            f"({', '.join(f'{n}={getattr(config, n)!r}' for n in unsplit)}); serve it with tensor_parallel_size 1"
+        )
     heads, kv = config.num_attention_heads, config.num_key_value_heads
     if heads % size:
         divisors = [d for d in range(1, heads + 1) if heads % d == 0]
