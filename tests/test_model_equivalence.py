@@ -1,6 +1,8 @@
 """Our paged-KV model against transformers, on tiny random-weight checkpoints.
 
-Each test saves a tiny Llama, Mistral or Qwen2 with ``save_pretrained``,
+Each test saves a tiny model of every dense family (Llama, Mistral, Qwen2,
+Qwen3, Gemma 2 and 3, Phi-3, SmolLM3, with sliding windows, soft-caps, yarn
+and longrope where the family has them) with ``save_pretrained``,
 loads it into our model, and runs several sequences through a small
 continuous-batching loop: prompts split into chunks in different ways,
 sequences starting at different steps so decode tokens share batches with
@@ -75,10 +77,81 @@ def _qwen2_config():
     )  # fmt: skip
 
 
+# Small enough windows that the five prompts (4-33 tokens, 16 steps on) pass them.
+WINDOW = 6
+SMALL = dict(
+    vocab_size=91, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+    max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)  # fmt: skip
+
+
+def _mistral_window_config():
+    return transformers.MistralConfig(**SMALL, num_hidden_layers=2, sliding_window=WINDOW)
+
+
+def _llama_yarn_config():
+    return transformers.LlamaConfig(
+        **SMALL, num_hidden_layers=2,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 32},
+    )  # fmt: skip
+
+
+def _qwen3_config():
+    # q/k norms; the second layer slides (use_sliding_window from max_window_layers on).
+    return transformers.Qwen3Config(
+        **SMALL, num_hidden_layers=2, head_dim=32, use_sliding_window=True, max_window_layers=1,
+        sliding_window=WINDOW, rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
+    )  # fmt: skip
+
+
+def _gemma2_config():
+    # Sliding and global layers alternate; both soft-caps set low enough to bite.
+    return transformers.Gemma2Config(
+        **{**SMALL, "tie_word_embeddings": True}, num_hidden_layers=3, head_dim=16, sliding_window=WINDOW,
+        query_pre_attn_scalar=24, attn_logit_softcapping=5.0, final_logit_softcapping=8.0,
+    )  # fmt: skip
+
+
+def _gemma3_config():
+    # Each layer type with its own rotary: a local base, and a scaled global one.
+    return transformers.Gemma3TextConfig(
+        **{**SMALL, "tie_word_embeddings": True}, num_hidden_layers=3, head_dim=32, sliding_window=WINDOW,
+        query_pre_attn_scalar=20, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                         "full_attention": {"rope_type": "linear", "rope_theta": 1000.0, "factor": 2.0}},
+    )  # fmt: skip
+
+
+def _phi3_config():
+    # Fused qkv and gate_up tensors, rotary over half of each head with
+    # longrope's per-frequency factors (within the original context, where
+    # transformers and the engine both take the short ones).
+    return transformers.Phi3Config(
+        **SMALL, num_hidden_layers=2, partial_rotary_factor=0.5, original_max_position_embeddings=64,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                         "short_factor": [1.0, 1.5, 2.0, 4.0], "long_factor": [2.0, 3.0, 4.0, 8.0],
+                         "original_max_position_embeddings": 64},
+    )  # fmt: skip
+
+
+def _smollm3_config():
+    # Every second layer without rotary (NoPE).
+    return transformers.SmolLM3Config(**SMALL, num_hidden_layers=4, no_rope_layer_interval=2)
+
+
 HF_MODELS = {
     "llama": (_llama_config, transformers.LlamaForCausalLM),
     "mistral": (_mistral_config, transformers.MistralForCausalLM),
     "qwen2": (_qwen2_config, transformers.Qwen2ForCausalLM),
+    "mistral-window": (_mistral_window_config, transformers.MistralForCausalLM),
+    "llama-yarn": (_llama_yarn_config, transformers.LlamaForCausalLM),
+    "qwen3": (_qwen3_config, transformers.Qwen3ForCausalLM),
+    "gemma2": (_gemma2_config, transformers.Gemma2ForCausalLM),
+    "gemma3": (_gemma3_config, transformers.Gemma3ForCausalLM),
+    "phi3": (_phi3_config, transformers.Phi3ForCausalLM),
+    "smollm3": (_smollm3_config, transformers.SmolLM3ForCausalLM),
 }
 
 
