@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trioserve.engine.config import ModelConfig
+from trioserve.engine.models.hf_fallback import resolve_model_config
 from trioserve.engine.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
@@ -182,8 +182,9 @@ def convert_here(gguf_path: Path, out_dir: Path) -> None:
         model_type = hf_config.get("model_type")
         if not hf_config.get("architectures") and model_type in _ARCH_BY_MODEL_TYPE:
             hf_config["architectures"] = [_ARCH_BY_MODEL_TYPE[model_type]]
-        # Refuse an unsupported architecture before writing gigabytes.
-        ModelConfig.from_hf_config(hf_config, source=str(gguf_path))
+        # Refuse an architecture that runs neither natively nor on the
+        # transformers fallback before writing gigabytes.
+        resolve_model_config(hf_config, source=str(gguf_path))
         (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True))
         progress.advance(note="config written")
         _write_weights(model, out_dir / "model.safetensors", tied=bool(hf_config.get("tie_word_embeddings")))

