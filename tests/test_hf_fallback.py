@@ -9,14 +9,17 @@ Logits through the paged cache match transformers' full recompute in the
 continuous-batching loop of test_model_equivalence.py; greedy tokens
 through the real engine match ``generate``, with prefix-cache hits; aborts
 and deadlines free every KV block; bad checkpoints and architectures that
-run neither way are refused naming the tensor or the architecture.
+run neither way are refused naming the tensor or the architecture; the
+load log and ``/v1/models`` say the model runs on the fallback.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 
+import httpx
 import pytest
 import safetensors.torch
 import torch
@@ -24,6 +27,7 @@ import transformers
 import trio
 import trio.testing
 from conftest import make_core
+from server_fixtures import serving
 from test_engine_core import run_all
 from test_model_equivalence import NUM_DECODE_STEPS, SCHEMES, _check_against_hf, _run
 
@@ -44,6 +48,8 @@ from trioserve.engine.models.hf_fallback import (
 from trioserve.engine.parallel.tp_runner import start_tensor_parallel
 from trioserve.engine.sampling.sampling_params import SamplingParams
 from trioserve.testing.tiny_model import write_word_tokenizer
+from trioserve.web.app import create_app
+from trioserve.web.settings import ModelSpec, ServerConfig
 
 VOCAB = 61
 SIZES = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -312,6 +318,22 @@ def test_features_only_native_families_have_are_refused_naming_the_option(tmp_pa
     with pytest.raises(ModelLoadError, match=r"does not support tensor parallelism \(tensor_parallel_size=2"):
         start_tensor_parallel(EngineConfig(model=str(tmp_path), tensor_parallel_size=2))
     assert load_model(str(tmp_path), quantization="auto").model.projection_choice.quantization is None
+
+
+async def test_the_log_and_v1_models_say_it_runs_on_the_fallback(tmp_path, caplog):
+    _save("olmo", tmp_path)
+    engine = EngineConfig(kv_cache_memory=16 << 20, warm_up=False, **ENGINE)
+    config = ServerConfig(engine=engine, models=(ModelSpec("tiny-olmo", str(tmp_path)),), shutdown_timeout=5.0)
+    with caplog.at_level(logging.WARNING, logger="trioserve"):
+        async with serving(create_app(config)) as running, httpx.AsyncClient(base_url=running.url, timeout=60) as http:
+            models = (await http.get("/v1/models")).json()["data"]
+            completion = await http.post(
+                "/v1/completions", json={"model": "tiny-olmo", "prompt": "w3 w4 w5", "max_tokens": 4, "temperature": 0}
+            )
+    assert [(m["id"], m["implementation"]) for m in models] == [("tiny-olmo", "transformers")]
+    assert completion.status_code == 200 and completion.json()["usage"]["completion_tokens"] == 4
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("runs on the transformers fallback" in w and "slower" in w for w in warnings), warnings
 
 
 def test_a_model_with_layers_that_do_not_attend_is_refused_at_its_probe_step(tmp_path):

@@ -98,6 +98,8 @@ async def list_models() -> Response:
                 "max_model_len": served.max_model_len if served is not None else host.config.engine.max_model_len,
                 # What fills the sampling fields a request leaves out, and where it comes from.
                 "sampling_defaults": served.engine.sampling_defaults.as_json() if served is not None else None,
+                # "native", or "transformers": the slower transformers fallback (engine/models/hf_fallback.py).
+                "implementation": served.implementation if served is not None else None,
             }
         )
     return json_response({"object": "list", "data": data})

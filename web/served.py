@@ -10,6 +10,7 @@ from trioserve.actors import Engine
 from trioserve.actors.statistics import EngineStatistics
 from trioserve.engine.core.outputs import RequestOutput
 from trioserve.engine.core.sequence import FinishReason
+from trioserve.engine.models.hf_fallback import implementation
 
 from .logprobs import TokenTexts
 from .metrics import Metrics
@@ -63,6 +64,12 @@ class ServedModel:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def implementation(self) -> str:
+        """What runs the model: ``"native"`` (a family of engine/models) or
+        ``"transformers"`` (the slower transformers fallback, hf_fallback.py)."""
+        return implementation(self.engine.model_config)
 
     def observe(self, output: RequestOutput, num_completions: int) -> None:
         """Feed one delta to the metrics."""
