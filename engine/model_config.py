@@ -20,6 +20,8 @@ SUPPORTED_ARCHITECTURES = (
     "Gemma3ForCausalLM",
     "Phi3ForCausalLM",
     "SmolLM3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
 )
 # config.json's model_type, for a config without ``architectures`` (a GGUF's).
 ARCHITECTURE_BY_MODEL_TYPE = {
@@ -31,7 +33,11 @@ ARCHITECTURE_BY_MODEL_TYPE = {
     "gemma3_text": "Gemma3ForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
+# config.json's model_type -> how its mixture of experts routes (models/moe.py).
+MOE_MODEL_TYPES = {"qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "gpt_oss": "gpt_oss"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 # MLP activations: SwiGLU's SiLU, and GeGLU's tanh-approximated GELU (Gemma).
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -121,6 +127,17 @@ class ModelConfig:
     # Gemma 2: ``c * tanh(x / c)`` on attention scores and on the final logits.
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    # Mixture of experts (``moe_fields``): the layers in ``moe_layers`` run a
+    # sparse block of ``num_experts`` experts of ``moe_intermediate_size``,
+    # ``num_experts_per_tok`` per token, routed as ``moe_routing`` says.
+    moe_routing: str | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    moe_layers: tuple[int, ...] = ()
 
     @property
     def max_context_len(self) -> int:
@@ -234,14 +251,60 @@ class ModelConfig:
             hidden_act=act,
             # Llama's attention_bias covers o_proj too; Qwen2's q/k/v only.
             o_bias=bias and arch == "LlamaForCausalLM",
-            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             norm_weight_offset=1.0 if gemma else 0.0,
             embedding_multiplier=hidden**0.5 if gemma else 1.0,
             sandwich_norms=gemma,
             attention_scale=None if scalar is None else float(scalar) ** -0.5,
             attn_logit_softcapping=_optional_float(hf, "attn_logit_softcapping") if gemma else None,
             final_logit_softcapping=_optional_float(hf, "final_logit_softcapping") if gemma else None,
+            **moe_fields(hf, source=source),
         )
+
+
+def _first(hf: dict[str, Any], keys: tuple[str, ...], source: str) -> Any:
+    for key in keys:
+        if hf.get(key) is not None:
+            return hf[key]
+    raise ModelLoadError(f"{source}: required field {keys[0]!r} is missing")
+
+
+def moe_fields(hf: dict[str, Any], *, source: str = "config.json") -> dict[str, Any]:
+    """The experts of a Qwen3-MoE, Mixtral or gpt-oss config.json as
+    ``ModelConfig``'s fields: ``moe_routing``, ``num_experts``,
+    ``num_experts_per_tok``, ``moe_intermediate_size`` (an expert's),
+    ``norm_topk_prob``, ``swiglu_alpha``, ``swiglu_limit`` and ``moe_layers``
+    (the indices of the layers whose MLP is the sparse block; the others are
+    dense, of ``intermediate_size``). Empty for any other ``model_type``."""
+    routing = MOE_MODEL_TYPES.get(hf.get("model_type", ""))
+    if routing is None:
+        return {}
+    layers = int(_first(hf, ("num_hidden_layers",), source))
+    # transformers writes Qwen3-MoE's num_experts as num_local_experts
+    # (its attribute map); the Hub's config.json says num_experts.
+    experts = int(_first(hf, ("num_experts", "num_local_experts"), source))
+    top_k = int(_first(hf, ("num_experts_per_tok", "experts_per_token"), source))
+    if not 0 < top_k <= experts:
+        raise ModelLoadError(f"{source}: num_experts_per_tok {top_k} must be in 1..{experts} (the experts)")
+    if routing == "qwen3_moe":
+        inter = int(_first(hf, ("moe_intermediate_size",), source))
+        step = int(hf.get("decoder_sparse_step") or 1)
+        dense = set(hf.get("mlp_only_layers") or ())
+        # transformers' Qwen3MoeDecoderLayer's rule.
+        moe_layers = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+    else:
+        inter = int(_first(hf, ("intermediate_size",), source))
+        moe_layers = tuple(range(layers))
+    return {
+        "moe_routing": routing,
+        "num_experts": experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": inter,
+        "norm_topk_prob": bool(hf.get("norm_topk_prob", False)) if routing == "qwen3_moe" else routing == "mixtral",
+        "swiglu_alpha": float(hf.get("swiglu_alpha", 1.702)),
+        "swiglu_limit": float(hf.get("swiglu_limit", 7.0)),
+        "moe_layers": moe_layers,
+    }
 
 
 def _optional_float(hf: dict[str, Any], key: str) -> float | None:
@@ -273,7 +336,7 @@ def _windows(hf: dict[str, Any], arch: str, layers: int, source: str) -> tuple[i
     if types is None:
         if arch == "LlamaForCausalLM" or window is None:
             return None, ()
-        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "SmolLM3ForCausalLM"):
+        if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "SmolLM3ForCausalLM"):
             if not hf.get("use_sliding_window", False):
                 return None, ()
             first = int(hf.get("max_window_layers", 0) or 0)

@@ -141,6 +141,18 @@ def _smollm3_config():
     return transformers.SmolLM3Config(**SMALL, num_hidden_layers=4, no_rope_layer_interval=2)
 
 
+def _qwen3_moe_config():
+    # A dense layer then a sparse one (mlp_only_layers), top-2 of 4, renormalised.
+    return transformers.Qwen3MoeConfig(
+        **SMALL, num_hidden_layers=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[0],
+    )  # fmt: skip
+
+
+def _mixtral_config():
+    return transformers.MixtralConfig(**SMALL, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2)
+
+
 HF_MODELS = {
     "llama": (_llama_config, transformers.LlamaForCausalLM),
     "mistral": (_mistral_config, transformers.MistralForCausalLM),
@@ -152,6 +164,8 @@ HF_MODELS = {
     "gemma3": (_gemma3_config, transformers.Gemma3ForCausalLM),
     "phi3": (_phi3_config, transformers.Phi3ForCausalLM),
     "smollm3": (_smollm3_config, transformers.SmolLM3ForCausalLM),
+    "qwen3-moe": (_qwen3_moe_config, transformers.Qwen3MoeForCausalLM),
+    "mixtral": (_mixtral_config, transformers.MixtralForCausalLM),
 }
 
 
@@ -175,7 +189,7 @@ def _save_tiny(kind: str, path) -> transformers.PreTrainedModel:
                 p.copy_(torch.randn_like(p))
             else:
                 gain = 2.0 if ("q_proj" in name or "k_proj" in name) else 1.0
-                p.copy_(gain * torch.randn_like(p) / math.sqrt(p.shape[1]))
+                p.copy_(gain * torch.randn_like(p) / math.sqrt(p.shape[-1]))
     hf.save_pretrained(path)
     return hf
 

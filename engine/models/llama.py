@@ -33,7 +33,9 @@ from trioserve.engine.kernels.native_decode import NativeDecode, decode_head, un
 from trioserve.engine.kernels.projections import QuantizedProjections
 from trioserve.engine.layers.rotary import RotaryEmbedding, apply_rotary
 from trioserve.engine.models.invariance import Invariance, compressed_on_cpu, float_on_cpu, on_device
-from trioserve.engine.models.weights import copy_weights, weight_targets
+from trioserve.engine.models import moe_weights
+from trioserve.engine.models.moe import GroupedExperts, SparseMoeBlock
+from trioserve.engine.models.weights import Target, copy_weights, weight_targets
 from trioserve.engine.models.projections import (
     PackedProjections,
     PlainProjections,
@@ -94,8 +96,26 @@ class DecoderLayer(nn.Module):
         sandwich = config.sandwich_norms
         self.pre_feedforward_layernorm = _param(hidden, dtype=dtype, device=device) if sandwich else None
         self.post_feedforward_layernorm = _param(hidden, dtype=dtype, device=device) if sandwich else None
+        # A mixture-of-experts layer's MLP is the sparse block (models/moe.py).
+        self.mlp: SparseMoeBlock | None = None
+        if index in config.moe_layers:
+            assert config.moe_routing is not None
+            self.mlp = SparseMoeBlock(
+                hidden, config.moe_intermediate_size, config.num_experts, config.num_experts_per_tok,
+                config.moe_routing, norm_topk_prob=config.norm_topk_prob, swiglu_alpha=config.swiglu_alpha,
+                swiglu_limit=config.swiglu_limit, dtype=dtype, device=device, float_experts=float_projections,
+            )  # fmt: skip
+            proj = lambda *shape, **kw: None  # noqa: E731
         self.gate_up_proj = proj(2 * config.intermediate_size, hidden, dtype=dtype, device=device)
         self.down_proj = proj(hidden, config.intermediate_size, dtype=dtype, device=device)
+
+    def mlp_targets(self, layer_prefix: str) -> tuple[dict[str, Target], set[str]]:
+        """A mixture-of-experts layer's checkpoint names -> targets, and the
+        names a complete block needs (``models/moe_weights.py``)."""
+        assert self.mlp is not None
+        return moe_weights.weight_targets(self.mlp, layer_prefix), moe_weights.required_weight_names(
+            self.mlp, layer_prefix
+        )
 
     def forward(
         self,
@@ -151,19 +171,46 @@ class DecoderLayer(nn.Module):
     def projections(self, pack: bool) -> Projections:
         """This layer's projections, on packed copies of its weights when ``pack``."""
         if not pack:
-            return PlainProjections(
+            made: Projections = PlainProjections(
                 self.qkv_proj, self.qkv_bias, self.o_proj, self.o_bias, self.gate_up_proj, self.down_proj
             )
-        gate, up = self.gate_up_proj.chunk(2)
-        return PackedProjections(
-            onednn.pack(self.qkv_proj),
-            self.qkv_bias,
-            onednn.pack(self.o_proj),
-            self.o_bias,
-            onednn.pack(gate),
-            onednn.pack(up),
-            onednn.pack(self.down_proj),
-        )
+        else:
+            gate, up = (None, None) if self.gate_up_proj is None else self.gate_up_proj.chunk(2)
+            made = PackedProjections(
+                onednn.pack(self.qkv_proj),
+                self.qkv_bias,
+                onednn.pack(self.o_proj),
+                self.o_bias,
+                None if gate is None else onednn.pack(gate),
+                None if up is None else onednn.pack(up),
+                None if self.down_proj is None else onednn.pack(self.down_proj),
+            )
+        return made if self.mlp is None else ExpertProjections(made, self.mlp.experts(pack))
+
+
+@attrs.frozen
+class ExpertProjections:
+    """A mixture-of-experts layer's projections: attention's from ``attention``,
+    the MLP the sparse block's grouped experts (the gate's activation is the
+    block's own)."""
+
+    attention: Projections
+    experts: GroupedExperts
+
+    def qkv(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attention.qkv(x)
+
+    def o_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.attention.o_add(x, residual)
+
+    def o(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attention.o(x)
+
+    def mlp(self, x: torch.Tensor, activation: str) -> torch.Tensor:
+        return self.experts(x)
+
+    def mlp_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.experts(x).add_(residual)
 
 
 @attrs.frozen
@@ -449,6 +496,11 @@ class LlamaForCausalLM(nn.Module):
         """Checkpoint names ``load_weights`` must see for a complete model
         (no ``lm_head.weight`` when the embeddings are tied)."""
         names = set(self._targets)
+        for i, layer in enumerate(self.layers):
+            if layer.mlp is not None:
+                # The block takes the Hub's names and transformers' fused ones: it needs one set.
+                targets, required = layer.mlp_targets(f"model.layers.{i}.")
+                names = (names - set(targets)) | required
         if self.config.tie_word_embeddings:
             names.discard("lm_head.weight")
         return names

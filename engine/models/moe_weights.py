@@ -21,6 +21,7 @@ import attrs
 import torch
 
 from trioserve.engine.errors import ModelLoadError
+from trioserve.engine.model_config import MOE_MODEL_TYPES, moe_fields  # noqa: F401  # moe_fields: where the config reads them
 from trioserve.engine.kernels import int8_native, mxfp4
 from trioserve.engine.kernels.choose import ROW_INVARIANT_ISAS, KernelChoice, Linear
 from trioserve.engine.kernels.int4_native import Int4NativeLinear
@@ -31,52 +32,6 @@ from trioserve.engine.models.weights import Target
 Weight = torch.Tensor | Int4Weight | Int8Weight | Int8GroupWeight
 
 # config.json's model_type -> the routing (moe.ROUTINGS) of that family.
-MOE_MODEL_TYPES = {"qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "gpt_oss": "gpt_oss"}
-
-
-def _first(hf: dict[str, Any], keys: tuple[str, ...], source: str) -> Any:
-    for key in keys:
-        if hf.get(key) is not None:
-            return hf[key]
-    raise ModelLoadError(f"{source}: {hf.get('model_type')} config lacks {' or '.join(keys)}")
-
-
-def moe_fields(hf: dict[str, Any], *, source: str = "config.json") -> dict[str, Any]:
-    """The experts of a Qwen3-MoE, Mixtral or gpt-oss config.json as plain
-    values: ``moe_routing``, ``num_experts``, ``num_experts_per_tok``,
-    ``moe_intermediate_size`` (an expert's), ``norm_topk_prob``,
-    ``swiglu_alpha``, ``swiglu_limit`` and ``moe_layers`` (the indices of the
-    layers whose MLP is the sparse block; the others are dense, of the
-    config's ``intermediate_size``). Empty for any other ``model_type``."""
-    routing = MOE_MODEL_TYPES.get(hf.get("model_type", ""))
-    if routing is None:
-        return {}
-    layers = int(_first(hf, ("num_hidden_layers",), source))
-    # transformers writes Qwen3-MoE's num_experts as num_local_experts
-    # (its attribute map); the Hub's config.json says num_experts.
-    experts = int(_first(hf, ("num_experts", "num_local_experts"), source))
-    top_k = int(_first(hf, ("num_experts_per_tok", "experts_per_token"), source))
-    if not 0 < top_k <= experts:
-        raise ModelLoadError(f"{source}: num_experts_per_tok {top_k} must be in 1..{experts} (the experts)")
-    if routing == "qwen3_moe":
-        inter = int(_first(hf, ("moe_intermediate_size",), source))
-        step = int(hf.get("decoder_sparse_step") or 1)
-        dense = set(hf.get("mlp_only_layers") or ())
-        # transformers' Qwen3MoeDecoderLayer's rule.
-        moe_layers = tuple(i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
-    else:
-        inter = int(_first(hf, ("intermediate_size",), source))
-        moe_layers = tuple(range(layers))
-    return {
-        "moe_routing": routing,
-        "num_experts": experts,
-        "num_experts_per_tok": top_k,
-        "moe_intermediate_size": inter,
-        "norm_topk_prob": bool(hf.get("norm_topk_prob", False)) if routing == "qwen3_moe" else routing == "mixtral",
-        "swiglu_alpha": float(hf.get("swiglu_alpha", 1.702)),
-        "swiglu_limit": float(hf.get("swiglu_limit", 7.0)),
-        "moe_layers": moe_layers,
-    }
 
 
 def block_prefix(block: SparseMoeBlock, layer_prefix: str) -> str:

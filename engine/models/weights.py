@@ -45,6 +45,8 @@ def weight_targets(model: nn.Module) -> dict[str, Target]:
             param = getattr(layer, name.removeprefix("self_attn."))
             if param is not None:
                 targets[f"{p}{name}.weight"] = (param, None, None, offset)
+        if layer.mlp is not None:  # a mixture of experts: the sparse block's names (models/moe_weights.py)
+            targets.update(layer.mlp_targets(p)[0])
         if layer.qkv_proj is None:  # quantized: the projections load through engine/loading/compressed.py
             continue
         qkv = {"q": (0, q_rows), "k": (q_rows, q_rows + kv_rows), "v": (q_rows + kv_rows, q_rows + 2 * kv_rows)}
@@ -56,6 +58,8 @@ def weight_targets(model: nn.Module) -> dict[str, Target]:
         if layer.o_bias is not None:
             targets[f"{p}self_attn.o_proj.bias"] = (layer.o_bias, None, None, 0.0)
         inter = c.intermediate_size
+        if layer.gate_up_proj is None:
+            continue
         targets[f"{p}mlp.gate_proj.weight"] = (layer.gate_up_proj, 0, inter, 0.0)
         targets[f"{p}mlp.up_proj.weight"] = (layer.gate_up_proj, inter, 2 * inter, 0.0)
         targets[f"{p}mlp.down_proj.weight"] = (layer.down_proj, None, None, 0.0)
