@@ -104,7 +104,8 @@ def test_tools_and_tool_history_reach_the_default_models_prompt():
     ]
     request = ChatCompletionRequest.from_json({"messages": history, "tools": [WEATHER]})
     assert request.renders_tools
-    text = tokenizer().decode(render_prompt(tokenizer(), request.engine_prompt, request.tools))
+    ids, text = render_prompt(tokenizer(), request.engine_prompt, request.tools)
+    assert tokenizer().decode(ids) == text
     assert '"name": "get_weather"' in text and "The weather in a city" in text
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
     assert "<tool_response>\n12C and rain\n</tool_response>" in text

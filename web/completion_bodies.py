@@ -24,8 +24,7 @@ import attrs
 from trioserve.engine.core.sequence import FinishReason
 
 from .logprobs import TokenTexts, chat_logprobs, completion_logprobs
-from .tool_stream import StreamedCalls
-from .tools import ToolChoice, parse_tool_calls
+from .output_reader import ChatReading, StreamedChoice
 
 if TYPE_CHECKING:
     from trioserve.engine.core.outputs import RequestOutput
@@ -174,9 +173,10 @@ class ChatCompletionStream:
     include_usage: bool = False
     id: str = attrs.field(factory=chat_completion_id)
     created: int = attrs.field(factory=_now)
-    tools: ToolChoice | None = None  # tool calls are read out of the text (web/tools.py)
+    # Reasoning and tool calls read out of the text (web/output_reader.py).
+    reading: ChatReading = attrs.field(factory=ChatReading)
     _choices: _Choices = attrs.field(factory=_Choices, init=False)
-    _calls: dict[int, StreamedCalls] = attrs.field(factory=dict, init=False)
+    _readers: dict[int, StreamedChoice] = attrs.field(factory=dict, init=False)
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         chunk = {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model}
@@ -202,29 +202,30 @@ class ChatCompletionStream:
         logprobs = None
         if self.texts is not None and output.logprobs:
             logprobs = {"content": chat_logprobs(output.logprobs, self.texts), "refusal": None}
-        if self.tools is not None:
-            return chunks + self._tool_chunks(output, logprobs)
+        if self.reading.active:
+            return chunks + self._read_chunks(output, logprobs)
         if output.text_delta or logprobs is not None or output.finish_reason is not None:
             delta = {"content": output.text_delta} if output.text_delta or logprobs is not None else {}
             chunks.append(self._chunk([self._choice(output.index, delta, logprobs, output)]))
         return chunks
 
-    def _tool_chunks(self, output: RequestOutput, logprobs: Any) -> list[dict[str, Any]]:
-        # A call's first delta (index, id, type, name) goes once its name is
-        # known, then its arguments as they come (web/tool_stream.py).
-        assert self.tools is not None
-        calls_state = self._calls.setdefault(output.index, StreamedCalls(self.tools))
-        piece = calls_state.feed(output.text_delta)
-        if output.finish_reason is not None:
-            piece += calls_state.finish()
+    def _read_chunks(self, output: RequestOutput, logprobs: Any) -> list[dict[str, Any]]:
+        # Reasoning goes as delta.reasoning_content; a call's first delta
+        # (index, id, type, name) goes once its name is known, then its
+        # arguments as they come (web/tool_stream.py).
+        reader = self._readers.setdefault(output.index, StreamedChoice(self.reading))
+        read = reader.feed(output.text_delta, final=output.finish_reason is not None)
+        piece = read.piece
         chunks = []
+        if read.reasoning:
+            chunks.append(self._chunk([self._choice(output.index, {"reasoning_content": read.reasoning})]))
         if piece.content or logprobs is not None:
             chunks.append(self._chunk([self._choice(output.index, {"content": piece.content}, logprobs)]))
         if piece.tool_calls:
             chunks.append(self._chunk([self._choice(output.index, {"tool_calls": list(piece.tool_calls)})]))
         if output.finish_reason is not None:
             final = self._choice(output.index, {}, None, output)
-            if calls_state.num_calls and output.finish_reason is FinishReason.STOP:
+            if reader.num_calls and output.finish_reason is FinishReason.STOP:
                 final["finish_reason"] = "tool_calls"
             chunks.append(self._chunk([final]))
         return chunks
@@ -288,20 +289,21 @@ class OutputAccumulator:
         return self._body(model, "text_completion", id or completion_id(), created, content)
 
     def chat_completion_body(
-        self, model: str, *, id: str | None = None, created: int | None = None, tools: ToolChoice | None = None
+        self, model: str, *, id: str | None = None, created: int | None = None, reading: ChatReading | None = None
     ) -> dict[str, Any]:
-        """A ``chat.completion`` body; with ``tools``, the calls in a choice's
-        text become ``message.tool_calls`` and its finish reason ``tool_calls``."""
+        """A ``chat.completion`` body; ``reading`` says how a choice's text
+        is read (web/output_reader.py): its reasoning becomes
+        ``message.reasoning_content``, its calls ``message.tool_calls`` and
+        its finish reason ``tool_calls``."""
 
         def content(choice: _Choice) -> dict[str, Any]:
             logprobs = None
             if self.texts is not None:
                 logprobs = {"content": chat_logprobs(choice.logprobs, self.texts), "refusal": None}
-            message: dict[str, Any] = {"role": "assistant", "content": "".join(choice.text)}
-            if tools is not None:
-                message["content"], calls = parse_tool_calls(message["content"], tools)
-                if calls:
-                    message["tool_calls"] = calls
+            text = "".join(choice.text)
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if reading is not None and reading.active:
+                message = reading.message(text)
             return {"message": message, "logprobs": logprobs}
 
         body = self._body(model, "chat.completion", id or chat_completion_id(), created, content)

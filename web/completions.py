@@ -33,6 +33,7 @@ from trioserve.actors import RequestStream
 from trioserve.actors.errors import RequestDropped, RequestFailed
 from trioserve.actors.deltas import final_output
 from trioserve.engine.errors import TrioserveError
+from trioserve.engine.core.new_request import RequestInput
 from trioserve.engine.core.outputs import RequestOutput
 from trioserve.engine.plugins import RequestContext
 
@@ -47,6 +48,10 @@ from .responses import json_response
 from .served import ServedModel
 from .sse import SSE_DONE, sse_error, sse_events
 from .timeouts import effective_timeout, parse_timeout_header
+from .output_reader import ChatReading
+from .parsers import OutputParsers
+from .reasoning import prompt_opens_thinking
+from .settings import ServerConfig
 from .tools import render_prompt
 
 log = logging.getLogger(__name__)
@@ -98,13 +103,13 @@ async def _generate(kind: type[CompletionRequest] | type[ChatCompletionRequest],
         parsed.timeout, parse_timeout_header(request.headers.get(TIMEOUT_HEADER)), host.config.max_request_time
     )
     new = parsed.request
-    tools = parsed.tools if chat else None
     # What the request samples with, the fields the body left out taken
     # from the model's defaults (as the engine takes them): for the trace.
     params = served.engine.sampling_defaults.apply(parsed.params)
+    reading = None
     try:
-        if chat and parsed.renders_tools:
-            new = attrs.evolve(new, prompt=render_prompt(served.engine.tokenizer, parsed.engine_prompt, tools))
+        if chat:
+            new, reading = _chat_input(parsed, new, served, host.config)
         # A schema, regex or grammar compiles in a worker thread (cached).
         await served.engine.prepare(parsed.params)
         stream = request_ids.submit_nowait(served.engine, new, deadline=None if timeout is None else arrival + timeout)
@@ -119,8 +124,8 @@ async def _generate(kind: type[CompletionRequest] | type[ChatCompletionRequest],
             first = await _first_output(stream, served, parsed.params.n, log_requests=log_requests)
         builder_kind = ChatCompletionStream if chat else CompletionStream
         builder = builder_kind(served.name, texts=texts, include_usage=parsed.include_usage)
-        if tools is not None:
-            builder.tools = tools
+        if reading is not None:
+            builder.reading = reading
         response = Response(
             _sse_body(stream, builder, served, parsed.params.n, first, log_requests=log_requests),
             content_type="text/event-stream; charset=utf-8",
@@ -141,8 +146,35 @@ async def _generate(kind: type[CompletionRequest] | type[ChatCompletionRequest],
         served.metrics.forget(stream.request_id)
     if accumulator.timed_out:
         raise RequestTimeout(timeout, accumulator.num_output_tokens)
-    body = accumulator.chat_completion_body(served.name, tools=tools) if chat else accumulator.completion_body(served.name)
+    body = accumulator.chat_completion_body(served.name, reading=reading) if chat else accumulator.completion_body(served.name)
     return json_response(body)
+
+
+def _chat_input(
+    parsed: ChatCompletionRequest, new: RequestInput, served: ServedModel, config: ServerConfig
+) -> tuple[RequestInput, ChatReading]:
+    """The chat request's input and how its output is read (web/parsers.py):
+    the prompt is rendered here when it shows tools, takes template
+    variables, or a reasoning parser must know whether it opens the
+    reasoning; the parsers' special tokens are kept in the text unless the
+    request said otherwise."""
+    tokenizer = served.engine.tokenizer
+    parsers = OutputParsers.for_template(tokenizer.chat_template, config.reasoning_parser, config.tool_call_parser)
+    starts_inside = False
+    if parsed.renders_tools or parsed.chat_template_kwargs or parsers.reasoning is not None:
+        ids, text = render_prompt(
+            tokenizer,
+            parsed.engine_prompt,
+            parsed.tools,
+            with_tools=parsed.renders_tools,
+            template_kwargs=dict(parsed.chat_template_kwargs or {}),
+        )
+        new = attrs.evolve(new, prompt=ids)
+        starts_inside = prompt_opens_thinking(text)
+    if parsers.special_tokens(parsed.tools is not None) and not parsed.sets_special_tokens:
+        new = attrs.evolve(new, params=attrs.evolve(new.params, skip_special_tokens=False))
+    reading = ChatReading(parsers.reasoning, starts_inside, parsed.tools, parsers.tools)
+    return new, reading
 
 
 def _refusal(error: ApiError, chat: bool) -> ApiError:

@@ -206,6 +206,10 @@ class ChatCompletionRequest:
     include_usage: bool = False
     timeout: float | None = None
     tools: ToolChoice | None = None
+    # Extra variables for the chat template (``enable_thinking``, ...).
+    chat_template_kwargs: Mapping[str, Any] | None = None
+    # Whether the body set skip_special_tokens (else a parser may need them kept).
+    sets_special_tokens: bool = False
 
     @property
     def params(self) -> SamplingParams:
@@ -266,7 +270,32 @@ class ChatCompletionRequest:
             stream=stream,
             include_usage=_stream_options(body, stream),
             timeout=timeout_field(body),
+            chat_template_kwargs=chat_template_kwargs(body),
+            sets_special_tokens=body.get("skip_special_tokens") is not None,
         )
+
+
+# The names the chat template is rendered with: a request may not set them.
+RESERVED_TEMPLATE_NAMES = frozenset(
+    {"messages", "conversation", "tools", "documents", "add_generation_prompt", "chat_template", "tokenize", "return_dict"}
+)
+
+
+def chat_template_kwargs(body: dict[str, Any]) -> dict[str, Any] | None:
+    """The body's ``chat_template_kwargs`` (vLLM's): an object of extra
+    template variables, such as Qwen3's ``enable_thinking``."""
+    value = body.get("chat_template_kwargs")
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidRequest("chat_template_kwargs must be an object", param="chat_template_kwargs")
+    for name in value:
+        if name in RESERVED_TEMPLATE_NAMES or name.startswith("_"):
+            raise InvalidRequest(
+                f"chat_template_kwargs may not set {name!r}: the server renders the template with it",
+                param=f"chat_template_kwargs.{name}",
+            )
+    return value or None
 
 
 def _check_field(name: str, value: Any) -> None:

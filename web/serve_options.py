@@ -27,6 +27,7 @@ from .engine_options import (
     option_group,
     overload_config_from_args,
 )
+from .parsers import REASONING_CHOICES, TOOL_CALL_CHOICES
 from .option_types import count, recording, seconds, size_in_bytes, watchdog_seconds
 from .settings import (
     DEFAULT_BODY_TIMEOUT,
@@ -97,6 +98,20 @@ def _add_serve_options(parser: argparse.ArgumentParser) -> list[argparse.Action]
         default=(),
         help="plugins to load, by entry-point name, comma-separated (docs/api.md, 'Plugins'); "
         "an unknown name stops startup (default: none)",
+    )
+    add(
+        "--reasoning-parser",
+        choices=REASONING_CHOICES,
+        default=None,
+        help="how a reasoning model's thinking is read into reasoning_content: "
+        "qwen3 (<think>), deepseek_r1, gpt_oss (harmony), none; default: from the chat template",
+    )
+    add(
+        "--tool-call-parser",
+        choices=TOOL_CALL_CHOICES,
+        default=None,
+        help="how the model writes tool calls: hermes, llama3_json, mistral, qwen3_coder, openai (harmony); "
+        "default: from the chat template",
     )
     add(
         "--grpc-port",
@@ -184,6 +199,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         grpc_port=args.grpc_port,
         grpc_host=args.host,
+        reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser,
     )
 
 

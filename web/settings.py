@@ -19,6 +19,8 @@ from trioserve.engine.config import EngineConfig
 from trioserve.engine.loading.sources import DEFAULT_MODEL_NAME
 from trioserve.engine.validators import optional_positive, positive
 
+from .parsers import REASONING_CHOICES, TOOL_CALL_CHOICES
+
 DEFAULT_MAX_BODY_SIZE = 1 << 20
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 # Connection timeouts, in seconds (docs/api.md, "Connections"): an idle
@@ -128,6 +130,10 @@ class ServerConfig:
     # the HTTP server when grpc_port is set (0 picks a free port).
     grpc_port: int | None = attrs.field(default=None, validator=_optional_port)
     grpc_host: str = "127.0.0.1"
+    # How chat output is read (web/parsers.py): None or "auto" picks by
+    # each model's chat template; "none" turns reasoning parsing off.
+    reasoning_parser: str | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.in_(REASONING_CHOICES)))
+    tool_call_parser: str | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.in_(TOOL_CALL_CHOICES)))
 
     @property
     def model_names(self) -> tuple[str, ...]:

@@ -5,8 +5,10 @@ The tools go into the prompt through the model's own chat template when it
 takes ``tools``; a ChatML template without tool support (the default
 model's) gets ``CHATML_TOOLS_TEMPLATE``, ChatML in the Hermes/Qwen2 style;
 any other template without tool support is refused (400 naming ``tools``).
-The model calls a tool by writing ``<tool_call>{"name": ..., "arguments":
-...}</tool_call>``. With ``tool_choice: "required"`` the output is
+The model calls a tool in its family's format (web/parsers.py picks it;
+Hermes' ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` by
+default, the others in web/tool_format_*.py and web/harmony.py). With
+``tool_choice: "required"`` the output is
 constrained to one ``{"name", "arguments"}`` object of a listed tool, and
 with a named function to that function's arguments, so both always parse.
 A streamed response reads the calls as they are generated: web/tool_stream.py.
@@ -24,10 +26,10 @@ import attrs
 from trioserve.engine.sampling.structured_output import StructuredOutput
 
 from .errors import InvalidRequest
+from .tool_format import ToolFormat
+from .tool_format_json import HermesFormat, NamedFormat, RequiredFormat
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
-_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 # An object schema with no properties: strict JSON-schema compilers would
 # allow only "{}" for a bare {"type": "object"}.
 _ANY_OBJECT = {"type": "object", "additionalProperties": True}
@@ -89,6 +91,11 @@ class ToolChoice:
     functions: tuple[dict[str, Any], ...]
     mode: str
     name: str | None = None
+
+    @property
+    def schemas(self) -> dict[str, dict[str, Any]]:
+        """Each function's parameters' schema, by name."""
+        return {f["name"]: f["parameters"] for f in self.functions}
 
     @property
     def template_tools(self) -> list[dict[str, Any]]:
@@ -161,28 +168,38 @@ def tools_template(tokenizer: Any) -> str | None:
     return None
 
 
-def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: ToolChoice | None) -> list[int]:
-    """Token ids of ``messages`` with ``tools`` shown to the model, through
-    ``tools_template``; raises ``InvalidRequest`` naming ``tools`` when the
-    model's template cannot show tools, ``messages`` when it rejects them."""
-    template = tools_template(tokenizer)
-    if template is None:
+def render_prompt(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: ToolChoice | None,
+    *,
+    with_tools: bool = True,
+    template_kwargs: dict[str, Any] | None = None,
+) -> tuple[list[int], str]:
+    """Token ids and text of ``messages`` rendered for generation, with
+    ``template_kwargs`` as template variables (``enable_thinking``, ...).
+    ``with_tools``: through ``tools_template``, ``tools`` shown to the
+    model; raises ``InvalidRequest`` naming ``tools`` when the model's
+    template cannot show tools, ``messages`` when it rejects them."""
+    template = tools_template(tokenizer) if with_tools else tokenizer.chat_template
+    if not template:
         param = "tools" if tools is not None else "messages"
-        raise InvalidRequest(f"this model's chat template does not support tool calling ({param})", param=param)
+        what = "does not support tool calling" if with_tools else "is missing: use a plain completion"
+        raise InvalidRequest(f"this model's chat template {what} ({param})", param=param)
     from jinja2 import TemplateError
 
     try:
-        ids = tokenizer.apply_chat_template(
+        text = tokenizer.apply_chat_template(
             messages,
             tools=None if tools is None else tools.template_tools,
-            chat_template=template,
+            chat_template=template if with_tools else None,
             add_generation_prompt=True,
-            tokenize=True,
-            return_dict=False,
+            tokenize=False,
+            **(template_kwargs or {}),
         )
     except TemplateError as exc:
         raise InvalidRequest(f"the chat template rejected the messages: {exc}", param="messages") from None
-    return [int(i) for i in ids]
+    return [int(i) for i in tokenizer.encode(text, add_special_tokens=False)], text
 
 
 def _call_id() -> str:
@@ -202,32 +219,27 @@ def _as_call(name: Any, arguments: Any, names: set[str]) -> dict[str, Any] | Non
     return {"id": _call_id(), "type": "function", "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
-def parse_tool_calls(text: str, tools: ToolChoice) -> tuple[str | None, list[dict[str, Any]]]:
+def call_format(tools: ToolChoice, model_format: ToolFormat | None = None) -> ToolFormat:
+    """The format the output's calls are written in: the one JSON object
+    ``required`` and a named function constrain it to, else the model's
+    (Hermes when none is given)."""
+    if tools.mode == "required":
+        return RequiredFormat()
+    if tools.mode == "named":
+        return NamedFormat(tools.name or "")
+    return model_format if model_format is not None else HermesFormat()
+
+
+def parse_tool_calls(text: str, tools: ToolChoice, model_format: ToolFormat | None = None) -> tuple[str | None, list[dict[str, Any]]]:
     """A message's content (None if empty) and its tool calls, in OpenAI's
     shape (``id``, ``type``, ``function.name``, ``function.arguments`` as
-    JSON text), from the model's ``text``."""
+    JSON text), from the model's ``text`` read in ``call_format``. A call
+    whose arguments are not a JSON object is dropped; with no call left,
+    the whole text is content."""
     names = {f["name"] for f in tools.functions}
-    if tools.mode == "named":
-        call = _as_call(tools.name, text, names)
-        return (None, [call]) if call is not None else (text or None, [])
-    if tools.mode == "required":
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError:
-            return text or None, []
-        call = _as_call(value.get("name"), value.get("arguments"), names) if isinstance(value, dict) else None
-        return (None, [call]) if call is not None else (text or None, [])
-    calls = []
-    for match in _CALL.finditer(text):
-        try:
-            value = json.loads(match.group(1))
-        except json.JSONDecodeError:
-            continue
-        if isinstance(value, dict):
-            call = _as_call(value.get("name"), value.get("arguments", {}), names)
-            if call is not None:
-                calls.append(call)
+    scan = call_format(tools, model_format).scan(text, tools.schemas, True)
+    calls = [c for s in scan.calls if (c := _as_call(s.name, s.arguments, names)) is not None]
     if not calls:
-        return text or None, []
-    content = text[: text.find(OPEN_TAG)].strip()
-    return content or None, calls
+        content = scan.content if not scan.calls else text
+        return content or None, []
+    return scan.content.strip() or None, calls
