@@ -2,7 +2,8 @@
 
 Tensors come one at a time, from a GGUF file (``gguf_weights``, its own
 quantized values) or from float safetensors shards (quantized here, round to
-nearest). A layer's projections are built as soon as its seven matrices have
+nearest). A fused checkpoint tensor (Phi-3's ``qkv_proj``, ``gate_up_proj``)
+is split by rows into its parts, exactly in any format. A layer's projections are built as soon as its seven matrices have
 arrived and the raw tensors are dropped, so no float32 copy of the matrices
 is ever held beyond one layer's. Norms stay float32; the token embeddings
 stay in the file's compressed format where they come compressed (rows
@@ -24,6 +25,7 @@ from trioserve.engine.config import ModelConfig
 from trioserve.engine.errors import CpuCapabilityError, ModelLoadError
 from trioserve.engine.models.llama import LlamaForCausalLM
 from trioserve.engine.models.projections import ProjectionChoice
+from trioserve.engine.models.weights import fused_names
 from trioserve.engine.loading import gguf_weights
 from trioserve.engine.kernels import int4_pack
 from trioserve.engine.kernels import int8_native
@@ -47,6 +49,40 @@ def layer_shapes(config: ModelConfig) -> list[tuple[int, int]]:
     hd, hidden, inter = config.head_dim, config.hidden_size, config.intermediate_size
     qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * hd
     return [(qkv, hidden), (hidden, config.num_attention_heads * hd), (2 * inter, hidden), (hidden, inter)]
+
+
+def _rows(tensor: Tensor, rows: slice) -> Tensor:
+    """Rows ``rows`` of a weight in any format: exact, each row's values and
+    scales its own."""
+    if isinstance(tensor, torch.Tensor):
+        return tensor[rows]
+    if isinstance(tensor, Int4Weight):
+        return Int4Weight(tensor.q[rows], tensor.scale[rows], tensor.zero[rows], tensor.group_size)
+    if isinstance(tensor, Int8Weight):
+        return Int8Weight(tensor.q[rows], tensor.scale[rows])
+    return Int8GroupWeight(tensor.q[rows], tensor.scale[rows], tensor.group_size)
+
+
+def _unfused(name: str, tensor: Tensor, config: ModelConfig, source: Path) -> list[tuple[str, Tensor]]:
+    """A fused checkpoint tensor (Phi-3's ``qkv_proj``, ``gate_up_proj``) as
+    its parts by row, under the separate names; any other as it is."""
+    parts = fused_names(name, config)
+    if not parts:
+        return [(name, tensor)]
+    shape = tuple(tensor.shape if isinstance(tensor, torch.Tensor) else tensor.q.shape)
+    rows = sum(s.stop - s.start for _, s in parts)
+    if len(shape) != 2 or shape[0] != rows:
+        raise ModelLoadError(f"{source}: weight {name!r}: expected {rows} rows, got shape {shape}")
+    return [(n, _rows(tensor, s)) for n, s in parts]
+
+
+def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Each projection's ``(out, in)`` and bias ``(out,)``, by part."""
+    hd, hidden, inter = config.head_dim, config.hidden_size, config.intermediate_size
+    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    outs = {"q": (q, hidden), "k": (kv, hidden), "v": (kv, hidden), "o": (hidden, q),
+            "gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}  # fmt: skip
+    return {**{f"{p}.weight": shape for p, shape in outs.items()}, **{f"{p}.bias": shape[:1] for p, shape in outs.items()}}
 
 
 def _cat(parts: list[Tensor]) -> Tensor:
@@ -185,14 +221,21 @@ def build_quantized(
     head: Tensor | None = None
     embedding: CompressedEmbedding | None = None
     loaded: set[str] = set()
-    for name, tensor in tensors:
+    shapes = _expected_shapes(config)
+    for name, tensor in ((n, t) for fused, whole in tensors for n, t in _unfused(fused, whole, config, source)):
         match = _PROJ.fullmatch(name)
         if match is not None:
             index = int(match.group(1))
             if index >= config.num_hidden_layers:
                 raise ModelLoadError(f"{source}: weight {name!r}: the config has {config.num_hidden_layers} layers")
+            part = f"{match.group(3)}.{match.group(4)}"
+            shape = tuple(tensor.shape if isinstance(tensor, torch.Tensor) else tensor.q.shape)
+            if part not in shapes:
+                raise ModelLoadError(f"{source}: unknown weight {name!r} for {config.architecture}")
+            if shape != shapes[part]:
+                raise ModelLoadError(f"{source}: weight {name!r}: expected shape {shapes[part]}, got {shape}")
             parts = pending.setdefault(index, {})
-            parts[f"{match.group(3)}.{match.group(4)}"] = tensor
+            parts[part] = tensor
             if all(f"{p}.weight" in parts for p in _PARTS):
                 layers[index], n = _build_layer(pending.pop(index), choice, index, wide)
                 widened += n
@@ -217,7 +260,11 @@ def build_quantized(
         loaded |= model.load_weights([(name, tensor)])
     missing = sorted(set(range(config.num_hidden_layers)) - set(layers))
     if missing or head is None:
-        what = f"layers {missing[:8]} lack projections" if missing else "no lm_head.weight"
+        lacking = [
+            f"model.layers.{i}.{'self_attn' if p in ('q', 'k', 'v', 'o') else 'mlp'}.{p}_proj.weight"
+            for i in missing for p in _PARTS if f"{p}.weight" not in pending.get(i, {})
+        ]  # fmt: skip
+        what = f"missing weights {lacking[:8]}" if missing else "no lm_head.weight"
         raise ModelLoadError(f"{source}: incomplete checkpoint: {what}")
     got = None if embedding is None else (embedding.num_embeddings, embedding.embedding_dim)
     if got is not None and got != (config.vocab_size, config.hidden_size):
