@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from trioserve.engine.loading import gguf_config
 from trioserve.engine.models.hf_fallback import resolve_model_config
 from trioserve.engine.errors import ModelLoadError
 
@@ -40,7 +41,11 @@ _TMP_PREFIX = ".tmp-"
 _ERROR_FILE = ".conversion-error"
 # GGUF model_type -> the architecture name config.json carries (GGUF metadata
 # has no ``architectures`` field).
-_ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_ARCH_BY_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+}  # fmt: skip
 
 
 class Progress:
@@ -197,7 +202,7 @@ def convert_here(gguf_path: Path, out_dir: Path) -> None:
 
 
 def _read_gguf_model(gguf_path: Path) -> Any:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
     from transformers import modeling_gguf_pytorch_utils as hf_gguf
     from transformers.utils import logging as hf_logging
 
@@ -210,10 +215,30 @@ def _read_gguf_model(gguf_path: Path) -> Any:
         hf_logging.disable_progress_bar()
         if plain_tqdm is not None:
             hf_gguf.tqdm = functools.partial(plain_tqdm, disable=True)
+    metadata, tables = gguf_config.read_metadata(gguf_path)
+    gguf_config.check_readable(gguf_path, metadata)
     try:
-        return AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        # The config transformers reads, completed with what it drops
+        # (gguf_config), before the model is built: a Qwen3's head width decides its shapes.
+        read = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        config = type(read).from_dict(gguf_config.complete(read.to_dict(), metadata, tables))
+        model, info = AutoModelForCausalLM.from_pretrained(
+            str(gguf_path.parent), gguf_file=gguf_path.name, config=config, output_loading_info=True,
+            ignore_mismatched_sizes=True,  # refused below, naming the tensor
+        )
     except Exception as exc:  # transformers and gguf raise anything from ValueError to KeyError
         raise ModelLoadError(f"{gguf_path}: not a readable GGUF model: {type(exc).__name__}: {exc}") from None
+    else:
+        # transformers fills a weight the file lacks, or holds in another
+        # shape, with random values; refuse instead.
+        for name, *shapes in info.get("mismatched_keys") or ():
+            raise ModelLoadError(
+                f"{gguf_path}: weight {name!r}: the file's shape {tuple(shapes[0])} is not the config's {tuple(shapes[-1])}"
+            )
+        missing = sorted(set(info.get("missing_keys") or ()) - {"lm_head.weight"})
+        if missing:
+            raise ModelLoadError(f"{gguf_path}: incomplete GGUF model: no tensor for {missing[:8]}")
+        return model
     finally:
         if quiet:
             if bars_were_on:

@@ -13,8 +13,11 @@ needs to (one more rounding). F32, F16 and BF16 as float32 tensors. Any
 other type is a ``ModelLoadError`` naming the tensor, as is a quantized
 tensor whose scales are not finite (a damaged file) or, for 4-bit groups,
 beyond float16's range (the native kernel's blocks hold them in float16).
-llama.cpp stores a Llama's q and k rows in another order for its rotary
-layout; they are put back (a permutation of rows, so exact on quantized rows).
+llama.cpp stores a Llama's q and k rows (weights and biases) in another
+order for its rotary layout; they are put back (a permutation of rows, so
+exact on quantized rows). Names follow each architecture's table (``hf_name``):
+Gemma's norms, stored as ``1 + w``, come out as Hugging Face's ``w``; Phi-3's
+fused ``attn_qkv`` and ``ffn_up`` as its fused names.
 """
 
 from __future__ import annotations
@@ -50,28 +53,50 @@ _IN_LAYER = {
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
     "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-# Derived from the config, never loaded.
-_SKIPPED = ("rope_freqs.weight",)
+# What an architecture names otherwise (llama.cpp's tensor table): Gemma's
+# ffn_norm is the MLP's input norm and its attention output has a norm of
+# its own; Phi-3 keeps q/k/v and gate/up fused (``models/weights.fused_names``
+# splits them by rows).
+_GEMMA = {
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+_BY_ARCH = {
+    "gemma2": _GEMMA,
+    "gemma3": _GEMMA,
+    "phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"},
+}
+# Architectures whose q and k rows llama.cpp permutes (its LlamaModel and subclasses).
+_PERMUTED = ("llama", "smollm3")
+# Architectures whose norms llama.cpp stores as 1 + w (Hugging Face's w).
+_SHIFTED_NORMS = ("gemma2", "gemma3")
+# Derived from the config, never loaded: llama3's and longrope's rotary tables.
+_SKIPPED = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 # The largest finite float16: the native 4-bit blocks hold a group's step
 # and offset in float16 (int4_native.pack_blocks). A Q4_K sub-block's step
 # is a float16 times a 6-bit scale, so a file can go past it.
 _FLOAT16_MAX = 65504.0
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The Hugging Face name of a GGUF tensor; None for one that is derived, not loaded."""
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The Hugging Face name of a GGUF tensor of ``arch`` (llama.cpp's
+    architecture name); None for one that is derived, not loaded."""
     if gguf_name in _SKIPPED:
         return None
     if gguf_name in _GLOBAL:
         return _GLOBAL[gguf_name]
     match = _LAYER.fullmatch(gguf_name)
-    if match and match.group(2) in _IN_LAYER:
-        return f"model.layers.{match.group(1)}.{_IN_LAYER[match.group(2)]}"
-    raise ModelLoadError(f"GGUF tensor {gguf_name!r} has no place in a Llama-family model")
+    table = {**_IN_LAYER, **_BY_ARCH.get(arch, {})}
+    if match and match.group(2) in table:
+        return f"model.layers.{match.group(1)}.{table[match.group(2)]}"
+    raise ModelLoadError(f"GGUF tensor {gguf_name!r} has no place in a {arch or 'Llama'}-family model")
 
 
 def _fp16(blocks: np.ndarray, at: int) -> torch.Tensor:
@@ -237,7 +262,7 @@ def read_tensors(path: Path, *, num_heads: int, num_kv_heads: int) -> Iterator[t
     arch_field = reader.fields.get("general.architecture")
     arch = bytes(arch_field.parts[-1]).decode() if arch_field is not None else ""
     for tensor in reader.tensors:
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, arch)
         if name is None:
             continue
         kind = tensor.tensor_type.name
@@ -259,6 +284,8 @@ def read_tensors(path: Path, *, num_heads: int, num_kv_heads: int) -> Iterator[t
             value = torch.from_numpy(np.array(data, dtype=np.float32))
         if isinstance(value, Int4Weight | Int8GroupWeight):
             _check_scales(path, tensor.name, kind, value)
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+        if arch in _PERMUTED and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
             value = _unpermute(value, num_heads if "q_proj" in name else num_kv_heads)
+        if arch in _SHIFTED_NORMS and name.endswith("norm.weight"):
+            value = value - 1  # the model adds it back (ModelConfig.norm_weight_offset)
         yield name, value
