@@ -10,7 +10,9 @@ kernel can replace these two functions and keep the metadata.
 Keys and values are never repeated per query head (GQA): decode stacks a
 KV head's group of query heads along the query axis, prefill broadcasts each
 KV head over its group with a stride-0 view. Both run on torch's
-``scaled_dot_product_attention``, on CPU and CUDA alike.
+``scaled_dot_product_attention``, on CPU and CUDA alike, except where a
+layer soft-caps its scores (Gemma 2) or has attention sinks (gpt-oss):
+SDPA has neither, so those run in plain torch (``_attend``).
 
 Decode gathers each sequence's blocks into a scratch buffer and attends
 over it. On CPU the decode rows go in chunks whose gathered keys and values
@@ -276,6 +278,7 @@ def paged_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attend ``query`` (``[T, heads, head_dim]``) over each sequence's cache.
 
@@ -284,17 +287,22 @@ def paged_attention(
     prefill chunk that starts at position 0 reads them directly. With
     ``window``, a query sees only the last ``window`` positions up to its
     own; with ``softcap``, scores pass through ``softcap * tanh(s / softcap)``
-    (Gemma 2). Returns ``[T, heads * head_dim]``.
+    (Gemma 2); with ``sinks`` (``[heads]``, gpt-oss), each head's softmax
+    takes one more logit, unscaled, that has no value: it only draws weight
+    away from the keys. Returns ``[T, heads * head_dim]``.
     """
     num_tokens, heads, head_dim = query.shape
     kv_heads = key_cache.shape[2]
     group = heads // kv_heads
+    if sinks is not None and sinks.shape != (heads,):
+        raise ValueError(f"sinks must have one logit per head ({heads}), got shape {tuple(sinks.shape)}")
     if meta.num_decodes == num_tokens and meta.decode_token_indices is None:
-        return _decode(query, key_cache, value_cache, meta, scale, window, softcap).view(num_tokens, heads * head_dim)
+        decoded = _decode(query, key_cache, value_cache, meta, scale, window, softcap, sinks)
+        return decoded.view(num_tokens, heads * head_dim)
     out = query.new_empty(num_tokens, heads * head_dim)
     if meta.num_decodes:
         q = query.index_select(0, meta.decode_token_indices)
-        decoded = _decode(q, key_cache, value_cache, meta, scale, window, softcap)
+        decoded = _decode(q, key_cache, value_cache, meta, scale, window, softcap, sinks)
         out.index_copy_(0, meta.decode_token_indices, decoded.flatten(1))
     for p in meta.prefills:
         qlen = p.token_end - p.token_start
@@ -320,25 +328,43 @@ def paged_attention(
             rows = torch.arange(p.context_len - qlen, p.context_len, device=query.device)[:, None]
             cols = torch.arange(p.context_len, device=query.device)[None, :]
             mask = (cols <= rows) & (cols > rows - window)
-        o = _attend(q, k, v, mask, scale, softcap)
+        # A head's sink broadcast over its query rows: q is [kv_heads, group, qlen, d].
+        sink = None if sinks is None else sinks.view(kv_heads, group, 1, 1)
+        o = _attend(q, k, v, mask, scale, softcap, sink)
         # [kv_heads, group, qlen, d] -> [qlen, heads * d]
         out[p.token_start : p.token_end] = o.permute(2, 0, 1, 3).reshape(qlen, heads * head_dim)
     return out
 
 
 def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, softcap: float | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention; ``mask`` None is causal. With
-    ``softcap``, in plain torch: SDPA has no soft-capping."""
-    if softcap is None:
+    ``softcap`` or ``sink`` (each head's sink logit, shaped to broadcast
+    against the scores' leading dimensions with a trailing 1), in plain
+    torch: SDPA has neither."""
+    if softcap is None and sink is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is None:
         mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril(scores.shape[-1] - scores.shape[-2])
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(scores.softmax(-1).to(v.dtype), v)
+    if sink is None:
+        probs = scores.softmax(-1)
+    else:
+        # As transformers' gpt-oss: the sink joins the softmax as one more
+        # column, which is dropped after, so the keys' weights sum to less than 1.
+        column = sink.float().expand(*scores.shape[:-1], 1)
+        probs = torch.cat((scores, column), -1).softmax(-1)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)
 
 
 def _decode(
@@ -349,12 +375,15 @@ def _decode(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of the ``D`` single-token queries (in attention order); returns ``[D, heads, head_dim]``."""
     num_decodes, heads, head_dim = query.shape
     kv_heads = key_cache.shape[2]
     # [D, heads, d] -> [D, kv_heads, group, d]: a KV head's query heads share its keys.
     query = query.view(num_decodes, kv_heads, heads // kv_heads, head_dim)
+    # Each head's sink against its row of a KV head's group: scores are [rows, kv_heads, group, context].
+    sink = None if sinks is None else sinks.view(kv_heads, heads // kv_heads, 1)
     outs = []
     contexts = None
     for c in meta.decode_chunks:
@@ -378,12 +407,12 @@ def _decode(
             ctx = contexts[c.start : c.end, None]
             positions = torch.arange(c.context_len, device=query.device)[None, :]
             mask = ((positions < ctx) & (positions >= ctx - window))[:, None, None, :]
-        if mask is None and softcap is None:
+        if mask is None and softcap is None and sink is None:
             outs.append(F.scaled_dot_product_attention(query[c.start : c.end], k, v, scale=scale))
         else:
             if mask is None:
                 mask = torch.ones(1, 1, 1, c.context_len, dtype=torch.bool, device=query.device)
-            outs.append(_attend(query[c.start : c.end], k, v, mask, scale, softcap))
+            outs.append(_attend(query[c.start : c.end], k, v, mask, scale, softcap, sink))
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     # CUDA's SDPA kernels may return a permuted layout: reshape copies only then.
     return out.reshape(num_decodes, heads, head_dim)
