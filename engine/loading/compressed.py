@@ -3,9 +3,12 @@
 Tensors come one at a time, from a GGUF file (``gguf_weights``, its own
 quantized values) or from float safetensors shards (quantized here, round to
 nearest). A fused checkpoint tensor (Phi-3's ``qkv_proj``, ``gate_up_proj``)
-is split by rows into its parts, exactly in any format. A layer's projections are built as soon as its seven matrices have
-arrived and the raw tensors are dropped, so no float32 copy of the matrices
-is ever held beyond one layer's. Norms stay float32; the token embeddings
+is split by rows into its parts, exactly in any format. A layer's projections
+are built as soon as its seven matrices have arrived and the raw tensors are
+dropped, so no float32 copy of the matrices is ever held beyond one layer's.
+A mixture-of-experts layer's experts go to its ``moe_weights.ExpertCollector``,
+which builds each expert's compressed linears from that expert's tensors
+alone (never the layer's experts decoded whole); its router stays float32. Norms stay float32; the token embeddings
 stay in the file's compressed format where they come compressed (rows
 dequantized on lookup, ``embedding``), else float32.
 """
@@ -23,7 +26,8 @@ import torch
 from trioserve.engine.kernels.capability import CpuPaths
 from trioserve.engine.config import ModelConfig
 from trioserve.engine.errors import CpuCapabilityError, ModelLoadError
-from trioserve.engine.models.llama import LlamaForCausalLM
+from trioserve.engine.models.llama import ExpertProjections, LlamaForCausalLM
+from trioserve.engine.models.moe_weights import ExpertCollector
 from trioserve.engine.models.projections import ProjectionChoice
 from trioserve.engine.models.weights import fused_names
 from trioserve.engine.loading import gguf_weights
@@ -42,13 +46,22 @@ logger = logging.getLogger(__name__)
 Tensor = torch.Tensor | Int4Weight | Int8Weight | Int8GroupWeight
 _PROJ = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)_proj\.(weight|bias)")
 _PARTS = ("q", "k", "v", "o", "gate", "up", "down")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+_SHAPE_NAMES = ("qkv", "o", "gate_up", "down", "expert gate_up", "expert down")
 
 
 def layer_shapes(config: ModelConfig) -> list[tuple[int, int]]:
-    """One layer's fused projections, ``(out, in)``: qkv, o, gate_up, down."""
+    """One layer's fused projections, ``(out, in)``: qkv, o, gate_up, down,
+    and with experts an expert's gate_up and down."""
     hd, hidden, inter = config.head_dim, config.hidden_size, config.intermediate_size
     qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * hd
-    return [(qkv, hidden), (hidden, config.num_attention_heads * hd), (2 * inter, hidden), (hidden, inter)]
+    shapes = [(qkv, hidden), (hidden, config.num_attention_heads * hd), (2 * inter, hidden), (hidden, inter)]
+    if config.moe_layers:
+        expert = config.moe_intermediate_size
+        shapes += [(2 * expert, hidden), (hidden, expert)]
+    return shapes
 
 
 def _rows(tensor: Tensor, rows: slice) -> Tensor:
@@ -154,9 +167,10 @@ def _int8_groups(parts: list[Tensor]) -> Int8GroupWeight:
 
 
 def _build_layer(
-    parts: dict[str, Tensor], choice: KernelChoice, index: int, wide: _Wide | None
+    parts: dict[str, Tensor], choice: KernelChoice, index: int, wide: _Wide | None, *, mlp: bool = True
 ) -> tuple[QuantizedProjections, int]:
-    """One layer's projections, and how many of them were built ``wide``."""
+    """One layer's projections, and how many of them were built ``wide``;
+    without ``mlp`` (a mixture-of-experts layer) attention's only."""
     widened = 0
 
     def make(names: tuple[str, ...]) -> object:
@@ -172,7 +186,8 @@ def _build_layer(
                 check_group_size(shape, choice.group_size, f"model.layers.{index}.{n}_proj.weight")
         return choice.make(_cat(weights), _bias(parts, names, rows))
 
-    made = QuantizedProjections(make(("q", "k", "v")), make(("o",)), make(("gate", "up")), make(("down",)))
+    gate_up, down = (make(("gate", "up")), make(("down",))) if mlp else (None, None)
+    made = QuantizedProjections(make(("q", "k", "v")), make(("o",)), gate_up, down)  # type: ignore[arg-type]
     return made, widened
 
 
@@ -197,7 +212,7 @@ def quantization_choice(
     if scheme == "int4":
         int4_pack.Int4PackLinear.check_group_size(group_size)
         for i, shape in enumerate(layer_shapes(config)):
-            check_group_size(shape, group_size, ("qkv", "o", "gate_up", "down")[i] + " projection")
+            check_group_size(shape, group_size, _SHAPE_NAMES[i] + " projection")
     return choose_kernel(cpu_paths, scheme, layer_shapes(config), group_size, batch_invariant=batch_invariant)
 
 
@@ -218,11 +233,26 @@ def build_quantized(
     layers: dict[int, QuantizedProjections] = {}
     wide = _Wide.beside(cpu_paths, choice)
     widened = 0
+    moe = set(config.moe_layers)
+    # gemm_from_rows is set only outside batch-invariant mode (choose_kernel).
+    collectors = {
+        i: ExpertCollector(
+            model.layers[i].mlp, f"model.layers.{i}.", choice, batch_invariant=choice.gemm_from_rows is None
+        )
+        for i in sorted(moe)
+    }
     head: Tensor | None = None
     embedding: CompressedEmbedding | None = None
     loaded: set[str] = set()
     shapes = _expected_shapes(config)
     for name, tensor in ((n, t) for fused, whole in tensors for n, t in _unfused(fused, whole, config, source)):
+        expert_layer = _expert_layer(name, collectors)
+        if expert_layer is not None:
+            try:
+                collectors[expert_layer].add(name, tensor)
+            except ModelLoadError as exc:
+                raise ModelLoadError(f"{source}: {exc}") from None
+            continue
         match = _PROJ.fullmatch(name)
         if match is not None:
             index = int(match.group(1))
@@ -230,14 +260,15 @@ def build_quantized(
                 raise ModelLoadError(f"{source}: weight {name!r}: the config has {config.num_hidden_layers} layers")
             part = f"{match.group(3)}.{match.group(4)}"
             shape = tuple(tensor.shape if isinstance(tensor, torch.Tensor) else tensor.q.shape)
-            if part not in shapes:
+            if part not in shapes or (index in moe and match.group(2) == "mlp"):
                 raise ModelLoadError(f"{source}: unknown weight {name!r} for {config.architecture}")
             if shape != shapes[part]:
                 raise ModelLoadError(f"{source}: weight {name!r}: expected shape {shapes[part]}, got {shape}")
             parts = pending.setdefault(index, {})
             parts[part] = tensor
-            if all(f"{p}.weight" in parts for p in _PARTS):
-                layers[index], n = _build_layer(pending.pop(index), choice, index, wide)
+            needed = _PARTS[:4] if index in moe else _PARTS
+            if all(f"{p}.weight" in parts for p in needed):
+                layers[index], n = _build_layer(pending.pop(index), choice, index, wide, mlp=index not in moe)
                 widened += n
             continue
         if name == "lm_head.weight" and not config.tie_word_embeddings:
@@ -259,13 +290,19 @@ def build_quantized(
             head = tensor  # the LM head is compressed too (below); the embeddings stay float32
         loaded |= model.load_weights([(name, tensor)])
     missing = sorted(set(range(config.num_hidden_layers)) - set(layers))
-    if missing or head is None:
-        lacking = [
-            f"model.layers.{i}.{'self_attn' if p in ('q', 'k', 'v', 'o') else 'mlp'}.{p}_proj.weight"
-            for i in missing for p in _PARTS if f"{p}.weight" not in pending.get(i, {})
-        ]  # fmt: skip
-        what = f"missing weights {lacking[:8]}" if missing else "no lm_head.weight"
+    lacking = [
+        f"model.layers.{i}.{'self_attn' if p in ('q', 'k', 'v', 'o') else 'mlp'}.{p}_proj.weight"
+        for i in missing for p in (_PARTS[:4] if i in moe else _PARTS) if f"{p}.weight" not in pending.get(i, {})
+    ]  # fmt: skip
+    lacking += [n for i in sorted(moe) for n in collectors[i].missing()]
+    if lacking or head is None:
+        what = f"missing weights {lacking[:8]}" if lacking else "no lm_head.weight"
         raise ModelLoadError(f"{source}: incomplete checkpoint: {what}")
+    for i in sorted(moe):
+        block = model.layers[i].mlp
+        assert block is not None
+        block.set_compressed(collectors[i].build())
+        layers[i] = ExpertProjections(layers[i], block.experts(pack=False))  # type: ignore[assignment]
     got = None if embedding is None else (embedding.num_embeddings, embedding.embedding_dim)
     if got is not None and got != (config.vocab_size, config.hidden_size):
         raise ModelLoadError(
@@ -290,13 +327,23 @@ def build_quantized(
         # What the model holds, for the load log and /version: "int8" where
         # every projection was stored wider (a Q6_K or Q8_0 file).
         assert wide is not None
-        every = 4 * config.num_hidden_layers
+        every = 4 * config.num_hidden_layers - 2 * len(moe)  # the experts are not counted
         model.projection_choice = attrs.evolve(
             projection,
             quantization="int8" if widened == every else f"{choice.label}+int8",
             reason=f"{projection.reason}; {widened} of {every} projections stored wider than 4 bits: {wide.what}",
         )
     return model
+
+
+def _expert_layer(name: str, collectors: dict[int, ExpertCollector]) -> int | None:
+    """The mixture-of-experts layer whose expert ``name`` is, if any."""
+    match = _LAYER.match(name)
+    if match is None:
+        return None
+    index = int(match.group(1))
+    collector = collectors.get(index)
+    return index if collector is not None and collector.accepts(name) else None
 
 
 def _in_native_groups(tensor: Tensor) -> Tensor:

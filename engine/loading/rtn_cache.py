@@ -25,7 +25,7 @@ from trioserve.engine.loading.gguf_cache import cache_root
 from trioserve.engine.kernels.rtn import Int4Weight, Int8GroupWeight, Int8Weight, quantize_int4, quantize_int8, quantize_int8_groups
 
 FILE = "quantized.safetensors"
-FORMAT = 4
+FORMAT = 5
 # An untied LM head is kept in int8 groups of this many inputs (GGUF's Q8_0
 # form, which the native int8 kernels run: int8_native.GROUP) where its
 # input width divides by it, else in int8 per channel.
@@ -33,8 +33,11 @@ HEAD_GROUP = 32
 # The matrices that are quantized; everything else stays as it is.
 # Phi-3's fused qkv_proj and gate_up_proj too: every format here quantizes
 # each row on its own, so the parts split from them are as if quantized apart.
+# Each expert's matrices (Qwen3-MoE's, Mixtral's w1/w2/w3), never a router:
+# rounding its logits would change which experts a token goes to.
 _QUANTIZED = re.compile(
-    r"model\.layers\.\d+\.(self_attn\.(q|k|v|o|qkv)_proj|mlp\.(gate|up|down|gate_up)_proj)\.weight|lm_head\.weight"
+    r"model\.layers\.\d+\.(self_attn\.(q|k|v|o|qkv)_proj|mlp\.(gate|up|down|gate_up)_proj"
+    r"|(mlp|block_sparse_moe)\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3))\.weight|lm_head\.weight"
 )
 
 Tensor = torch.Tensor | Int4Weight | Int8Weight | Int8GroupWeight
@@ -44,7 +47,8 @@ def cache_dir_for(folder: Path, shards: list[Path], scheme: str, group_size: int
     """Where ``folder``'s ``scheme`` quantization lives (it may not exist yet)."""
     ident = "\0".join(f"{s.resolve()}\0{s.stat().st_size}\0{s.stat().st_mtime_ns}" for s in shards)
     # FORMAT: what quantize_int4 produces changed (float16 scales since 2);
-    # the LM head in int8 groups since 3; Phi-3's fused matrices quantized since 4.
+    # the LM head in int8 groups since 3; Phi-3's fused matrices quantized since 4;
+    # the experts of a mixture since 5.
     ident += f"\0{scheme}\0{group_size}\0{FORMAT}"
     key = hashlib.sha256(ident.encode()).hexdigest()[:16]
     tag = f"{scheme}-g{group_size}" if scheme == "int4" else scheme
