@@ -54,6 +54,10 @@ SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_
 # Replacements transformers' ``clean_up_tokenization`` makes, in its order.
 _CLEAN_UP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
              (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))  # fmt: skip
+# Special tokens a transformers tokenizer class names by default when its
+# config leaves them out: Gemma's configs omit ``mask_token``, and its class
+# makes ``<mask>`` special all the same (skipped by ``skip_special_tokens``).
+_CLASS_DEFAULTS = {"GemmaTokenizer": {"mask_token": "<mask>"}, "GemmaTokenizerFast": {"mask_token": "<mask>"}}
 
 
 def _token_text(value: Any) -> str | None:
@@ -160,6 +164,9 @@ class FastTokenizer:
                                 extra.append(item)
                 elif key.endswith("_token") and _token_text(value) is not None:
                     named[key] = value
+        for key, value in _CLASS_DEFAULTS.get(config.get("tokenizer_class"), {}).items():
+            if key not in config:  # an explicit null in the config means none
+                named.setdefault(key, value)
         # The standard names first, in their order: a token missing from the
         # vocabulary gets the next free id in this order.
         named = {**{k: named[k] for k in SPECIAL_TOKEN_NAMES if k in named}, **named}
