@@ -7,7 +7,8 @@ model's test (slow). What they check:
 
 - logits of TP=2 against TP=1 within 1e-4, step by step through chunked
   prefills and decodes, on Llama, Mistral with one KV head (replicated on
-  both ranks) and Qwen2 (q/k/v biases);
+  both ranks), Qwen2 (q/k/v biases), Qwen3 (q/k norms), Phi-3 (fused
+  matrices, longrope, partial rotary) and SmolLM3 (layers without rope);
 - the embedded engine and ``trioserve serve --tensor-parallel-size 2``
   produce TP=1's greedy tokens, and leave no rank behind, after a clean
   exit and after SIGKILL of the server;
@@ -25,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+import attrs
 import httpx
 import psutil
 import pytest
@@ -49,6 +51,7 @@ PROMPT_LENS = (11, 30, 5)
 
 def _configs() -> dict:
     common = dict(vocab_size=203, max_position_embeddings=256, num_hidden_layers=2)
+    ids = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # the newer families' defaults lie past 203
     return {
         "llama": transformers.LlamaConfig(
             **common, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
@@ -63,6 +66,25 @@ def _configs() -> dict:
             **common, hidden_size=48, intermediate_size=80, num_attention_heads=6, num_key_value_heads=2,
             tie_word_embeddings=False, use_sliding_window=False,
         ),
+        # q/k RMSNorm over each head: replicated, applied to a rank's own heads.
+        "qwen3": transformers.Qwen3Config(
+            **common, **ids, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=24, tie_word_embeddings=False, use_sliding_window=False,
+        ),
+        # Fused qkv_proj and gate_up_proj, split by the loader before sharding;
+        # longrope with partial rotary.
+        "phi3": transformers.Phi3Config(
+            **common, **ids, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+            tie_word_embeddings=False, partial_rotary_factor=0.5, original_max_position_embeddings=64,
+            rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                             "short_factor": [1.0, 1.5, 2.0, 4.0], "long_factor": [2.0, 3.0, 4.0, 8.0],
+                             "original_max_position_embeddings": 64},
+        ),
+        # Every other layer without rope.
+        "smollm3": transformers.SmolLM3Config(
+            **common, **ids, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+            tie_word_embeddings=True, no_rope_layer_interval=2,
+        ),
     }  # fmt: skip
 
 
@@ -71,7 +93,8 @@ def _save(kind: str, path: Path) -> Path:
     torch.manual_seed(0)
     config = _configs()[kind]
     hf = {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
-          "qwen2": transformers.Qwen2ForCausalLM}[kind](config)  # fmt: skip
+          "qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
+          "phi3": transformers.Phi3ForCausalLM, "smollm3": transformers.SmolLM3ForCausalLM}[kind](config)  # fmt: skip
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if name.endswith("norm.weight"):
@@ -119,7 +142,7 @@ def _ranks_of(process: psutil.Process) -> list[psutil.Process]:
     return [p for p in process.children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3"])
 def test_logits_match_one_rank(kind, checkpoints):
     """Every step's logits (chunked prefills of three prompts, then decodes
     beside them) within 1e-4 of TP=1's; then the ranks exit on close."""
@@ -286,6 +309,14 @@ def test_sizes_that_do_not_split_the_model_are_refused_naming_its_heads(checkpoi
         check_tensor_parallel(qwen2, 3)
     with pytest.raises(ValueError, match="intermediate_size"):
         check_tensor_parallel(qwen2, 6)  # 80 features
+    # What the shards do not split yet is refused by name, not run wrong.
+    mixture = attrs.evolve(qwen2, moe_routing="mixtral", num_experts=4, num_experts_per_tok=2)
+    with pytest.raises(ValueError, match=r"is not split across ranks \(moe_routing='mixtral'\)"):
+        check_tensor_parallel(mixture, 2)
+    check_tensor_parallel(mixture, 1)
+    gemma_like = attrs.evolve(qwen2, sandwich_norms=True, hidden_act="gelu_pytorch_tanh")
+    with pytest.raises(ValueError, match="sandwich_norms=True, hidden_act='gelu_pytorch_tanh'"):
+        check_tensor_parallel(gemma_like, 2)
     with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
         EngineConfig(tensor_parallel_size=0)
     with pytest.raises(ValueError, match=r"tensor_parallel_size \(3\) must be a multiple of nnodes \(2\)"):

@@ -44,6 +44,7 @@ from trioserve.engine.errors import ModelLoadError, TrioserveError
 from trioserve.engine.loading.sources import find_shards
 from trioserve.engine.models.llama import LlamaForCausalLM, _Made
 from trioserve.engine.models.invariance import Invariance
+from trioserve.engine.models.weights import fused_names
 
 _MAX_LOAD_THREADS = 4
 
@@ -63,13 +64,14 @@ def check_tensor_parallel(config: ModelConfig, size: int) -> None:
         name
         for name, default in (
             ("sandwich_norms", False), ("hidden_act", "silu"), ("embedding_multiplier", 1.0),
-            ("final_logit_softcapping", None),
+            ("final_logit_softcapping", None), ("moe_routing", None),
         )
         if getattr(config, name) != default
     ]  # fmt: skip
     if size > 1 and unsplit:
         # The shards' projections, embedding and LM head compute Llama's
-        # layer; Gemma's norms, GeGLU and scalings are not split yet.
+        # layer; Gemma's norms, GeGLU and scalings, and the experts of a
+        # mixture (each rank would hold and add every expert), are not split yet.
         raise TensorParallelSizeError(
             f"tensor_parallel_size {size}: {config.architecture} is not split across ranks "
             f"({', '.join(f'{n}={getattr(config, n)!r}' for n in unsplit)}); serve it with tensor_parallel_size 1"
@@ -332,6 +334,15 @@ def load_shard(
                         break
                     part = f.get_slice(name)
                     shape = tuple(part.get_shape())
+                    fused = fused_names(name, model_config)
+                    if fused:
+                        # Phi-3's qkv_proj and gate_up_proj: each rank's heads and
+                        # features lie in every part, so read the tensor whole and
+                        # shard each part under its own name.
+                        whole = part[:]
+                        parts = [(n, shard.read(n, whole[rows], tuple(whole[rows].shape))) for n, rows in fused]
+                        loaded |= model.load_weights(parts) | {name}
+                        continue
                     loaded |= model.load_weights([(name, shard.read(name, part, shape))])
         except (SafetensorError, OSError) as exc:
             stop.set()
