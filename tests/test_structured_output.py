@@ -263,3 +263,60 @@ async def test_replicas_share_one_grammar_cache_and_constrain_on_either():
                 nursery.start_soon(run, seed)
         assert len(results) == 6 and set(results) <= set(choices)
         assert all(replica.executor.statistics().num_steps > 0 for replica in engine.replicas)
+
+
+def test_a_constraint_waits_for_its_starts_after_sequence(compiler):
+    # A reasoning model's answer: free until the output ends with (7, 9),
+    # then the grammar's. A false start (7 then not 9) does not open it.
+    matchers = GrammarMatchers(compiler)
+    answer = StructuredOutput.choice(["yes"])
+    matchers.add("r", answer.after((7, 9)))
+    rows = [MaskRequest("r", banned=(3,))]
+    everything = torch.ones(VOCAB_SIZE, dtype=torch.bool)
+    everything[3] = False
+    for token in (5, 7, 7, 4, 7):
+        assert not matchers.started("r")
+        assert torch.equal(unpack_bitmask(matchers.fill(rows).mask.bitmask, VOCAB_SIZE)[0], everything)
+        assert matchers.accept("r", token)
+    assert matchers.accept("r", 9) and matchers.started("r")
+    matchers.add("plain", answer)
+    grammar = unpack_bitmask(matchers.fill([MaskRequest("plain")]).mask.bitmask, VOCAB_SIZE)[0]
+    assert torch.equal(unpack_bitmask(matchers.fill([MaskRequest("r")]).mask.bitmask, VOCAB_SIZE)[0], grammar)
+    assert not grammar.all()
+    matchers.remove("r")
+    assert "r" not in matchers and len(matchers) == 1
+
+
+def test_starts_after_is_checked_and_not_part_of_the_grammars_key(compiler):
+    with pytest.raises(InvalidRequestError) as info:
+        StructuredOutput.json_object(field="response_format").after([1, -2])
+    assert info.value.field == "response_format"
+    plain = StructuredOutput.regex("[0-9]+")
+    gated = plain.after([4, 5])
+    assert gated.starts_after == (4, 5) and gated.key == plain.key and gated != plain
+    assert compiler.compile(gated) is compiler.compile(plain)
+
+
+def test_a_structural_tag_compiles_and_names_its_field_when_it_cannot(compiler):
+    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "const_string", "value": "<call>"}, {"type": "json_schema", "json_schema": {"enum": [1, 2]}}]}}  # fmt: skip
+    compiled = compiler.compile(StructuredOutput.structural_tag(tag))
+    matcher = __import__("xgrammar").GrammarMatcher(compiled)
+    assert matcher.accept_string("<call>2") and not matcher.accept_string("3")
+    with pytest.raises(InvalidRequestError) as info:
+        compiler.compile(StructuredOutput.structural_tag({"type": "structural_tag", "format": {"type": "nope"}}, field="tools"))
+    assert info.value.field == "tools" and "structural tag" in str(info.value)
+
+
+def test_the_core_samples_freely_until_the_marker_then_by_the_grammar(core):
+    # The marker is whatever the free model writes as its 3rd and 4th
+    # tokens; from there on the output is the choice.
+    _, free, _ = _run(core, {"free": SamplingParams(temperature=0, max_tokens=4)})
+    marker = tuple(free["free"][2:4])
+    gated = StructuredOutput.choice(["yes", "no"]).after(marker)
+    texts, tokens, reasons = _run(core, {"gated": SamplingParams(temperature=0, max_tokens=12, structured_output=gated)})
+    assert tokens["gated"][:4] == free["free"]  # the constraint did not touch them
+    assert reasons["gated"] is FinishReason.STOP
+    answer = core.output_processor.tokenizer.decode(tokens["gated"][4:-1] if tokens["gated"][-1] == 2 else tokens["gated"][4:])
+    assert answer in ("yes", "no"), texts["gated"]
+    assert len(core.grammars) == 0

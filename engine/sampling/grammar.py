@@ -7,7 +7,9 @@ worker thread (``Engine.prepare``) and later lookups are a dict hit.
 ``GrammarMatchers`` keeps one matcher per constrained sequence (its position
 in the grammar, advanced with each token the sequence accepts) and prepares
 the fill of a step's allowed-token bitmask for every constrained row at once
-(``MaskFill``): a value that runs on any thread, so the actors fill it while
+(``MaskFill``). A constraint with ``starts_after`` (a reasoning model's
+answer) waits: its row allows every token until the output has generated
+that sequence, and its matcher starts with the token after it: a value that runs on any thread, so the actors fill it while
 the step's forward computes (docs/architecture.md).
 
 The cache holds at most ``cache_size`` compiled grammars, least recently
@@ -36,7 +38,15 @@ import torch
 from trioserve.engine.config import DEFAULT_GRAMMAR_CACHE_SIZE
 from trioserve.engine.errors import InvalidRequestError, TrioserveError
 from trioserve.engine.sampling.rows import TokenMask
-from trioserve.engine.sampling.structured_output import CHOICE, GRAMMAR, JSON_OBJECT, JSON_SCHEMA, REGEX, StructuredOutput
+from trioserve.engine.sampling.structured_output import (
+    CHOICE,
+    GRAMMAR,
+    JSON_OBJECT,
+    JSON_SCHEMA,
+    REGEX,
+    STRUCTURAL_TAG,
+    StructuredOutput,
+)
 from trioserve.engine.validators import integer_at_least
 
 # Any JSON object, whatever its properties (xgrammar's strict mode would
@@ -160,11 +170,14 @@ class GrammarCompiler:
                 # JSON's string escapes are the EBNF literal's too.
                 alternatives = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in spec)
                 compiled = compiler.compile_grammar(f"root ::= {alternatives}")
+            elif kind == STRUCTURAL_TAG:
+                compiled = compiler.compile_structural_tag(spec)
             else:
                 assert kind == GRAMMAR, kind
                 compiled = compiler.compile_grammar(spec)
         except Exception as exc:
-            what = {JSON_SCHEMA: "JSON schema", REGEX: "regular expression", GRAMMAR: "grammar"}.get(kind, kind)
+            what = {JSON_SCHEMA: "JSON schema", REGEX: "regular expression", GRAMMAR: "grammar", STRUCTURAL_TAG: "structural tag"}
+            what = what.get(kind, kind)
             raise InvalidRequestError(
                 f"{constraint.field} is not a usable {what}: {_first_line(exc)}", field=constraint.field
             ) from None
@@ -210,7 +223,9 @@ _NO_TOKEN = "its grammar allows no token at this point of the output"
 @attrs.frozen(eq=False)
 class MaskFill:
     """One step's mask work, ready to run on any thread: the matcher of each
-    row (only read: filling does not move a matcher) and its banned tokens.
+    row (only read: filling does not move a matcher; None for a row whose
+    constraint has not started, which allows every token) and its banned
+    tokens.
 
     ``run`` releases the GIL while xgrammar fills a row, so it computes
     beside the model's forward (docs/architecture.md). Nothing may advance
@@ -219,7 +234,7 @@ class MaskFill:
     """
 
     rows: tuple[MaskRequest, ...]
-    matchers: tuple[Any, ...]
+    matchers: tuple[Any | None, ...]
     vocab_size: int
 
     def run(self) -> FilledMask:
@@ -235,7 +250,8 @@ class MaskFill:
         words.fill(-1)
         try:
             for index, (row, matcher) in enumerate(zip(self.rows, self.matchers)):
-                matcher.fill_next_token_bitmask(bitmask, index)
+                if matcher is not None:
+                    matcher.fill_next_token_bitmask(bitmask, index)
                 for token_id in row.banned:
                     # bit 31 is int32's sign bit: clear it through the unsigned view
                     words.view(numpy.uint32)[index, token_id // 32] &= ~numpy.uint32(1 << (token_id % 32))
@@ -251,8 +267,26 @@ class MaskFill:
 
 
 @attrs.define(eq=False)
+class _Wait:
+    """A constraint held back until the output generates ``ids``: the
+    output's last ``len(ids)`` tokens, compared with each new one."""
+
+    ids: tuple[int, ...]
+    _tail: collections.deque[int] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._tail = collections.deque(maxlen=len(self.ids))
+
+    def over(self, token_id: int) -> bool:
+        """Note ``token_id``; True once the output ends with ``ids``."""
+        self._tail.append(token_id)
+        return len(self._tail) == len(self.ids) and tuple(self._tail) == self.ids
+
+
+@attrs.define(eq=False)
 class GrammarMatchers:
-    """Each constrained sequence's position in its grammar, by sequence id.
+    """Each constrained sequence's position in its grammar, by sequence id,
+    and the sequences whose constraint has not started yet (``starts_after``).
 
     Lives with the scheduler's side of the engine (``EngineCore``); the
     runner only ever sees the bitmasks, inside the step plan.
@@ -260,15 +294,20 @@ class GrammarMatchers:
 
     compiler: GrammarCompiler
     _matchers: dict[str, Any] = attrs.field(init=False, factory=dict)
+    _waiting: dict[str, _Wait] = attrs.field(init=False, factory=dict)
 
     def add(self, request_id: str, constraint: StructuredOutput) -> None:
-        """Start ``request_id`` at the beginning of its grammar."""
+        """Start ``request_id`` at the beginning of its grammar, or waiting
+        for its ``starts_after`` sequence."""
         import xgrammar
 
         self._matchers[request_id] = xgrammar.GrammarMatcher(self.compiler.compile(constraint))
+        if constraint.starts_after:
+            self._waiting[request_id] = _Wait(constraint.starts_after)
 
     def remove(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
+        self._waiting.pop(request_id, None)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._matchers
@@ -276,9 +315,13 @@ class GrammarMatchers:
     def __len__(self) -> int:
         return len(self._matchers)
 
+    def started(self, request_id: str) -> bool:
+        """Whether ``request_id``'s constraint applies to its next token."""
+        return request_id in self._matchers and request_id not in self._waiting
+
     def prepare(self, rows: Sequence[MaskRequest]) -> MaskFill:
         """The fill of ``rows``' bitmask, to run now or on another thread."""
-        matchers = tuple(self._matchers[row.request_id] for row in rows)
+        matchers = tuple(None if row.request_id in self._waiting else self._matchers[row.request_id] for row in rows)
         return MaskFill(tuple(rows), matchers, self.compiler.vocab_size)
 
     def fill(self, rows: Sequence[MaskRequest]) -> FilledMask:
@@ -287,7 +330,14 @@ class GrammarMatchers:
 
     def accept(self, request_id: str, token_id: int) -> bool:
         """Advance ``request_id`` by its sampled token; False if its grammar
-        refuses it (the mask allowed it, so only a bug or a race could)."""
+        refuses it (the mask allowed it, so only a bug or a race could). A
+        waiting sequence's token counts toward its ``starts_after``: the
+        grammar applies from the token after that sequence's last."""
+        wait = self._waiting.get(request_id)
+        if wait is not None:
+            if wait.over(token_id):
+                del self._waiting[request_id]
+            return True
         matcher = self._matchers.get(request_id)
         return matcher is None or matcher.accept_token(token_id)
 
