@@ -127,7 +127,9 @@ def test_the_name_goes_first_and_the_arguments_as_they_are_generated():
 
 
 def _app():
-    return create_app(ServerConfig(engine=testing.engine_config(), shutdown_timeout=5.0), loaded=testing.tiny_loaded())
+    # The model's whole context: the tools' prompt and a Hermes call in it.
+    engine = testing.engine_config(max_model_len=512, max_num_batched_tokens=512)
+    return create_app(ServerConfig(engine=engine, shutdown_timeout=5.0), loaded=testing.tiny_loaded())
 
 
 async def test_the_official_client_assembles_streamed_calls():
@@ -136,8 +138,10 @@ async def test_the_official_client_assembles_streamed_calls():
         async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as client:
             for choice in ("required", NAMED):
                 # The stream helper's final completion.
+                # One call: a tiny model would otherwise go on calling to max_tokens.
                 async with client.chat.completions.stream(
-                    model=MODEL, messages=messages, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=60, temperature=0
+                    model=MODEL, messages=messages, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=80, temperature=0,
+                    parallel_tool_calls=False,
                 ) as events:
                     completion = await events.get_final_completion()
                 (call,) = completion.choices[0].message.tool_calls
@@ -146,8 +150,8 @@ async def test_the_official_client_assembles_streamed_calls():
                 jsonschema.validate(json.loads(call.function.arguments), schema)
                 # Accumulated by hand from the raw chunks, as the client's docs show.
                 stream = await client.chat.completions.create(
-                    model=MODEL, messages=messages, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=60,
-                    temperature=0, stream=True,
+                    model=MODEL, messages=messages, tools=[WEATHER, TIME], tool_choice=choice, max_tokens=80,
+                    temperature=0, stream=True, parallel_tool_calls=False,
                 )  # fmt: skip
                 deltas = [d async for chunk in stream for c in chunk.choices for d in (c.delta.tool_calls or ())]
                 assert deltas[0].id.startswith("call_") and deltas[0].function.name == call.function.name

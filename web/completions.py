@@ -52,6 +52,7 @@ from .output_reader import ChatReading
 from .parsers import OutputParsers
 from .reasoning import prompt_opens_thinking
 from .settings import ServerConfig
+from .structured import ModelTokens, chat_constraint
 from .tools import render_prompt
 
 log = logging.getLogger(__name__)
@@ -111,7 +112,7 @@ async def _generate(kind: type[CompletionRequest] | type[ChatCompletionRequest],
         if chat:
             new, reading = _chat_input(parsed, new, served, host.config)
         # A schema, regex or grammar compiles in a worker thread (cached).
-        await served.engine.prepare(parsed.params)
+        await served.engine.prepare(new.params)
         stream = request_ids.submit_nowait(served.engine, new, deadline=None if timeout is None else arrival + timeout)
     except Exception as exc:
         raise _refusal(translate(exc, log_requests=log_requests), chat) from None
@@ -157,10 +158,11 @@ def _chat_input(
     the prompt is rendered here when it shows tools, takes template
     variables, or a reasoning parser must know whether it opens the
     reasoning; the parsers' special tokens are kept in the text unless the
-    request said otherwise."""
+    request said otherwise; the constraint is fitted to the model's formats
+    (web/structured.py's ``chat_constraint``)."""
     tokenizer = served.engine.tokenizer
     parsers = OutputParsers.for_template(tokenizer.chat_template, config.reasoning_parser, config.tool_call_parser)
-    starts_inside = False
+    starts_inside, text = False, ""
     if parsed.renders_tools or parsed.chat_template_kwargs or parsers.reasoning is not None:
         ids, text = render_prompt(
             tokenizer,
@@ -173,6 +175,16 @@ def _chat_input(
         starts_inside = prompt_opens_thinking(text)
     if parsers.special_tokens(parsed.tools is not None) and not parsed.sets_special_tokens:
         new = attrs.evolve(new, params=attrs.evolve(new.params, skip_special_tokens=False))
+    constraint = chat_constraint(
+        new.params.structured_output,
+        tools=parsed.tools,
+        tool_format=parsers.tools,
+        reasoning=parsers.reasoning,
+        prompt=text,
+        tokens=ModelTokens(tokenizer),
+    )
+    if constraint != new.params.structured_output:
+        new = attrs.evolve(new, params=attrs.evolve(new.params, structured_output=constraint))
     reading = ChatReading(parsers.reasoning, starts_inside, parsed.tools, parsers.tools)
     return new, reading
 

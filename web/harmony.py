@@ -15,12 +15,12 @@ that the tool format reads it from the content.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
 
-from .tool_format import CallScan, ToolScan, held_end, json_arguments
+from .tool_format import CallScan, Mark, ToolScan, arguments, const, held_end, json_arguments, one_of, sequence
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>")
@@ -105,6 +105,10 @@ class HarmonyReasoning:
 
     name: str = "gpt_oss"
     special_tokens: bool = True
+    # The answer is the final channel's message; a call is a new message
+    # after the analysis one ends (``HarmonyFormat.forced``).
+    answer_after: str = f"{CHANNEL}final{MESSAGE}"
+    calls_after: str = "<|end|>"
 
     def scan(self, text: str, final: bool, starts_inside: bool = False) -> tuple[str | None, str]:
         reasoning: list[str] = []
@@ -138,3 +142,23 @@ class HarmonyFormat:
                 arguments, _ = json_arguments(message.body, 0, final)
                 calls.append(CallScan(name, arguments))
         return ToolScan("".join(content), tuple(calls))
+
+    def forced(self, functions: Sequence[Mapping[str, Any]], *, one: bool, mark: Mark, after_reasoning: bool) -> dict[str, Any]:
+        """One call message, ``<|channel|>commentary to=functions.NAME
+        <|constrain|>json<|message|>{...}``; gpt-oss ends it with ``<|call|>``,
+        a stop token, so there is one call however many were allowed. After
+        the reasoning (its analysis message ended with ``<|end|>``) the call
+        opens a new message: ``<|start|>assistant`` first."""
+        each = [
+            sequence(
+                mark(CHANNEL),
+                const(f"commentary to={FUNCTIONS}{f['name']} "),
+                mark(CONSTRAIN),
+                const("json"),
+                mark(MESSAGE),
+                arguments(f),
+            )
+            for f in functions
+        ]
+        call = one_of(each)
+        return sequence(mark(START), const("assistant"), call) if after_reasoning else call

@@ -30,6 +30,10 @@ THINK, END_THINK = "<think>", "</think>"
 class ReasoningParser(Protocol):
     name: str
     special_tokens: bool  # whether its markers are special tokens the text must keep
+    # The markers the reasoning ends with: before an answer, before a call.
+    # Structured output applies after them (web/structured.py).
+    answer_after: str
+    calls_after: str
 
     def scan(self, text: str, final: bool, starts_inside: bool = False) -> tuple[str | None, str]: ...
 
@@ -42,6 +46,8 @@ class ThinkTags:
     name: str = "qwen3"
     always_inside: bool = False  # deepseek_r1: the text before </think> is reasoning
     special_tokens: bool = False
+    answer_after: str = END_THINK
+    calls_after: str = END_THINK
 
     def scan(self, text: str, final: bool, starts_inside: bool = False) -> tuple[str | None, str]:
         stripped = text.lstrip()

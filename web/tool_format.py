@@ -15,13 +15,21 @@ A call appears once its name is known and is one of ``names``; its
 arguments are the raw text the model wrote (JSON formats) or built from
 the format's own syntax (Qwen3-Coder's XML), checked only by the
 whole-body parser.
+
+A format that can force calls (``tool_choice`` ``required`` or a named
+function) also has ``forced(functions, one=..., mark=..., after_reasoning=...)``:
+xgrammar's structural-tag format (a dict) for one or more calls written
+in its own syntax, each call's arguments constrained by its function's
+schema. ``mark(text)`` is a marker's element: the token itself where the
+model's vocabulary has it as one token (``<tool_call>``, harmony's
+``<|channel|>``), else its text. The builders below are the pieces.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -122,3 +130,50 @@ def json_name(escaped: str) -> str | None:
     except ValueError:
         return None
     return value if isinstance(value, str) else None
+
+
+# -- forcing calls: pieces of xgrammar's structural-tag format --------------
+
+Mark = Callable[[str], dict[str, Any]]
+
+
+def const(text: str) -> dict[str, Any]:
+    """Exactly ``text``, however it is cut into tokens."""
+    return {"type": "const_string", "value": text}
+
+
+def text_mark(text: str) -> dict[str, Any]:
+    """A ``Mark`` that writes every marker as text (no vocabulary at hand)."""
+    return const(text)
+
+
+def arguments(function: Mapping[str, Any], style: str = "json") -> dict[str, Any]:
+    """The arguments of ``function``, valid against its parameters' schema;
+    ``style`` ``json`` or ``qwen_xml`` (``<parameter=NAME>value</parameter>``).
+    Runs of whitespace between values are bounded, so that a weak model
+    cannot pad its call until ``max_tokens``."""
+    return {"type": "json_schema", "json_schema": function["parameters"], "style": style, "max_whitespace_cnt": 2}
+
+
+def sequence(*elements: dict[str, Any]) -> dict[str, Any]:
+    """``elements`` one after the other."""
+    return elements[0] if len(elements) == 1 else {"type": "sequence", "elements": list(elements)}
+
+
+def one_of(elements: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Any one of ``elements``."""
+    return elements[0] if len(elements) == 1 else {"type": "or", "elements": list(elements)}
+
+
+def calls(each: Sequence[dict[str, Any]], *, separator: str, one: bool) -> dict[str, Any]:
+    """One call (any of ``each``, one per function), or with ``one`` false,
+    one or more, ``separator`` between them."""
+    call = one_of(each)
+    if one:
+        return call
+    return sequence(call, {"type": "star", "content": sequence(const(separator), call) if separator else call})
+
+
+def structural_tag(element: dict[str, Any]) -> dict[str, Any]:
+    """``element`` as a whole structural tag (what the engine compiles)."""
+    return {"type": "structural_tag", "format": element}

@@ -1,17 +1,19 @@
 """Tool calls written as JSON objects: Hermes' ``<tool_call>`` blocks
 (Qwen2.5, Qwen3, NousResearch Hermes, the default ChatML template), and
 the bare JSON that ``tool_choice`` ``required`` and a named function
-constrain the output to (web/tools.py's ``ToolChoice.constraint``)."""
+constrain the output to when no model format is at hand (web/tools.py's
+``ToolChoice.constraint``)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
 
-from .tool_format import JSON_OPENING, CallScan, ToolScan, held_end, json_arguments, json_name
+from . import tool_format
+from .tool_format import JSON_OPENING, CallScan, Mark, ToolScan, arguments, const, held_end, json_arguments, json_name, sequence
 
 OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
 
@@ -77,6 +79,20 @@ class HermesFormat:
         if final and not calls:
             return ToolScan(text)
         return ToolScan(text[:first].rstrip(), tuple(calls))
+
+    def forced(self, functions: Sequence[Mapping[str, Any]], *, one: bool, mark: Mark, after_reasoning: bool) -> dict[str, Any]:
+        """``<tool_call>`` blocks of ``functions``' calls, a newline apart."""
+        each = [
+            sequence(
+                mark(self.open_tag),
+                const(f'\n{{"name": {json.dumps(f["name"])}, "arguments": '),
+                arguments(f),
+                const("}\n"),
+                mark(self.close_tag),
+            )
+            for f in functions
+        ]
+        return tool_format.calls(each, separator="\n", one=one)
 
 
 @attrs.frozen

@@ -7,12 +7,14 @@ request keeps it in its text (web/parsers.py)."""
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+import json
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
 
-from .tool_format import CallScan, ToolScan, json_value_end
+from . import tool_format
+from .tool_format import CallScan, Mark, ToolScan, arguments, const, json_value_end, sequence
 from .tool_format_json import json_call
 
 PYTHON_TAG = "<|python_tag|>"
@@ -53,3 +55,8 @@ class Llama3JsonFormat:
             return ToolScan(text)
         calls = json_objects(text, start, names, final, _BETWEEN)
         return ToolScan(text if final and not calls else "", tuple(calls))
+
+    def forced(self, functions: Sequence[Mapping[str, Any]], *, one: bool, mark: Mark, after_reasoning: bool) -> dict[str, Any]:
+        """``{"name": ..., "parameters": {...}}`` objects, ``; `` apart."""
+        each = [sequence(const(f'{{"name": {json.dumps(f["name"])}, "parameters": '), arguments(f), const("}")) for f in functions]
+        return tool_format.calls(each, separator="; ", one=one)

@@ -7,12 +7,14 @@ The markers are special tokens: the request keeps them (web/parsers.py)."""
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+import json
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
 
-from .tool_format import CallScan, ToolScan, held_end, json_arguments
+from . import tool_format
+from .tool_format import CallScan, Mark, ToolScan, arguments, const, held_end, json_arguments, sequence
 from .tool_format_llama3 import json_objects
 
 TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
@@ -38,6 +40,17 @@ class MistralFormat:
         if final and not calls:
             return ToolScan(text)
         return ToolScan(text[:first].rstrip(), tuple(calls))
+
+    def forced(self, functions: Sequence[Mapping[str, Any]], *, one: bool, mark: Mark, after_reasoning: bool) -> dict[str, Any]:
+        """The v11 tokenizer's ``[TOOL_CALLS]NAME[ARGS]{...}`` calls where the
+        vocabulary has ``[ARGS]`` as a token, else ``[TOOL_CALLS]`` and a
+        JSON list of ``{"name", "arguments"}`` objects."""
+        args = mark(ARGS)
+        if args.get("type") == "token":
+            each = [sequence(mark(TOOL_CALLS), const(f["name"]), args, arguments(f)) for f in functions]
+            return tool_format.calls(each, separator="", one=one)
+        each = [sequence(const(f'{{"name": {json.dumps(f["name"])}, "arguments": '), arguments(f), const("}")) for f in functions]
+        return sequence(mark(TOOL_CALLS), const("["), tool_format.calls(each, separator=", ", one=one), const("]"))
 
     @staticmethod
     def _named_calls(text: str, pos: int, names: Mapping[str, Any], final: bool) -> list[CallScan]:

@@ -9,7 +9,7 @@
     </tool_call>
 
 Each parameter's text becomes a JSON value by the type the tool's schema
-gives it (a string stays text; integer, number, boolean, object and array
+gives it (an enum's member, spaced any way, is that member; a string stays text; integer, number, boolean, object and array
 are read as such, and a value that does not read stays text). The
 arguments are streamed a parameter at a time, as each one closes."""
 
@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import ast
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
 
-from .tool_format import CallScan, ToolScan, held_end
+from . import tool_format
+from .tool_format import CallScan, Mark, ToolScan, arguments, const, held_end, sequence
 
-OPEN_TAG, FUNCTION, PARAMETER = "<tool_call>", "<function=", "<parameter="
+OPEN_TAG, CLOSE_TAG, FUNCTION, PARAMETER = "<tool_call>", "</tool_call>", "<function=", "<parameter="
 END_FUNCTION, END_PARAMETER = "</function>", "</parameter>"
 
 
@@ -39,6 +40,13 @@ def convert(value: str, schema: Any) -> Any:
     """``value`` as the JSON type ``schema`` says, else as text."""
     kind = _type(schema)
     text = value.strip()
+    choices = schema.get("enum") if isinstance(schema, Mapping) else None
+    if isinstance(choices, list):
+        # An enum's member, however the XML spaced it (a forced grammar
+        # allows whitespace around a value).
+        for choice in choices:
+            if text == (choice if isinstance(choice, str) else json.dumps(choice)):
+                return choice
     if kind == "string":
         return value
     if text == "null" and kind != "string":
@@ -95,6 +103,21 @@ class Qwen3CoderFormat:
         if final and not calls:
             return ToolScan(text)
         return ToolScan(text[:first].rstrip(), tuple(calls))
+
+    def forced(self, functions: Sequence[Mapping[str, Any]], *, one: bool, mark: Mark, after_reasoning: bool) -> dict[str, Any]:
+        """``<tool_call>`` blocks of ``<function=NAME>`` and its
+        ``<parameter=...>`` values (xgrammar's ``qwen_xml`` style), a newline apart."""
+        each = [
+            sequence(
+                mark(OPEN_TAG),
+                const(f"\n{FUNCTION}{f['name']}>\n"),
+                arguments(f, "qwen_xml"),
+                const(END_FUNCTION + "\n"),
+                mark(CLOSE_TAG),
+            )
+            for f in functions
+        ]
+        return tool_format.calls(each, separator="\n", one=one)
 
     @staticmethod
     def _parameters(text: str, pos: int, end: int, properties: Any, closed: bool) -> list[tuple[str, Any]]:

@@ -8,9 +8,13 @@ any other template without tool support is refused (400 naming ``tools``).
 The model calls a tool in its family's format (web/parsers.py picks it;
 Hermes' ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` by
 default, the others in web/tool_format_*.py and web/harmony.py). With
-``tool_choice: "required"`` the output is
-constrained to one ``{"name", "arguments"}`` object of a listed tool, and
-with a named function to that function's arguments, so both always parse.
+``tool_choice: "required"`` the output is constrained to one or more calls
+of the listed tools (one with ``parallel_tool_calls: false``), and with a
+named function to one call of it, written in the model's format, each
+call's arguments valid against its function's schema
+(``ToolChoice.forced``), so they always parse. Without a model format at
+hand (``ToolChoice.constraint``), the output is bare JSON: one
+``{"name", "arguments"}`` object, or the named function's arguments.
 A streamed response reads the calls as they are generated: web/tool_stream.py.
 """
 
@@ -26,7 +30,7 @@ import attrs
 from trioserve.engine.sampling.structured_output import StructuredOutput
 
 from .errors import InvalidRequest
-from .tool_format import ToolFormat
+from .tool_format import Mark, ToolFormat, structural_tag
 from .tool_format_json import HermesFormat, NamedFormat, RequiredFormat
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -85,12 +89,19 @@ class ToolChoice:
     """A request's tools (as the template takes them) and how it may call them.
 
     ``mode`` is ``none``, ``auto``, ``required`` or ``named`` (then ``name``
-    is the function).
+    is the function); ``parallel`` (``parallel_tool_calls``) is whether
+    ``required`` may make more than one call.
     """
 
     functions: tuple[dict[str, Any], ...]
     mode: str
     name: str | None = None
+    parallel: bool = True
+
+    @property
+    def forces_calls(self) -> bool:
+        """Whether the output must be calls (``required`` or a named function)."""
+        return self.mode in ("required", "named")
 
     @property
     def schemas(self) -> dict[str, dict[str, Any]]:
@@ -100,6 +111,20 @@ class ToolChoice:
     @property
     def template_tools(self) -> list[dict[str, Any]]:
         return [{"type": "function", "function": f} for f in self.functions]
+
+    def forced(self, model_format: ToolFormat, mark: Mark, *, after_reasoning: bool = False) -> StructuredOutput | None:
+        """The output's constraint for ``required`` and ``named``: calls in
+        ``model_format``'s own syntax (None for other modes, or a format
+        that cannot force calls). ``mark`` writes the format's markers (as
+        tokens of the model's vocabulary); ``after_reasoning``: the calls
+        follow the model's reasoning."""
+        forced = getattr(model_format, "forced", None)
+        if not self.forces_calls or forced is None:
+            return None
+        functions = [f for f in self.functions if self.mode == "required" or f["name"] == self.name]
+        one = self.mode == "named" or not self.parallel
+        element = forced(functions, one=one, mark=mark, after_reasoning=after_reasoning)
+        return StructuredOutput.structural_tag(structural_tag(element), field="tools")
 
     def constraint(self) -> StructuredOutput | None:
         """The output's constraint: the call's JSON for ``required`` and ``named``."""
@@ -152,7 +177,10 @@ def tool_choice(body: dict[str, Any]) -> ToolChoice | None:
         raise InvalidRequest(f"tool_choice {mode} cannot be combined with response_format", param="tool_choice")
     if mode != "auto" and body.get("structured_outputs") is not None:
         raise InvalidRequest(f"tool_choice {mode} cannot be combined with structured_outputs", param="tool_choice")
-    return ToolChoice(functions, mode, name)
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise InvalidRequest("parallel_tool_calls must be true or false", param="parallel_tool_calls")
+    return ToolChoice(functions, mode, name, parallel is not False)
 
 
 def tools_template(tokenizer: Any) -> str | None:
@@ -220,9 +248,11 @@ def _as_call(name: Any, arguments: Any, names: set[str]) -> dict[str, Any] | Non
 
 
 def call_format(tools: ToolChoice, model_format: ToolFormat | None = None) -> ToolFormat:
-    """The format the output's calls are written in: the one JSON object
-    ``required`` and a named function constrain it to, else the model's
-    (Hermes when none is given)."""
+    """The format the output's calls are written in: the model's (Hermes
+    when none is given), unless ``required`` or a named function forced
+    bare JSON (no model format, or one that cannot force calls)."""
+    if tools.forces_calls and hasattr(model_format, "forced"):
+        return model_format  # type: ignore[return-value]
     if tools.mode == "required":
         return RequiredFormat()
     if tools.mode == "named":
