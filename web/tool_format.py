@@ -142,11 +142,6 @@ def const(text: str) -> dict[str, Any]:
     return {"type": "const_string", "value": text}
 
 
-def text_mark(text: str) -> dict[str, Any]:
-    """A ``Mark`` that writes every marker as text (no vocabulary at hand)."""
-    return const(text)
-
-
 def arguments(function: Mapping[str, Any], style: str = "json") -> dict[str, Any]:
     """The arguments of ``function``, valid against its parameters' schema;
     ``style`` ``json`` or ``qwen_xml`` (``<parameter=NAME>value</parameter>``).
