@@ -55,7 +55,8 @@ class StreamedCalls:
     ``feed`` each text delta as it comes; ``finish`` when the choice ends.
     ``num_calls`` says how many calls were started (the finish reason is
     then ``tool_calls``). ``model_format`` is how the model writes calls
-    (Hermes when left out); ``required`` and named choices have their own.
+    (Hermes when left out); ``required`` and named choices read it too, or,
+    with no model format, the bare JSON they are then forced to.
     """
 
     tools: ToolChoice
