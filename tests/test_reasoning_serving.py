@@ -123,3 +123,29 @@ async def test_the_schema_applies_to_the_answer_after_the_reasoning(app):
             reasoning, content, _, finish = await _streamed(client, request)
             assert (reasoning, content, finish) == ("Oslo, then.", choice.message.content, "stop")
 
+
+
+async def test_a_required_call_comes_after_the_reasoning_in_the_models_format(app):
+    rain = {"type": "function", "function": {"name": "will_it_rain", "parameters": SCHEMA}}
+    request = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Will it rain in Oslo?"}],
+        tools=[rain],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=120,
+        temperature=0,
+        extra_body={"logits_processors": [_thinking()]},
+    )
+    async with serving(app) as server:
+        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as client:
+            completion = await client.chat.completions.create(**request)
+            (choice,) = completion.choices
+            assert choice.finish_reason == "tool_calls" and choice.message.reasoning_content == "Oslo, then."
+            (call,) = choice.message.tool_calls
+            assert call.function.name == "will_it_rain"
+            validate(json.loads(call.function.arguments), SCHEMA)
+
+            reasoning, _, calls, finish = await _streamed(client, request)
+            assert (reasoning, finish) == ("Oslo, then.", "tool_calls")
+            assert json.loads("".join(d.function.arguments or "" for d in calls)) == json.loads(call.function.arguments)
