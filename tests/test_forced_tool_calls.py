@@ -54,6 +54,7 @@ def tokenizers(tmp_path_factory):
         folder = tmp_path_factory.mktemp(name)
         (folder / "tokenizer.json").write_bytes(lzma.decompress((DATA / "tokenizers" / f"{name}.tokenizer.json.xz").read_bytes()))
         shutil.copy(DATA / "tokenizers" / f"{name}.tokenizer_config.json", folder / "tokenizer_config.json")
+        shutil.copy(DATA / "chat_templates" / f"{name}.jinja", folder / "chat_template.jinja")
         out[name] = FastTokenizer.from_folder(folder)
     out["smollm2"] = testing.tiny_loaded().tokenizer
     return out
@@ -119,7 +120,9 @@ def test_the_constraint_starts_after_the_reasoning_unless_the_prompt_closed_it(t
     answer = _tools("auto").constraint()  # None: auto constrains nothing
     assert answer is None
     schema = tool_choice({"tools": [WEATHER], "tool_choice": NAMED}).constraint()
-    thinking, off = "<|im_start|>assistant\n", "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    thinking = qwen.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    off = qwen.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, enable_thinking=False)
     qwen3 = REASONING_PARSERS["qwen3"]
     gated = chat_constraint(schema, tools=None, tool_format=None, reasoning=qwen3, prompt=thinking, tokens=qwen)
     assert gated.starts_after == (qwen.tokenizer.convert_tokens_to_ids("</think>"),) and gated.key == schema.key
@@ -127,10 +130,12 @@ def test_the_constraint_starts_after_the_reasoning_unless_the_prompt_closed_it(t
     assert chat_constraint(schema, tools=None, tool_format=None, reasoning=None, prompt=thinking, tokens=qwen) == schema
     # gpt-oss: an answer after the final channel opens; a forced call after the analysis ends.
     harmony, oss_format = REASONING_PARSERS["gpt_oss"], TOOL_CALL_PARSERS["openai"]
-    answer = chat_constraint(schema, tools=None, tool_format=None, reasoning=harmony, prompt="<|start|>assistant", tokens=oss)
+    prompt = oss.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert prompt.endswith("<|start|>assistant")
+    answer = chat_constraint(schema, tools=None, tool_format=None, reasoning=harmony, prompt=prompt, tokens=oss)
     assert answer.starts_after == tuple(oss.ids("<|channel|>final<|message|>"))
     call = chat_constraint(None, tools=_tools("required"), tool_format=oss_format, reasoning=harmony,
-                           prompt="<|start|>assistant", tokens=oss)  # fmt: skip
+                           prompt=prompt, tokens=oss)  # fmt: skip
     assert call.starts_after == tuple(oss.ids("<|end|>"))
     matcher, stop = _matcher(oss.tokenizer, call)
     after = "<|start|>assistant" + WRITTEN["openai"][1]
