@@ -72,6 +72,7 @@ def test_response_format_and_structured_outputs_become_the_constraint():
         ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": "no"}, "parallel_tool_calls"),
         ({"messages": [{"role": "tool", "content": "12C"}]}, "messages[0].tool_call_id"),
         ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}]},
          "messages[0].tool_calls[0].function.arguments"),
