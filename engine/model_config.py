@@ -22,6 +22,7 @@ SUPPORTED_ARCHITECTURES = (
     "SmolLM3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "MixtralForCausalLM",
+    "GptOssForCausalLM",
 )
 # config.json's model_type, for a config without ``architectures`` (a GGUF's).
 ARCHITECTURE_BY_MODEL_TYPE = {
@@ -35,6 +36,7 @@ ARCHITECTURE_BY_MODEL_TYPE = {
     "smollm3": "SmolLM3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 # config.json's model_type -> how its mixture of experts routes (models/moe.py).
 MOE_MODEL_TYPES = {"qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "gpt_oss": "gpt_oss"}
@@ -42,6 +44,19 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 # MLP activations: SwiGLU's SiLU, and GeGLU's tanh-approximated GELU (Gemma).
 SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+# transformers' GptOssConfig defaults where a config.json leaves rotary out:
+# a 150k base, yarn from a 4096-token context without truncating its ramp.
+GPT_OSS_ROPE_THETA = 150000.0
+GPT_OSS_ROPE = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
+
+
 def _required(hf: dict[str, Any], key: str, source: str) -> Any:
     if key not in hf or hf[key] is None:
         raise ModelLoadError(f"{source}: required field {key!r} is missing")
@@ -80,9 +95,10 @@ class Rope:
 
 @attrs.frozen
 class ModelConfig:
-    """The architecture of a dense decoder: Llama, Mistral, Qwen2, Qwen3,
-    Gemma 2 and 3, Phi-3 / Phi-4-mini, SmolLM3. Fields past ``sliding_window``
-    are what a family changes of the Llama layer; their defaults are Llama's."""
+    """The architecture of a decoder: Llama, Mistral, Qwen2, Qwen3, Gemma 2
+    and 3, Phi-3 / Phi-4-mini, SmolLM3, and the mixtures of experts
+    Qwen3-MoE, Mixtral and gpt-oss. Fields past ``sliding_window`` are what a
+    family changes of the Llama layer; their defaults are Llama's."""
 
     architecture: str
     vocab_size: int
@@ -127,6 +143,9 @@ class ModelConfig:
     # Gemma 2: ``c * tanh(x / c)`` on attention scores and on the final logits.
     attn_logit_softcapping: float | None = None
     final_logit_softcapping: float | None = None
+    # gpt-oss: each attention head has a learned sink logit that joins its
+    # softmax and draws weight from the keys (``paged_attention``'s ``sinks``).
+    attention_sinks: bool = False
     # Mixture of experts (``moe_fields``): the layers in ``moe_layers`` run a
     # sparse block of ``num_experts`` experts of ``moe_intermediate_size``,
     # ``num_experts_per_tok`` per token, routed as ``moe_routing`` says.
@@ -189,6 +208,7 @@ class ModelConfig:
             and self.partial_rotary_factor == 1.0
             and self.attention_scale is None
             and self.attn_logit_softcapping is None
+            and not self.attention_sinks
         )
 
     @classmethod
@@ -218,13 +238,15 @@ class ModelConfig:
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         gemma = arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+        gpt_oss = arch == "GptOssForCausalLM"
         window, layer_types = _windows(hf, arch, layers, source)
         full_rope, sliding_rope = _ropes(hf, arch, source)
         rope_params = hf.get("rope_parameters") or {}
         partial = hf.get("partial_rotary_factor") or rope_params.get("partial_rotary_factor") or 1.0
         if not 0.0 < float(partial) <= 1.0:
             raise ModelLoadError(f"{source}: partial_rotary_factor must be in (0, 1], got {partial!r}")
-        bias = bool(hf.get("attention_bias", arch == "Qwen2ForCausalLM"))
+        # transformers' default: Qwen2's q/k/v always carry one, gpt-oss's by default.
+        bias = bool(hf.get("attention_bias", arch in ("Qwen2ForCausalLM", "GptOssForCausalLM")))
         scalar = hf.get("query_pre_attn_scalar") if gemma else None
         return cls(
             architecture=arch,
@@ -249,8 +271,8 @@ class ModelConfig:
             rope_layers=_rope_layers(hf, arch, layers),
             partial_rotary_factor=float(partial),
             hidden_act=act,
-            # Llama's attention_bias covers o_proj too; Qwen2's q/k/v only.
-            o_bias=bias and arch == "LlamaForCausalLM",
+            # Llama's and gpt-oss's attention_bias covers o_proj too; Qwen2's q/k/v only.
+            o_bias=bias and arch in ("LlamaForCausalLM", "GptOssForCausalLM"),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"),
             norm_weight_offset=1.0 if gemma else 0.0,
             embedding_multiplier=hidden**0.5 if gemma else 1.0,
@@ -258,6 +280,7 @@ class ModelConfig:
             attention_scale=None if scalar is None else float(scalar) ** -0.5,
             attn_logit_softcapping=_optional_float(hf, "attn_logit_softcapping") if gemma else None,
             final_logit_softcapping=_optional_float(hf, "final_logit_softcapping") if gemma else None,
+            attention_sinks=gpt_oss,
             **moe_fields(hf, source=source),
         )
 
@@ -341,7 +364,8 @@ def _windows(hf: dict[str, Any], arch: str, layers: int, source: str) -> tuple[i
                 return None, ()
             first = int(hf.get("max_window_layers", 0) or 0)
             types = [SLIDING_ATTENTION if i >= first else FULL_ATTENTION for i in range(layers)]
-        elif arch == "Gemma2ForCausalLM":
+        elif arch in ("Gemma2ForCausalLM", "GptOssForCausalLM"):
+            # Sliding first, then alternating (transformers' default for both).
             types = [SLIDING_ATTENTION if (i + 1) % 2 else FULL_ATTENTION for i in range(layers)]
         elif arch == "Gemma3ForCausalLM":
             pattern = int(hf.get("sliding_window_pattern", 6))
@@ -376,20 +400,29 @@ def _rope_layers(hf: dict[str, Any], arch: str, layers: int) -> tuple[bool, ...]
 def _ropes(hf: dict[str, Any], arch: str, source: str) -> tuple[Rope, Rope]:
     """The full layers' rotary embedding and the sliding layers'."""
     params = dict(hf.get("rope_parameters") or {})
+    theta = GPT_OSS_ROPE_THETA if arch == "GptOssForCausalLM" else 10000.0
+    if arch == "GptOssForCausalLM" and not params and hf.get("rope_scaling") is None:
+        # transformers' GptOssConfig fills in its yarn where the file says
+        # nothing, but 4 read an explicit null rope_scaling (with no
+        # rope_parameters, 5's field) as no scaling.
+        if "rope_parameters" in hf or "rope_scaling" not in hf:
+            params = dict(GPT_OSS_ROPE)
     if FULL_ATTENTION in params or SLIDING_ATTENTION in params:  # transformers 5, per layer type
-        full = _rope(dict(params.get(FULL_ATTENTION) or {}), hf, source)
-        return full, _rope(dict(params.get(SLIDING_ATTENTION) or {}), hf, source) if SLIDING_ATTENTION in params else full
+        full = _rope(dict(params.get(FULL_ATTENTION) or {}), hf, source, theta)
+        if SLIDING_ATTENTION not in params:
+            return full, full
+        return full, _rope(dict(params[SLIDING_ATTENTION] or {}), hf, source, theta)
     # transformers 4 kept the scaling apart; 5 folds it into rope_parameters.
     merged = {**params, **dict(hf.get("rope_scaling") or {})}
-    full = _rope(merged, hf, source)
+    full = _rope(merged, hf, source, theta)
     local = hf.get("rope_local_base_freq")
     if arch == "Gemma3ForCausalLM" and local is not None:
         return full, Rope(float(local))
     return full, full
 
 
-def _rope(d: dict[str, Any], hf: dict[str, Any], source: str) -> Rope:
-    theta = float(d.get("rope_theta", hf.get("rope_theta") or 10000.0))
+def _rope(d: dict[str, Any], hf: dict[str, Any], source: str, default_theta: float) -> Rope:
+    theta = float(d.get("rope_theta", hf.get("rope_theta") or default_theta))
     rope_type = d.get("rope_type", d.get("type", "default"))
     rope_type = {"su": "longrope"}.get(rope_type, rope_type)
     if rope_type not in SUPPORTED_ROPE_TYPES:

@@ -1,8 +1,10 @@
 """Our paged-KV model against transformers, on tiny random-weight checkpoints.
 
-Each test saves a tiny model of every dense family (Llama, Mistral, Qwen2,
+Each test saves a tiny model of every family (Llama, Mistral, Qwen2,
 Qwen3, Gemma 2 and 3, Phi-3, SmolLM3, with sliding windows, soft-caps, yarn
-and longrope where the family has them) with ``save_pretrained``,
+and longrope where the family has them; the mixtures of experts Qwen3-MoE,
+Mixtral and gpt-oss, with its attention sinks, and gpt-oss's MXFP4
+checkpoint too) with ``save_pretrained``,
 loads it into our model, and runs several sequences through a small
 continuous-batching loop: prompts split into chunks in different ways,
 sequences starting at different steps so decode tokens share batches with
@@ -153,6 +155,18 @@ def _mixtral_config():
     return transformers.MixtralConfig(**SMALL, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2)
 
 
+def _gpt_oss_config():
+    # Attention sinks, q/k/v/o biases, sliding and full layers alternating,
+    # yarn without truncating its ramp (gpt-oss's own), top-2 of 4 biased
+    # experts whose SwiGLU clamp is low enough to bite.
+    return transformers.GptOssConfig(
+        **SMALL, num_hidden_layers=3, head_dim=16, sliding_window=WINDOW, num_local_experts=4,
+        num_experts_per_tok=2, swiglu_limit=1.5,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1000.0, "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 32},
+    )  # fmt: skip
+
+
 HF_MODELS = {
     "llama": (_llama_config, transformers.LlamaForCausalLM),
     "mistral": (_mistral_config, transformers.MistralForCausalLM),
@@ -166,6 +180,7 @@ HF_MODELS = {
     "smollm3": (_smollm3_config, transformers.SmolLM3ForCausalLM),
     "qwen3-moe": (_qwen3_moe_config, transformers.Qwen3MoeForCausalLM),
     "mixtral": (_mixtral_config, transformers.MixtralForCausalLM),
+    "gpt-oss": (_gpt_oss_config, transformers.GptOssForCausalLM),
 }
 
 
@@ -187,6 +202,9 @@ def _save_tiny(kind: str, path) -> transformers.PreTrainedModel:
                 p.copy_(0.5 * torch.randn_like(p))
             elif "embed_tokens" in name:
                 p.copy_(torch.randn_like(p))
+            elif name.endswith("sinks"):
+                # As large as the peaky scores, so a head's sink takes a real share.
+                p.copy_(4 * torch.randn_like(p))
             else:
                 gain = 2.0 if ("q_proj" in name or "k_proj" in name) else 1.0
                 p.copy_(gain * torch.randn_like(p) / math.sqrt(p.shape[-1]))
@@ -328,6 +346,98 @@ def test_matches_transformers(kind, scheme, pack_weights, tmp_path):
     for s in seqs:
         assert len(s.logits) == (s.prompt_len if all_logits else 1) + NUM_DECODE_STEPS
     _check_against_hf(hf, seqs)
+
+
+def _save_gpt_oss_mxfp4(path) -> transformers.PreTrainedModel:
+    """The tiny gpt-oss with its experts in MXFP4, as the Hub's gpt-oss
+    checkpoints hold them (``{name}_blocks`` and ``{name}_scales`` for each
+    fused expert tensor, and a ``quantization_config``), and transformers'
+    model of it. transformers cannot write MXFP4 on a CPU, so the experts'
+    codes and scales are drawn at random and written here; transformers
+    reads them back as it reads the Hub's, dequantized (on a CPU, without
+    its Triton kernels)."""
+    _save_tiny("gpt-oss", path)
+    tensors = safetensors.torch.load_file(path / "model.safetensors")
+    gen = torch.Generator().manual_seed(3)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, fan_in, out = tensors.pop(name).shape  # [experts, in, out]
+        codes = torch.randint(0, 256, (experts, out, fan_in // 32, 16), generator=gen, dtype=torch.int32)
+        # 2^-7 .. 2^-4 a group: weights of about the float ones' size.
+        exponents = torch.randint(120, 124, (experts, out, fan_in // 32), generator=gen, dtype=torch.int32)
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = codes.to(torch.uint8), exponents.to(torch.uint8)
+    safetensors.torch.save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    hf = transformers.GptOssForCausalLM.from_pretrained(
+        path, dtype=torch.float32, quantization_config=transformers.Mxfp4Config(dequantize=True)
+    )
+    return hf.eval()
+
+
+@pytest.mark.parametrize("pack_weights", PACK_CHOICES)
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_gpt_oss_mxfp4_checkpoint_matches_transformers(scheme, pack_weights, tmp_path):
+    # The float path decodes the MXFP4 experts exactly into float experts.
+    block_size, splits, all_logits = SCHEMES[scheme]
+    hf = _save_gpt_oss_mxfp4(tmp_path)
+    names = safetensors.torch.load_file(tmp_path / "model.safetensors")
+    assert "model.layers.0.mlp.experts.gate_up_proj_blocks" in names
+    assert "model.layers.0.mlp.experts.gate_up_proj" not in names
+    model = _load_ours(tmp_path, threads=3, pack_weights=pack_weights)
+    seqs, _ = _run(model, vocab=hf.config.vocab_size, block_size=block_size, splits=splits, all_logits=all_logits, seed=7)
+    _check_against_hf(hf, seqs)
+
+
+def test_an_mxfp4_half_without_its_pair_is_missing_and_a_bad_pair_is_refused(tmp_path):
+    _save_gpt_oss_mxfp4(tmp_path)
+    config = ModelConfig.from_hf_config(json.loads((tmp_path / "config.json").read_text()))
+    tensors = safetensors.torch.load_file(tmp_path / "model.safetensors")
+    name = "model.layers.1.mlp.experts.down_proj"
+    model = LlamaForCausalLM(config, device=TEST_DEVICE)
+    loaded = model.load_weights((n, t) for n, t in tensors.items() if n != f"{name}_scales")
+    assert model.required_weight_names() - loaded == {name}
+    assert model.load_weights([(f"{name}_scales", tensors[f"{name}_scales"])]) == {
+        name, f"{name}_blocks", f"{name}_scales"
+    }  # fmt: skip
+    wrong = LlamaForCausalLM(config, device=TEST_DEVICE)
+    with pytest.raises(ModelLoadError, match=r"down_proj_blocks'.*decodes to shape \(4, 64, 64\), expected \(4, 96, 64\)"):
+        wrong.load_weights([(f"{name}_blocks", tensors[f"{name}_blocks"][:, :, :2]), (f"{name}_scales", tensors[f"{name}_scales"][:, :, :2])])
+
+
+def _greedy(model, prompt: list[int], steps: int, block_size: int = 4) -> list[int]:
+    """``steps`` greedy tokens after ``prompt``: one prefill, then one decode
+    step a token over scattered blocks of the paged cache."""
+    blocks = -(-(len(prompt) + steps) // block_size)
+    table = list(range(blocks))
+    random.Random(5).shuffle(table)
+    kv = KVCache.allocate(model.config, num_blocks=blocks, block_size=block_size, dtype=torch.float32, device=TEST_DEVICE)
+    tokens = list(prompt)
+    chunk = SeqChunk(tokens, 0, table)
+    with torch.inference_mode():
+        for _ in range(steps):
+            tokens.append(int(model(_batch([chunk], block_size), kv)[-1].argmax()))
+            chunk = SeqChunk(tokens[-1:], len(tokens) - 1, table)
+    return tokens[len(prompt) :]
+
+
+@pytest.mark.parametrize("checkpoint", ["float", "mxfp4"])
+def test_gpt_oss_greedy_tokens_match_transformers(checkpoint, tmp_path):
+    # 64 tokens take the sequence well past the window (6) and yarn's
+    # original context (32): every layer type and rotary band is crossed.
+    hf = _save_tiny("gpt-oss", tmp_path) if checkpoint == "float" else _save_gpt_oss_mxfp4(tmp_path)
+    model = _load_ours(tmp_path)
+    prompt = [5, 17, 42, 8, 63, 29, 71, 3, 50]
+    ours = _greedy(model, prompt, 64)
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(64):  # transformers' full recompute, token by token
+            tokens.append(int(hf(input_ids=torch.tensor([tokens])).logits[0, -1].argmax()))
+    assert ours == tokens[len(prompt) :]
+    assert len(set(ours)) > 8  # a varied continuation, not one token repeated
 
 
 def test_tied_model_accepts_redundant_lm_head_and_skips_rotary_buffers(tmp_path):

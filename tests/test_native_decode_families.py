@@ -323,6 +323,8 @@ def test_a_model_with_a_feature_the_step_lacks_runs_its_layers(isas, cpu_paths):
         ("Gemma3ForCausalLM", {}, "qk_norm"),
         ("SmolLM3ForCausalLM", {"num_hidden_layers": 4}, "rope_layers"),
         ("Phi3ForCausalLM", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+        ("GptOssForCausalLM", {}, "attention_sinks"),
+        ("GptOssForCausalLM", {}, "moe_layers"),
     ],
 )
 def test_a_layer_the_step_does_not_compute_is_refused_by_field(architecture, fields, reason):

@@ -91,6 +91,7 @@ REQUIREMENTS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "attention_scale": (lambda v: v is None, "scores scaled by head_dim ** -0.5"),
     "attn_logit_softcapping": (lambda v: v is None, "no soft-capping of attention scores"),
     "final_logit_softcapping": (_any, "outside the layers"),
+    "attention_sinks": (lambda v: not v, "no attention sinks (gpt-oss's per-head extra softmax logit)"),
     "moe_routing": (lambda v: v is None, "a dense MLP in every layer"),
     "num_experts": (_any, "only with moe_layers, which has its own rule"),
     "num_experts_per_tok": (_any, "only with moe_layers, which has its own rule"),

@@ -35,7 +35,7 @@ from trioserve.engine.layers.rotary import RotaryEmbedding, apply_rotary
 from trioserve.engine.models.invariance import Invariance, compressed_on_cpu, float_on_cpu, on_device
 from trioserve.engine.models import moe_weights
 from trioserve.engine.models.moe import GroupedExperts, SparseMoeBlock
-from trioserve.engine.models.weights import Target, copy_weights, weight_targets
+from trioserve.engine.models.weights import Mxfp4Pairs, Target, copy_weights, weight_targets
 from trioserve.engine.models.projections import (
     PackedProjections,
     PlainProjections,
@@ -54,7 +54,8 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Pa
 class DecoderLayer(nn.Module):
     """Pre-norm attention and gated MLP blocks with residuals, and what each
     family changes of them (``ModelConfig``): q/k norms, Gemma's norms after
-    each block, a sliding window, rotary on part of a head or none."""
+    each block, a sliding window, rotary on part of a head or none,
+    gpt-oss's attention sinks, a mixture of experts for the MLP."""
 
     def __init__(
         self,
@@ -90,6 +91,8 @@ class DecoderLayer(nn.Module):
         self.o_bias = _param(hidden, dtype=dtype, device=device) if config.o_bias else None
         self.q_norm = _param(hd, dtype=dtype, device=device) if config.qk_norm else None
         self.k_norm = _param(hd, dtype=dtype, device=device) if config.qk_norm else None
+        # gpt-oss: one sink logit per query head (``paged_attention``'s ``sinks``).
+        self.sinks = _param(self.num_heads, dtype=dtype, device=device) if config.attention_sinks else None
         self.post_attention_layernorm = _param(hidden, dtype=dtype, device=device)
         # Gemma: post_attention_layernorm norms the attention's output; these
         # norm the MLP's input and output.
@@ -155,8 +158,9 @@ class DecoderLayer(nn.Module):
             v = qkv[:, q_and_k * head_dim :].view(tokens, self.num_kv_heads, head_dim)
             write_kv(k, v, key_cache, value_cache, slot_mapping)
             attn = paged_attention(
-                q, k, v, key_cache, value_cache, meta, scale=self.scale, window=self.window, softcap=self.softcap
-            )
+                q, k, v, key_cache, value_cache, meta,
+                scale=self.scale, window=self.window, softcap=self.softcap, sinks=self.sinks,
+            )  # fmt: skip
         if self.pre_feedforward_layernorm is None:
             residual = projections.o_add(attn, residual)
             x = F.rms_norm(residual, norm_shape, self.post_attention_layernorm, eps)
@@ -227,8 +231,9 @@ class _Made:
 
 
 class LlamaForCausalLM(nn.Module):
-    """A Llama, Mistral or Qwen2 causal LM; parameters start uninitialised
-    and are filled by ``load_weights``.
+    """A causal LM of any family ``ModelConfig`` describes (Llama, Mistral,
+    Qwen2 and 3, Gemma 2 and 3, Phi-3, SmolLM3, Qwen3-MoE, Mixtral, gpt-oss);
+    parameters start uninitialised and are filled by ``load_weights``.
 
     ``pack_weights`` (see ``choose_projections``; default: wherever that
     path works, that is on CPU in float32, and in bfloat16 on CPUs with
@@ -299,6 +304,8 @@ class LlamaForCausalLM(nn.Module):
             NativeAttention.choose(cpu_paths, device, dtype, config.head_dim) if config.plain_attention else None
         )
         self._targets = weight_targets(self)
+        # gpt-oss's MXFP4 experts: each half held until its other half loads.
+        self._mxfp4_pairs = Mxfp4Pairs()
 
     def invariance(self) -> Invariance:
         """Whether this model, as built and set (``batch_invariant``), gives a
@@ -514,8 +521,11 @@ class LlamaForCausalLM(nn.Module):
         naming the weight for an unknown name or a shape mismatch. Derived
         buffers such as ``rotary_emb.inv_freq`` are skipped and not returned.
         A tied model accepts (and ignores) a redundant ``lm_head.weight``.
+        gpt-oss's MXFP4 experts (``{name}_blocks`` and ``{name}_scales``)
+        decode into the float experts; ``{name}`` is returned with the second
+        half of its pair.
         """
-        loaded = copy_weights(self._targets, weights, self.config)
+        loaded = copy_weights(self._targets, weights, self.config, self._mxfp4_pairs)
         if loaded:
             self._made = None  # packed copies are stale
         return loaded

@@ -1,16 +1,21 @@
 """Hugging Face checkpoint names onto a model's (fused) parameters: which
 slice of which parameter each name fills (``weight_targets``), and the copy
-(``copy_weights``). q/k/v fill one fused projection and gate/up another."""
+(``copy_weights``). q/k/v fill one fused projection and gate/up another;
+gpt-oss's MXFP4 experts decode into their float parameters (``Mxfp4Pairs``)."""
 
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Iterable
+
+import attrs
 import torch
 from torch import nn
 
 from trioserve.engine.config import ModelConfig
 from trioserve.engine.errors import ModelLoadError
+from trioserve.engine.kernels import mxfp4
 
 # Checkpoint buffers derived from the config, never weights we load.
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$|.*rotary_emb\.(cos|sin)_cached$")
@@ -18,6 +23,65 @@ _IGNORED = re.compile(r".*rotary_emb\.inv_freq$|.*rotary_emb\.(cos|sin)_cached$"
 # A parameter, the rows of it a checkpoint tensor fills (None: all), and
 # what is added to the tensor on the way (Gemma's norms hold 1 + weight).
 Target = tuple[torch.Tensor, int | None, int | None, float]
+
+# gpt-oss's MXFP4 experts: a fused float tensor's name with _blocks or _scales.
+_MXFP4_HALF = re.compile(r"(.*\.experts\.(?:gate_up_proj|down_proj))_(blocks|scales)")
+
+
+@attrs.define
+class Mxfp4Pairs:
+    """gpt-oss's MXFP4 expert tensors on the float path. Each fused tensor
+    comes as two, ``{name}_blocks`` and ``{name}_scales``: whichever arrives
+    first is held until the other does (loading threads share this, and
+    the two halves may sit in different shards), then the pair decodes
+    into ``{name}``'s float target, one expert at a time so that a layer's
+    experts are never all float at once beside the parameters."""
+
+    _held: dict[str, torch.Tensor] = attrs.field(factory=dict)
+    _lock: threading.Lock = attrs.field(factory=threading.Lock)
+
+    @staticmethod
+    def fused_name(name: str) -> str | None:
+        """The float tensor's name that ``name`` is half of; None where
+        ``name`` is not half of an MXFP4 pair."""
+        match = _MXFP4_HALF.fullmatch(name)
+        return None if match is None else match.group(1)
+
+    def take(self, name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Hold ``name``'s half; once its other half is in, return the
+        blocks and the scales (and hold neither)."""
+        match = _MXFP4_HALF.fullmatch(name)
+        assert match is not None
+        fused, half = match.groups()
+        other = f"{fused}_{'scales' if half == 'blocks' else 'blocks'}"
+        with self._lock:
+            partner = self._held.pop(other, None)
+            if partner is None:
+                self._held[name] = tensor
+                return None
+        return (tensor, partner) if half == "blocks" else (partner, tensor)
+
+
+def _copy_mxfp4(fused: str, blocks: torch.Tensor, scales: torch.Tensor, target: Target) -> None:
+    """Decode an MXFP4 pair (``[experts, out, in / 32, 16]`` blocks and
+    ``[experts, out, in / 32]`` scales) into ``fused``'s target, which holds
+    it as the checkpoint's float tensor would be: ``[experts, in, out]``.
+    Exact: every MXFP4 value is a float32."""
+    param, start, stop, _ = target
+    dest = param if start is None else param[start:stop]
+    if blocks.dim() != 4 or tuple(scales.shape) != tuple(blocks.shape[:3]):
+        raise ModelLoadError(
+            f"weight {fused + '_blocks'!r}: MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} "
+            f"are not [experts, out, groups, {mxfp4.GROUP // 2}] and [experts, out, groups]"
+        )
+    experts, out, groups = blocks.shape[:3]
+    if (experts, groups * mxfp4.GROUP, out) != tuple(dest.shape):
+        raise ModelLoadError(
+            f"weight {fused + '_blocks'!r}: decodes to shape {(experts, groups * mxfp4.GROUP, out)}, "
+            f"expected {tuple(dest.shape)}"
+        )
+    for e in range(experts):
+        dest[e].copy_(mxfp4.decode_hf(blocks[e], scales[e], f"{fused}_blocks").dequantize().T)
 
 
 def weight_targets(model: nn.Module) -> dict[str, Target]:
@@ -45,6 +109,8 @@ def weight_targets(model: nn.Module) -> dict[str, Target]:
             param = getattr(layer, name.removeprefix("self_attn."))
             if param is not None:
                 targets[f"{p}{name}.weight"] = (param, None, None, offset)
+        if layer.sinks is not None:  # gpt-oss's attention sinks, one logit per head
+            targets[f"{p}self_attn.sinks"] = (layer.sinks, None, None, 0.0)
         if layer.mlp is not None:  # a mixture of experts: the sparse block's names (models/moe_weights.py)
             targets.update(layer.mlp_targets(p)[0])
         if layer.qkv_proj is None:  # quantized: the projections load through engine/loading/compressed.py
@@ -86,15 +152,32 @@ def fused_names(name: str, config: ModelConfig) -> list[tuple[str, slice]]:
     ]
 
 
-def copy_weights(targets: dict[str, Target], weights: Iterable[tuple[str, torch.Tensor]], config: ModelConfig) -> set[str]:
+def copy_weights(
+    targets: dict[str, Target],
+    weights: Iterable[tuple[str, torch.Tensor]],
+    config: ModelConfig,
+    mxfp4_pairs: Mxfp4Pairs | None = None,
+) -> set[str]:
     """Copy Hugging Face-named tensors into ``targets``, converting dtype and
-    device; return the names loaded (see ``LlamaForCausalLM.load_weights``)."""
+    device; return the names loaded (see ``LlamaForCausalLM.load_weights``).
+    With ``mxfp4_pairs``, MXFP4 halves of a float target are decoded into it
+    once both are in; the fused name counts as loaded then."""
     loaded: set[str] = set()
     # inference_mode allows the in-place copy whether or not the
     # parameters were created under inference mode.
     with torch.inference_mode():
         for name, tensor in weights:
             if _IGNORED.fullmatch(name):
+                continue
+            fused = None if mxfp4_pairs is None else mxfp4_pairs.fused_name(name)
+            if fused is not None:
+                assert mxfp4_pairs is not None
+                if fused not in targets:
+                    raise ModelLoadError(f"unknown weight {name!r} for {config.architecture}")
+                pair = mxfp4_pairs.take(name, tensor)
+                if pair is not None:
+                    _copy_mxfp4(fused, *pair, targets[fused])
+                    loaded |= {f"{fused}_blocks", f"{fused}_scales", fused}
                 continue
             parts = fused_names(name, config)
             if parts:
