@@ -3,9 +3,14 @@
 tensor names (gguf-py's table), and its conventions: a Llama-arch model's q
 and k rows permuted for llama.cpp's rotary layout, Gemma's norms stored as
 ``1 + w``, Phi-3's fused ``attn_qkv`` and ``ffn_up`` kept fused, llama3 rotary
-as a ``rope_freqs`` table and longrope as ``rope_factors_long``/``_short``.
+as a ``rope_freqs`` table and longrope as ``rope_factors_long``/``_short``,
+a mixture's experts stacked into one ``[experts, out, in]`` tensor a matrix
+and layer (``ffn_gate_exps``, ``ffn_up_exps``, ``ffn_down_exps``; Mixtral as
+a Llama with ``expert_count``) with the router (``ffn_gate_inp``) in F32.
 Matrices are quantized with gguf-py (``gguf.quants.quantize``: Q8_0, Q4_0,
-Q4_1, Q5_0, Q5_1, F16, BF16; it writes no K-quant), norms and vectors stay
+Q4_1, Q5_0, Q5_1, F16, BF16) or, for the K-quants gguf-py does not write,
+here (``quantize_q4_k``, ``quantize_q6_k``: the format exactly, a simpler
+choice of scales than llama.cpp's search), norms and vectors stay
 F32, and a matrix whose rows do not divide into the type's blocks stays F32
 (llama.cpp falls back so too). A tiny word tokenizer (``tokenizer.ggml.model``
 "llama") fills the tokenizer keys.
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +32,10 @@ import torch
 ARCHES = {
     "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
     "gemma3_text": "gemma3", "gemma3": "gemma3", "phi3": "phi3", "smollm3": "smollm3",
+    "qwen3_moe": "qwen3moe", "mixtral": "llama",
 }  # fmt: skip
+# A mixture's per-expert matrices: Hub name -> the stacked name gguf-py's table maps.
+_EXPERT = re.compile(r"(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)\.weight")
 # Architectures whose q/k rows llama.cpp permutes (its LlamaModel and subclasses).
 PERMUTED = ("llama", "smollm3")
 
@@ -92,6 +101,12 @@ def _metadata(writer, hf: dict, arch: str) -> None:
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(float(hf["attn_logit_softcapping"]))
         writer.add_final_logit_softcapping(float(hf["final_logit_softcapping"]))
+    experts = hf.get("num_experts") or hf.get("num_local_experts")
+    if experts:
+        writer.add_expert_count(int(experts))
+        writer.add_expert_used_count(int(hf["num_experts_per_tok"]))
+        if hf.get("moe_intermediate_size"):
+            writer.add_expert_feed_forward_length(int(hf["moe_intermediate_size"]))
     if arch == "smollm3":
         interval = int(hf.get("no_rope_layer_interval", 4))
         flags = hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(hf["num_hidden_layers"])]
@@ -118,9 +133,14 @@ def _arch_tensors(tensors: dict[str, torch.Tensor], hf: dict, arch: str):
     tables it derives, under Hugging Face names (``rope_*`` as GGUF names)."""
     heads = int(hf["num_attention_heads"])
     kv_heads = int(hf.get("num_key_value_heads") or heads)
+    experts: dict[str, dict[int, torch.Tensor]] = {}
     for name, tensor in tensors.items():
         tensor = tensor.float()
         if name == "lm_head.weight" and hf.get("tie_word_embeddings"):
+            continue
+        match = _EXPERT.fullmatch(name)
+        if match is not None:
+            experts.setdefault(f"{match.group(1)}.{match.group(3)}.weight", {})[int(match.group(2))] = tensor
             continue
         if arch in PERMUTED and ".self_attn.q_proj." in name:
             tensor = _permute(tensor, heads)
@@ -129,6 +149,8 @@ def _arch_tensors(tensors: dict[str, torch.Tensor], hf: dict, arch: str):
         if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             tensor = tensor + 1  # llama.cpp's Gemma norms multiply by the stored weight
         yield name, tensor
+    for name, by_expert in experts.items():
+        yield name, torch.stack([by_expert[e] for e in range(len(by_expert))])
     rope = dict(hf.get("rope_parameters") or {})
     if rope.get("rope_type") == "llama3":
         yield "rope_freqs.weight", _llama3_factors(hf, rope)
@@ -175,10 +197,13 @@ def _add_tensor(writer, hf_name: str, tensor: torch.Tensor, arch: str, qtype: st
     data = tensor.numpy()
     kind = gguf.GGMLQuantizationType[qtype]
     block = gguf.GGML_QUANT_SIZES[kind][0]
-    if data.ndim < 2 or kind == gguf.GGMLQuantizationType.F32 or data.shape[-1] % block:
+    router = gguf_name.endswith("ffn_gate_inp")  # llama.cpp keeps a router in F32
+    if data.ndim < 2 or kind == gguf.GGMLQuantizationType.F32 or data.shape[-1] % block or router:
         writer.add_tensor(f"{gguf_name}.{suffix}", data)
     elif kind == gguf.GGMLQuantizationType.F16:
         writer.add_tensor(f"{gguf_name}.{suffix}", data.astype(np.float16))
+    elif qtype in _K_QUANTS:
+        writer.add_tensor(f"{gguf_name}.{suffix}", _K_QUANTS[qtype](data), raw_dtype=kind)
     else:
         writer.add_tensor(f"{gguf_name}.{suffix}", gguf.quants.quantize(data, kind), raw_dtype=kind)
 
@@ -190,3 +215,83 @@ def dequantized(path: Path) -> dict[str, np.ndarray]:
 
     reader = gguf.GGUFReader(str(path))
     return {t.name: gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32) for t in reader.tensors}
+
+
+def _fp16_at_least(x: np.ndarray) -> np.ndarray:
+    """``x`` in float16, rounded up where rounding to nearest went down: a
+    super-block's scale that covers its largest sub-block scale."""
+    h = x.astype(np.float16)
+    return np.where(h.astype(np.float32) < x, np.nextafter(h, np.float16(np.inf)), h)
+
+
+def quantize(data: np.ndarray, qtype: str) -> np.ndarray:
+    """``data``'s rows in ``qtype`` as the writer stores them: the K-quants
+    here, any other type by gguf-py."""
+    import gguf
+
+    if qtype in _K_QUANTS:
+        return _K_QUANTS[qtype](data)
+    return gguf.quants.quantize(data, gguf.GGMLQuantizationType[qtype])
+
+
+def quantize_q4_k(data: np.ndarray) -> np.ndarray:
+    """Rows of ``data`` (the last axis a multiple of 256) as Q4_K blocks of
+    144 bytes: float16 ``d`` and ``dmin``, 8 sub-blocks of 32 with 6-bit
+    ``(sc, m)`` packed in 12 bytes, and the nibbles (a 64-value chunk's low
+    nibbles its first sub-block, the high ones its second); a value is
+    ``q d sc - dmin m``. Each sub-block's step spans its range in 15 steps
+    (from its minimum, or from 0 where all are positive), its 6-bit scales
+    rounded up from the block's largest, so no value is clipped by more
+    than the offset's rounding."""
+    shape = data.shape
+    x = data.astype(np.float32).reshape(-1, 8, 32)
+    low = np.minimum(x.min(-1), 0.0)
+    scale = (x.max(-1) - low) / 15
+    d = _fp16_at_least(scale.max(-1) / 63)
+    dmin = _fp16_at_least(-low.min(-1) / 63)
+    d32, dmin32 = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d32 > 0, np.ceil(scale / d32), 0).clip(0, 63).astype(np.uint8)
+        m = np.where(dmin32 > 0, np.rint(-low / dmin32), 0).clip(0, 63).astype(np.uint8)
+    step = d32 * sc.astype(np.float32)
+    offset = dmin32 * m.astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        q = np.where(step[..., None] > 0, np.rint((x + offset[..., None]) / step[..., None]), 0)
+    q = q.clip(0, 15).astype(np.uint8).reshape(-1, 4, 2, 32)
+    packed = np.empty((x.shape[0], 12), np.uint8)
+    packed[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    packed[:, 4:8] = m[:, :4] | ((m[:, 4:] >> 4) << 6)
+    packed[:, 8:12] = (sc[:, 4:] & 0x0F) | ((m[:, 4:] & 0x0F) << 4)
+    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
+    blocks = np.concatenate([d.view(np.uint8).reshape(-1, 2), dmin.view(np.uint8).reshape(-1, 2), packed, qs], axis=1)
+    return blocks.reshape(*shape[:-1], shape[-1] // 256 * 144)
+
+
+def quantize_q6_k(data: np.ndarray) -> np.ndarray:
+    """Rows of ``data`` (the last axis a multiple of 256) as Q6_K blocks of
+    210 bytes: the values' low 4 bits (128 bytes: each half of 128 values
+    in 64 bytes, low nibbles first), their high 2 bits (64 bytes: each half
+    in 32, two bits a value, lowest first), 16 int8 scales and a float16
+    ``d``; a value is ``(q - 32) d sc``, each sub-block of 16 spanning its
+    largest magnitude in 31 steps."""
+    shape = data.shape
+    x = data.astype(np.float32).reshape(-1, 16, 16)
+    scale = np.abs(x).max(-1) / 31
+    d = _fp16_at_least(scale.max(-1) / 127)
+    d32 = d.astype(np.float32)[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d32 > 0, np.ceil(scale / d32), 0).clip(0, 127).astype(np.int8)
+        step = d32 * sc.astype(np.float32)
+        q = np.where(step[..., None] > 0, np.rint(x / step[..., None]), 0)
+    q = (q.clip(-32, 31) + 32).astype(np.uint8).reshape(-1, 2, 128)  # [block, half, value]
+    ql = (q[:, :, :64] & 0x0F) | ((q[:, :, 64:] & 0x0F) << 4)  # [block, half, 64]
+    top = (q >> 4).reshape(-1, 2, 4, 32)
+    qh = top[:, :, 0] | (top[:, :, 1] << 2) | (top[:, :, 2] << 4) | (top[:, :, 3] << 6)  # [block, half, 32]
+    blocks = np.concatenate(
+        [ql.reshape(-1, 128), qh.reshape(-1, 64), sc.view(np.uint8), d.view(np.uint8).reshape(-1, 2)], axis=1
+    )
+    return blocks.reshape(*shape[:-1], shape[-1] // 256 * 210)
+
+
+# The K-quants this writer makes itself (gguf-py quantizes none).
+_K_QUANTS = {"Q4_K": quantize_q4_k, "Q6_K": quantize_q6_k}

@@ -330,3 +330,31 @@ def test_int4_asked_for_rounds_every_projection_to_4_bits(cpu_paths, mixed_gguf)
     model = load_gguf_quantized(path, _CONFIG, choice, cpu_paths)
     kinds = {type(getattr(layer, f"{p}_linear")) for layer in model._projections().layers for p in ("qkv", "o", "gate_up", "down")}
     assert len(kinds) == 1 and "Int8" not in kinds.pop().__name__
+
+
+@pytest.mark.parametrize(("kind", "group"), [("Q4_K", 32), ("Q6_K", 16)])
+def test_the_writers_k_quants_are_the_format_gguf_reads(kind, group):
+    """testing/gguf_writer's Q4_K and Q6_K, dequantized by gguf's reference:
+    every value within one step of its sub-block (Q4_K: its range over 15
+    steps; Q6_K: its largest magnitude over 31) of what was written, an
+    all-positive and an all-zero super-block included, and the blocks our
+    reader decodes into the same values."""
+    import gguf
+
+    from trioserve.testing.gguf_writer import quantize
+
+    x = np.random.default_rng(7).standard_normal((3, 5, 512)).astype(np.float32)
+    x[0, 0, :256] += 3
+    x[1, 1, :256] = 0
+    blocks = quantize(x, kind)
+    values, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+    assert blocks.dtype == np.uint8 and blocks.shape == (3, 5, 512 // values * size)
+    y = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[kind])
+    sub, back = x.reshape(-1, group), y.reshape(-1, group)
+    span = sub.max(-1) - np.minimum(sub.min(-1), 0) if kind == "Q4_K" else np.abs(sub).max(-1)
+    step = span / (15 if kind == "Q4_K" else 31)
+    assert (np.abs(back - sub).max(-1) <= step + 1e-6).all()
+    assert (y[1, 1, :256] == 0).all()
+    decode = gguf_weights.decode_q4_k if kind == "Q4_K" else gguf_weights.decode_q6_k
+    ours = decode(blocks.reshape(15, -1)).dequantize().numpy()
+    assert np.abs(ours - y.reshape(15, -1)).max() <= 1e-6 * np.abs(y).max()

@@ -12,19 +12,24 @@ from, on the values the file holds.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import attrs
+import gguf
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file, save_file
-from test_gguf_families import PROMPT, _build
+from test_gguf_families import PROMPT, _build, _hf_greedy
 
+from trioserve.engine.config import ModelConfig
 from trioserve.engine.errors import ModelLoadError
 from trioserve.engine.loading import rtn_cache
 from trioserve.engine.loading.loader import load_model
 from trioserve.engine.models.llama import LlamaForCausalLM
 from trioserve.engine.models.moe import SparseMoeBlock
+from trioserve.testing.gguf_writer import quantize, write_gguf
 from trioserve.testing.quality import greedy_tokens, prompt_logits
 
 pytestmark = pytest.mark.cpu_paths
@@ -115,3 +120,72 @@ def test_a_missing_expert_is_refused_naming_it(built, tmp_path):
     save_file(tensors, broken / "model.safetensors")
     with pytest.raises(ModelLoadError, match=r"broken: .*missing weights.*layers\.1\.block_sparse_moe\.experts\.2\.w3\.weight"):
         load_model(str(broken), quantization="int8", cache_dir=tmp_path / "cache")
+
+
+# The MoE families from GGUF: the files as llama.cpp writes them. llama.cpp's
+# qwen3moe has no dense layers among its sparse ones (mlp_only_layers).
+GGUF_TYPES = {"qwen3-moe": ("Q8_0", "Q4_0", "Q4_K"), "mixtral": ("Q8_0", "Q5_0", "Q6_K")}
+_FOR_GGUF = {"qwen3-moe": {"mlp_only_layers": []}, "mixtral": {}}
+# The K-quants need rows of 256: every matrix that wide (4 heads of 64).
+_WIDE = {
+    "qwen3-moe": {"hidden_size": 256, "moe_intermediate_size": 256, "head_dim": 64},
+    "mixtral": {"hidden_size": 256, "intermediate_size": 256, "head_dim": 64},
+}
+
+
+def _transformers_reading(path: Path, hf: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
+    """transformers' own model of the GGUF at ``path`` (qwen3moe): its
+    reader's tensors, in its config with the expert width it does not read
+    (``expert_feed_forward_length``) put back."""
+    config = transformers.AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    config.moe_intermediate_size = hf.config.moe_intermediate_size
+    config._attn_implementation = "eager"
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, config=config).eval()
+
+
+def _ours_as_stored(folder: Path, qtype: str, cpu_paths) -> LlamaForCausalLM:
+    """Our float model over ``folder``'s weights as the writer stores them in
+    ``qtype``: each matrix (an expert's too, never a router) quantized (the
+    writer's ``quantize``) and dequantized by gguf-py."""
+    kind = gguf.GGMLQuantizationType[qtype]
+    block = gguf.GGML_QUANT_SIZES[kind][0]
+    config = ModelConfig.from_hf_config(json.loads((folder / "config.json").read_text()))
+    tensors = []
+    for name, t in load_file(folder / "model.safetensors").items():
+        if t.dim() == 2 and t.shape[-1] % block == 0 and not name.endswith(".gate.weight"):
+            t = torch.from_numpy(gguf.quants.dequantize(quantize(t.float().numpy(), qtype), kind)).view(t.shape)
+        tensors.append((name, t.float()))
+    model = LlamaForCausalLM(config, dtype=torch.float32, device="cpu", cpu_paths=cpu_paths)
+    model.load_weights(tensors)
+    return model
+
+
+@pytest.mark.parametrize(("kind", "qtype"), [(k, t) for k, types in GGUF_TYPES.items() for t in types])
+def test_a_moe_gguf_loads_as_its_weights_compute(tmp_path, cpu_paths, kind, qtype):
+    """Float: within 1e-4 of transformers reading the same file (Qwen3-MoE);
+    transformers reads no Llama-architecture file with experts, so Mixtral's
+    reference is our float model over the folder the file was written from,
+    on the values the file holds. Compressed ("auto"): the file's own blocks,
+    one expert at a time."""
+    folder = tmp_path / kind
+    hf = _build(kind, folder, **_FOR_GGUF[kind], **(_WIDE[kind] if qtype.endswith("_K") else {}))
+    path = write_gguf(folder, tmp_path / f"{kind}-{qtype}.gguf", qtype, name=f"tiny-{kind}")
+    stored = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors if "_exps" in t.name}
+    assert stored and set(stored.values()) == {qtype}
+    if kind == "qwen3-moe":
+        reference = _transformers_reading(path, hf)
+        with torch.no_grad():
+            want = reference(torch.tensor([PROMPT])).logits[0]
+        want_tokens = _hf_greedy(reference, PROMPT[:4], 16)
+    else:
+        reference = _ours_as_stored(folder, qtype, cpu_paths)
+        want, want_tokens = prompt_logits(reference, PROMPT), greedy_tokens(reference, PROMPT[:4], 16)
+    cache = tmp_path / "cache"
+    float_model = load_model(str(path), quantization="none", cache_dir=cache)
+    assert float_model.model_config.architecture == hf.config.architectures[0]
+    got = prompt_logits(float_model.model, PROMPT)
+    assert (got - want).abs().max() <= 1e-4 * max(1.0, float(want.abs().max()))
+    assert greedy_tokens(float_model.model, PROMPT[:4], 16) == want_tokens
+    auto = load_model(str(path), quantization="auto", cache_dir=cache)
+    assert_experts_compressed(auto.model)
+    assert_near(prompt_logits(auto.model, PROMPT), want, 0.08)

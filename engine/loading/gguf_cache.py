@@ -8,6 +8,11 @@ The key hashes the file's identity (resolved path, size, mtime), so a replaced
 file gets a fresh entry. A conversion writes into a temporary folder renamed
 into place at the end: an interrupted one never leaves a half cache.
 
+Most files are read by transformers' GGUF reader (its model, dequantized,
+then written out); those it cannot make a model of (``gguf_config.native_kind``:
+SmolLM3, Mixtral, Qwen3-MoE) by trioserve's own reader (``gguf_weights``),
+with a config built from the metadata (``gguf_config.native_config``).
+
 The conversion runs in a child process: transformers' modeling code, which
 it needs, imports torch's compiler stack (dynamo, inductor, triton, sympy),
 about 240 MiB that would otherwise stay in a server started on a cold cache
@@ -37,6 +42,9 @@ logger = logging.getLogger(__name__)
 
 CACHE_ENV = "TRIOSERVE_CACHE"
 _TMP_PREFIX = ".tmp-"
+# Architectures whose tokenizer transformers reads only from a copy of its
+# keys under another architecture (_tokenizer_gguf).
+_TOKENIZER_ONLY = ("smollm3",)
 # Where a converting child leaves its error's message for the parent.
 _ERROR_FILE = ".conversion-error"
 # GGUF model_type -> the architecture name config.json carries (GGUF metadata
@@ -179,29 +187,80 @@ def _child_main(argv: list[str]) -> int:
 
 def convert_here(gguf_path: Path, out_dir: Path) -> None:
     """``convert_gguf`` in this process (what the child runs)."""
+    metadata, tables = gguf_config.read_metadata(gguf_path)
     progress = Progress(f"converting {gguf_path.name}", total=4)
     try:
-        model = _read_gguf_model(gguf_path)
-        progress.advance(note="weights dequantized")
-        hf_config = json.loads(model.config.to_json_string(use_diff=False))
-        model_type = hf_config.get("model_type")
-        if not hf_config.get("architectures") and model_type in _ARCH_BY_MODEL_TYPE:
-            hf_config["architectures"] = [_ARCH_BY_MODEL_TYPE[model_type]]
-        # Refuse an architecture that runs neither natively nor on the
-        # transformers fallback before writing gigabytes.
-        resolve_model_config(hf_config, source=str(gguf_path))
-        (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True))
-        progress.advance(note="config written")
-        _write_weights(model, out_dir / "model.safetensors", tied=bool(hf_config.get("tie_word_embeddings")))
-        del model
-        progress.advance(note="weights written")
-        _write_tokenizer(gguf_path, out_dir)
-        progress.advance(note="tokenizer written")
+        if gguf_config.native_kind(metadata) is not None:
+            _convert_natively(gguf_path, out_dir, metadata, tables, progress)
+        else:
+            _convert_by_transformers(gguf_path, out_dir, metadata, tables, progress)
     finally:
         progress.close()
 
 
-def _read_gguf_model(gguf_path: Path) -> Any:
+def _convert_by_transformers(
+    gguf_path: Path, out_dir: Path, metadata: dict[str, Any], tables: dict[str, list[float]], progress: Progress
+) -> None:
+    """``convert_here`` through transformers' model of the file."""
+    model = _read_gguf_model(gguf_path, metadata, tables)
+    progress.advance(note="weights dequantized")
+    hf_config = json.loads(model.config.to_json_string(use_diff=False))
+    model_type = hf_config.get("model_type")
+    if not hf_config.get("architectures") and model_type in _ARCH_BY_MODEL_TYPE:
+        hf_config["architectures"] = [_ARCH_BY_MODEL_TYPE[model_type]]
+    # Refuse an architecture that runs neither natively nor on the
+    # transformers fallback before writing gigabytes.
+    resolve_model_config(hf_config, source=str(gguf_path))
+    (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True))
+    progress.advance(note="config written")
+    _write_weights(model, out_dir / "model.safetensors", tied=bool(hf_config.get("tie_word_embeddings")))
+    del model
+    progress.advance(note="weights written")
+    _write_tokenizer(gguf_path, out_dir)
+    progress.advance(note="tokenizer written")
+
+
+def _convert_natively(
+    gguf_path: Path, out_dir: Path, metadata: dict[str, Any], tables: dict[str, list[float]], progress: Progress
+) -> None:
+    """``convert_here`` for a ``gguf_config.native_kind`` file: its tensors
+    through ``gguf_weights`` (dequantized, one at a time, under the Hub's
+    names), its config from its metadata."""
+    import gguf
+    import torch
+    from safetensors.torch import save_file
+    from transformers import CONFIG_MAPPING
+
+    from trioserve.engine.loading import gguf_weights
+
+    try:
+        reader = gguf.GGUFReader(str(gguf_path))
+        embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
+        hf = gguf_config.native_config(metadata, tables, vocab_size=int(embedding.shape[-1]))
+        hf_config = json.loads(CONFIG_MAPPING[hf["model_type"]].from_dict(hf).to_json_string(use_diff=False))
+    except StopIteration:
+        raise ModelLoadError(f"{gguf_path}: incomplete GGUF model: no tensor 'token_embd.weight'") from None
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ModelLoadError(f"{gguf_path}: not a readable GGUF model: {type(exc).__name__}: {exc}") from None
+    del reader
+    config = resolve_model_config(hf_config, source=str(gguf_path))
+    (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True))
+    progress.advance(note="config written")
+    tensors = {
+        name: (value if isinstance(value, torch.Tensor) else value.dequantize()).contiguous()
+        for name, value in gguf_weights.read_tensors(
+            gguf_path, num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads
+        )
+    }
+    progress.advance(note="weights dequantized")
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    del tensors
+    progress.advance(note="weights written")
+    _write_tokenizer(gguf_path, out_dir)
+    progress.advance(note="tokenizer written")
+
+
+def _read_gguf_model(gguf_path: Path, metadata: dict[str, Any], tables: dict[str, list[float]]) -> Any:
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers import modeling_gguf_pytorch_utils as hf_gguf
     from transformers.utils import logging as hf_logging
@@ -215,8 +274,6 @@ def _read_gguf_model(gguf_path: Path) -> Any:
         hf_logging.disable_progress_bar()
         if plain_tqdm is not None:
             hf_gguf.tqdm = functools.partial(plain_tqdm, disable=True)
-    metadata, tables = gguf_config.read_metadata(gguf_path)
-    gguf_config.check_readable(gguf_path, metadata)
     try:
         # The config transformers reads, completed with what it drops
         # (gguf_config), before the model is built: a Qwen3's head width decides its shapes.
@@ -264,7 +321,9 @@ def _write_tokenizer(gguf_path: Path, out_dir: Path) -> None:
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        with tempfile.TemporaryDirectory(dir=out_dir) as scratch:
+            source = _tokenizer_gguf(gguf_path, Path(scratch))
+            tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
     except Exception as exc:
         raise ModelLoadError(f"{gguf_path}: cannot read the tokenizer: {type(exc).__name__}: {exc}") from None
     tokenizer.save_pretrained(str(out_dir))
@@ -276,6 +335,32 @@ def _write_tokenizer(gguf_path: Path, out_dir: Path) -> None:
         tok_config["chat_template"] = tokenizer.chat_template
         config_path.write_text(json.dumps(tok_config, indent=2, ensure_ascii=False))
         (out_dir / "chat_template.jinja").unlink(missing_ok=True)
+
+
+def _tokenizer_gguf(gguf_path: Path, scratch: Path) -> Path:
+    """``gguf_path``, or for an architecture of ``_TOKENIZER_ONLY`` a copy of
+    its tokenizer keys alone in ``scratch`` under architecture "llama":
+    transformers refuses such a file by its architecture before it looks at
+    the tokenizer, which is llama.cpp's one format for all (the architecture
+    picks a builder only for Gemma's and Phi-3's sentencepiece)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    field = reader.fields.get("general.architecture")
+    if field is None or field.contents() not in _TOKENIZER_ONLY:
+        return gguf_path
+    path = scratch / "tokenizer.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        kind = field.types[0]
+        sub_type = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), kind, sub_type=sub_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    return path
 
 
 def _remove_stale_temps(target: Path) -> None:

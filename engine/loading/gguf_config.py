@@ -12,6 +12,11 @@ states, or what llama.cpp derives where the file states nothing (Gemma's
 attention scale), so the converted checkpoint computes what llama.cpp
 computes from the same file. Used by ``gguf_cache`` in its converting child.
 
+Files transformers' reader cannot make a model of (SmolLM3; a Llama with
+experts, which is how llama.cpp writes Mixtral; Qwen3-MoE, whose expert
+width it drops) are converted by trioserve's own reader instead, and
+``native_config`` builds their config from the metadata alone.
+
 Not recovered: a llama3 rotary (llama.cpp keeps only its table of
 per-frequency divisors, ``rope_freqs``, from which the config's four
 parameters do not follow in general): such a file converts with plain
@@ -25,12 +30,15 @@ from typing import Any
 
 from trioserve.engine.errors import ModelLoadError
 
-# llama.cpp architectures of the dense families the decoder runs natively
-# that transformers 5.25's GGUF reader converts (Mistral is written as llama).
-READABLE = ("gemma2", "gemma3", "llama", "phi3", "qwen2", "qwen3")
-# Architectures llama.cpp writes that transformers cannot read back: refused
-# by name rather than with transformers' own message.
-UNREADABLE = ("smollm3",)
+# config.json's model_type and architecture of what native_config builds, by
+# llama.cpp's architecture ("llama" with experts is Mixtral).
+_NATIVE = {
+    "smollm3": ("smollm3", "SmolLM3ForCausalLM"),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "mixtral": ("mixtral", "MixtralForCausalLM"),
+}
+# llama.cpp's SmolLM3 without a no_rope_layers array: every 4th layer has no rotary.
+_SMOLLM3_NO_ROPE_STEP = 4
 # llama.cpp's LLM_TYPE_27B, by layer count: the one Gemma whose attention
 # scale is 1/sqrt(hidden / heads) rather than 1/sqrt(head_dim).
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -48,7 +56,8 @@ def read_metadata(path: Path) -> tuple[dict[str, Any], dict[str, list[float]]]:
         raise ModelLoadError(f"{path}: not a readable GGUF model: {type(exc).__name__}: {exc}") from None
     metadata = {}
     for key, field in reader.fields.items():
-        if key.startswith("tokenizer.") or key.startswith("GGUF."):
+        # Of the tokenizer's keys only its special ids (native_config's).
+        if (key.startswith("tokenizer.") and not key.endswith("_token_id")) or key.startswith("GGUF."):
             continue
         try:
             metadata[key] = field.contents()
@@ -63,17 +72,73 @@ def read_metadata(path: Path) -> tuple[dict[str, Any], dict[str, list[float]]]:
     return metadata, tables
 
 
-def check_readable(path: Path, metadata: dict[str, Any]) -> str:
-    """The file's architecture; ``ModelLoadError`` naming it where the
-    conversion cannot read it."""
+def native_kind(metadata: dict[str, Any]) -> str | None:
+    """Which ``_NATIVE`` family the file is, for a file trioserve converts
+    itself (see the module's docstring); None for one transformers reads."""
     arch = str(metadata.get("general.architecture", ""))
-    if arch in UNREADABLE:
-        raise ModelLoadError(
-            f"{path}: GGUF architecture {arch!r} cannot be loaded: transformers' GGUF reader, which the "
-            f"conversion uses, does not read it (it reads {', '.join(READABLE)} among the families "
-            f"trioserve runs); load the model's Hugging Face checkpoint folder instead"
-        )
-    return arch
+    if arch == "llama" and int(metadata.get("llama.expert_count") or 0) > 0:
+        return "mixtral"
+    return arch if arch in _NATIVE else None
+
+
+def native_config(metadata: dict[str, Any], tables: dict[str, list[float]], vocab_size: int) -> dict[str, Any]:
+    """The config.json of a ``native_kind`` file, from its metadata (and its
+    embedding table's rows, ``vocab_size``, where it states no vocabulary
+    size): the fields transformers' config class of the family reads."""
+    arch = str(metadata.get("general.architecture", ""))
+    kind = native_kind(metadata)
+    assert kind is not None
+    model_type, architecture = _NATIVE[kind]
+
+    def key(name: str, default: Any = None) -> Any:
+        value = metadata.get(f"{arch}.{name}", default)
+        if value is None:
+            raise ModelLoadError(f"GGUF metadata has no {arch}.{name}")
+        return value
+
+    heads = int(key("attention.head_count"))
+    layers = int(key("block_count"))
+    hf: dict[str, Any] = {
+        "model_type": model_type,
+        "architectures": [architecture],
+        "hidden_size": int(key("embedding_length")),
+        "intermediate_size": int(key("feed_forward_length")),
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
+        "max_position_embeddings": int(key("context_length")),
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
+        "vocab_size": int(metadata.get(f"{arch}.vocab_size") or vocab_size),
+        "tie_word_embeddings": "output.weight" not in metadata.get("tensors", ()),
+        "attention_bias": False,
+        "rope_theta": float(key("rope.freq_base", 10000.0)),
+    }
+    for name in ("bos", "eos", "pad"):
+        token = metadata.get(f"tokenizer.ggml.{name}_token_id")
+        if token is not None:
+            hf[f"{name}_token_id"] = int(token)
+    if kind == "smollm3":
+        flags = metadata.get(f"{arch}.no_rope_layers")
+        if flags is None:
+            flags = [int((i + 1) % _SMOLLM3_NO_ROPE_STEP != 0) for i in range(layers)]
+        hf["no_rope_layers"] = [int(f) for f in flags]
+        hf["mlp_bias"] = False
+    else:
+        hf["num_experts_per_tok"] = int(key("expert_used_count"))
+        if kind == "qwen3moe":
+            hf["num_experts"] = int(key("expert_count"))
+            hf["moe_intermediate_size"] = int(key("expert_feed_forward_length"))
+            # llama.cpp's qwen3moe always renormalises the top k weights, and
+            # has no dense layers among the sparse ones.
+            hf["norm_topk_prob"] = True
+            hf["mlp_only_layers"] = []
+            hf["decoder_sparse_step"] = 1
+        else:
+            hf["num_local_experts"] = int(key("expert_count"))
+            hf["sliding_window"] = None
+    hf = complete(hf, metadata, tables)
+    hf.pop("rope_theta")  # in rope_parameters now
+    return hf
 
 
 def complete(hf: dict[str, Any], metadata: dict[str, Any], tables: dict[str, list[float]]) -> dict[str, Any]:

@@ -17,7 +17,13 @@ llama.cpp stores a Llama's q and k rows (weights and biases) in another
 order for its rotary layout; they are put back (a permutation of rows, so
 exact on quantized rows). Names follow each architecture's table (``hf_name``):
 Gemma's norms, stored as ``1 + w``, come out as Hugging Face's ``w``; Phi-3's
-fused ``attn_qkv`` and ``ffn_up`` as its fused names.
+fused ``attn_qkv`` and ``ffn_up`` as its fused names. A mixture's
+``ffn_*_exps`` tensors (``[experts, out, in]``, every expert of a layer)
+come out one expert at a time under the Hub's per-expert names (Qwen3-MoE's
+``mlp.experts.E.gate_proj``, a Llama-architecture Mixtral's
+``block_sparse_moe.experts.E.w1``), each decoded from its own rows of the
+file, so no layer's experts are ever decoded whole; the router
+(``ffn_gate_inp``) as ``mlp.gate`` (``block_sparse_moe.gate``).
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ _IN_LAYER = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
 }
 # What an architecture names otherwise (llama.cpp's tensor table): Gemma's
 # ffn_norm is the MLP's input norm and its attention output has a norm of
@@ -69,10 +76,15 @@ _GEMMA = {
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 _BY_ARCH = {
+    "llama": {"ffn_gate_inp.weight": "block_sparse_moe.gate.weight"},  # Mixtral
     "gemma2": _GEMMA,
     "gemma3": _GEMMA,
     "phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"},
 }
+# A mixture's stacked expert tensors -> which of an expert's (gate, up, down) each is.
+_STACKED = {"ffn_gate_exps.weight": 0, "ffn_up_exps.weight": 1, "ffn_down_exps.weight": 2}
+# Per architecture, the Hub's per-expert names: the block's prefix, then (gate, up, down).
+_EXPERT_NAMES = {"llama": ("block_sparse_moe", ("w1", "w3", "w2")), "qwen3moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
 # Architectures whose q and k rows llama.cpp permutes (its LlamaModel and subclasses).
 _PERMUTED = ("llama", "smollm3")
 # Architectures whose norms llama.cpp stores as 1 + w (Hugging Face's w).
@@ -97,6 +109,19 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     if match and match.group(2) in table:
         return f"model.layers.{match.group(1)}.{table[match.group(2)]}"
     raise ModelLoadError(f"GGUF tensor {gguf_name!r} has no place in a {arch or 'Llama'}-family model")
+
+
+def expert_name(gguf_name: str, arch: str) -> str | None:
+    """For a stacked expert tensor (``blk.N.ffn_gate_exps.weight``), the
+    Hub's name of one expert's matrix with ``{expert}`` in place of its
+    index; None for any other tensor."""
+    match = _LAYER.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _STACKED:
+        return None
+    if arch not in _EXPERT_NAMES:
+        raise ModelLoadError(f"GGUF tensor {gguf_name!r}: trioserve runs no mixture of experts of architecture {arch!r}")
+    block, parts = _EXPERT_NAMES[arch]
+    return f"model.layers.{match.group(1)}.{block}.experts.{{expert}}.{parts[_STACKED[match.group(2)]]}.weight"
 
 
 def _fp16(blocks: np.ndarray, at: int) -> torch.Tensor:
@@ -251,6 +276,23 @@ def _check_scales(path: Path, name: str, kind: str, weight: Compressed) -> None:
             )
 
 
+def _decoded(path: Path, name: str, kind: str, data: np.ndarray) -> torch.Tensor | Compressed:
+    """Tensor ``name``'s rows ``data`` of GGUF type ``kind`` as held (the module's docstring)."""
+    if kind in ("Q4_0", "Q4_1", "Q5_1", "Q5_K"):
+        rows_of = decode_q4 if kind.startswith("Q4") else requantize_int8
+        value: torch.Tensor | Compressed = by_rows(lambda rows: rows_of(kind, rows), data)
+    elif kind in _DECODERS:
+        value = by_rows(_DECODERS[kind], data)
+    elif kind == "BF16":
+        bits = np.ascontiguousarray(data).view(np.uint16).astype(np.uint32) << 16
+        value = torch.from_numpy(bits.view(np.float32))
+    else:
+        value = torch.from_numpy(np.array(data, dtype=np.float32))
+    if isinstance(value, Int4Weight | Int8GroupWeight):
+        _check_scales(path, name, kind, value)
+    return value
+
+
 def read_tensors(path: Path, *, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor | Compressed]]:
     """Yield ``(hf_name, tensor)`` for every tensor of the GGUF at ``path``, one at a time."""
     import gguf
@@ -262,7 +304,8 @@ def read_tensors(path: Path, *, num_heads: int, num_kv_heads: int) -> Iterator[t
     arch_field = reader.fields.get("general.architecture")
     arch = bytes(arch_field.parts[-1]).decode() if arch_field is not None else ""
     for tensor in reader.tensors:
-        name = hf_name(tensor.name, arch)
+        per_expert = expert_name(tensor.name, arch)
+        name = hf_name(tensor.name, arch) if per_expert is None else per_expert
         if name is None:
             continue
         kind = tensor.tensor_type.name
@@ -272,18 +315,13 @@ def read_tensors(path: Path, *, num_heads: int, num_kv_heads: int) -> Iterator[t
                 f"compressed (supported: {', '.join(SUPPORTED_TYPES)}); use --quantization none to dequantize it"
             )
         data = np.asarray(tensor.data)
-        if kind in ("Q4_0", "Q4_1", "Q5_1", "Q5_K"):
-            rows_of = decode_q4 if kind.startswith("Q4") else requantize_int8
-            value: torch.Tensor | Compressed = by_rows(lambda rows: rows_of(kind, rows), data)
-        elif kind in _DECODERS:
-            value = by_rows(_DECODERS[kind], data)
-        elif kind == "BF16":
-            bits = np.ascontiguousarray(data).view(np.uint16).astype(np.uint32) << 16
-            value = torch.from_numpy(bits.view(np.float32))
-        else:
-            value = torch.from_numpy(np.array(data, dtype=np.float32))
-        if isinstance(value, Int4Weight | Int8GroupWeight):
-            _check_scales(path, tensor.name, kind, value)
+        if per_expert is not None:
+            if data.ndim != 3:
+                raise ModelLoadError(f"{path}: tensor {tensor.name!r}: expected [experts, out, in], got shape {data.shape}")
+            for e in range(data.shape[0]):
+                yield per_expert.format(expert=e), _decoded(path, tensor.name, kind, data[e])
+            continue
+        value = _decoded(path, tensor.name, kind, data)
         if arch in _PERMUTED and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
             value = _unpermute(value, num_heads if "q_proj" in name else num_kv_heads)
         if arch in _SHIFTED_NORMS and name.endswith("norm.weight"):
