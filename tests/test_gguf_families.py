@@ -7,8 +7,7 @@ the checkpoint's matrices quantized (by gguf-py, the K-quants by the
 writer) and dequantized by gguf-py, as the writer stores them. SmolLM3's
 file, which transformers' GGUF reader refuses, is read by trioserve's own
 conversion (engine/loading/gguf_cache.py); the reference is the same. The configs are test_model_equivalence's, changed only
-where a GGUF cannot carry a feature (llama.cpp keeps a llama3 rotary as a
-table, no Qwen3 sliding window, Gemma's attention scale derived from the
+where a GGUF cannot carry a feature (no Qwen3 sliding window, Gemma's attention scale derived from the
 head width and Gemma 3's window pattern fixed at 6).
 """
 
@@ -27,7 +26,7 @@ from test_model_equivalence import HF_MODELS
 
 from trioserve.engine.errors import ModelLoadError
 from trioserve.engine.kernels.rtn import Int4Weight, Int8Weight
-from trioserve.engine.loading import compressed, rtn_cache
+from trioserve.engine.loading import compressed, gguf_config, rtn_cache
 from trioserve.engine.loading.loader import load_model
 from trioserve.engine.models.llama import LlamaForCausalLM
 from trioserve.testing.gguf_writer import quantize, write_gguf
@@ -44,7 +43,8 @@ GGUF_TYPES = {
     "gemma2": ("Q5_0",), "gemma3": ("Q4_1",), "phi3": ("Q8_0", "F16"), "smollm3": ("Q8_0",),
 }  # fmt: skip
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "smollm3")
-# What a GGUF cannot carry, changed in test_model_equivalence's configs.
+# What a GGUF cannot carry, changed in test_model_equivalence's configs
+# (Llama's llama3 rotary, which it carries as a table, has its own test).
 _FOR_GGUF = {
     "llama": {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}},
     "qwen3": {"use_sliding_window": False},
@@ -224,3 +224,42 @@ def test_a_missing_or_misshapen_tensor_is_refused_naming_it(built, tmp_path):
             load_model(str(path), quantization="none", cache_dir=tmp_path / "c")
         with pytest.raises(ModelLoadError, match=rf"{path.name}: .*{named}"):
             compressed.load_gguf_quantized(path, good.model.config, choice, good.cpu_paths)
+
+
+_LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+           "high_freq_factor": 4.0, "original_max_position_embeddings": 32}  # fmt: skip
+
+
+def test_a_llama3_rotary_is_restored_from_its_table(tmp_path):
+    """llama.cpp keeps a llama3 rotary only as ``rope_freqs``: the
+    conversion recovers its parameters (test_model_equivalence's Llama,
+    whose short original context puts frequencies in all three bands)."""
+    hf = _build("llama", tmp_path / "llama", rope_parameters=_LLAMA3)
+    _check_gguf(tmp_path / "llama", hf, tmp_path, "llama", "Q8_0")
+    loaded = load_model(str(tmp_path / "llama-Q8_0.gguf"), quantization="none", cache_dir=tmp_path / "cache")
+    scaling = loaded.model_config.rope_scaling
+    assert (scaling.rope_type, scaling.factor, scaling.original_max_position_embeddings) == ("llama3", 8.0, 32)
+    assert scaling.low_freq_factor == pytest.approx(1.0) and scaling.high_freq_factor == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize(
+    ("parameters", "theta", "dims"),
+    [
+        # Llama 3.1 and 3.2's own.
+        ({"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, 5e5, 128),
+        ({"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, 5e5, 64),
+        # No frequency between the bounds: any bounds in the gap give the table.
+        ({"factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 1.05, "original_max_position_embeddings": 100}, 1e4, 16),
+    ],
+)
+def test_llama3_parameters_give_their_table_back(parameters, theta, dims):
+    table = [float(np.float32(v)) for v in gguf_config.llama3_table(parameters, theta, dims)]
+    found = gguf_config.llama3_parameters(table, theta, dims)
+    assert found["factor"] == parameters["factor"]
+    assert gguf_config.llama3_table(found, theta, dims) == pytest.approx(table, rel=1e-5)
+
+
+def test_a_table_no_llama3_rotary_gives_is_refused():
+    table = [1.0, 1.5, 3.0, 2.0, 8.0, 8.0, 8.0, 8.0]  # not monotonic
+    with pytest.raises(ModelLoadError, match="rope_freqs is not a llama3 rotary's table"):
+        gguf_config.llama3_parameters(table, 10000.0, 16)

@@ -7,24 +7,29 @@ Qwen3's head width (the default 128, where the file states its own in
 ``attention.key_length``: the model then fails to load), a Llama's
 biases (present in the file, dropped from the model), Gemma 2's
 soft-caps, Gemma's attention scale, rotary scaling (linear, yarn; Phi-3's
-longrope tables and partial rotary). ``complete`` puts back what the file
-states, or what llama.cpp derives where the file states nothing (Gemma's
-attention scale), so the converted checkpoint computes what llama.cpp
-computes from the same file. Used by ``gguf_cache`` in its converting child.
+longrope tables and partial rotary; llama3's, which the file keeps only
+as ``rope_freqs``, a divisor per frequency). ``complete`` puts back what
+the file states, or what llama.cpp derives where the file states nothing
+(Gemma's attention scale), so the converted checkpoint computes what
+llama.cpp computes from the same file. Used by ``gguf_cache`` in its
+converting child.
 
 Files transformers' reader cannot make a model of (SmolLM3; a Llama with
 experts, which is how llama.cpp writes Mixtral; Qwen3-MoE, whose expert
 width it drops) are converted by trioserve's own reader instead, and
 ``native_config`` builds their config from the metadata alone.
 
-Not recovered: a llama3 rotary (llama.cpp keeps only its table of
-per-frequency divisors, ``rope_freqs``, from which the config's four
-parameters do not follow in general): such a file converts with plain
-rotary, as transformers reads it.
+A llama3 rotary's four parameters are recovered from its table
+(``llama3_parameters``): the table fixes ``factor`` and the two wavelength
+bounds ``original / low_freq_factor`` and ``original / high_freq_factor``
+(scaling all three by one number changes no divisor), and the context is
+taken from the file where it states one, else ``low_freq_factor`` is 1
+(every Llama 3's); the parameters are checked to give the table back.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -192,6 +197,10 @@ def _rope(hf: dict[str, Any], arch: str, key: Any, tables: dict[str, list[float]
         rope.update(rope_type=kind, factor=float(key("rope.scaling.factor", 1.0)))
         if kind == "yarn" and original:
             rope["original_max_position_embeddings"] = int(original)
+    elif "rope_freqs" in tables:  # llama3's divisors
+        rope.update(
+            llama3_parameters(tables["rope_freqs"], rope.get("rope_theta", 10000.0), int(dims or head_dim), original)
+        )
     elif "rope_factors_short" in tables:  # Phi-3's longrope
         rope.update(
             rope_type="longrope",
@@ -201,3 +210,65 @@ def _rope(hf: dict[str, Any], arch: str, key: Any, tables: dict[str, list[float]
         )
         hf["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
     return rope
+
+
+def llama3_table(parameters: dict[str, Any], theta: float, dims: int) -> list[float]:
+    """The divisor llama3 rotary with ``parameters`` applies to each of the
+    ``dims // 2`` frequencies (llama.cpp's ``rope_freqs``)."""
+    factor, low, high = (float(parameters[k]) for k in ("factor", "low_freq_factor", "high_freq_factor"))
+    old = float(parameters["original_max_position_embeddings"])
+    out = []
+    for i in range(dims // 2):
+        wavelen = 2 * math.pi * theta ** (2 * i / dims)
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return out
+
+
+def llama3_parameters(table: list[float], theta: float, dims: int, original: Any = None) -> dict[str, Any]:
+    """transformers' llama3 rotary parameters that give ``table`` (see the
+    module's docstring); ``ModelLoadError`` where none do: at least two
+    frequencies must lie between the bounds, or none (then any bounds in
+    the gap between the unscaled and the scaled frequencies do)."""
+    if len(table) != dims // 2:
+        raise ModelLoadError(f"GGUF rope_freqs has {len(table)} values for {dims // 2} rotary frequencies")
+    factor = max(table)
+    if factor <= 1.0:
+        return {"rope_type": "default"}
+    wavelens = [2 * math.pi * theta ** (2 * i / dims) for i in range(dims // 2)]
+    tol = 1e-6 * factor
+    middle = [(w, v) for w, v in zip(wavelens, table) if 1.0 + tol < v < factor - tol]
+    if len(middle) >= 2:
+        # smooth = (old / w - low) / (high - low) = a / w + b, and
+        # 1 / v = (1 - smooth) / factor + smooth: a line in 1 / w.
+        xs = [1 / w for w, _ in middle]
+        ys = [(1 / v - 1 / factor) / (1 - 1 / factor) for _, v in middle]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        a = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        b = my - a * mx
+        to_low, to_high = -a / b, a / (1 - b)  # old / low, old / high
+    elif not middle:
+        unscaled = [w for w, v in zip(wavelens, table) if v <= 1.0 + tol]
+        scaled = [w for w, v in zip(wavelens, table) if v >= factor - tol]
+        below = max(unscaled, default=min(scaled) / 2)
+        above = min(scaled)
+        to_high, to_low = below ** (2 / 3) * above ** (1 / 3), below ** (1 / 3) * above ** (2 / 3)
+    else:
+        raise ModelLoadError("GGUF rope_freqs has one frequency between its bounds: its llama3 parameters are not determined")
+    old = int(original) if original else round(to_low)
+    parameters = {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": old / to_low,
+        "high_freq_factor": old / to_high,
+        "original_max_position_embeddings": old,
+    }
+    again = llama3_table(parameters, theta, dims)
+    if max(abs(x - y) / y for x, y in zip(again, table)) > 1e-4:
+        raise ModelLoadError("GGUF rope_freqs is not a llama3 rotary's table: no llama3 parameters give it back")
+    return parameters
