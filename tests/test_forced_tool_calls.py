@@ -3,7 +3,7 @@ family's own syntax (web/tools.py's ``ToolChoice.forced``), and structured
 output held back until the reasoning ends (web/structured.py's
 ``chat_constraint``).
 
-On the real Qwen3 and gpt-oss vocabularies (tests/data), what those
+On the real Qwen3, gpt-oss and Llama 3.1 vocabularies (tests/data), what those
 models write is a path through the forced grammar, token by token, and
 reads back as the call; a wrong function is refused. On a real server
 with the tiny model, told each family's parser, every forced output is a
@@ -50,7 +50,7 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 @pytest.fixture(scope="module")
 def tokenizers(tmp_path_factory):
     out = {}
-    for name in ("qwen3", "gpt-oss"):
+    for name in ("qwen3", "gpt-oss", "llama-3.1"):
         folder = tmp_path_factory.mktemp(name)
         (folder / "tokenizer.json").write_bytes(lzma.decompress((DATA / "tokenizers" / f"{name}.tokenizer.json.xz").read_bytes()))
         shutil.copy(DATA / "tokenizers" / f"{name}.tokenizer_config.json", folder / "tokenizer_config.json")
@@ -65,15 +65,15 @@ def _tools(choice, **body):
 
 
 # What each family's model writes for get_weather(city="Paris", metric=true),
-# on a vocabulary that has its markers (Llama 3's and Mistral's are not in
-# tests/data: theirs are written as text on the default model's).
+# on a vocabulary that has its markers (Mistral's is not in tests/data:
+# its markers are written as text on the default model's).
 WRITTEN = {
     "hermes": ("qwen3", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "metric": true}}\n</tool_call>'),
     "qwen3_coder": ("qwen3", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
                              "<parameter=metric>\ntrue\n</parameter>\n</function>\n</tool_call>"),
     "openai": ("gpt-oss", '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
                           '{"city": "Paris", "metric": true}'),
-    "llama3_json": ("smollm2", '{"name": "get_weather", "parameters": {"city": "Paris", "metric": true}}'),
+    "llama3_json": ("llama-3.1", '{"name": "get_weather", "parameters": {"city": "Paris", "metric": true}}'),
     "mistral": ("smollm2", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "metric": true}}]'),
 }  # fmt: skip
 
