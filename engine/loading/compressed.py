@@ -443,6 +443,8 @@ def _safetensors_tensors(shards: list[Path]) -> Iterable[tuple[str, torch.Tensor
         try:
             with safe_open(str(shard), framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name).float()
+                    tensor = f.get_tensor(name)
+                    # gpt-oss's MXFP4 experts (uint8 _blocks and _scales) pass as they are.
+                    yield name, tensor.float() if tensor.is_floating_point() else tensor
         except (SafetensorError, OSError) as exc:
             raise ModelLoadError(f"{shard}: cannot read: {exc}") from None
