@@ -9,11 +9,17 @@ from trioserve.engine.sampling.rows import SamplingRow
 
 
 def chunk_for(
-    request: Request, start: int, num_tokens: int, table: tuple[int, ...], draft: tuple[int, ...] = ()
+    request: Request,
+    start: int,
+    num_tokens: int,
+    table: tuple[int, ...],
+    draft: tuple[int, ...] = (),
+    window_table: tuple[int, ...] | None = None,
 ) -> ScheduledChunk:
     """The chunk's value: its tokens sliced from the prompt or the output
     (a decode step copies one token, never the whole sequence), then a
-    proposal to verify. ``num_tokens`` counts the proposal's tokens too."""
+    proposal to verify. ``num_tokens`` counts the proposal's tokens too.
+    ``window_table``: the sequence's window-group table, passed through."""
     prompt, output = request.prompt_token_ids, request.output_token_ids
     num_tokens -= len(draft)
     end = start + num_tokens
@@ -28,7 +34,7 @@ def chunk_for(
         sampling = SamplingRow.for_sequence(
             request.request_id, request.sampling_params, prompt, output, request.eos_token_ids
         )
-    return ScheduledChunk(request.request_id, start, tokens + draft, table, sampling, len(draft))
+    return ScheduledChunk(request.request_id, start, tokens + draft, table, sampling, len(draft), window_table)
 
 
 def append_tokens(

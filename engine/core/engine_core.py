@@ -83,7 +83,7 @@ class EngineCore:
         # ``KVResult`` (``finalize``): applied here by ``schedule()`` and
         # ``step()`` in process, or by the allocator actor, which serves
         # this same pool, on the actors' path (actors/allocator.py).
-        self.block_manager = new_pool(self.num_blocks, config, loaded.device)
+        self.block_manager = new_pool(self.num_blocks, config, loaded)
         # Plugins by entry-point name; an unknown one stops here (engine/plugins.py).
         self.plugins = Plugins.load(config.plugins)
         self.scheduler = Scheduler(

@@ -86,6 +86,9 @@ class KVBudget:
     prefix_cache_queries: int  # tokens looked up
     prefix_cache_hits: int  # of those, tokens found
     num_evictions: int  # cached blocks reused for other content
+    num_window_blocks: int = 0  # the window group's blocks (its null block not counted)
+    num_free_window_blocks: int = 0
+    num_cached_window_blocks: int = 0
 
     @property
     def num_used_blocks(self) -> int:
@@ -95,6 +98,10 @@ class KVBudget:
     def usage(self) -> float:
         """The fraction of blocks held by some request."""
         return self.num_used_blocks / self.num_blocks
+
+    @property
+    def num_used_window_blocks(self) -> int:
+        return self.num_window_blocks - self.num_free_window_blocks
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -109,8 +116,12 @@ class KVResult:
     table after the allocation, or ``None`` when it did not fit.
     ``num_cached_tokens[i]`` is the prefix-cache hit found for a request that
     held no blocks (0 otherwise, and 0 when it did not fit).
+    ``window_tables[i]``: with a window group, the request's table there
+    (as long as its block table, the null block where released); empty
+    without one.
     """
 
     block_tables: tuple[tuple[int, ...] | None, ...]
     num_cached_tokens: tuple[int, ...]
     budget: KVBudget
+    window_tables: tuple[tuple[int, ...] | None, ...] = ()

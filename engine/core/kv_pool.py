@@ -14,6 +14,7 @@ from trioserve.engine.core.kv_budget import KVPoolPlan, available_memory, plan_p
 from trioserve.engine.kernels.kv_dtype_choice import KVDtypeChoice
 from trioserve.engine.layers.kv_cache import kv_bytes_per_block
 from trioserve.engine.loading.loader import LoadedModel
+from trioserve.engine.runtime.build import window_group
 
 log = logging.getLogger(__name__)
 
@@ -49,13 +50,18 @@ def kv_pool_plan(config: EngineConfig, loaded: LoadedModel, kv_dtype: KVDtypeCho
     return plan
 
 
-def new_pool(num_blocks: int, config: EngineConfig, device: torch.device) -> BlockManager:
+def new_pool(num_blocks: int, config: EngineConfig, loaded: LoadedModel) -> BlockManager:
     """A pool of ``num_blocks`` blocks, with the prefix cache unless
-    ``config`` turns it off. A CPU pool commits a block's memory when it is
+    ``config`` turns it off, and the sliding-window layers' group where
+    they have one (``runtime.build.window_group``: the runner's cache is
+    split the same way). A CPU pool commits a block's memory when it is
     first written, so written blocks are reused first (block_manager.py)."""
+    group = window_group(loaded, config, num_blocks)
     return BlockManager(
         num_blocks,
         config.block_size,
         enable_prefix_caching=config.enable_prefix_caching,
-        reuse_written_first=device.type == "cpu",
+        reuse_written_first=loaded.device.type == "cpu",
+        window=None if group is None else group.window,
+        num_window_blocks=0 if group is None else group.num_blocks,
     )

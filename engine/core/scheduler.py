@@ -268,7 +268,12 @@ class Scheduler:
         in_flight, self._in_flight = self._in_flight, None
         self._kv.budget = result.budget
         chunks: list[ScheduledChunk] = []
-        for allocation, table, num_cached in zip(batch.allocations, result.block_tables, result.num_cached_tokens):
+        # The window group's tables (block_manager.py) go to the plan as the
+        # pool gave them: the scheduler plans against the first group only.
+        window_tables = result.window_tables or (None,) * len(batch.allocations)
+        for allocation, table, num_cached, window_table in zip(
+            batch.allocations, result.block_tables, result.num_cached_tokens, window_tables
+        ):
             if table is None:
                 continue  # an admission stays waiting; a running request sits this step out
             rid = allocation.request_id
@@ -290,7 +295,7 @@ class Scheduler:
                 request.num_computed_tokens = num_cached
                 self._kv.tables.set_committed(rid, num_cached)
                 self._queues.start(request)
-            chunks.append(chunk_for(request, start, num_tokens, table, self._drafts.take(rid)))
+            chunks.append(chunk_for(request, start, num_tokens, table, self._drafts.take(rid), window_table))
         released = ()
         if chunks:
             # A plan without chunks never reaches the runner: keep them for the next.

@@ -17,13 +17,17 @@ class SeqChunk:
     every position up to the chunk's end and may hold more blocks than that.
     ``num_logits`` is how many trailing tokens of the chunk need logits: 0 for
     a prefill chunk that does not end the prompt, 1 to sample, or all of them
-    (for prompt logprobs or tests).
+    (for prompt logprobs or tests). ``window_table``: the sequence's
+    blocks in the sliding-window layers' own pool, indexed like
+    ``block_table`` (blocks out of the window are a placeholder the mask
+    hides); None when those layers share ``block_table``.
     """
 
     token_ids: Sequence[int]
     start_position: int
     block_table: Sequence[int]
     num_logits: int = 1
+    window_table: Sequence[int] | None = None
 
 
 @attrs.frozen
@@ -37,7 +41,10 @@ class ForwardBatch:
     prompt prefilled in pieces, or continuing a cached prefix); a decode step
     has one. Prefill chunks and decode tokens mix freely in one batch.
 
-    All tensors live on the model's device.
+    All tensors live on the model's device. The ``window_`` fields are the
+    sliding-window layers' slots and tables when those layers have a pool
+    of their own (``KVCache.window``; ``window_batch`` views the batch
+    through them), else None.
     """
 
     input_ids: torch.Tensor  # [T] int64, every query token of every sequence
@@ -51,6 +58,23 @@ class ForwardBatch:
     query_lens_cpu: tuple[int, ...]
     context_lens_cpu: tuple[int, ...]
     block_tables_cpu: tuple[tuple[int, ...], ...]  # each cut to the blocks its context needs, unpadded
+    window_slot_mapping: torch.Tensor | None = None
+    window_block_tables: torch.Tensor | None = None
+    window_block_tables_cpu: tuple[tuple[int, ...], ...] | None = None
+
+    def window_batch(self) -> ForwardBatch:
+        """This batch as the sliding-window layers' pool sees it: their
+        slots and block tables in place of the others'."""
+        assert self.window_slot_mapping is not None, "this batch has no window tables"
+        return attrs.evolve(
+            self,
+            slot_mapping=self.window_slot_mapping,
+            block_tables=self.window_block_tables,
+            block_tables_cpu=self.window_block_tables_cpu,
+            window_slot_mapping=None,
+            window_block_tables=None,
+            window_block_tables_cpu=None,
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -83,6 +107,9 @@ class ForwardBatch:
         query_lens: list[int] = []
         tables: list[list[int]] = []
         logits_indices: list[int] = []
+        windowed = chunks[0].window_table is not None
+        window_slots: list[int] = []
+        window_tables: list[list[int]] = []
         for i, chunk in enumerate(chunks):
             n = len(chunk.token_ids)
             start = chunk.start_position
@@ -103,24 +130,32 @@ class ForwardBatch:
             offset = cu_query_lens[-1]
             input_ids.extend(chunk.token_ids)
             positions.extend(range(start, end))
-            # One range per block touched, not one Python op per token.
-            pos = start
-            while pos < end:
-                block, off = divmod(pos, block_size)
-                run = min(block_size - off, end - pos)
-                base = table[block] * block_size + off
-                slots.extend(range(base, base + run))
-                pos += run
+            _extend_slots(slots, table, start, end, block_size)
+            if windowed:
+                if chunk.window_table is None or len(chunk.window_table) < num_blocks:
+                    raise ValueError(f"chunk {i}: window_table missing or shorter than the {num_blocks} blocks needed")
+                window_tables.append(list(chunk.window_table[:num_blocks]))
+                _extend_slots(window_slots, window_tables[-1], start, end, block_size)
             logits_indices.extend(range(offset + n - chunk.num_logits, offset + n))
             cu_query_lens.append(offset + n)
             context_lens.append(end)
             query_lens.append(n)
             tables.append(table)
         width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
+
+        def padded(tables: list[list[int]]) -> list[list[int]]:
+            return [t + [0] * (width - len(t)) for t in tables]
 
         def tensor(values: list) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=device)
+
+        window = {}
+        if windowed:
+            window = dict(
+                window_slot_mapping=tensor(window_slots),
+                window_block_tables=tensor(padded(window_tables)),
+                window_block_tables_cpu=tuple(map(tuple, window_tables)),
+            )
 
         return cls(
             input_ids=tensor(input_ids),
@@ -128,9 +163,22 @@ class ForwardBatch:
             slot_mapping=tensor(slots),
             cu_query_lens=tensor(cu_query_lens),
             context_lens=tensor(context_lens),
-            block_tables=tensor(padded),
+            block_tables=tensor(padded(tables)),
             logits_indices=tensor(logits_indices),
             query_lens_cpu=tuple(query_lens),
             context_lens_cpu=tuple(context_lens),
             block_tables_cpu=tuple(map(tuple, tables)),
+            **window,
         )
+
+
+def _extend_slots(slots: list[int], table: list[int], start: int, end: int, block_size: int) -> None:
+    """Append the slots of positions ``start .. end - 1`` under ``table``:
+    one range per block touched, not one Python op per token."""
+    pos = start
+    while pos < end:
+        block, off = divmod(pos, block_size)
+        run = min(block_size - off, end - pos)
+        base = table[block] * block_size + off
+        slots.extend(range(base, base + run))
+        pos += run

@@ -142,10 +142,19 @@ class KVCache:
     lets a slot index (``block_id * block_size + offset``) address a token's
     row in a ``[num_blocks * block_size, kv_heads, head_dim]`` view directly.
     The pools are in ``storage_dtype(dtype)``; ``dtype`` is what they hold.
+
+    Split (``allocate_split``, a model with sliding-window layers): ``key``
+    and ``value`` hold only the layers that attend to the whole context,
+    ``window`` is a ``KVCache`` of its own for the sliding layers (its own
+    number of blocks, its own block tables: engine/core/block_manager.py),
+    and ``window_layers`` says, per model layer, which of the two holds it.
+    ``layer_pools`` gives each layer its pools either way.
     """
 
     key: torch.Tensor
     value: torch.Tensor
+    window: KVCache | None = None
+    window_layers: tuple[bool, ...] = ()
 
     @classmethod
     def allocate(
@@ -164,6 +173,42 @@ class KVCache:
             value=torch.zeros(shape, dtype=storage, device=device),
         )
 
+    @classmethod
+    def allocate_split(
+        cls,
+        config: ModelConfig,
+        *,
+        num_blocks: int,
+        num_window_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> KVCache:
+        """Pools of ``num_blocks`` for the layers that see the whole context
+        and, in ``window``, of ``num_window_blocks`` for the sliding-window
+        layers (``config.layer_window``); either group may have no layers
+        (Mistral v0.1: every layer slides)."""
+        slides = tuple(config.layer_window(i) is not None for i in range(config.num_hidden_layers))
+        full = cls.allocate(
+            attrs.evolve(config, num_hidden_layers=slides.count(False)),
+            num_blocks=num_blocks, block_size=block_size, dtype=dtype, device=device,
+        )  # fmt: skip
+        window = cls.allocate(
+            attrs.evolve(config, num_hidden_layers=slides.count(True)),
+            num_blocks=num_window_blocks, block_size=block_size, dtype=dtype, device=device,
+        )  # fmt: skip
+        return cls(key=full.key, value=full.value, window=window, window_layers=slides)
+
+    def layer_pools(self) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
+        """Per model layer: its key pool, its value pool, and whether they
+        are the window group's (then its slots and tables are the batch's
+        ``window_`` ones)."""
+        if self.window is None:
+            return [(k, v, False) for k, v in zip(self.key, self.value)]
+        full = iter(zip(self.key, self.value))
+        window = iter(zip(self.window.key, self.window.value))
+        return [(*next(window if slides else full), slides) for slides in self.window_layers]
+
     @property
     def dtype(self) -> torch.dtype:
         """The dtype the pools hold (float8 for an fp8 pool held as bytes)."""
@@ -171,18 +216,29 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """The pools' bytes, keys and values."""
-        return self.key.nbytes + self.value.nbytes
+        """The pools' bytes, keys and values (the window group's included)."""
+        return self.key.nbytes + self.value.nbytes + (0 if self.window is None else self.window.nbytes)
 
     def resident_bytes(self) -> int | None:
-        """The pools' bytes in resident pages (``resident_bytes``; None off CPU or Linux)."""
-        key, value = resident_bytes(self.key), resident_bytes(self.value)
-        return None if key is None or value is None else key + value
+        """The pools' bytes in resident pages (``resident_bytes``; None off
+        CPU or Linux), the window group's included. A group without layers
+        has no pages."""
+        total = 0
+        for pool in (self.key, self.value):
+            if pool.numel():
+                found = resident_bytes(pool)
+                if found is None:
+                    return None
+                total += found
+        if self.window is not None:
+            window = self.window.resident_bytes()
+            return None if window is None else total + window
+        return total
 
     @property
     def token_bytes(self) -> int:
         """Bytes one token's keys and values take in one layer's pools."""
-        return 2 * self.key[0, 0, 0].numel() * self.key.element_size()
+        return 2 * math.prod(self.key.shape[3:]) * self.key.element_size()
 
     @property
     def num_blocks(self) -> int:

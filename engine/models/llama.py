@@ -345,7 +345,12 @@ class LlamaForCausalLM(nn.Module):
             runs = native is not None and native.runs(hidden, kv_cache.key)
             attend = native.bind(batch, *rotary[0]) if runs else None
             meta = None if attend is not None else AttentionMetadata.build(batch, kv_cache)
-            hidden = self._decoder_layers(hidden, made, rotary, kv_cache, slots, meta, attend)
+            window = None
+            if kv_cache.window is not None:
+                # Sliding layers in a pool of their own, on their own tables (kv_cache.py).
+                sliding = batch.window_batch()
+                window = (sliding.slot_mapping, AttentionMetadata.build(sliding, kv_cache.window))
+            hidden = self._decoder_layers(hidden, made, rotary, kv_cache, slots, meta, attend, window)
         hidden = hidden.index_select(0, batch.logits_indices)
         hidden = F.rms_norm(hidden, (hidden.shape[-1],), self.norm, self.config.rms_norm_eps)
         return self.lm_logits(hidden, made)
@@ -382,8 +387,15 @@ class LlamaForCausalLM(nn.Module):
         slot_mapping: torch.Tensor,
         meta: AttentionMetadata | None,
         attend: BoundAttention | None,
+        window: tuple[torch.Tensor, AttentionMetadata] | None = None,
     ) -> torch.Tensor:
-        """The residual stream after every layer."""
+        """The residual stream after every layer; ``window``: the slots and
+        plan of the sliding layers' own pool, when the cache has one."""
+        if window is not None:
+            for layer, projections, (keys, values, slides) in zip(self.layers, made.layers, kv_cache.layer_pools()):
+                slots, layer_meta = window if slides else (slot_mapping, meta)
+                hidden = layer.forward(hidden, projections, rotary, keys, values, slots, layer_meta, attend)
+            return hidden
         # ``forward`` directly, not through nn.Module's call (hook checks),
         # and each layer's pools from one unbind: a one-stream decode step
         # is bound by such per-layer overheads (docs/benchmarks.md in git history, "A lean

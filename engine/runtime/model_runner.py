@@ -145,6 +145,7 @@ class ModelRunner:
                 start_position=chunk.start,
                 block_table=chunk.block_ids,
                 num_logits=chunk.num_logits,
+                window_table=chunk.window_block_ids,
             )
             for chunk in plan.chunks
         ]

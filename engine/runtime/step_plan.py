@@ -29,7 +29,9 @@ class ScheduledChunk:
     known token, so the step samples its next token. A speculating chunk
     (engine/sampling/speculative.py) ends with ``num_draft_tokens`` proposed tokens
     after that last known token: the step wants logits at each of them and
-    verifies the proposal.
+    verifies the proposal. ``window_block_ids``: for a model whose
+    sliding-window layers have a KV group of their own, the sequence's
+    table there (engine/core/block_manager.py); None otherwise.
     """
 
     request_id: str
@@ -38,6 +40,7 @@ class ScheduledChunk:
     block_ids: tuple[int, ...]
     sampling: SamplingRow | None = None
     num_draft_tokens: int = 0
+    window_block_ids: tuple[int, ...] | None = None
 
     @property
     def draft_token_ids(self) -> tuple[int, ...]:
