@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# Build llama.cpp's llama-server (CPU only: this machine's CPU features, or AVX2 only) for
-# trioserve bench vs-llama, from the llama.cpp tree vendored in
+# Build llama.cpp's llama-server and llama-quantize (CPU only: this machine's CPU
+# features, or AVX2 only) for trioserve bench vs-llama and bench real-size,
+# from the llama.cpp tree vendored in
 # llama-cpp-python's source distribution, outside this repository.
 #
 #   scripts/build_llama_server.sh --build DIR [--src DIR] [--sdist FILE] [--isa avx2]
 #
-#   --build DIR   the cmake build folder; the binary is DIR/bin/llama-server
+#   --build DIR   the cmake build folder; the binaries are DIR/bin/llama-server
+#                 and DIR/bin/llama-quantize
 #   --src DIR     where the llama.cpp sources are extracted (default: the
-#                 build folder's sibling llama.cpp-src)
+#                 build folder's sibling llama.cpp-src); its
+#                 convert_hf_to_gguf.py is the converter bench real-size runs
 #   --sdist FILE  llama_cpp_python-VERSION.tar.gz (default: downloaded with
 #                 pip download --no-deps --no-binary :all:)
 #   --isa avx2    build for AVX2 + FMA + F16C only (no AVX-512, no VNNI), to
@@ -33,7 +36,7 @@ while [ $# -gt 0 ]; do
         --src) src="$2"; shift 2 ;;
         --sdist) sdist="$2"; shift 2 ;;
         --isa) isa="$2"; shift 2 ;;
-        -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
         *) echo "build_llama_server.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -94,7 +97,7 @@ echo "llama.cpp from ${top}: commit ${commit:-unknown}"
 
 # No network at build time: no curl/OpenSSL, no web UI download (the server
 # then runs without its browser UI), only the llama-server target and what
-# it links.
+# it links, and llama-quantize (the K-quant and legacy types from a GGUF).
 nice -n "$niceness" cmake -S "$src" -B "$build" -G Ninja \
     -DCMAKE_BUILD_TYPE=Release \
     "${isa_flags[@]}" \
@@ -106,6 +109,6 @@ nice -n "$niceness" cmake -S "$src" -B "$build" -G Ninja \
     -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_APP=OFF \
     -DLLAMA_BUILD_COMMIT="${commit:-unknown}"
 start=$(date +%s)
-nice -n "$niceness" ninja -C "$build" -j "$jobs" llama-server
-echo "built in $(( $(date +%s) - start )) s: $build/bin/llama-server"
+nice -n "$niceness" ninja -C "$build" -j "$jobs" llama-server llama-quantize
+echo "built in $(( $(date +%s) - start )) s: $build/bin/llama-server, $build/bin/llama-quantize"
 "$build/bin/llama-server" --version
