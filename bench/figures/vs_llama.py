@@ -85,15 +85,28 @@ def add_parser(commands) -> argparse.ArgumentParser:
         epilog=__doc__.split("\n\n", 2)[2],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    add_comparison_arguments(p, quantizations=("none", "int8", "int4"), memory_after=500)
+    p.add_argument_group("model").add_argument(
+        "--model", default=None, help="GGUF file both serve (default: the default model's)")
+    out = p.add_argument_group("output")
+    out.add_argument("--out", type=Path, default=Path("bench-vs-llama"), help="folder for JSON, tables and logs")
+    out.add_argument("--plot", type=Path, default=None, help="write the plot here (PNG; needs the plot extra)")
+    out.add_argument("--from-json", type=Path, default=None, help="only redraw tables and plot from this results.json")
+    p.set_defaults(func=run)
+    return p
+
+
+def add_comparison_arguments(p: argparse.ArgumentParser, *, quantizations: tuple[str, ...], memory_after: int) -> None:
+    """The servers' and the workload's options of a comparison against
+    llama-server (``compare`` reads them), with these defaults."""
     who = p.add_argument_group("servers")
     who.add_argument("--trioserve-quantization", dest="quantizations", type=_quantizations,
-                     default=("none", "int8", "int4"), metavar="none,int8,int4",
+                     default=quantizations, metavar=",".join(quantizations),
                      help="trioserve configurations to run, by --quantization (auto, none, int8, int4); "
-                          "'' runs none (default: none,int8,int4)")  # fmt: skip
+                          f"'' runs none (default: {','.join(quantizations)})")  # fmt: skip
     who.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER") or shutil.which("llama-server"),
                      help="the llama-server binary (default: $LLAMA_SERVER, else llama-server on PATH)")
     who.add_argument("--no-llama-server", action="store_true", help="run the trioserve configurations only")
-    who.add_argument("--model", default=None, help="GGUF file both serve (default: the default model's)")
     who.add_argument("--trioserve-args", default="", metavar="'FLAGS'",
                      help="more flags for every trioserve serve, one string: --trioserve-args='--dtype bfloat16'")
     who.add_argument("--llama-args", default="", metavar="'FLAGS'",
@@ -113,20 +126,14 @@ def add_parser(commands) -> argparse.ArgumentParser:
                       help="timed requests per concurrency: one value for all, or one per --concurrency value "
                            "(default: max(16, 2 x concurrency))")
     load.add_argument("--num-warmups", type=non_negative_int, default=2, help="untimed requests before each timed run")
-    load.add_argument("--memory-after", type=positive_int, default=500,
-                      help="requests a server has served (all runs included) when its memory is read")
+    load.add_argument("--memory-after", type=non_negative_int, default=memory_after,
+                      help="requests a server has served (all runs included) when its memory is read "
+                           f"(default: {memory_after})")  # fmt: skip
     load.add_argument("--memory-input-len", type=positive_int, default=128,
                       help="prompt tokens of the requests sent to reach --memory-after")
     load.add_argument("--memory-output-len", type=positive_int, default=16,
                       help="output tokens of the requests sent to reach --memory-after")
     load.add_argument("--seed", type=int, default=0, help="prompts (the same for every server)")
-
-    out = p.add_argument_group("output")
-    out.add_argument("--out", type=Path, default=Path("bench-vs-llama"), help="folder for JSON, tables and logs")
-    out.add_argument("--plot", type=Path, default=None, help="write the plot here (PNG; needs the plot extra)")
-    out.add_argument("--from-json", type=Path, default=None, help="only redraw tables and plot from this results.json")
-    p.set_defaults(func=run)
-    return p
 
 
 def prompts_at(num_prompts: list[int] | None, index: int, concurrency: int) -> int:
@@ -264,13 +271,29 @@ def run(args: argparse.Namespace) -> int:
             return usage_error("vs-llama", f"no llama-server binary ({args.llama_server!r}): build it with "
                                "scripts/build_llama_server.sh and pass --llama-server PATH, or give --no-llama-server")  # fmt: skip
         contenders.append(Contender.llama_server(model, shlex.split(args.llama_args)))
-        llama_version = _version([args.llama_server, "--version"])
+        llama_version = llama_server_version(args.llama_server)
     if not contenders:
         return usage_error("vs-llama", "nothing to run")
     # SIGTERM/SIGHUP unwind like Ctrl-C, so the running server is stopped.
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
+    document = compare(args, model, contenders, llama_version)
+    write_outputs(document, args.out, args.plot)
+    print(format_tables(document))
+    return 1 if any(s.get("error") for s in document["servers"]) else 0
 
+
+def llama_server_version(binary: str) -> str:
+    """What ``binary --version`` prints."""
+    return _version([binary, "--version"])
+
+
+def compare(args: argparse.Namespace, model: Path, contenders: list[Contender], llama_version: str | None,
+            on_server=None) -> dict:  # fmt: skip
+    """Run each of ``contenders`` in turn on ``model`` as ``args`` (this
+    command's parsed options) say, writing results.json and results.md into
+    ``args.out`` after each; the document. ``on_server(contender)`` is
+    called before each server starts (a progress line)."""
     # The prompt of the token-count request (the runs' own come from bench serve).
     prompt = random_dataset(load_tokenizer(model), num_prompts=1, input_len=args.input_len,
                             output_len=args.output_len, seed=args.seed + 1000)[0].prompt  # fmt: skip
@@ -302,6 +325,8 @@ def run(args: argparse.Namespace) -> int:
     }
     for contender in contenders:
         print(f"== {contender.label}", flush=True)
+        if on_server is not None:
+            on_server(contender)
         try:
             document["servers"].append(measure(contender, args, layout, model, prompt))
         except (ServerFailed, ServerStartError, OSError, httpx.HTTPError, ValueError, KeyError) as exc:
@@ -309,6 +334,4 @@ def run(args: argparse.Namespace) -> int:
             document["servers"].append({"label": contender.label, "kind": contender.kind,
                                         "quantization": contender.quantization, "error": str(exc)})  # fmt: skip
         write_outputs(document, args.out, None)  # what is done survives a later failure
-    write_outputs(document, args.out, args.plot)
-    print(format_tables(document))
-    return 1 if any(s.get("error") for s in document["servers"]) else 0
+    return document
