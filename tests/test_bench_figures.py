@@ -36,6 +36,8 @@ from trioserve.web.cli import build_parser
 DOCUMENTED = [
     "vs-llama --llama-server /b/llama-server --trioserve-quantization auto --concurrency 1,32 --num-prompts 4,32 "
     "--num-warmups 1 --llama-args='--cache-ram 0 --no-repack' --memory-after 500",
+    "real-size --llama-server /b/llama-server --shapes llama-3.2-1b --quants Q4_K_M --num-prompts 4,32 "
+    "--num-warmups 1 --llama-args='--cache-ram 0' --out bench-real-size --plot docs/images/real_size.png",
     "rss-ready --requests 200",
     "rss-ready --requests 64 --in-flight 64 --input-words 1000 --output-len 32",
     "rss-ready --no-trioserve --llama-server /b/llama-server --llama-args '-np 64 -c 524288 -t 2 -tb 2' --requests 200",

@@ -3,7 +3,8 @@
 adds the command and sets ``run(args) -> exit status`` as its function.
 
 Against other servers: ``vs-llama`` (throughput, latency and memory against
-llama-server), ``rss-ready`` (memory at ready). The engine's choices:
+llama-server), ``real-size`` (the same on random checkpoints of real shapes,
+with the roofline), ``rss-ready`` (memory at ready). The engine's choices:
 ``invariance``, ``quality``, ``speculative``, ``structured``, ``kv-dtype``,
 ``kernels``, ``cpu-paths``. Scaling out: ``dp``, ``worker-mode``, ``tp``.
 Serving overhead and reliability: ``actors``, ``tracing``, ``overload``,
@@ -22,6 +23,7 @@ from . import (
     kv_dtype,
     overload,
     quality,
+    real_size,
     rss_ready,
     slow_reader,
     speculative,
@@ -36,6 +38,7 @@ from . import (
 # In the order `trioserve bench --help` lists them.
 COMMANDS = (
     vs_llama,
+    real_size,
     rss_ready,
     invariance,
     quality,

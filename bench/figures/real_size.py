@@ -1,0 +1,307 @@
+"""``trioserve bench real-size``: trioserve against llama-server on
+random-weight checkpoints of the shapes people serve, with the machine's
+roofline.
+
+    trioserve bench real-size --llama-server /tmp/llama-build/bin/llama-server \\
+        --shapes llama-3.2-1b --quants Q4_K_M --out bench-real-size --plot real_size.png
+
+For each ``--shapes`` (Llama-3.2-1B and -3B, Qwen3-1.7B and -4B, and a
+Qwen3-MoE of OLMoE-1B-7B's size, all with the default model's 49k
+vocabulary) it writes a Hugging Face checkpoint of seeded random weights
+with the default model's tokenizer, converts it to a BF16 GGUF with
+llama.cpp's own convert_hf_to_gguf.py and quantizes that to each
+``--quants`` with llama-quantize. The files are cached under
+``--cache-dir``, one folder per shape and seed, one file per quantization,
+and reused by the next run. It then measures this machine's read
+bandwidth and GEMM peaks (bf16 and int8 at 32 and 512 rows) and runs
+``trioserve bench vs-llama``'s comparison on every file in turn (the same
+options), writing each one's results under ``--out`` and, for all,
+``results.json`` and ``results.md``: the floors per shape and each
+server's fraction of them. ``--prepare-only`` stops after the files;
+``--from-json`` redraws the tables and the plot.
+
+Build llama-server and llama-quantize with scripts/build_llama_server.sh;
+the converter is taken from the llama.cpp sources it extracted (the build
+folder's sibling llama.cpp-src), else from ``--llama-cpp-src``, else
+extracted from llama-cpp-python's source distribution (downloaded with pip)
+into the cache. The converter needs ``sentencepiece``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import attrs
+
+from ..arguments import name_list, usage_error
+from ..real_size import (
+    FLOAT_TYPE,
+    QUANT_TYPES,
+    SHAPES,
+    CacheEntry,
+    active_parameter_count,
+    default_cache_root,
+    download_sdist,
+    extract_converter,
+    parameter_count,
+    write_checkpoint,
+)
+from ..real_size_report import format_report, plot_report
+from ..roofline import Machine, floors, measure_machine, read_gguf_tensors, weight_bytes_per_token
+from ..vs_llama import Contender
+from . import vs_llama
+
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # scripts/build_llama_server.sh's
+
+
+def _choices(allowed) -> Callable[[str], list[str]]:
+    def parse(text: str) -> list[str]:
+        names = name_list(text)
+        unknown = [n for n in names if n not in allowed]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(unknown)}; choose from {', '.join(allowed)}")
+        return names
+
+    return parse
+
+
+def add_parser(commands) -> argparse.ArgumentParser:
+    p = commands.add_parser(
+        "real-size",
+        help="trioserve against llama-server on random checkpoints of real shapes, with the roofline",
+        description=__doc__.split("\n\n")[0].removeprefix("``trioserve bench real-size``: "),
+        epilog=__doc__.split("\n\n", 2)[2],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    models = p.add_argument_group("checkpoints")
+    models.add_argument("--shapes", type=_choices(SHAPES), default=list(SHAPES), metavar="NAME[,NAME...]",
+                        help=f"shapes to run (default: all: {', '.join(SHAPES)})")
+    models.add_argument("--quants", type=_choices(QUANT_TYPES), default=list(QUANT_TYPES), metavar="TYPE[,TYPE...]",
+                        help=f"llama-quantize types (default: {','.join(QUANT_TYPES)})")
+    models.add_argument("--weights-seed", type=int, default=0, help="the random weights' seed (default: 0)")
+    models.add_argument("--cache-dir", type=Path, default=default_cache_root(),
+                        help="where checkpoints and GGUF files are kept (default: %(default)s)")
+    models.add_argument("--keep-checkpoint", action="store_true",
+                        help="keep the Hugging Face checkpoint once converted (default: remove it)")
+    models.add_argument("--llama-quantize", default=os.environ.get("LLAMA_QUANTIZE"),
+                        help="the llama-quantize binary (default: $LLAMA_QUANTIZE, else beside --llama-server)")
+    models.add_argument("--llama-cpp-src", type=Path, default=os.environ.get("LLAMA_CPP_SRC"),
+                        help="llama.cpp sources holding convert_hf_to_gguf.py (default: $LLAMA_CPP_SRC, else "
+                             "the build's sibling llama.cpp-src, else extracted from the sdist)")  # fmt: skip
+    models.add_argument("--prepare-only", action="store_true", help="make the files, run no server")
+    vs_llama.add_comparison_arguments(p, quantizations=("auto",), memory_after=0)
+    out = p.add_argument_group("output")
+    out.add_argument("--out", type=Path, default=Path("bench-real-size"), help="folder for JSON, tables and logs")
+    out.add_argument("--plot", type=Path, default=None, help="write the plot here (PNG; needs the plot extra)")
+    out.add_argument("--from-json", type=Path, default=None, help="only redraw tables and plot from this results.json")
+    p.set_defaults(func=run)
+    return p
+
+
+def find_quantize(args: argparse.Namespace) -> Path | None:
+    """``--llama-quantize``, else llama-quantize beside ``--llama-server``."""
+    if args.llama_quantize:
+        return Path(args.llama_quantize)
+    if args.llama_server:
+        return Path(args.llama_server).resolve().parent / "llama-quantize"
+    found = shutil.which("llama-quantize")
+    return Path(found) if found else None
+
+
+def find_converter(args: argparse.Namespace, quantize: Path | None) -> Path:
+    """convert_hf_to_gguf.py: ``--llama-cpp-src``'s, else the one the build
+    script extracted beside its build folder, else one extracted from the
+    sdist into the cache."""
+    if args.llama_cpp_src is not None:
+        return args.llama_cpp_src / "convert_hf_to_gguf.py"
+    if quantize is not None:
+        beside = quantize.resolve().parents[1].parent / "llama.cpp-src" / "convert_hf_to_gguf.py"
+        if beside.is_file():
+            return beside
+    sdist = download_sdist(args.cache_dir / "sdist", LLAMA_CPP_PYTHON_VERSION)
+    return extract_converter(sdist, args.cache_dir / f"llama.cpp-{LLAMA_CPP_PYTHON_VERSION}")
+
+
+def convert(converter: Path, checkpoint: Path, out: Path, log: Path) -> None:
+    """llama.cpp's converter: ``checkpoint`` to a BF16 GGUF at ``out``."""
+    partial = out.with_name(out.name + ".partial")
+    command = [sys.executable, str(converter), str(checkpoint), "--outfile", str(partial), "--outtype", "bf16"]
+    _logged(command, log)
+    partial.rename(out)
+
+
+def quantize(binary: Path, source: Path, out: Path, quant: str, threads: int, log: Path) -> None:
+    """``llama-quantize source out quant threads``."""
+    partial = out.with_name(out.name + ".partial")
+    _logged([str(binary), str(source), str(partial), quant, str(threads)], log)
+    partial.rename(out)
+
+
+def _logged(command: list[str], log: Path) -> None:
+    with log.open("a") as file:
+        file.write(f"$ {shlex.join(command)}\n")
+        file.flush()
+        done = subprocess.run(command, stdout=file, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        raise RuntimeError(f"{Path(command[1]).name if command[0] == sys.executable else Path(command[0]).name} "
+                           f"exited with {done.returncode}: see {log}")  # fmt: skip
+
+
+class Progress:
+    """One line per step on stderr: a bar of steps done, then the step."""
+
+    def __init__(self, total: int, width: int = 24) -> None:
+        self.total, self.done, self.width = total, 0, width
+        self.started = time.monotonic()
+
+    def step(self, text: str) -> None:
+        filled = self.width * self.done // max(self.total, 1)
+        elapsed = time.monotonic() - self.started
+        print(f"[{'#' * filled}{'.' * (self.width - filled)}] {self.done}/{self.total} {elapsed:6.0f}s  {text}",
+              file=sys.stderr, flush=True)  # fmt: skip
+        self.done += 1
+
+
+def prepare(entry: CacheEntry, quants: list[str], *, converter, quantize_binary, threads: int, keep: bool,
+            progress: Progress) -> None:  # fmt: skip
+    """Make what ``entry`` lacks for ``quants``: the checkpoint, its BF16 GGUF, each quantized file."""
+    from trioserve.testing.tiny_model import hf_tokenizer_folder
+
+    entry.folder.mkdir(parents=True, exist_ok=True)
+    log = entry.folder / "make.log"
+    for step in entry.missing(tuple(quants)):
+        progress.step(f"{entry.shape.name}: {step}")
+        if step == "checkpoint":
+            write_checkpoint(entry.shape, entry.seed, entry.checkpoint, hf_tokenizer_folder())
+        elif step == "convert":
+            convert(converter(), entry.checkpoint, entry.gguf(FLOAT_TYPE), log)
+            if not keep:
+                shutil.rmtree(entry.checkpoint)
+        else:
+            if quantize_binary is None or not os.access(quantize_binary, os.X_OK):
+                raise RuntimeError(f"no llama-quantize binary ({quantize_binary}): build it with "
+                                   "scripts/build_llama_server.sh, or give --llama-quantize")  # fmt: skip
+            quantize(quantize_binary, entry.gguf(FLOAT_TYPE), entry.gguf(step), step, threads, log)
+
+
+def steps_of(args: argparse.Namespace) -> int:
+    """How many steps the progress bar counts: the files still to make, then one per comparison server."""
+    servers = len(args.quantizations) + (not args.no_llama_server)
+    made = sum(len(list(CacheEntry(args.cache_dir, SHAPES[name], args.weights_seed).missing(tuple(args.quants))))
+               for name in args.shapes)  # fmt: skip
+    return made + (0 if args.prepare_only else 1 + servers * len(args.shapes) * len(args.quants))
+
+
+def write_outputs(document: dict, out: Path, plot: Path | None) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(document, indent=2) + "\n")
+    (out / "results.md").write_text(format_report(document))
+    if plot is not None:
+        print(f"plot written to {plot_report(document, plot)}", file=sys.stderr)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The comparison the parsed ``args`` describe; 1 if something failed."""
+    if args.from_json is not None:
+        document = json.loads(args.from_json.read_text())
+        write_outputs(document, args.out, args.plot)
+        print(format_report(document))
+        return 0
+    if args.num_prompts and len(args.num_prompts) not in (1, len(args.concurrency)):
+        return usage_error("real-size", "--num-prompts takes one value or one per --concurrency value")
+    if not args.prepare_only and not args.no_llama_server and not (
+            args.llama_server and os.access(args.llama_server, os.X_OK)):
+        return usage_error("real-size", f"no llama-server binary ({args.llama_server!r}): build it with "
+                           "scripts/build_llama_server.sh and pass --llama-server PATH, or give --no-llama-server")  # fmt: skip
+    if args.plot is not None:
+        from ..plot import require_matplotlib
+
+        require_matplotlib()  # fail before the runs, not after them
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
+    quantize_binary = find_quantize(args)
+    converter_path: list[Path] = []
+
+    def converter() -> Path:  # found (maybe downloaded) only when a conversion is due
+        if not converter_path:
+            converter_path.append(find_converter(args, quantize_binary))
+        return converter_path[0]
+
+    progress = Progress(steps_of(args))
+    entries = [CacheEntry(args.cache_dir, SHAPES[name], args.weights_seed) for name in args.shapes]
+    try:
+        for entry in entries:
+            prepare(entry, args.quants, converter=converter, quantize_binary=quantize_binary, threads=args.threads,
+                    keep=args.keep_checkpoint, progress=progress)  # fmt: skip
+    except (RuntimeError, OSError, subprocess.CalledProcessError) as exc:
+        print(f"real-size: {exc}", file=sys.stderr)
+        return 1
+    if args.prepare_only:
+        for entry in entries:
+            for quant in args.quants:
+                print(entry.gguf(quant))
+        return 0
+
+    progress.step("measuring the machine's read bandwidth and GEMM peaks")
+    machine = measure_machine(args.threads)
+    llama_version = None if args.no_llama_server else vs_llama.llama_server_version(args.llama_server)
+    document = {"info": _info(args, llama_version), "machine": machine.to_json(), "runs": []}
+    for entry in entries:
+        for quant in args.quants:
+            document["runs"].append(compare_one(args, entry, quant, machine, llama_version, progress))
+            write_outputs(document, args.out, None)
+    write_outputs(document, args.out, args.plot)
+    print(format_report(document))
+    failed = any(r.get("error") or any(s.get("error") for s in r["comparison"]["servers"]) for r in document["runs"])
+    return 1 if failed else 0
+
+
+def compare_one(args, entry: CacheEntry, quant: str, machine: Machine, llama_version, progress: Progress) -> dict:
+    """vs-llama's comparison on one cached file, with its floors."""
+    gguf, shape = entry.gguf(quant), entry.shape
+    run = {"shape": shape.name, "quant": quant, "gguf": str(gguf), "gguf_bytes": gguf.stat().st_size,
+           "parameters": parameter_count(shape), "active_parameters": active_parameter_count(shape)}  # fmt: skip
+    weight_bytes = weight_bytes_per_token(read_gguf_tensors(gguf), shape)
+    run["floors"] = attrs.asdict(floors(machine, shape, weight_bytes, input_len=args.input_len,
+                                        output_len=args.output_len, streams=max(args.concurrency)))  # fmt: skip
+    sub = copy.copy(args)
+    sub.out, sub.model, sub.plot = args.out / f"{shape.name}-{quant}", str(gguf), None
+    sub.out.mkdir(parents=True, exist_ok=True)
+    contenders = [Contender.trioserve(q, shlex.split(args.trioserve_args)) for q in args.quantizations]
+    if not args.no_llama_server:
+        contenders.append(Contender.llama_server(gguf, shlex.split(args.llama_args)))
+    run["comparison"] = vs_llama.compare(sub, gguf, contenders, llama_version,
+                                         on_server=lambda c: progress.step(f"{shape.name} {quant}: {c.label}"))  # fmt: skip
+    return run
+
+
+def _info(args: argparse.Namespace, llama_version: str | None) -> dict:
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "shapes": args.shapes,
+        "quants": args.quants,
+        "weights_seed": args.weights_seed,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "concurrency": args.concurrency,
+        "num_prompts": args.num_prompts,
+        "threads": args.threads,
+        "ctx_per_slot": args.ctx_per_slot,
+        "trioserve_commit": vs_llama._version(["git", "-C", str(vs_llama.ROOT), "describe", "--always", "--dirty"]),
+        "llama_server_version": llama_version,
+        "cpu": vs_llama._cpu(),
+        "cpus": os.cpu_count(),
+        "argv": sys.argv,
+    }

@@ -1,0 +1,153 @@
+"""The tables and the plot of ``trioserve bench real-size``, drawn from its
+results.json: the machine's roofline, the floors it sets per shape and
+quantization, and each server's figures with their fraction of those floors
+(1.00 is the floor reached)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from .plot import require_matplotlib
+from .vs_llama import LLAMA_SERVER, TRIOSERVE, _figure, _ratio
+
+GB = 1e9
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "n/a" if value is None else format(value, fmt)
+
+
+def _ok_servers(comparison: Mapping | None) -> list[Mapping]:
+    return [s for s in (comparison or {}).get("servers", []) if not s.get("error")]
+
+
+def fractions(run: Mapping, server: Mapping, low: int, high: int) -> tuple[float | None, float | None]:
+    """A server's fraction of the floors: floor TPOT over its TPOT p50 at
+    ``low`` streams, its output throughput over the ceiling at ``high``."""
+    floors = run["floors"]
+    tpot = _figure(server, low, "median_tpot_ms")
+    throughput = _figure(server, high, "output_throughput")
+    return (None if not tpot else floors["tpot_s"] * 1000 / tpot,
+            None if throughput is None else throughput / floors["throughput"])  # fmt: skip
+
+
+def format_report(document: Mapping) -> str:
+    """results.json as markdown: the machine, the floors, the servers."""
+    info, machine = document["info"], document["machine"]
+    low, high = min(info["concurrency"]), max(info["concurrency"])
+    peaks = machine["peaks"]
+    lines = [
+        f"{info['cpu']}, {info['threads']} threads, {info['date']}; {info['input_len']} tokens in, "
+        f"{info['output_len']} out, greedy, ignore_eos; concurrency {low} and {high}.",
+        "",
+        "| read bandwidth | bf16 GEMM, 32 rows | bf16 GEMM, 512 rows | int8 GEMM, 32 rows | int8 GEMM, 512 rows |",
+        "| ---: | ---: | ---: | ---: | ---: |",
+        f"| {machine['bandwidth'] / GB:.1f} GB/s | {peaks['bf16']['32'] / GB:.0f} GFLOP/s "
+        f"| {peaks['bf16']['512'] / GB:.0f} GFLOP/s | {peaks['int8']['32'] / GB:.0f} GOP/s "
+        f"| {peaks['int8']['512'] / GB:.0f} GOP/s |",
+        "",
+        f"| shape | weights | parameters (active) | GGUF file (MB) | read per token (MB) "
+        f"| floor TPOT, 1 stream (ms) | ceiling, {high} streams (tok/s) | {high}-stream step bound by |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for run in document["runs"]:
+        f = run["floors"]
+        params = f"{run['parameters'] / GB:.2f}B" + (
+            f" ({run['active_parameters'] / GB:.2f}B)" if run["active_parameters"] != run["parameters"] else "")
+        lines.append(
+            f"| {run['shape']} | {run['quant']} | {params} | {run['gguf_bytes'] / 1e6:,.0f} "
+            f"| {f['weight_bytes'] / 1e6:,.0f} | {f['tpot_s'] * 1000:.1f} | {f['throughput']:.1f} | {f['bound']} |"
+        )
+    lines += [
+        "",
+        f"| shape | weights | server | TPOT p50, {low} stream (ms) | of floor | TTFT p50, {low} stream (ms) "
+        f"| {high} streams (tok/s) | of ceiling | TTFT p99, {high} streams (ms) | RSS after (MiB) |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for run in document["runs"]:
+        if run.get("error"):
+            lines.append(f"| {run['shape']} | {run['quant']} | failed: {run['error'].splitlines()[0][:120]} "
+                         "| | | | | | | |")  # fmt: skip
+            continue
+        for server in (run.get("comparison") or {}).get("servers", []):
+            if server.get("error"):
+                lines.append(f"| {run['shape']} | {run['quant']} | {server['label']}: failed "
+                             f"{server['error'].splitlines()[0][:100]} | | | | | | | |")  # fmt: skip
+                continue
+            one, many = fractions(run, server, low, high)
+            rss = ((server.get("memory") or {}).get("after") or {}).get("rss")
+            lines.append(
+                f"| {run['shape']} | {run['quant']} | {server['label']} "
+                f"| {_num(_figure(server, low, 'median_tpot_ms'), ',.1f')} | {_num(one, '.2f')} "
+                f"| {_num(_figure(server, low, 'median_ttft_ms'), ',.0f')} "
+                f"| {_num(_figure(server, high, 'output_throughput'), ',.1f')} | {_num(many, '.2f')} "
+                f"| {_num(_figure(server, high, 'p99_ttft_ms'), ',.0f')} "
+                f"| {_num(None if rss is None else rss / 2**20, ',.0f')} |"
+            )
+    ratios = [row for run in document["runs"] for row in ratio_rows(run, low, high)]
+    if ratios:
+        lines += ["", f"| trioserve over llama-server | TPOT p50, {low} stream | output tok/s, {high} streams "
+                      f"| TTFT p99, {high} streams | RSS after |", "| --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
+        for label, values in ratios:
+            lines.append(f"| {label} | " + " | ".join(_num(v, ".2f") + ("x" if v is not None else "")
+                                                    for v in values) + " |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def ratio_rows(run: Mapping, low: int, high: int) -> list[tuple[str, list[float | None]]]:
+    """Each trioserve row of one shape and quantization over llama-server's."""
+    servers = _ok_servers(run.get("comparison"))
+    reference = next((s for s in servers if s["kind"] == LLAMA_SERVER), None)
+    if reference is None:
+        return []
+
+    def rss(server: Mapping) -> float | None:
+        return ((server.get("memory") or {}).get("after") or {}).get("rss")
+
+    return [(f"{run['shape']} {run['quant']}, {s['label']}", [
+        _ratio(_figure(s, low, "median_tpot_ms"), _figure(reference, low, "median_tpot_ms")),
+        _ratio(_figure(s, high, "output_throughput"), _figure(reference, high, "output_throughput")),
+        _ratio(_figure(s, high, "p99_ttft_ms"), _figure(reference, high, "p99_ttft_ms")),
+        _ratio(rss(s), rss(reference)),
+    ]) for s in servers if s["kind"] == TRIOSERVE]  # fmt: skip
+
+
+def plot_report(document: Mapping, path: str | Path) -> Path:
+    """Each server's fraction of the one-stream floor and of the many-stream
+    ceiling, grouped by shape and quantization. Needs matplotlib."""
+    plt = require_matplotlib()
+    info = document["info"]
+    low, high = min(info["concurrency"]), max(info["concurrency"])
+    groups = [run for run in document["runs"] if _ok_servers(run.get("comparison"))]
+    if not groups:
+        raise ValueError("no shape has a finished server: nothing to plot")
+    labels = sorted({s["label"] for run in groups for s in _ok_servers(run["comparison"])},
+                    key=lambda label: (label.startswith(LLAMA_SERVER), label))  # fmt: skip
+    width = 0.8 / len(labels)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for panel, ax in enumerate(axes):
+        for k, label in enumerate(labels):
+            values = []
+            for run in groups:
+                server = next((s for s in _ok_servers(run["comparison"]) if s["label"] == label), None)
+                values.append(None if server is None else fractions(run, server, low, high)[panel])
+            xs = [i + (k - (len(labels) - 1) / 2) * width for i in range(len(groups))]
+            bars = ax.bar(xs, [v or 0.0 for v in values], width, label=label,
+                          color="#c44e52" if label.startswith(LLAMA_SERVER) else None)  # fmt: skip
+            for bar, value in zip(bars, values):
+                ax.annotate(_num(value, ".2f"), (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                            ha="center", va="bottom", fontsize=8)  # fmt: skip
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(groups)), [f"{r['shape']}\n{r['quant']}" for r in groups], fontsize=8)
+        ax.set(ylim=(0, 1.15), title=(f"one stream: floor TPOT / TPOT p50 (concurrency {low})" if panel == 0
+                                      else f"{high} streams: tok/s / ceiling"))  # fmt: skip
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"Fraction of the roofline: {info['cpu']}, {info['threads']} threads, {info['date'][:10]}")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
