@@ -41,11 +41,10 @@ def format_report(document: Mapping) -> str:
         f"{info['cpu']}, {info['threads']} threads, {info['date']}; {info['input_len']} tokens in, "
         f"{info['output_len']} out, greedy, ignore_eos; concurrency {low} and {high}.",
         "",
-        "| read bandwidth | bf16 GEMM, 32 rows | bf16 GEMM, 512 rows | int8 GEMM, 32 rows | int8 GEMM, 512 rows |",
-        "| ---: | ---: | ---: | ---: | ---: |",
-        f"| {machine['bandwidth'] / GB:.1f} GB/s | {peaks['bf16']['32'] / GB:.0f} GFLOP/s "
-        f"| {peaks['bf16']['512'] / GB:.0f} GFLOP/s | {peaks['int8']['32'] / GB:.0f} GOP/s "
-        f"| {peaks['int8']['512'] / GB:.0f} GOP/s |",
+        "| read bandwidth | " + " | ".join(f"{d} GEMM, {r} rows" for d in peaks for r in peaks[d]) + " |",
+        "| ---: |" + " ---: |" * sum(len(p) for p in peaks.values()),
+        f"| {machine['bandwidth'] / GB:.1f} GB/s | " + " | ".join(
+            f"{v / GB:.0f} {'GFLOP/s' if d == 'bf16' else 'GOP/s'}" for d in peaks for v in peaks[d].values()) + " |",
         "",
         f"| shape | weights | parameters (active) | GGUF file (MB) | read per token (MB) "
         f"| floor TPOT, 1 stream (ms) | ceiling, {high} streams (tok/s) | {high}-stream step bound by |",

@@ -14,6 +14,7 @@ streams adds the prompts' prefill at the peak of 512 rows.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -25,6 +26,7 @@ from .real_size import Shape
 
 PEAK_ROWS = (32, 512)
 GEMM_K, GEMM_N = 2048, 8192  # one MLP projection of the 1B shape
+GEMM_DTYPES = ("bf16", "int8", "int8-trioserve")
 
 
 @attrs.frozen
@@ -152,11 +154,23 @@ def measure_bandwidth(threads: int, *, nbytes: int = 2**30, repeats: int = 5) ->
 
 def measure_gemm(dtype: str, rows: int, threads: int, *, repeats: int = 5) -> float:
     """FLOP/s of one [rows, 2048] x [2048, 8192] product on ``threads``
-    threads: torch's bfloat16 linear, or its int8 matmul (``torch._int_mm``,
-    int32 sums) for ``int8``."""
+    threads: torch's bfloat16 linear (``bf16``), torch's int8 matmul
+    (``torch._int_mm``, int32 sums: ``int8``), or trioserve's native int8
+    kernel on this CPU's best variant (``int8-trioserve``: per-channel int8
+    weights, float32 activations quantized inside, as the engine runs it;
+    ``NativeUnavailable`` where the kernels are not built)."""
     torch.set_num_threads(threads)
     generator = torch.Generator().manual_seed(0)
-    if dtype == "bf16":
+    if dtype == "int8-trioserve":
+        from trioserve.engine.kernels import int8_native, native, rtn
+
+        isa = native.cpu_isas()[-1]
+        w = torch.randn(GEMM_N, GEMM_K, generator=generator) * 0.05
+        linear = int8_native.Int8NativeLinear.from_rtn(rtn.quantize_int8(w), None, isa)
+        x = torch.randn(rows, GEMM_K, generator=generator)
+        with torch.inference_mode():
+            seconds = _best_seconds(lambda: linear(x), repeats)
+    elif dtype == "bf16":
         a = torch.randn(rows, GEMM_K, generator=generator).to(torch.bfloat16)
         w = torch.randn(GEMM_N, GEMM_K, generator=generator).to(torch.bfloat16)
         seconds = _best_seconds(lambda: torch.nn.functional.linear(a, w), repeats)
@@ -165,11 +179,19 @@ def measure_gemm(dtype: str, rows: int, threads: int, *, repeats: int = 5) -> fl
         b = torch.randint(-127, 128, (GEMM_K, GEMM_N), generator=generator, dtype=torch.int8)
         seconds = _best_seconds(lambda: torch._int_mm(a, b), repeats)
     else:
-        raise ValueError(f"dtype must be bf16 or int8, got {dtype!r}")
+        raise ValueError(f"dtype must be bf16, int8 or int8-trioserve, got {dtype!r}")
     return 2.0 * rows * GEMM_K * GEMM_N / seconds
 
 
 def measure_machine(threads: int) -> Machine:
-    """This machine's bandwidth and GEMM peaks on ``threads`` threads (a few seconds)."""
-    peaks = {dtype: {rows: measure_gemm(dtype, rows, threads) for rows in PEAK_ROWS} for dtype in ("bf16", "int8")}
+    """This machine's bandwidth and GEMM peaks on ``threads`` threads (a few
+    seconds); trioserve's native int8 kernel only where it is built."""
+    from trioserve.engine.kernels.native import NativeUnavailable
+
+    peaks = {}
+    for dtype in GEMM_DTYPES:
+        try:
+            peaks[dtype] = {rows: measure_gemm(dtype, rows, threads) for rows in PEAK_ROWS}
+        except NativeUnavailable as exc:
+            print(f"roofline: no {dtype} peak: {exc}", file=sys.stderr)
     return Machine(measure_bandwidth(threads), peaks)
