@@ -32,7 +32,7 @@ import torch
 ARCHES = {
     "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
     "gemma3_text": "gemma3", "gemma3": "gemma3", "phi3": "phi3", "smollm3": "smollm3",
-    "qwen3_moe": "qwen3moe", "mixtral": "llama",
+    "qwen3_moe": "qwen3moe", "mixtral": "llama", "gpt_oss": "gpt-oss",
 }  # fmt: skip
 # A mixture's per-expert matrices: Hub name -> the stacked name gguf-py's table maps.
 _EXPERT = re.compile(r"(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)\.weight")
@@ -40,10 +40,13 @@ _EXPERT = re.compile(r"(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.
 PERMUTED = ("llama", "smollm3")
 
 
-def write_gguf(folder: Path, path: Path, qtype: str = "F32", *, name: str | None = None) -> Path:
+def write_gguf(
+    folder: Path, path: Path, qtype: str = "F32", *, name: str | None = None, expert_qtype: str | None = None
+) -> Path:
     """Write the checkpoint in ``folder`` (``config.json``, ``model.safetensors``)
-    to ``path`` with its matrices in ``qtype`` (a ``GGMLQuantizationType`` name);
-    return ``path``."""
+    to ``path`` with its matrices in ``qtype`` (a ``GGMLQuantizationType``
+    name), a mixture's experts in ``expert_qtype`` where given (llama.cpp's
+    gpt-oss files hold them in MXFP4, the rest wider); return ``path``."""
     import gguf
     from safetensors.torch import load_file
 
@@ -55,7 +58,8 @@ def write_gguf(folder: Path, path: Path, qtype: str = "F32", *, name: str | None
     _metadata(writer, hf, arch)
     _tokenizer(writer, hf)
     for hf_name, tensor in _arch_tensors(tensors, hf, arch):
-        _add_tensor(writer, hf_name, tensor, arch, qtype, int(hf["num_hidden_layers"]))
+        kind = expert_qtype if expert_qtype and ".experts." in hf_name else qtype
+        _add_tensor(writer, hf_name, tensor, arch, kind, int(hf["num_hidden_layers"]))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -96,7 +100,7 @@ def _metadata(writer, hf: dict, arch: str) -> None:
         scale = int(hf["max_position_embeddings"]) / original
         writer.add_rope_scaling_orig_ctx_len(original)
         writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
-    if hf.get("sliding_window") and arch in ("gemma2", "gemma3", "phi3"):
+    if hf.get("sliding_window") and arch in ("gemma2", "gemma3", "phi3", "gpt-oss"):
         writer.add_sliding_window(int(hf["sliding_window"]))
     if arch == "gemma2":
         writer.add_attn_logit_softcapping(float(hf["attn_logit_softcapping"]))
@@ -105,8 +109,9 @@ def _metadata(writer, hf: dict, arch: str) -> None:
     if experts:
         writer.add_expert_count(int(experts))
         writer.add_expert_used_count(int(hf["num_experts_per_tok"]))
-        if hf.get("moe_intermediate_size"):
-            writer.add_expert_feed_forward_length(int(hf["moe_intermediate_size"]))
+        width = hf.get("moe_intermediate_size") or (hf["intermediate_size"] if arch == "gpt-oss" else None)
+        if width:
+            writer.add_expert_feed_forward_length(int(width))
     if arch == "smollm3":
         interval = int(hf.get("no_rope_layer_interval", 4))
         flags = hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(hf["num_hidden_layers"])]
@@ -138,6 +143,11 @@ def _arch_tensors(tensors: dict[str, torch.Tensor], hf: dict, arch: str):
         tensor = tensor.float()
         if name == "lm_head.weight" and hf.get("tie_word_embeddings"):
             continue
+        if arch == "gpt-oss" and ".mlp.experts." in name:
+            yield from _gpt_oss_experts(name, tensor)
+            continue
+        if name.endswith(".self_attn.sinks"):
+            name += ".weight"  # llama.cpp's convert names them so
         match = _EXPERT.fullmatch(name)
         if match is not None:
             experts.setdefault(f"{match.group(1)}.{match.group(3)}.weight", {})[int(match.group(2))] = tensor
@@ -157,6 +167,26 @@ def _arch_tensors(tensors: dict[str, torch.Tensor], hf: dict, arch: str):
     if rope.get("rope_type") == "longrope":
         yield "rope_factors_long.weight", torch.tensor(rope["long_factor"], dtype=torch.float32)
         yield "rope_factors_short.weight", torch.tensor(rope["short_factor"], dtype=torch.float32)
+
+
+def _gpt_oss_experts(name: str, tensor: torch.Tensor):
+    """gpt-oss's fused expert tensor ``name`` as llama.cpp's convert splits
+    it: ``gate_up_proj`` (``[experts, in, out]``, gate and up interleaved by
+    column) into gate's and up's ``[experts, out, in]``, ``down_proj``
+    transposed so, their biases split alike."""
+    base = name.rsplit(".", 1)[0]
+    if name.endswith("gate_up_proj"):
+        yield f"{base}.gate_proj.weight", tensor[..., 0::2].transpose(1, 2).contiguous()
+        yield f"{base}.up_proj.weight", tensor[..., 1::2].transpose(1, 2).contiguous()
+    elif name.endswith("gate_up_proj_bias"):
+        yield f"{base}.gate_proj.bias", tensor[..., 0::2].contiguous()
+        yield f"{base}.up_proj.bias", tensor[..., 1::2].contiguous()
+    elif name.endswith("down_proj"):
+        yield f"{base}.down_proj.weight", tensor.transpose(1, 2).contiguous()
+    elif name.endswith("down_proj_bias"):
+        yield f"{base}.down_proj.bias", tensor
+    else:
+        raise ValueError(f"{name}: not a gpt-oss expert tensor this writer knows")
 
 
 def _permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
@@ -191,14 +221,14 @@ def _add_tensor(writer, hf_name: str, tensor: torch.Tensor, arch: str, qtype: st
         writer.add_tensor(hf_name, tensor.numpy())
         return
     base, suffix = hf_name.rsplit(".", 1)
-    gguf_name = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], layers).get_name(base)
+    gguf_name = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper().replace("-", "_")], layers).get_name(base)
     if gguf_name is None:
         raise ValueError(f"{hf_name}: no {arch} GGUF name")
     data = tensor.numpy()
     kind = gguf.GGMLQuantizationType[qtype]
     block = gguf.GGML_QUANT_SIZES[kind][0]
     router = gguf_name.endswith("ffn_gate_inp")  # llama.cpp keeps a router in F32
-    if data.ndim < 2 or kind == gguf.GGMLQuantizationType.F32 or data.shape[-1] % block or router:
+    if data.ndim < 2 or kind == gguf.GGMLQuantizationType.F32 or data.shape[-1] % block or router or suffix != "weight":
         writer.add_tensor(f"{gguf_name}.{suffix}", data)
     elif kind == gguf.GGMLQuantizationType.F16:
         writer.add_tensor(f"{gguf_name}.{suffix}", data.astype(np.float16))

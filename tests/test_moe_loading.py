@@ -17,6 +17,7 @@ from pathlib import Path
 
 import attrs
 import gguf
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -219,6 +220,53 @@ def test_a_moe_gguf_loads_as_its_weights_compute(tmp_path, cpu_paths, kind, qtyp
     got = prompt_logits(float_model.model, PROMPT)
     assert (got - want).abs().max() <= 1e-4 * max(1.0, float(want.abs().max()))
     assert greedy_tokens(float_model.model, PROMPT[:4], 16) == want_tokens
+    auto = load_model(str(path), quantization="auto", cache_dir=cache)
+    assert_experts_compressed(auto.model)
+    assert_near(prompt_logits(auto.model, PROMPT), want, 0.08)
+
+
+def _gpt_oss_as_stored(hf: transformers.PreTrainedModel, qtype: str, expert_qtype: str) -> transformers.PreTrainedModel:
+    """``hf`` with its matrices as the writer stores them: the attention's
+    and the LM head's in ``qtype``, each expert's (``[experts, in, out]``
+    in the checkpoint: quantized along ``in``) in ``expert_qtype``; routers,
+    biases, sinks and norms as they are."""
+
+    def stored(data: np.ndarray, kind: str) -> np.ndarray:
+        t = gguf.GGMLQuantizationType[kind]
+        return gguf.quants.dequantize(quantize(data, kind), t).astype(np.float32)
+
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                data = p.detach().transpose(1, 2).contiguous().numpy()
+                p.copy_(torch.from_numpy(stored(data, expert_qtype)).transpose(1, 2))
+            elif p.dim() == 2 and "router" not in name and not name.endswith("bias"):
+                p.copy_(torch.from_numpy(stored(p.detach().numpy(), qtype)))
+    return hf
+
+
+def test_a_gpt_oss_gguf_loads_with_its_mxfp4_experts(tmp_path):
+    """llama.cpp's gpt-oss file: experts in MXFP4 (gate and up apart, with
+    biases), attention sinks, the rest here in Q8_0. transformers' GGUF
+    reader fails on gpt-oss's metadata (a TypeError in 5.25), so the
+    reference is transformers' model on the values the file holds. Float:
+    within 1e-4, 16 greedy tokens equal; compressed ("auto"): the MXFP4
+    groups run exactly as int8 groups, one expert at a time."""
+    folder = tmp_path / "gpt-oss"
+    hf = _build("gpt-oss", folder, swiglu_limit=7.0)  # llama.cpp's clamp: the file does not carry one
+    path = write_gguf(folder, tmp_path / "gpt-oss.gguf", "Q8_0", name="tiny-gpt-oss", expert_qtype="MXFP4")
+    kinds = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+    assert {k for n, k in kinds.items() if n.endswith("_exps.weight")} == {"MXFP4"}
+    assert kinds["blk.0.attn_sinks.weight"] == "F32"
+    reference = _gpt_oss_as_stored(hf, "Q8_0", "MXFP4")
+    with torch.no_grad():
+        want = reference(torch.tensor([PROMPT])).logits[0]
+    cache = tmp_path / "cache"
+    float_model = load_model(str(path), quantization="none", cache_dir=cache)
+    assert float_model.model_config.architecture == "GptOssForCausalLM"
+    got = prompt_logits(float_model.model, PROMPT)
+    assert (got - want).abs().max() <= 1e-4 * max(1.0, float(want.abs().max()))
+    assert greedy_tokens(float_model.model, PROMPT[:4], 16) == _hf_greedy(reference, PROMPT[:4], 16)
     auto = load_model(str(path), quantization="auto", cache_dir=cache)
     assert_experts_compressed(auto.model)
     assert_near(prompt_logits(auto.model, PROMPT), want, 0.08)

@@ -71,7 +71,8 @@ def decode_gguf(data: np.ndarray, name: str) -> Int8GroupWeight:
     out = data.shape[0]
     if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] % GGUF_BLOCK_BYTES:
         raise ModelLoadError(f"tensor {name!r}: {data.dtype} {data.shape} is not rows of {GGUF_BLOCK_BYTES}-byte MXFP4 blocks")
-    blocks = torch.from_numpy(np.ascontiguousarray(data)).view(out, -1, GGUF_BLOCK_BYTES)
+    # A copy: a GGUF's rows are a read-only map of the file, which torch will not wrap.
+    blocks = torch.from_numpy(np.array(data, copy=True)).view(out, -1, GGUF_BLOCK_BYTES)
     qs = blocks[..., 1:]
     codes = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # the first 16 values, then the last 16
     return Int8GroupWeight(_doubled(codes).reshape(out, -1), half_scales(blocks[..., 0], name), GROUP)

@@ -10,7 +10,7 @@ into place at the end: an interrupted one never leaves a half cache.
 
 Most files are read by transformers' GGUF reader (its model, dequantized,
 then written out); those it cannot make a model of (``gguf_config.native_kind``:
-SmolLM3, Mixtral, Qwen3-MoE) by trioserve's own reader (``gguf_weights``),
+SmolLM3, Mixtral, Qwen3-MoE, gpt-oss) by trioserve's own reader (``gguf_weights``),
 with a config built from the metadata (``gguf_config.native_config``).
 
 The conversion runs in a child process: transformers' modeling code, which
@@ -44,7 +44,7 @@ CACHE_ENV = "TRIOSERVE_CACHE"
 _TMP_PREFIX = ".tmp-"
 # Architectures whose tokenizer transformers reads only from a copy of its
 # keys under another architecture (_tokenizer_gguf).
-_TOKENIZER_ONLY = ("smollm3",)
+_TOKENIZER_ONLY = ("smollm3", "gpt-oss")
 # Where a converting child leaves its error's message for the parent.
 _ERROR_FILE = ".conversion-error"
 # GGUF model_type -> the architecture name config.json carries (GGUF metadata
@@ -232,6 +232,7 @@ def _convert_natively(
     from transformers import CONFIG_MAPPING
 
     from trioserve.engine.loading import gguf_weights
+    from trioserve.engine.models import moe_weights
 
     try:
         reader = gguf.GGUFReader(str(gguf_path))
@@ -252,6 +253,12 @@ def _convert_natively(
             gguf_path, num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads
         )
     }
+    if config.moe_routing == "gpt_oss":
+        for i in config.moe_layers:
+            try:
+                moe_weights.fuse_gpt_oss_experts(tensors, f"model.layers.{i}.", config.num_experts)
+            except KeyError as exc:
+                raise ModelLoadError(f"{gguf_path}: incomplete GGUF model: no tensor for {exc}") from None
     progress.advance(note="weights dequantized")
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     del tensors

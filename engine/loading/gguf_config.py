@@ -16,8 +16,9 @@ converting child.
 
 Files transformers' reader cannot make a model of (SmolLM3; a Llama with
 experts, which is how llama.cpp writes Mixtral; Qwen3-MoE, whose expert
-width it drops) are converted by trioserve's own reader instead, and
-``native_config`` builds their config from the metadata alone.
+width it drops; gpt-oss, whose metadata it fails on) are converted by
+trioserve's own reader instead, and ``native_config`` builds their config
+from the metadata alone.
 
 A llama3 rotary's four parameters are recovered from its table
 (``llama3_parameters``): the table fixes ``factor`` and the two wavelength
@@ -41,6 +42,7 @@ _NATIVE = {
     "smollm3": ("smollm3", "SmolLM3ForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "mixtral": ("mixtral", "MixtralForCausalLM"),
+    "gpt-oss": ("gpt_oss", "GptOssForCausalLM"),
 }
 # llama.cpp's SmolLM3 without a no_rope_layers array: every 4th layer has no rotary.
 _SMOLLM3_NO_ROPE_STEP = 4
@@ -138,10 +140,21 @@ def native_config(metadata: dict[str, Any], tables: dict[str, list[float]], voca
             hf["norm_topk_prob"] = True
             hf["mlp_only_layers"] = []
             hf["decoder_sparse_step"] = 1
+        elif kind == "gpt-oss":
+            # llama.cpp's gpt-oss: q/k/v/o biases, sliding layers first and
+            # alternating, SwiGLU clamped at transformers' defaults (it
+            # stores neither), yarn without a truncated ramp.
+            hf["num_local_experts"] = int(key("expert_count"))
+            hf["intermediate_size"] = int(key("expert_feed_forward_length", hf["intermediate_size"]))
+            hf["attention_bias"] = True
+            hf["sliding_window"] = int(key("attention.sliding_window"))
+            hf["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
         else:
             hf["num_local_experts"] = int(key("expert_count"))
             hf["sliding_window"] = None
     hf = complete(hf, metadata, tables)
+    if kind == "gpt-oss" and hf["rope_parameters"].get("rope_type") == "yarn":
+        hf["rope_parameters"].update(beta_fast=32.0, beta_slow=1.0, truncate=False)
     hf.pop("rope_theta")  # in rope_parameters now
     return hf
 

@@ -8,7 +8,8 @@ and Q4_K's sub-blocks of 32 are Q4_1's form with ``d = d_super * sc`` and
 in sub-blocks of 16); Q5_1 and Q5_K, whose 5-bit values carry an offset an
 int8 group has no room for, rounded to int8 in groups of 32 (the largest
 value of a group to 127, as Q8_0 is made: one rounding, a quarter of their
-own step or less). A kernel requantizes an int8 group per channel where it
+own step or less). MXFP4 (gpt-oss's experts) as ``Int8GroupWeight``
+exactly (``kernels/mxfp4``). A kernel requantizes an int8 group per channel where it
 needs to (one more rounding). F32, F16 and BF16 as float32 tensors. Any
 other type is a ``ModelLoadError`` naming the tensor, as is a quantized
 tensor whose scales are not finite (a damaged file) or, for 4-bit groups,
@@ -36,12 +37,13 @@ import numpy as np
 import torch
 
 from trioserve.engine.errors import ModelLoadError
+from trioserve.engine.kernels import mxfp4
 from trioserve.engine.kernels.rtn import Int4Weight, Int8GroupWeight, quantize_int8_groups
 
 Compressed = Int4Weight | Int8GroupWeight
 
 GROUP = 32  # the block size of Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0, and a K-quant's sub-block (Q6_K's: 16)
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "MXFP4")
 _LAYER = re.compile(r"blk\.(\d+)\.(.+)")
 _GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -80,11 +82,24 @@ _BY_ARCH = {
     "gemma2": _GEMMA,
     "gemma3": _GEMMA,
     "phi3": {"attn_qkv.weight": "self_attn.qkv_proj.weight", "ffn_up.weight": "mlp.gate_up_proj.weight"},
+    "gpt-oss": {
+        "attn_sinks.weight": "self_attn.sinks",
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "ffn_gate_inp.weight": "mlp.router.weight",
+        "ffn_gate_inp.bias": "mlp.router.bias",
+    },
 }
 # A mixture's stacked expert tensors -> which of an expert's (gate, up, down) each is.
-_STACKED = {"ffn_gate_exps.weight": 0, "ffn_up_exps.weight": 1, "ffn_down_exps.weight": 2}
-# Per architecture, the Hub's per-expert names: the block's prefix, then (gate, up, down).
-_EXPERT_NAMES = {"llama": ("block_sparse_moe", ("w1", "w3", "w2")), "qwen3moe": ("mlp", ("gate_proj", "up_proj", "down_proj"))}
+# (gpt-oss's experts have biases, [experts, out], stacked the same way.)
+_STACKED = re.compile(r"ffn_(gate|up|down)_exps\.(weight|bias)")
+# Per architecture, the per-expert names: the block's prefix, then gate's,
+# up's and down's (the Hub's, and for gpt-oss, whose checkpoints fuse all
+# experts, moe_weights.ExpertCollector's).
+_EXPERT_NAMES = {
+    "llama": ("block_sparse_moe", {"gate": "w1", "up": "w3", "down": "w2"}),
+    "qwen3moe": ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
+    "gpt-oss": ("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
+}
 # Architectures whose q and k rows llama.cpp permutes (its LlamaModel and subclasses).
 _PERMUTED = ("llama", "smollm3")
 # Architectures whose norms llama.cpp stores as 1 + w (Hugging Face's w).
@@ -116,12 +131,13 @@ def expert_name(gguf_name: str, arch: str) -> str | None:
     Hub's name of one expert's matrix with ``{expert}`` in place of its
     index; None for any other tensor."""
     match = _LAYER.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _STACKED:
+    stacked = None if match is None else _STACKED.fullmatch(match.group(2))
+    if match is None or stacked is None:
         return None
     if arch not in _EXPERT_NAMES:
         raise ModelLoadError(f"GGUF tensor {gguf_name!r}: trioserve runs no mixture of experts of architecture {arch!r}")
     block, parts = _EXPERT_NAMES[arch]
-    return f"model.layers.{match.group(1)}.{block}.experts.{{expert}}.{parts[_STACKED[match.group(2)]]}.weight"
+    return f"model.layers.{match.group(1)}.{block}.experts.{{expert}}.{parts[stacked.group(1)]}.{stacked.group(2)}"
 
 
 def _fp16(blocks: np.ndarray, at: int) -> torch.Tensor:
@@ -283,6 +299,8 @@ def _decoded(path: Path, name: str, kind: str, data: np.ndarray) -> torch.Tensor
         value: torch.Tensor | Compressed = by_rows(lambda rows: rows_of(kind, rows), data)
     elif kind in _DECODERS:
         value = by_rows(_DECODERS[kind], data)
+    elif kind == "MXFP4":
+        value = by_rows(lambda rows: mxfp4.decode_gguf(rows, name), data)
     elif kind == "BF16":
         bits = np.ascontiguousarray(data).view(np.uint16).astype(np.uint32) << 16
         value = torch.from_numpy(bits.view(np.float32))
@@ -316,8 +334,10 @@ def read_tensors(path: Path, *, num_heads: int, num_kv_heads: int) -> Iterator[t
             )
         data = np.asarray(tensor.data)
         if per_expert is not None:
-            if data.ndim != 3:
-                raise ModelLoadError(f"{path}: tensor {tensor.name!r}: expected [experts, out, in], got shape {data.shape}")
+            bias = tensor.name.endswith(".bias")
+            if data.ndim != (2 if bias else 3):
+                want = "[experts, out]" if bias else "[experts, out, in]"
+                raise ModelLoadError(f"{path}: tensor {tensor.name!r}: expected {want}, got shape {data.shape}")
             for e in range(data.shape[0]):
                 yield per_expert.format(expert=e), _decoded(path, tensor.name, kind, data[e])
             continue

@@ -9,7 +9,10 @@ Qwen3-MoE and Mixtral, ``block_sparse_moe.`` for Mixtral; fused
 ``[experts, in, out]`` tensors for gpt-oss). ``ExpertCollector`` takes a
 layer's expert tensors as they stream in, float or compressed (GGUF's
 formats, gpt-oss's MXFP4 ``_blocks``/``_scales``), and builds each expert's
-compressed linears from that expert's tensors alone.
+compressed linears from that expert's tensors alone. A gpt-oss GGUF holds
+its experts one matrix and bias each, as the other families' (``gguf_weights``
+names them ``experts.E.gate_proj.weight`` ... ``down_proj.bias``); the
+collector takes those too and interleaves gate's and up's rows itself.
 """
 
 from __future__ import annotations
@@ -128,6 +131,26 @@ def expert_linear(choice: KernelChoice, weight: Weight, bias: torch.Tensor | Non
 
 
 _PER_EXPERT_NAME = re.compile(r"experts\.(\d+)\.(\w+)\.weight")
+# gpt-oss one expert at a time (from a GGUF): each matrix and its bias.
+_GPT_OSS_EXPERT = re.compile(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|bias)")
+_GPT_OSS_PARTS = tuple(f"{m}.{k}" for m in ("gate_proj", "up_proj", "down_proj") for k in ("weight", "bias"))
+
+
+def interleave_rows(gate: Weight, up: Weight) -> Weight:
+    """gate's and up's rows alternating, gate first (gpt-oss's fused layout),
+    in any format: a permutation of rows, each row's values and scales its own."""
+    n = _shape(gate)[0]
+    order = torch.stack([torch.arange(n), torch.arange(n) + n], dim=1).reshape(-1)
+    both = stack_rows([gate, up])
+    if isinstance(both, torch.Tensor):
+        return both[order]
+    if isinstance(both, Int4Weight):
+        return Int4Weight(both.q[order], both.scale[order], both.zero[order], both.group_size)
+    if isinstance(both, Int8GroupWeight):
+        return Int8GroupWeight(both.q[order], both.scale[order], both.group_size)
+    return Int8Weight(both.q[order], both.scale[order])  # type: ignore[union-attr]
+
+
 _FUSED = ("gate_up_proj", "down_proj")
 
 
@@ -145,6 +168,8 @@ class ExpertCollector:
     batch_invariant: bool = True
     _pending: dict[str, Any] = attrs.field(factory=dict)
     _built: dict[int, ExpertLinears] = attrs.field(factory=dict)
+    # Whether gpt-oss's experts come one at a time (a GGUF's), not fused.
+    _one_by_one: bool = False
 
     def accepts(self, name: str) -> bool:
         """Whether ``name`` is one of this block's expert tensors."""
@@ -160,6 +185,10 @@ class ExpertCollector:
         key = name.removeprefix(p)
         b = self.block
         h, i = b.hidden_size, b.intermediate_size
+        per_expert = _GPT_OSS_EXPERT.fullmatch(key) if b.routing == "gpt_oss" else None
+        if per_expert is not None:
+            self._add_gpt_oss_expert(name, int(per_expert.group(1)), f"{per_expert.group(2)}.{per_expert.group(3)}", tensor)
+            return
         if b.routing == "gpt_oss":
             want = self._fused_shapes().get(key)
             if want is None:
@@ -186,6 +215,26 @@ class ExpertCollector:
                 self._make(stack_rows([parts[gate], parts[up]]), None), self._make(parts[down], None)
             )
 
+    def _add_gpt_oss_expert(self, name: str, e: int, part: str, tensor: Weight) -> None:
+        b = self.block
+        h, i = b.hidden_size, b.intermediate_size
+        if e >= b.num_experts:
+            raise ModelLoadError(f"unknown weight {name!r} for gpt_oss experts ({b.num_experts} of them)")
+        down = part.startswith("down")
+        want = ((h,) if down else (i,)) if part.endswith("bias") else ((h, i) if down else (i, h))
+        if _shape(tensor) != want:
+            raise ModelLoadError(f"weight {name!r}: expected shape {want}, got {_shape(tensor)}")
+        self._one_by_one = True
+        parts = self._pending.setdefault(f"expert {e}", {})
+        parts[part] = tensor
+        if len(parts) == len(_GPT_OSS_PARTS):
+            del self._pending[f"expert {e}"]
+            gate_up_bias = torch.stack([parts["gate_proj.bias"], parts["up_proj.bias"]], dim=1).reshape(-1).float()
+            self._built[e] = ExpertLinears(
+                self._make(interleave_rows(parts["gate_proj.weight"], parts["up_proj.weight"]), gate_up_bias),
+                self._make(parts["down_proj.weight"], parts["down_proj.bias"].float()),
+            )
+
     def _fused_shapes(self) -> dict[str, tuple[int, ...]]:
         e, h, i = self.block.num_experts, self.block.hidden_size, self.block.intermediate_size
         g = mxfp4.GROUP
@@ -204,6 +253,14 @@ class ExpertCollector:
         ``_blocks`` and ``_scales``)."""
         p = block_prefix(self.block, self.layer_prefix)
         b = self.block
+        if self._one_by_one:
+            # gpt-oss one expert at a time (a GGUF's): what each expert still lacks.
+            names = []
+            for e in range(b.num_experts):
+                if e not in self._built:
+                    have = self._pending.get(f"expert {e}", {})
+                    names += [f"{p}experts.{e}.{n}" for n in _GPT_OSS_PARTS if n not in have]
+            return names
         if b.routing == "gpt_oss":
             if self._built:
                 return []
@@ -247,3 +304,23 @@ class ExpertCollector:
         if missing:
             raise ModelLoadError(f"missing expert weights {missing[:8]}{' ...' if len(missing) > 8 else ''}")
         return [self._built[e] for e in range(self.block.num_experts)]
+
+
+def fuse_gpt_oss_experts(tensors: dict[str, torch.Tensor], layer_prefix: str, num_experts: int) -> None:
+    """Replace one gpt-oss layer's float per-expert tensors in ``tensors``
+    (``{layer_prefix}mlp.experts.E.gate_proj.weight`` ... ``down_proj.bias``,
+    as ``gguf_weights`` names a GGUF's) by the checkpoint's fused ones
+    (``experts.gate_up_proj`` ``[experts, in, out]``, gate and up interleaved,
+    and their biases), which the float block loads."""
+    p = f"{layer_prefix}mlp.experts."
+    gate_up, gate_up_bias, down, down_bias = [], [], [], []
+    for e in range(num_experts):
+        part = {n: tensors.pop(f"{p}{e}.{n}") for n in _GPT_OSS_PARTS}
+        gate_up.append(interleave_rows(part["gate_proj.weight"], part["up_proj.weight"]).transpose(0, 1))
+        gate_up_bias.append(torch.stack([part["gate_proj.bias"], part["up_proj.bias"]], dim=1).reshape(-1))
+        down.append(part["down_proj.weight"].transpose(0, 1))
+        down_bias.append(part["down_proj.bias"])
+    tensors[f"{p}gate_up_proj"] = torch.stack(gate_up).contiguous()
+    tensors[f"{p}gate_up_proj_bias"] = torch.stack(gate_up_bias)
+    tensors[f"{p}down_proj"] = torch.stack(down).contiguous()
+    tensors[f"{p}down_proj_bias"] = torch.stack(down_bias)
