@@ -9,6 +9,16 @@ layer reads in the full group's). After every step: blocks out of the
 window are released, no block is held twice, counts add up, the tables
 match the scheduler's mirror, and each sequence holds no more window
 blocks than the sizing policy (``window_pool_blocks``) allows it.
+
+At the engine's level: a tiny Gemma-3-like model (sliding and global
+layers) and an all-sliding Mistral generate ten windows past their window
+with the window group on; their greedy tokens equal the same engine's
+with the sliding layers on the full pool (only masked, the path
+test_model_equivalence.py checks against transformers), the window
+group's used blocks stay within the sequences' windows, and a second
+request sharing a long prefix hits the prefix cache and gives the tokens
+it gives on a cold engine. The pool's plan gives the bytes the window
+group leaves to more blocks of the other layers, within the budget.
 """
 
 from __future__ import annotations
@@ -27,8 +37,10 @@ from trioserve.engine.config import EngineConfig, ModelConfig
 from trioserve.engine.core import kv_pool
 from trioserve.engine.core.block_manager import NULL_BLOCK, BlockManager
 from trioserve.engine.core.engine_core import EngineCore
+from trioserve.engine.core.kv_budget import KVPoolPlan, split_for_window
 from trioserve.engine.core.scheduler import Scheduler, SchedulerOutput
 from trioserve.engine.core.sequence import Request
+from trioserve.engine.layers.kv_cache import kv_bytes_per_block
 from trioserve.engine.loading.loader import LoadedModel
 from trioserve.engine.models.llama import LlamaForCausalLM
 from trioserve.engine.runtime import build
@@ -227,6 +239,13 @@ def _hf_config(kind: str):
                              "full_attention": {"rope_type": "default", "rope_theta": 1000.0}},
         )  # fmt: skip
         config.architectures = ["Gemma3ForCausalLM"]
+    elif kind == "gpt-oss":
+        # Sliding and full layers alternating, attention sinks, experts.
+        config = transformers.GptOssConfig(
+            **small, num_hidden_layers=3, head_dim=16, sliding_window=WINDOW, num_local_experts=4,
+            num_experts_per_tok=2, rope_parameters={"rope_type": "default", "rope_theta": 1000.0},
+        )  # fmt: skip
+        config.architectures = ["GptOssForCausalLM"]
     else:
         # Mistral v0.1: every layer slides.
         config = transformers.MistralConfig(**small, num_hidden_layers=2, sliding_window=WINDOW)
@@ -234,7 +253,7 @@ def _hf_config(kind: str):
     return config
 
 
-@pytest.fixture(scope="module", params=["gemma3", "mistral-window"])
+@pytest.fixture(scope="module", params=["gemma3", "gpt-oss", "mistral-window"])
 def window_loaded(request, tmp_path_factory) -> LoadedModel:
     """A tiny model with sliding layers, seeded random weights peaked enough
     that greedy choices do not hinge on rounding, and a word tokenizer."""
@@ -329,3 +348,27 @@ def test_the_window_group_keeps_the_tokens_and_frees_the_rest(window_loaded, mon
     # Same request, same tokens whatever the cache: the second alone, cold.
     cold = _core(window_loaded, enable_prefix_caching=False)
     assert _generate(cold, prompts[1:])["second"]["tokens"] == split["second"]["tokens"]
+
+
+def test_split_for_window_grows_the_pool_into_the_bytes_left():
+    # 64 blocks of 2048 bytes, 1536 of them the sliding layers'.
+    plan = KVPoolPlan(64, BLOCK, 2048, "float32", "kv_cache_memory 128.0 KiB")
+    split = split_for_window(plan, full_bytes_per_block=512, window_blocks=lambda n: 1 + min(n, 56), wanted=128)
+    assert (split.num_blocks, split.window_blocks) == (85, 57)
+    assert split.nbytes == 85 * 512 + 57 * 1536 <= plan.nbytes
+    assert "21 blocks more" in split.reason and split.as_json()["window_blocks"] == 57
+    # Every layer slides: the others' blocks cost nothing, up to what is wanted.
+    every = split_for_window(plan, full_bytes_per_block=0, window_blocks=lambda n: 1 + min(n, 56), wanted=128)
+    assert (every.num_blocks, every.window_blocks) == (128, 57) and every.nbytes <= plan.nbytes
+    # A window pool as large as the plan leaves nothing: the plan stays.
+    same = split_for_window(plan, full_bytes_per_block=512, window_blocks=lambda n: 1 + n, wanted=128)
+    assert same.num_blocks == 64 and same.reason == plan.reason
+
+
+def test_the_engine_plans_the_split_within_its_budget(window_loaded):
+    config = window_loaded.model_config
+    budget = 64 * kv_bytes_per_block(config, BLOCK, torch.float32)
+    core = _core(window_loaded, kv_cache_memory=budget)
+    assert core.num_blocks > 64  # the bytes the window pool left went to more blocks
+    assert core.kv_cache.nbytes == core.kv_pool.nbytes <= budget
+    assert core.kv_cache.window.num_blocks == core.kv_pool.window_blocks == core.block_manager.num_window_blocks

@@ -13,6 +13,12 @@ accepts, so that is an error naming what to lower. Unset on CUDA:
 ``CUDA_MEMORY_FRACTION`` of free memory, as vLLM does. The pool never needs
 more than ``max_num_seqs`` full contexts, so every budget is capped there.
 
+A model whose sliding-window layers keep a pool of their own
+(engine/core/block_manager.py) is planned as if they did not, then
+``split_for_window`` gives the bytes its small window pool leaves over to
+more blocks of the other layers, up to the ``max_num_seqs`` full contexts:
+the budget is the same, the contexts it holds are more.
+
 ``plan_pool`` is the arithmetic, a pure function; ``available_memory``
 reads what the host has left (psutil when installed, else
 ``/proc/meminfo``'s ``MemAvailable``, within a cgroup v2 memory limit).
@@ -21,6 +27,7 @@ reads what the host has left (psutil when installed, else
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import attrs
@@ -40,13 +47,19 @@ def _size(nbytes: float) -> str:
 
 @attrs.frozen
 class KVPoolPlan:
-    """The KV pool's size and the reason for it (logged at startup, shown in ``/version``)."""
+    """The KV pool's size and the reason for it (logged at startup, shown in
+    ``/version``). ``window_blocks``: the sliding-window layers' own pool
+    (its null block included; 0 when they have none), of
+    ``window_bytes_per_block`` each; ``bytes_per_block`` is then the other
+    layers' bytes only."""
 
     num_blocks: int
     block_size: int
     bytes_per_block: int
     dtype: str
     reason: str
+    window_blocks: int = 0
+    window_bytes_per_block: int = 0
 
     @property
     def tokens(self) -> int:
@@ -54,10 +67,10 @@ class KVPoolPlan:
 
     @property
     def nbytes(self) -> int:
-        return self.num_blocks * self.bytes_per_block
+        return self.num_blocks * self.bytes_per_block + self.window_blocks * self.window_bytes_per_block
 
     def as_json(self) -> dict[str, object]:
-        return {
+        found: dict[str, object] = {
             "dtype": self.dtype,
             "tokens": self.tokens,
             "blocks": self.num_blocks,
@@ -65,9 +78,16 @@ class KVPoolPlan:
             "bytes": self.nbytes,
             "reason": self.reason,
         }
+        if self.window_blocks:
+            found["window_blocks"] = self.window_blocks
+        return found
 
     def __str__(self) -> str:
-        return f"{self.tokens} tokens ({self.num_blocks} blocks), {_size(self.nbytes)} in {self.dtype}: {self.reason}"
+        window = f" and {self.window_blocks} blocks of the sliding-window layers" if self.window_blocks else ""
+        return (
+            f"{self.tokens} tokens ({self.num_blocks} blocks{window}), {_size(self.nbytes)} in {self.dtype}: "
+            f"{self.reason}"
+        )
 
 
 def plan_pool(
@@ -121,6 +141,44 @@ def plan_pool(
     if blocks >= wanted:
         return plan(wanted, f"{asked}, as asked (within {given})")
     return plan(blocks, given)
+
+
+def split_for_window(
+    plan: KVPoolPlan,
+    *,
+    full_bytes_per_block: int,
+    window_blocks: Callable[[int], int],
+    wanted: int,
+) -> KVPoolPlan:
+    """``plan`` (every layer in each block) with the sliding-window layers
+    in a pool of their own: ``window_blocks(n)`` blocks beside ``n`` of the
+    other layers, whose blocks take ``full_bytes_per_block`` (0 when every
+    layer slides). ``n`` grows into the bytes the window pool leaves of the
+    plan's, up to ``wanted``; it never shrinks (the window pool then takes
+    at most the plan's sliding bytes, plus its null block)."""
+    window_bytes = plan.bytes_per_block - full_bytes_per_block
+    assert window_bytes > 0 and wanted > 0
+    budget = plan.nbytes
+    num_blocks = plan.num_blocks
+    if plan.num_blocks < wanted:
+        # window_blocks grows with n: priced at ``wanted``, the answer fits.
+        left = budget - window_blocks(wanted) * window_bytes
+        if full_bytes_per_block == 0:
+            grown = wanted if left >= 0 else num_blocks
+        else:
+            grown = min(wanted, max(0, left) // full_bytes_per_block)
+        num_blocks = max(num_blocks, grown)
+    reason = plan.reason
+    if num_blocks > plan.num_blocks:
+        reason += f"; {num_blocks - plan.num_blocks} blocks more, from the bytes the sliding-window layers' pool leaves"
+    return attrs.evolve(
+        plan,
+        num_blocks=num_blocks,
+        bytes_per_block=full_bytes_per_block,
+        reason=reason,
+        window_blocks=window_blocks(num_blocks),
+        window_bytes_per_block=window_bytes,
+    )
 
 
 def available_memory(proc: Path = Path("/proc"), cgroup: Path = Path("/sys/fs/cgroup")) -> int:

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import logging
 
+import attrs
 import torch
 
 from trioserve.engine.config import EngineConfig
 from trioserve.engine.core.block_manager import BlockManager
-from trioserve.engine.core.kv_budget import KVPoolPlan, available_memory, plan_pool
+from trioserve.engine.core.kv_budget import KVPoolPlan, available_memory, plan_pool, split_for_window
 from trioserve.engine.kernels.kv_dtype_choice import KVDtypeChoice
 from trioserve.engine.layers.kv_cache import kv_bytes_per_block
 from trioserve.engine.loading.loader import LoadedModel
@@ -41,6 +42,18 @@ def kv_pool_plan(config: EngineConfig, loaded: LoadedModel, kv_dtype: KVDtypeCho
         max_num_seqs=config.max_num_seqs,
         dtype=kv_dtype.name,
     )
+    group = window_group(loaded, config, plan.num_blocks)
+    if group is not None:
+        model_config = loaded.model.config
+        num_full = sum(model_config.layer_window(i) is None for i in range(model_config.num_hidden_layers))
+        plan = split_for_window(
+            plan,
+            full_bytes_per_block=kv_bytes_per_block(
+                attrs.evolve(model_config, num_hidden_layers=num_full), config.block_size, kv_dtype.dtype
+            ),
+            window_blocks=lambda n: _window_blocks(loaded, config, n),
+            wanted=config.max_num_seqs * per_sequence,
+        )
     if plan.num_blocks < per_sequence:
         # A pool smaller than one full context could refuse requests the
         # model accepts; say so instead of failing later.
@@ -50,6 +63,12 @@ def kv_pool_plan(config: EngineConfig, loaded: LoadedModel, kv_dtype: KVDtypeCho
     return plan
 
 
+def _window_blocks(loaded: LoadedModel, config: EngineConfig, num_blocks: int) -> int:
+    group = window_group(loaded, config, num_blocks)
+    assert group is not None
+    return group.num_blocks
+
+
 def new_pool(num_blocks: int, config: EngineConfig, loaded: LoadedModel) -> BlockManager:
     """A pool of ``num_blocks`` blocks, with the prefix cache unless
     ``config`` turns it off, and the sliding-window layers' group where
@@ -57,6 +76,11 @@ def new_pool(num_blocks: int, config: EngineConfig, loaded: LoadedModel) -> Bloc
     split the same way). A CPU pool commits a block's memory when it is
     first written, so written blocks are reused first (block_manager.py)."""
     group = window_group(loaded, config, num_blocks)
+    if group is not None:
+        log.info(
+            "sliding-window layers (window %d) keep their own pool of %d blocks beside the %d of the others",
+            group.window, group.num_blocks, num_blocks,
+        )  # fmt: skip
     return BlockManager(
         num_blocks,
         config.block_size,
