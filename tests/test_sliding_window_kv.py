@@ -106,12 +106,13 @@ def _check_window_holdings(bm: BlockManager, scheduler: Scheduler, bound: int) -
         assert len(held) <= bound, f"{rid!r} holds {len(held)} window blocks, more than {bound}"
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     block_size=st.sampled_from([1, 2, 4]),
     window=st.integers(1, 12),
     max_num_seqs=st.integers(1, 4),
     max_num_batched_tokens=st.integers(4, 16),
+    pool_tokens=st.integers(40, 256),  # small pools preempt
     prefix=st.lists(st.integers(0, VOCAB - 1), max_size=20),
     requests=st.lists(
         st.tuples(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12), st.integers(1, 20)),
@@ -121,10 +122,10 @@ def _check_window_holdings(bm: BlockManager, scheduler: Scheduler, bound: int) -
     arrivals=st.lists(st.integers(0, 6), min_size=6, max_size=6),
 )
 def test_window_group_keeps_only_the_window(
-    block_size, window, max_num_seqs, max_num_batched_tokens, prefix, requests, arrivals
+    block_size, window, max_num_seqs, max_num_batched_tokens, pool_tokens, prefix, requests, arrivals
 ):
     max_model_len = 64
-    num_blocks = max_num_seqs * max_model_len // block_size
+    num_blocks = -(-pool_tokens // block_size)
     num_window_blocks = window_pool_blocks(
         window, num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs, max_chunk=max_num_batched_tokens
     )

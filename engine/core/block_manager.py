@@ -66,6 +66,9 @@ class _Holding:
     # The window group's table, as long as ``block_ids`` (NULL_BLOCK where
     # released); None without a window group.
     window_ids: list[int] | None = None
+    # Entries of window_ids below this are all NULL_BLOCK: a step releases
+    # from here, not from the table's head (a long context has many).
+    num_slid: int = 0
 
 
 @attrs.define
@@ -131,22 +134,23 @@ class BlockManager:
             is_admission = allocation.request_id not in self._holdings
             if is_admission and admissions_closed:
                 tables.append(None)
-                window_tables.append(None)
                 cached.append(0)
+                if self._window_pool is not None:
+                    window_tables.append(None)
                 continue
             table, num_cached = self._allocate(allocation)
             if table is None and is_admission:
                 admissions_closed = True
             tables.append(table)
             cached.append(num_cached)
-            holding = self._holdings.get(allocation.request_id)
-            window = None if table is None or holding is None or holding.window_ids is None else holding.window_ids
-            window_tables.append(None if window is None else tuple(window))
+            if self._window_pool is not None:
+                window = None if table is None else self._holdings[allocation.request_id].window_ids
+                window_tables.append(None if window is None else tuple(window))
         return KVResult(
             block_tables=tuple(tables),
             num_cached_tokens=tuple(cached),
             budget=self.statistics(),
-            window_tables=tuple(window_tables) if self._window_pool is not None else (),
+            window_tables=tuple(window_tables),
         )
 
     def statistics(self) -> KVBudget:
@@ -277,10 +281,12 @@ class BlockManager:
     def _slide(self, holding: _Holding, position: int) -> None:
         """Release the window blocks no query from ``position`` on reads."""
         assert holding.window_ids is not None and self._window_pool is not None
-        for i in range(min(self._first_seen_block(position), len(holding.window_ids))):
-            if holding.window_ids[i] != NULL_BLOCK:
-                self._window_pool.release(holding.window_ids[i])
-                holding.window_ids[i] = NULL_BLOCK
+        first = min(self._first_seen_block(position), len(holding.window_ids))
+        for i in range(holding.num_slid, first):
+            assert holding.window_ids[i] != NULL_BLOCK, f"window block {i} released twice"
+            self._window_pool.release(holding.window_ids[i])
+            holding.window_ids[i] = NULL_BLOCK
+        holding.num_slid = max(holding.num_slid, first)
 
     def _admit(self, allocation: KVAllocation) -> tuple[tuple[int, ...] | None, int]:
         if allocation.num_computed_tokens != 0:
@@ -312,7 +318,8 @@ class BlockManager:
                 window.acquire(block_id)
             window_ids = [NULL_BLOCK] * (num_hit - len(window_hits)) + window_hits
             window_ids += [window.take() for _ in range(num_fresh)]
-        self._holdings[allocation.request_id] = _Holding(block_ids, num_hit, last_hash, window_ids)
+        num_slid = 0 if window is None else num_hit - len(window_hits)
+        self._holdings[allocation.request_id] = _Holding(block_ids, num_hit, last_hash, window_ids, num_slid)
         if self.enable_prefix_caching:
             self._queries += len(token_ids)
             self._hits += num_cached
@@ -376,5 +383,10 @@ class BlockManager:
                 raise AssertionError(
                     f"request {rid!r} has {len(holding.window_ids)} window blocks for {len(holding.block_ids)} blocks"
                 )
-            window_tables[rid] = [b for b in holding.window_ids if b != NULL_BLOCK]
+            slid, live = holding.window_ids[: holding.num_slid], holding.window_ids[holding.num_slid :]
+            if any(b != NULL_BLOCK for b in slid) or NULL_BLOCK in live:
+                raise AssertionError(
+                    f"request {rid!r}'s window table {holding.window_ids} is not released blocks, then held ones"
+                )
+            window_tables[rid] = live
         self._window_pool.check(window_tables, "window ")
