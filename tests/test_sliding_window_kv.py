@@ -13,7 +13,7 @@ blocks than the sizing policy (``window_pool_blocks``) allows it.
 At the engine's level: a tiny Gemma-3-like model (sliding and global
 layers) and an all-sliding Mistral generate ten windows past their window
 with the window group on; their greedy tokens equal the same engine's
-with the sliding layers on the full pool (only masked, the path
+with n-gram speculation, and with the sliding layers on the full pool (only masked, the path
 test_model_equivalence.py checks against transformers), the window
 group's used blocks stay within the sequences' windows, and a second
 request sharing a long prefix hits the prefix cache and gives the tokens
@@ -339,6 +339,12 @@ def test_the_window_group_keeps_the_tokens_and_frees_the_rest(window_loaded, mon
     assert split["second"]["cached"] >= 24
     stats = core.block_manager.statistics()
     assert stats.num_cached_window_blocks > 0 and stats.num_free_window_blocks == stats.num_window_blocks
+
+    # Speculation verifies proposals on window tables and rolls rejected
+    # tokens back; greedy, it gives the same tokens.
+    speculating = _core(window_loaded, speculative="ngram")
+    assert _generate(speculating, prompts) == split
+    assert speculating.scheduler.statistics().num_draft_tokens > 0
 
     # The same engine with the sliding layers on the full pool, only masked.
     monkeypatch.setattr(kv_pool, "window_group", lambda *args: None)
