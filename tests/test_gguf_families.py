@@ -188,7 +188,7 @@ def _rewrite(source: Path, path: Path, change) -> Path:
     """``source``'s GGUF with its tensors passed through ``change(name, tensor)``
     (None drops one), metadata as it is."""
     reader = gguf.GGUFReader(str(source))
-    writer = gguf.GGUFWriter(str(path), "phi3")
+    writer = gguf.GGUFWriter(str(path), reader.fields["general.architecture"].contents())
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
             continue

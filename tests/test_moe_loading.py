@@ -22,7 +22,7 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
-from test_gguf_families import PROMPT, _build, _hf_greedy
+from test_gguf_families import PROMPT, _build, _hf_greedy, _rewrite
 from test_model_equivalence import _save_gpt_oss_mxfp4, _save_tiny
 
 from trioserve.engine.config import ModelConfig
@@ -272,3 +272,17 @@ def test_a_gpt_oss_gguf_loads_with_its_mxfp4_experts(tmp_path):
     auto = load_model(str(path), quantization="auto", cache_dir=cache)
     assert_experts_compressed(auto.model)
     assert_near(prompt_logits(auto.model, PROMPT), want, 0.08)
+
+
+def test_a_moe_gguf_without_an_experts_tensor_is_refused_naming_it(tmp_path, cpu_paths):
+    """On both paths: the conversion (float) and the compressed reader."""
+    folder = tmp_path / "mixtral"
+    _build("mixtral", folder)
+    source = write_gguf(folder, tmp_path / "mixtral.gguf", "Q8_0")
+    missing = _rewrite(source, tmp_path / "missing.gguf", lambda n, d: None if n == "blk.1.ffn_up_exps.weight" else d)
+    # The float path names the file's converted folder (its stem, a key).
+    named = r"missing(\.gguf|-[0-9a-f]+): .*layers\.1\.block_sparse_moe\.experts\.0\.w3\.weight"
+    with pytest.raises(ModelLoadError, match=named):
+        load_model(str(missing), quantization="none", cache_dir=tmp_path / "c")
+    with pytest.raises(ModelLoadError, match=named):
+        load_model(str(missing), quantization="auto", cache_dir=tmp_path / "c")
