@@ -37,6 +37,7 @@ from trioserve.engine.config import EngineConfig, ModelConfig
 from trioserve.engine.core import kv_pool
 from trioserve.engine.core.block_manager import NULL_BLOCK, BlockManager
 from trioserve.engine.core.engine_core import EngineCore
+from trioserve.engine.core.kv_batch import KVAllocation, KVBatch, KVCommit, KVResult
 from trioserve.engine.core.kv_budget import KVPoolPlan, split_for_window
 from trioserve.engine.core.scheduler import Scheduler, SchedulerOutput
 from trioserve.engine.core.sequence import Request
@@ -164,15 +165,11 @@ def test_window_group_keeps_only_the_window(
     assert budget.num_free_window_blocks == num_window_blocks - 1
 
 
-def _admit(bm: BlockManager, rid: str, tokens: list[int], num_new: int | None = None):
-    from trioserve.engine.core.kv_batch import KVAllocation, KVBatch
-
-    return bm.apply(KVBatch(allocations=[KVAllocation(rid, 0, num_new or len(tokens), tokens)]))
+def _admit(bm: BlockManager, rid: str, tokens: list[int]) -> KVResult:
+    return bm.apply(KVBatch(allocations=[KVAllocation(rid, 0, len(tokens), tokens)]))
 
 
-def _grow(bm: BlockManager, rid: str, computed: int, num_new: int, commit: list[int] = ()):
-    from trioserve.engine.core.kv_batch import KVAllocation, KVBatch, KVCommit
-
+def _grow(bm: BlockManager, rid: str, computed: int, num_new: int, commit: tuple[int, ...] = ()) -> KVResult:
     commits = [KVCommit(rid, commit)] if commit else []
     return bm.apply(KVBatch(commits=commits, allocations=[KVAllocation(rid, computed, num_new)]))
 
@@ -198,8 +195,6 @@ def test_a_hit_needs_the_window_group_to_hold_the_window_before_it():
     assert result.window_tables[0][5] == window[5]  # shared, as the full blocks are
     # A third admission of the first 9 tokens needs window block 3 (positions
     # 6, 7 for a query at 8), released by "a" but still cached: a hit of 8.
-    from trioserve.engine.core.kv_batch import KVBatch
-
     assert bm.cached_prefix_len(tokens[:8] + [77]) == 8
     # Taking every window block evicts the released windows: the full
     # group still caches the prefix, but no hit is usable now.

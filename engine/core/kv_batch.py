@@ -101,6 +101,7 @@ class KVBudget:
 
     @property
     def num_used_window_blocks(self) -> int:
+        """The window group's blocks held by some request."""
         return self.num_window_blocks - self.num_free_window_blocks
 
     @property
