@@ -8,9 +8,10 @@ are built as soon as its seven matrices have arrived and the raw tensors are
 dropped, so no float32 copy of the matrices is ever held beyond one layer's.
 A mixture-of-experts layer's experts go to its ``moe_weights.ExpertCollector``,
 which builds each expert's compressed linears from that expert's tensors
-alone (never the layer's experts decoded whole); its router stays float32. Norms stay float32; the token embeddings
-stay in the file's compressed format where they come compressed (rows
-dequantized on lookup, ``embedding``), else float32.
+alone (never the layer's experts decoded whole); its router stays float32.
+Norms stay float32; the token embeddings stay in the file's compressed
+format where they come compressed (rows dequantized on lookup,
+``embedding``), else float32.
 """
 
 from __future__ import annotations
@@ -49,18 +50,22 @@ _PARTS = ("q", "k", "v", "o", "gate", "up", "down")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
-_SHAPE_NAMES = ("qkv", "o", "gate_up", "down", "expert gate_up", "expert down")
-
-
 def layer_shapes(config: ModelConfig) -> list[tuple[int, int]]:
-    """One layer's fused projections, ``(out, in)``: qkv, o, gate_up, down,
-    and with experts an expert's gate_up and down."""
+    """The fused projections of a layer, ``(out, in)``: qkv and o, then a
+    dense MLP's gate_up and down where a layer has one, an expert's where
+    a layer has experts."""
+    return [shape for _, shape in _named_shapes(config)]
+
+
+def _named_shapes(config: ModelConfig) -> list[tuple[str, tuple[int, int]]]:
     hd, hidden, inter = config.head_dim, config.hidden_size, config.intermediate_size
     qkv = (config.num_attention_heads + 2 * config.num_key_value_heads) * hd
-    shapes = [(qkv, hidden), (hidden, config.num_attention_heads * hd), (2 * inter, hidden), (hidden, inter)]
+    shapes = [("qkv", (qkv, hidden)), ("o", (hidden, config.num_attention_heads * hd))]
+    if len(config.moe_layers) < config.num_hidden_layers:
+        shapes += [("gate_up", (2 * inter, hidden)), ("down", (hidden, inter))]
     if config.moe_layers:
         expert = config.moe_intermediate_size
-        shapes += [(2 * expert, hidden), (hidden, expert)]
+        shapes += [("expert gate_up", (2 * expert, hidden)), ("expert down", (hidden, expert))]
     return shapes
 
 
@@ -211,8 +216,8 @@ def quantization_choice(
         )
     if scheme == "int4":
         int4_pack.Int4PackLinear.check_group_size(group_size)
-        for i, shape in enumerate(layer_shapes(config)):
-            check_group_size(shape, group_size, _SHAPE_NAMES[i] + " projection")
+        for what, shape in _named_shapes(config):
+            check_group_size(shape, group_size, f"{what} projection")
     return choose_kernel(cpu_paths, scheme, layer_shapes(config), group_size, batch_invariant=batch_invariant)
 
 
