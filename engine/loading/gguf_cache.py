@@ -233,6 +233,7 @@ def _convert_natively(
 
     from trioserve.engine.loading import gguf_weights
     from trioserve.engine.models import moe_weights
+    from trioserve.engine.models.llama import LlamaForCausalLM
 
     try:
         reader = gguf.GGUFReader(str(gguf_path))
@@ -259,6 +260,11 @@ def _convert_natively(
                 moe_weights.fuse_gpt_oss_experts(tensors, f"model.layers.{i}.", config.num_experts)
             except KeyError as exc:
                 raise ModelLoadError(f"{gguf_path}: incomplete GGUF model: no tensor for {exc}") from None
+    # Refused here, naming the file, rather than by the loader, naming its cache.
+    required = LlamaForCausalLM(config, dtype=torch.float32, device="meta").required_weight_names()
+    missing = sorted(required - set(tensors))
+    if missing:
+        raise ModelLoadError(f"{gguf_path}: incomplete GGUF model: no tensor for {missing[:8]}")
     progress.advance(note="weights dequantized")
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     del tensors
