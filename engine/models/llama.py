@@ -472,11 +472,12 @@ class LlamaForCausalLM(nn.Module):
 
     def set_quantized(
         self,
-        layers: list[QuantizedProjections],
+        layers: list[QuantizedProjections | ExpertProjections],
         head: Callable[[torch.Tensor], torch.Tensor] | None,
         embedding: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
-        """Run on compressed projections (one per layer) and, when ``head``
+        """Run on compressed projections (one per layer: a mixture's layer
+        wraps its compressed attention and experts) and, when ``head``
         is given, a compressed LM head; else the LM head is ``F.linear``.
         Where the projections run on the native kernels at few rows, decode
         batches of that many rows run all layers in one native call. With
