@@ -209,7 +209,8 @@ def format_tables(document: Mapping) -> str:
     requests = document["info"].get("memory_after_requests")
     lines += [
         "",
-        f"| server | RSS when ready (MiB) | RSS after {requests} requests (MiB) | peak RSS (VmHWM, MiB) "
+        f"| server | RSS when ready (MiB) | RSS after {f'{requests} requests' if requests else 'the runs'} (MiB) "
+        "| peak RSS (VmHWM, MiB) "
         "| anonymous / file-backed (MiB) |",
         "| --- | ---: | ---: | ---: | --- |",
     ]

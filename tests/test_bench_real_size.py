@@ -368,3 +368,12 @@ def test_the_converter_makes_a_gguf_of_a_tiny_shape_and_it_is_reused(tmp_path, c
     spec = next(s for s in tensor_specs(shape) if s.name == spec_name)
     stored = torch.from_numpy(down.data.copy()).view(torch.bfloat16).reshape(-1)[: spec.numel]
     assert torch.equal(stored, make_tensor(spec, 5).reshape(-1))
+
+
+def test_memory_read_right_after_the_runs_is_labelled_so():
+    from trioserve.bench.vs_llama import format_tables
+
+    document = {"info": {"memory_after_requests": 0, "concurrency": [1, 32]}, "servers": []}
+    assert "| RSS after the runs (MiB) |" in format_tables(document)
+    document["info"]["memory_after_requests"] = 500
+    assert "| RSS after 500 requests (MiB) |" in format_tables(document)
