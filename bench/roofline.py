@@ -95,6 +95,13 @@ class Machine:
         at = next((r for r in PEAK_ROWS if rows <= r), PEAK_ROWS[-1])
         return max(by_rows[at] for by_rows in self.peaks.values())
 
+    def best(self, other: Machine) -> Machine:
+        """Each figure's higher value of two measurements: a peak is what the
+        machine can do, and a busier moment only hides it."""
+        peaks = {d: {r: max(v, other.peaks.get(d, {}).get(r, 0.0)) for r, v in p.items()} for d, p in self.peaks.items()}
+        extra = {d: dict(p) for d, p in other.peaks.items() if d not in peaks}
+        return Machine(max(self.bandwidth, other.bandwidth), {**peaks, **extra})
+
     def to_json(self) -> dict:
         return {"bandwidth": self.bandwidth, "peaks": {d: {str(r): v for r, v in p.items()} for d, p in self.peaks.items()}}
 

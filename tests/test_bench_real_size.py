@@ -202,6 +202,16 @@ def test_floors_of_a_known_machine():
     assert machine.peak(1) == machine.peak(32) == 300e9 and machine.peak(4096) == 800e9
 
 
+def test_the_best_of_two_measurements_is_kept():
+    busy = Machine(10e9, {"bf16": {32: 60e9, 512: 100e9}, "int8": {32: 70e9, 512: 170e9}})
+    quiet = Machine(30e9, {"bf16": {32: 200e9, 512: 90e9}, "int8-trioserve": {32: 400e9, 512: 700e9}})
+    best = busy.best(quiet)
+    assert best.bandwidth == 30e9
+    assert best.peaks == {"bf16": {32: 200e9, 512: 100e9}, "int8": {32: 70e9, 512: 170e9},
+                          "int8-trioserve": {32: 400e9, 512: 700e9}}  # fmt: skip
+    assert Machine.from_json(best.to_json()) == best
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "int8", "int8-trioserve"])
 def test_a_gemm_peak_is_a_positive_rate(dtype):
     from trioserve.engine.kernels.native import NativeUnavailable
@@ -233,8 +243,8 @@ def test_command_line_defaults_and_choices():
 
 def test_steps_count_what_is_cached(tmp_path):
     args = real_size("--shapes", "llama-3.2-1b", "--quants", "Q4_K_M,Q8_0", "--cache-dir", str(tmp_path))
-    # checkpoint, convert, 2 quantizations; the machine; 2 servers on each of 2 files.
-    assert steps_of(args) == 4 + 1 + 4
+    # checkpoint, convert, 2 quantizations; the machine twice; 2 servers on each of 2 files.
+    assert steps_of(args) == 4 + 2 + 4
     args.prepare_only = True
     assert steps_of(args) == 4
 

@@ -12,10 +12,10 @@ with the default model's tokenizer, converts it to a BF16 GGUF with
 llama.cpp's own convert_hf_to_gguf.py and quantizes that to each
 ``--quants`` with llama-quantize. The files are cached under
 ``--cache-dir``, one folder per shape and seed, one file per quantization,
-and reused by the next run. It then measures this machine's read
-bandwidth and GEMM peaks (bf16 and int8 at 32 and 512 rows) and runs
-``trioserve bench vs-llama``'s comparison on every file in turn (the same
-options), writing each one's results under ``--out`` and, for all,
+and reused by the next run. It then runs ``trioserve bench vs-llama``'s
+comparison on every file in turn (the same options), and measures this
+machine's read bandwidth and GEMM peaks (bf16 and int8 at 32 and 512
+rows) before and after the runs, keeping each figure's best; writing each one's results under ``--out`` and, for all,
 ``results.json`` and ``results.md``: the floors per shape and each
 server's fraction of them. ``--prepare-only`` stops after the files;
 ``--from-json`` redraws the tables and the plot.
@@ -201,7 +201,7 @@ def steps_of(args: argparse.Namespace) -> int:
     servers = len(args.quantizations) + (not args.no_llama_server)
     made = sum(len(list(CacheEntry(args.cache_dir, SHAPES[name], args.weights_seed).missing(tuple(args.quants))))
                for name in args.shapes)  # fmt: skip
-    return made + (0 if args.prepare_only else 1 + servers * len(args.shapes) * len(args.quants))
+    return made + (0 if args.prepare_only else 2 + servers * len(args.shapes) * len(args.quants))
 
 
 def write_outputs(document: dict, out: Path, plot: Path | None) -> None:
@@ -262,10 +262,20 @@ def run(args: argparse.Namespace) -> int:
         for quant in args.quants:
             document["runs"].append(compare_one(args, entry, quant, machine, llama_version, progress))
             write_outputs(document, args.out, None)
+    progress.step("measuring the machine again: the floors take each figure's best")
+    machine = machine.best(measure_machine(args.threads))
+    document["machine"] = machine.to_json()
+    for run in document["runs"]:
+        run["floors"] = run_floors(args, machine, SHAPES[run["shape"]], run["floors"]["weight_bytes"])
     write_outputs(document, args.out, args.plot)
     print(format_report(document))
     failed = any(r.get("error") or any(s.get("error") for s in r["comparison"]["servers"]) for r in document["runs"])
     return 1 if failed else 0
+
+
+def run_floors(args: argparse.Namespace, machine: Machine, shape, weight_bytes: float) -> dict:
+    return attrs.asdict(floors(machine, shape, weight_bytes, input_len=args.input_len, output_len=args.output_len,
+                               streams=max(args.concurrency)))  # fmt: skip
 
 
 def compare_one(args, entry: CacheEntry, quant: str, machine: Machine, llama_version, progress: Progress) -> dict:
@@ -273,9 +283,7 @@ def compare_one(args, entry: CacheEntry, quant: str, machine: Machine, llama_ver
     gguf, shape = entry.gguf(quant), entry.shape
     run = {"shape": shape.name, "quant": quant, "gguf": str(gguf), "gguf_bytes": gguf.stat().st_size,
            "parameters": parameter_count(shape), "active_parameters": active_parameter_count(shape)}  # fmt: skip
-    weight_bytes = weight_bytes_per_token(read_gguf_tensors(gguf), shape)
-    run["floors"] = attrs.asdict(floors(machine, shape, weight_bytes, input_len=args.input_len,
-                                        output_len=args.output_len, streams=max(args.concurrency)))  # fmt: skip
+    run["floors"] = run_floors(args, machine, shape, weight_bytes_per_token(read_gguf_tensors(gguf), shape))
     sub = copy.copy(args)
     sub.out, sub.model, sub.plot = args.out / f"{shape.name}-{quant}", str(gguf), None
     sub.out.mkdir(parents=True, exist_ok=True)
