@@ -126,11 +126,13 @@ def plot_report(document: Mapping, path: str | Path) -> Path:
     width = 0.8 / len(labels)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for panel, ax in enumerate(axes):
+        top = 1.0
         for k, label in enumerate(labels):
             values = []
             for run in groups:
                 server = next((s for s in _ok_servers(run["comparison"]) if s["label"] == label), None)
                 values.append(None if server is None else fractions(run, server, low, high)[panel])
+            top = max([top] + [v for v in values if v is not None])
             xs = [i + (k - (len(labels) - 1) / 2) * width for i in range(len(groups))]
             bars = ax.bar(xs, [v or 0.0 for v in values], width, label=label,
                           color="#c44e52" if label.startswith(LLAMA_SERVER) else None)  # fmt: skip
@@ -139,7 +141,7 @@ def plot_report(document: Mapping, path: str | Path) -> Path:
                             ha="center", va="bottom", fontsize=8)  # fmt: skip
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks(range(len(groups)), [f"{r['shape']}\n{r['quant']}" for r in groups], fontsize=8)
-        ax.set(ylim=(0, 1.15), title=(f"one stream: floor TPOT / TPOT p50 (concurrency {low})" if panel == 0
+        ax.set(ylim=(0, top * 1.15), title=(f"one stream: floor TPOT / TPOT p50 (concurrency {low})" if panel == 0
                                       else f"{high} streams: tok/s / ceiling"))  # fmt: skip
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend(fontsize=8)
