@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import importlib.util
 import json
 import os
 import shlex
@@ -186,6 +187,8 @@ def prepare(entry: CacheEntry, quants: list[str], *, converter, quantize_binary,
         if step == "checkpoint":
             write_checkpoint(entry.shape, entry.seed, entry.checkpoint, hf_tokenizer_folder())
         elif step == "convert":
+            if importlib.util.find_spec("sentencepiece") is None:
+                raise RuntimeError("llama.cpp's convert_hf_to_gguf.py imports sentencepiece: pip install sentencepiece")
             convert(converter(), entry.checkpoint, entry.gguf(FLOAT_TYPE), log)
             if not keep:
                 shutil.rmtree(entry.checkpoint)
