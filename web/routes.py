@@ -16,7 +16,7 @@ from werkzeug.exceptions import HTTPException
 from trioserve.engine.errors import InvalidRequestError
 from trioserve.engine.text.tokenizer import apply_chat_template
 
-from . import chat_page, completions, request_ids
+from . import anthropic_api, chat_page, completions, request_ids
 from .body import body_left_unread, read_body, request_json
 from .errors import ApiError, AuthenticationError, InternalError, InvalidRequest, NotFoundError, log_unexpected
 from .fields import invalid
@@ -54,6 +54,7 @@ def register(app: Quart) -> None:
     app.add_url_rule("/tokenize", view_func=tokenize, methods=["POST"])
     app.add_url_rule("/detokenize", view_func=detokenize, methods=["POST"])
     app.add_url_rule("/version", view_func=version, methods=["GET"])
+    app.register_blueprint(anthropic_api.blueprint())
     chat_page.register(app)
     app.register_error_handler(ApiError, handle_api_error)
     app.register_error_handler(HTTPException, handle_http_exception)
@@ -66,6 +67,8 @@ async def check_api_key_and_read_body() -> None:
     config = current_host().config
     if config.api_key is not None and request.path not in OPEN_PATHS:
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if not scheme and "x-api-key" in request.headers:  # Anthropic's clients send it so
+            scheme, token = "bearer", request.headers["x-api-key"]
         # compare_digest: the time taken says nothing about how much matched.
         # As bytes: the header's as the client sent them (quart decoded
         # them as Latin-1), the key's in UTF-8 (as argv gave them).
