@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+from trioserve import testing
 from trioserve.web.app import create_app
 
 from server_fixtures import MODEL, server_config, server_in_thread
@@ -156,6 +157,29 @@ def test_forced_tool_use_whole_and_streamed_and_its_result_renders(client, chat)
     assert counted.input_tokens == answer.usage.input_tokens
 
 
+def test_reasoning_is_a_thinking_block_whole_and_streamed():
+    # deepseek_r1 reads all text before a </think> as reasoning: with the
+    # tiny model, which never writes one, the whole output is reasoning.
+    config = server_config(reasoning_parser="deepseek_r1", api_key=KEY)
+    with server_in_thread(create_app(config, loaded=testing.tiny_loaded())) as server:
+        with anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0) as client:
+            message = _create(client, max_tokens=8)
+            body = {"model": MODEL, "max_tokens": 8, "extra_body": GREEDY}
+            with client.messages.stream(messages=[{"role": "user", "content": QUESTION}], **body) as stream:
+                kinds = {event.delta.type for event in stream if event.type == "content_block_delta"}
+                streamed = stream.get_final_message()
+        with openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0) as chat:
+            answer = chat.chat.completions.create(
+                model=MODEL, max_tokens=8, temperature=0, messages=[{"role": "user", "content": QUESTION}]
+            )
+
+    reasoning = answer.choices[0].message.model_extra["reasoning_content"]
+    assert reasoning
+    assert [(b.type, b.thinking) for b in message.content] == [("thinking", reasoning)]
+    assert [(b.type, b.thinking) for b in streamed.content] == [("thinking", reasoning)]
+    assert kinds == {"thinking_delta"}
+
+
 def test_count_tokens_equals_the_prompt_token_count(client):
     message = _create(client, system=SYSTEM, max_tokens=2)
     counted = client.messages.count_tokens(model=MODEL, system=SYSTEM, messages=[{"role": "user", "content": QUESTION}])
@@ -173,6 +197,15 @@ def test_x_api_key_is_accepted_like_a_bearer_key(server):
     with anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0) as wrong:
         with pytest.raises(anthropic.AuthenticationError):
             _create(wrong)
+
+
+def test_errors_before_the_body_is_read_take_anthropics_shape_too(server):
+    too_large = httpx.post(server.url + "/v1/messages", content=b" " * (2 << 20), headers={"x-api-key": KEY})
+    assert too_large.status_code == 413
+    assert too_large.json()["error"]["type"] == "request_too_large"
+    not_json = httpx.post(server.url + "/v1/messages/count_tokens", content=b"{nope", headers={"x-api-key": KEY})
+    assert not_json.status_code == 400
+    assert not_json.json()["error"]["type"] == "invalid_request_error"
 
 
 @pytest.mark.parametrize(
