@@ -102,6 +102,10 @@ def _renamed(error: ApiError) -> ApiError:
 
 
 async def create_message() -> Response:
+    """Answer a message as the chat path answers its chat completion:
+    the same steps, through ``completions``' own helpers (``_chat_input``,
+    ``_refusal``, ``_first_output``), so that a change there reaches both
+    APIs; only the shapes in and out are Anthropic's."""
     arrival = trio.current_time()
     host = current_host()
     plugins = current_plugins()
@@ -113,7 +117,7 @@ async def create_message() -> Response:
     served = host.get(parsed.model)
     g.model_name = served.name
     log_requests = host.config.log_requests
-    timeout = effective_timeout(
+    timeout = effective_timeout(  # Anthropic's body has no timeout field: the header's and the server's
         None, parse_timeout_header(request.headers.get(completions.TIMEOUT_HEADER)), host.config.max_request_time
     )
     params = served.engine.sampling_defaults.apply(parsed.params)
