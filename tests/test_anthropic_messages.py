@@ -111,6 +111,10 @@ def test_stop_sequence_and_max_tokens(client):
     stopped = _create(client, stop_sequences=[stop])
     assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", stop)
     assert _text(stopped) == text[: text.index(stop)]
+    body = {"model": MODEL, "max_tokens": 16, "extra_body": GREEDY, "stop_sequences": [stop]}
+    with client.messages.stream(messages=[{"role": "user", "content": QUESTION}], **body) as stream:
+        streamed = stream.get_final_message()
+    assert (streamed.stop_reason, streamed.stop_sequence, _text(streamed)) == ("stop_sequence", stop, _text(stopped))
 
     short = _create(client, max_tokens=3)
     assert (short.stop_reason, short.stop_sequence) == ("max_tokens", None)
