@@ -64,10 +64,14 @@ class Delta:
     text: list[str] = attrs.field(factory=list)
     logprobs: list[TokenLogprobs] = attrs.field(factory=list)
     last: RequestOutput | None = None
+    # The prompt's logprobs come once, with an early output: kept.
+    prompt: RequestOutput | None = None
 
     count: int = 0
 
     def add(self, output: RequestOutput) -> None:
+        if output.prompt_logprobs is not None:
+            self.prompt = output
         self.token_ids.extend(output.new_token_ids)
         self.text.append(output.text_delta)
         self.logprobs.extend(output.logprobs)
@@ -83,4 +87,6 @@ class Delta:
             new_token_ids=tuple(self.token_ids),
             text_delta="".join(self.text),
             logprobs=tuple(self.logprobs),
+            prompt_logprobs=None if self.prompt is None else self.prompt.prompt_logprobs,
+            prompt_token_ids=None if self.prompt is None else self.prompt.prompt_token_ids,
         )

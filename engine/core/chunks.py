@@ -34,7 +34,14 @@ def chunk_for(
         sampling = SamplingRow.for_sequence(
             request.request_id, request.sampling_params, prompt, output, request.eos_token_ids
         )
-    return ScheduledChunk(request.request_id, start, tokens + draft, table, sampling, len(draft), window_table)
+    targets: tuple[int, ...] = ()
+    want = request.sampling_params.prompt_logprobs
+    if want is not None:
+        # Position p's logits give the logprob of prompt token p + 1.
+        targets = tuple(prompt[start + 1 : min(end + 1, len(prompt))])
+    return ScheduledChunk(
+        request.request_id, start, tokens + draft, table, sampling, len(draft), window_table, targets, want or 0
+    )
 
 
 def append_tokens(

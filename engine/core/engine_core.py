@@ -378,6 +378,7 @@ class EngineCore:
         # Requests that ended between steps (abort, deadline) report first.
         ended, self._ended = [*self._ended, *plan.finished], []
         outputs = completions.step_started(ended, plan, now)
+        completions.add_prompt_logprobs(output.prompt_logprobs)
         constrained = [rid for rid in output.sampled if rid in self.grammars and self.scheduler.get_request(rid) is not None]
         # A speculating request may append several tokens (engine/sampling/speculative.py).
         before = {rid: r.num_output_tokens for rid in output.extra_tokens if (r := self.scheduler.get_request(rid))}

@@ -51,7 +51,8 @@ class KVAllocation:
     ``token_ids``, all its tokens known so far; a hit of ``h`` tokens moves its
     start to ``h`` and it gets slots up to
     ``h + min(num_new_tokens, len(token_ids) - h)``. ``token_ids`` is empty
-    for a request that already holds blocks.
+    for a request that already holds blocks, and for one that must not read
+    the cache (it wants prompt logprobs): nothing is looked up then.
     """
 
     request_id: str

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import attrs
@@ -25,6 +25,7 @@ from trioserve.engine.core.sequence import FinishReason, Request
 from trioserve.engine.faults import Fault
 from trioserve.engine.plugins import PluginError
 from trioserve.engine.sampling.grammar import GrammarMatchers
+from trioserve.engine.sampling.prompt_logprobs import ChunkPromptLogprobs, PromptLogprob
 from trioserve.engine.sampling.sampler import TokenLogprobs
 from trioserve.engine.text.detokenizer import DetokenizerDelta, IncrementalDetokenizer
 
@@ -43,6 +44,28 @@ class Completion:
     first_token: float | None = None
     admitted: float = attrs.field(factory=time.monotonic)
     preemptions: tuple[float, ...] = ()
+    # The prompt logprobs scored so far, position 1 on (prompt_logprobs
+    # asked); reported once, with the first output once all are in.
+    prompt_logprobs: list[PromptLogprob] = attrs.field(factory=list)
+    prompt_logprobs_reported: bool = False
+
+    def add_prompt_logprobs(self, scored: ChunkPromptLogprobs) -> None:
+        """Keep a chunk's prompt logprobs. A chunk recomputed after a
+        preemption scores positions already kept: only new ones count."""
+        known = 1 + len(self.prompt_logprobs)  # the next position to score
+        skip = known - scored.first_position
+        if 0 <= skip < len(scored.entries):
+            self.prompt_logprobs.extend(scored.entries[skip:])
+
+    def take_prompt_logprobs(self) -> tuple[PromptLogprob, ...] | None:
+        """The whole prompt's logprobs the first time they are all in, else None."""
+        request = self.request
+        if self.prompt_logprobs_reported or request.sampling_params.prompt_logprobs is None:
+            return None
+        if len(self.prompt_logprobs) < request.num_prompt_tokens - 1:
+            return None
+        self.prompt_logprobs_reported = True
+        return tuple(self.prompt_logprobs)
 
 
 @attrs.define(eq=False)
@@ -111,6 +134,13 @@ class OutputProcessor:
             del self._children[completion.parent_id]
 
     # -- outputs ------------------------------------------------------------------
+
+    def add_prompt_logprobs(self, scored: Mapping[str, ChunkPromptLogprobs]) -> None:
+        """Keep a step's prompt logprobs with their completions."""
+        for sequence_id, chunk in scored.items():
+            completion = self._completions.get(sequence_id)
+            if completion is not None:
+                completion.add_prompt_logprobs(chunk)
 
     def step_started(self, ended: list[Request], plan: SchedulerOutput, now: float) -> list[RequestOutput]:
         """Note which completions ``plan`` scheduled for the first time or
@@ -190,6 +220,7 @@ class OutputProcessor:
         stop_reason: str | int | None = None,
     ) -> RequestOutput:
         request = completion.request
+        prompt_logprobs = completion.take_prompt_logprobs() if token_ids else None
         return RequestOutput(
             request_id=completion.parent_id,
             index=completion.index,
@@ -209,6 +240,8 @@ class OutputProcessor:
                 admitted=completion.admitted,
                 preemptions=completion.preemptions,
             ),
+            prompt_logprobs=prompt_logprobs,
+            prompt_token_ids=None if prompt_logprobs is None else tuple(request.prompt_token_ids),
         )
 
     # -- failures -----------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import attrs
 
+from trioserve.engine.sampling.prompt_logprobs import PromptLogprob
 from trioserve.engine.sampling.sampler import TokenLogprobs
 from trioserve.engine.core.sequence import FinishReason
 
@@ -30,7 +31,10 @@ class RequestOutput:
 
     ``index`` tells the ``n`` completions of one request apart. The last
     output of a completion has ``finish_reason`` set; its ``text_delta``
-    includes any text the detokenizer held back.
+    includes any text the detokenizer held back. ``prompt_logprobs``: when
+    the request asked for them, the first output with a token carries them,
+    one per prompt token after the first (position 1 on), and
+    ``prompt_token_ids`` (all of them, so the first is known too).
     """
 
     request_id: str
@@ -44,6 +48,8 @@ class RequestOutput:
     num_output_tokens: int
     num_cached_tokens: int
     times: RequestTimes
+    prompt_logprobs: tuple[PromptLogprob, ...] | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
 
     @property
     def finished(self) -> bool:

@@ -127,7 +127,11 @@ class StepPlanner:
                     self._preempt(victim)
                     num_seqs -= 1
                 num_tokens = min(request.num_tokens, self.tokens)
-            admissions.append(KVAllocation(request.request_id, 0, num_tokens, request.all_token_ids))
+            # Prompt logprobs need logits at every prompt position, which a
+            # prefix-cache hit would skip: such a request computes its whole
+            # prompt (no token ids: no lookup). Its blocks are still cached.
+            lookup = request.all_token_ids if request.sampling_params.prompt_logprobs is None else ()
+            admissions.append(KVAllocation(request.request_id, 0, num_tokens, lookup))
             num_seqs += 1
             self.tokens -= num_tokens
             self.free_blocks -= self._blocks_for(num_tokens)

@@ -13,6 +13,7 @@ from trioserve.engine.runtime.cuda_graphs import DecodeGraphs
 from trioserve.engine.layers.forward_batch import ForwardBatch, SeqChunk
 from trioserve.engine.layers.kv_cache import KVCache
 from trioserve.engine.plugins import PluginError
+from trioserve.engine.sampling.prompt_logprobs import ChunkPromptLogprobs, prompt_logprobs
 from trioserve.engine.sampling.sampler import Sampler, TokenLogprobs
 from trioserve.engine.runtime.step_plan import StepPlan
 from trioserve.engine.sampling.rows import TokenMask
@@ -34,6 +35,9 @@ class RunnerOutput:
     extra_tokens: Mapping[str, tuple[int, ...]] = attrs.field(factory=dict)
     # Sequences whose logits processor (a plugin) raised: their requests fail.
     failed: Mapping[str, PluginError] = attrs.field(factory=dict)
+    # The prompt logprobs of the chunks that asked for them
+    # (``ScheduledChunk.prompt_targets``).
+    prompt_logprobs: Mapping[str, ChunkPromptLogprobs] = attrs.field(factory=dict)
 
 
 @attrs.frozen(eq=False)
@@ -95,15 +99,21 @@ class ModelRunner:
         ``token_mask`` lists limited to their allowed tokens."""
         plan = step.plan
         rows = [chunk.sampling for chunk in plan.chunks if chunk.sampling is not None]
-        if step.logits is None or not rows:
-            return RunnerOutput(sampled={}, logprobs={})
+        logits, prompt = step.logits, {}
+        if logits is not None and any(chunk.prompt_targets for chunk in plan.chunks):
+            with torch.inference_mode():
+                logits, prompt = _split_prompt_logits(plan, logits)
+        if logits is None or not rows:
+            return RunnerOutput(sampled={}, logprobs={}, prompt_logprobs=prompt)
         with torch.inference_mode():
             if any(chunk.num_draft_tokens for chunk in plan.chunks):
-                return self._sample_speculating(plan, step.logits, token_mask)
-            result = self.sampler.sample(step.logits, rows, token_mask)
+                return attrs.evolve(self._sample_speculating(plan, logits, token_mask), prompt_logprobs=prompt)
+            result = self.sampler.sample(logits, rows, token_mask)
         ids = [row.request_id for row in rows]
         logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs) if lp is not None}
-        return RunnerOutput(sampled=dict(zip(ids, result.token_ids)), logprobs=logprobs, failed=result.failed)
+        return RunnerOutput(
+            sampled=dict(zip(ids, result.token_ids)), logprobs=logprobs, failed=result.failed, prompt_logprobs=prompt
+        )
 
     def _sample_speculating(self, plan: StepPlan, logits: torch.Tensor, token_mask: TokenMask | None) -> RunnerOutput:
         # Plain rows are sampled together as usual; each speculating chunk
@@ -155,3 +165,24 @@ class ModelRunner:
                 return logits
         batch = ForwardBatch.build(chunks, block_size=self.block_size, device=self.device)
         return self.model(batch, self.kv_cache)
+
+
+def _split_prompt_logits(plan: StepPlan, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, ChunkPromptLogprobs]]:
+    """Score the prompt targets of ``plan``'s chunks from their rows of
+    ``logits``; return the rows the sampler wants (each chunk's trailing
+    ``1 + num_draft_tokens`` rows when it samples, as without prompt
+    logprobs) and the chunks' prompt logprobs."""
+    keep: list[int] = []
+    prompt: dict[str, ChunkPromptLogprobs] = {}
+    offset = 0
+    for chunk in plan.chunks:
+        n = chunk.num_logits
+        if chunk.prompt_targets:
+            rows = logits[offset : offset + len(chunk.prompt_targets)]
+            entries = prompt_logprobs(rows, chunk.prompt_targets, chunk.prompt_logprobs)
+            prompt[chunk.request_id] = ChunkPromptLogprobs(chunk.start + 1, entries)
+        wanted = 1 + chunk.num_draft_tokens if chunk.sampling is not None else 0
+        keep.extend(range(offset + n - wanted, offset + n))
+        offset += n
+    index = torch.tensor(keep, dtype=torch.int64, device=logits.device)
+    return logits.index_select(0, index), prompt

@@ -32,6 +32,10 @@ class ScheduledChunk:
     verifies the proposal. ``window_block_ids``: for a model whose
     sliding-window layers have a KV group of their own, the sequence's
     table there (engine/core/block_manager.py); None otherwise.
+    ``prompt_targets``: for a request wanting prompt logprobs, the prompt
+    tokens that follow the chunk's first ``len(prompt_targets)`` positions;
+    the step then wants logits at every position and reports each target's
+    logprob with the top ``prompt_logprobs`` tokens of its position.
     """
 
     request_id: str
@@ -41,6 +45,8 @@ class ScheduledChunk:
     sampling: SamplingRow | None = None
     num_draft_tokens: int = 0
     window_block_ids: tuple[int, ...] | None = None
+    prompt_targets: tuple[int, ...] = ()
+    prompt_logprobs: int = 0
 
     @property
     def draft_token_ids(self) -> tuple[int, ...]:
@@ -48,7 +54,11 @@ class ScheduledChunk:
 
     @property
     def num_logits(self) -> int:
-        """Logit rows the step needs: one per verified position."""
+        """Logit rows the step needs: one per verified position, or every
+        position for prompt logprobs (the targets' rows first, the sampled
+        row last)."""
+        if self.prompt_targets:
+            return self.num_tokens
         return 1 + self.num_draft_tokens if self.sampling is not None else 0
 
     @property

@@ -283,6 +283,10 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_as_bias)
     # None: none; k: the chosen token's logprob plus the top k.
     logprobs: int | None = attrs.field(default=None, validator=_integer(0, MAX_LOGPROBS, optional=True))
+    # None: none; k: each prompt token's logprob (after the first) plus the
+    # top k of its position, computed over the whole prompt (such a request
+    # does not read the prefix cache: a cached position has no logits).
+    prompt_logprobs: int | None = attrs.field(default=None, validator=_integer(0, MAX_LOGPROBS, optional=True))
     skip_special_tokens: bool = attrs.field(default=True, validator=_boolean)
     # Structured output: the output follows this schema, regex, choice or
     # grammar (a token mask each step; see engine/sampling/grammar.py).
