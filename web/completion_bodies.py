@@ -23,11 +23,12 @@ import attrs
 
 from trioserve.engine.core.sequence import FinishReason
 
-from .logprobs import TokenTexts, chat_logprobs, completion_logprobs
+from .logprobs import TokenTexts, chat_logprobs, completion_logprobs, concat_logprobs, echo_logprobs, vllm_prompt_logprobs
 from .output_reader import ChatReading, StreamedChoice
 
 if TYPE_CHECKING:
     from trioserve.engine.core.outputs import RequestOutput
+    from trioserve.engine.sampling.prompt_logprobs import PromptLogprob
 
 # OpenAI's finish reasons are stop/length; the others are ours, named so a
 # client can tell them apart: "timeout" is a deadline that expired (the
@@ -75,6 +76,8 @@ class _Choice:
     num_cached_tokens: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
+    prompt_logprobs: tuple[PromptLogprob, ...] | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
 
 
 @attrs.define
@@ -92,6 +95,9 @@ class _Choices:
         if output.finish_reason is not None:
             choice.finish_reason = output.finish_reason
             choice.stop_reason = output.stop_reason
+        if output.prompt_logprobs is not None:
+            choice.prompt_logprobs = output.prompt_logprobs
+            choice.prompt_token_ids = output.prompt_token_ids
         return choice
 
     def usage(self) -> dict[str, Any]:
@@ -250,6 +256,13 @@ class OutputAccumulator:
 
     n: int = 1
     texts: TokenTexts | None = None
+    # ``echo``: the prompt's text, which each completion's text starts with
+    # (and its logprobs with the prompt's, when the engine scored it).
+    echo: str | None = None
+    # ``max_tokens`` 0 with ``echo``: the sampled token is left out.
+    drop_output: bool = False
+    # vLLM's ``prompt_logprobs`` asked for: each choice carries them.
+    prompt_logprobs: bool = False
     _choices: _Choices = attrs.field(factory=_Choices, init=False)
 
     def add(self, output: RequestOutput) -> None:
@@ -272,7 +285,11 @@ class OutputAccumulator:
         return sum(c.num_output_tokens for c in self._choices.by_index.values())
 
     def usage(self) -> dict[str, Any]:
-        return self._choices.usage()
+        usage = self._choices.usage()
+        if self.drop_output:
+            usage["total_tokens"] -= usage["completion_tokens"]
+            usage["completion_tokens"] = 0
+        return usage
 
     def _sorted(self) -> list[tuple[int, _Choice]]:
         return sorted(self._choices.by_index.items())
@@ -281,10 +298,21 @@ class OutputAccumulator:
         """A ``text_completion`` body."""
 
         def content(choice: _Choice) -> dict[str, Any]:
+            text = "" if self.drop_output else "".join(choice.text)
             logprobs = None
+            scored = choice.prompt_token_ids is not None and choice.prompt_logprobs is not None
             if self.texts is not None:
-                logprobs, _ = completion_logprobs(choice.logprobs, self.texts, 0)
-            return {"text": "".join(choice.text), "logprobs": logprobs}
+                logprobs, offset = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}, 0
+                if self.echo is not None and scored:
+                    logprobs, offset = echo_logprobs(choice.prompt_token_ids, choice.prompt_logprobs, self.texts)
+                if not self.drop_output:
+                    logprobs = concat_logprobs(logprobs, completion_logprobs(choice.logprobs, self.texts, offset)[0])
+            body: dict[str, Any] = {"text": text if self.echo is None else self.echo + text, "logprobs": logprobs}
+            if self.prompt_logprobs:
+                body["prompt_logprobs"] = (
+                    vllm_prompt_logprobs(choice.prompt_token_ids, choice.prompt_logprobs, self.texts) if scored else None
+                )
+            return body
 
         return self._body(model, "text_completion", id or completion_id(), created, content)
 
@@ -334,3 +362,16 @@ class OutputAccumulator:
             "choices": choices,
             "usage": self.usage(),
         }
+
+
+def batch_completion_body(bodies: list[dict[str, Any]], n: int) -> dict[str, Any]:
+    """One ``text_completion`` body of a batch of prompts from each
+    prompt's own body (in order): prompt ``i``'s completions are choices
+    ``i * n .. i * n + n - 1``; usage is the sum of theirs."""
+    first = bodies[0]
+    choices = [
+        {**choice, "index": i * n + choice["index"]} for i, body in enumerate(bodies) for choice in body["choices"]
+    ]
+    usage = {key: sum(b["usage"][key] for b in bodies) for key in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    cached = sum(b["usage"]["prompt_tokens_details"]["cached_tokens"] for b in bodies)
+    return {**first, "choices": choices, "usage": {**usage, "prompt_tokens_details": {"cached_tokens": cached}}}

@@ -39,7 +39,7 @@ from trioserve.engine.plugins import RequestContext
 
 from .body import request_json
 from . import request_ids, tracing
-from .completion_bodies import ChatCompletionStream, CompletionStream, OutputAccumulator
+from .completion_bodies import ChatCompletionStream, CompletionStream, OutputAccumulator, batch_completion_body
 from .errors import ApiError, RequestTimeout, from_exception
 from .host import current_host
 from .plugins import current_plugins
@@ -103,22 +103,33 @@ async def _generate(kind: type[CompletionRequest] | type[ChatCompletionRequest],
     timeout = effective_timeout(
         parsed.timeout, parse_timeout_header(request.headers.get(TIMEOUT_HEADER)), host.config.max_request_time
     )
-    new = parsed.request
     # What the request samples with, the fields the body left out taken
     # from the model's defaults (as the engine takes them): for the trace.
     params = served.engine.sampling_defaults.apply(parsed.params)
     reading = None
+    deadline = None if timeout is None else arrival + timeout
+    news = [parsed.request] if chat else list(parsed.requests)
+    streams: list[RequestStream] = []
     try:
         if chat:
-            new, reading = _chat_input(parsed, new, served, host.config)
-        # A schema, regex or grammar compiles in a worker thread (cached).
-        await served.engine.prepare(new.params)
-        stream = request_ids.submit_nowait(served.engine, new, deadline=None if timeout is None else arrival + timeout)
-    except Exception as exc:
+            news[0], reading = _chat_input(parsed, news[0], served, host.config)
+        for new in news:
+            # A schema, regex or grammar compiles in a worker thread (cached).
+            await served.engine.prepare(new.params)
+            streams.append(_submit(served, new, streams, deadline))
+    except BaseException as exc:
+        for stream in streams:
+            stream.close()
+        if not isinstance(exc, Exception):
+            raise
         raise _refusal(translate(exc, log_requests=log_requests), chat) from None
-    stream = tracing.follow(stream, params, parsed.model, served.name)  # itself when tracing is off
-    stream = plugins.postprocessed(stream, RequestContext(endpoint, served.name, stream.request_id, body), parsed.params.n)
-    texts = served.texts if parsed.params.logprobs is not None else None
+    for i, stream in enumerate(streams):
+        stream = tracing.follow(stream, params, parsed.model, served.name)  # itself when tracing is off
+        context = RequestContext(endpoint, served.name, stream.request_id, body)
+        streams[i] = plugins.postprocessed(stream, context, parsed.params.n)
+    stream = streams[0]
+    wants_prompt = not chat and parsed.prompt_logprobs is not None
+    texts = served.texts if parsed.params.logprobs is not None or wants_prompt else None
     if parsed.stream:
         first = None
         if served.engine.config.max_queue_time is not None:
@@ -135,20 +146,73 @@ async def _generate(kind: type[CompletionRequest] | type[ChatCompletionRequest],
         # A stream lasts as long as generation does: no response timeout.
         response.timeout = None
         return response
-    accumulator = OutputAccumulator(n=parsed.params.n, texts=texts)
+    accumulators = [OutputAccumulator(n=parsed.params.n, texts=texts) for _ in streams]
+    if not chat:
+        for accumulator, new in zip(accumulators, news):
+            accumulator.echo = _echo_text(new, served) if parsed.echo else None
+            accumulator.drop_output = parsed.drop_output
+            accumulator.prompt_logprobs = wants_prompt
+    await _gather_all(streams, accumulators, served, parsed.params.n, log_requests=log_requests)
+    if any(accumulator.timed_out for accumulator in accumulators):
+        raise RequestTimeout(timeout, sum(accumulator.num_output_tokens for accumulator in accumulators))
+    if chat:
+        return json_response(accumulators[0].chat_completion_body(served.name, reading=reading))
+    bodies = [accumulator.completion_body(served.name) for accumulator in accumulators]
+    return json_response(bodies[0] if len(bodies) == 1 else batch_completion_body(bodies, parsed.params.n))
+
+
+def _submit(served: ServedModel, new: RequestInput, streams: list[RequestStream], deadline: float | None) -> RequestStream:
+    """Queue one prompt's request. The first takes the HTTP request's id;
+    a batch's later prompts take that id with ``.INDEX`` after it."""
+    if not streams:
+        return request_ids.submit_nowait(served.engine, new, deadline=deadline)
+    return served.engine.submit_nowait(new, request_id=f"{streams[0].request_id}.{len(streams)}", deadline=deadline)
+
+
+def _echo_text(new: RequestInput, served: ServedModel) -> str:
+    """The text ``echo`` puts first: the prompt as sent, or its token ids decoded."""
+    if isinstance(new.prompt, str):
+        return new.prompt
+    return served.engine.tokenizer.decode(list(new.prompt), skip_special_tokens=False)
+
+
+async def _gather_all(
+    streams: list[RequestStream], accumulators: list[OutputAccumulator], served: ServedModel, n: int, *, log_requests: bool
+) -> None:
+    """Read each stream into its accumulator, the streams of a batch of
+    prompts side by side; the first failure ends them all and is raised."""
+    if len(streams) == 1:
+        await _gather(streams[0], accumulators[0], served, n, log_requests=log_requests)
+        return
+    failures: list[ApiError] = []
+
+    async def one(stream: RequestStream, accumulator: OutputAccumulator, cancel: trio.CancelScope) -> None:
+        try:
+            await _gather(stream, accumulator, served, n, log_requests=log_requests)
+        except ApiError as error:
+            failures.append(error)
+            cancel.cancel()
+
+    async with trio.open_nursery() as nursery:
+        for stream, accumulator in zip(streams, accumulators):
+            nursery.start_soon(one, stream, accumulator, nursery.cancel_scope)
+    if failures:
+        raise failures[0]
+
+
+async def _gather(
+    stream: RequestStream, accumulator: OutputAccumulator, served: ServedModel, n: int, *, log_requests: bool
+) -> None:
+    """Read one request's outputs into ``accumulator`` (a failure: its ``ApiError``)."""
     try:
         async for output in stream:
-            served.observe(output, parsed.params.n)
+            served.observe(output, n)
             accumulator.add(output)
     except Exception as exc:
         raise translate(exc, log_requests=log_requests) from None
     finally:
         stream.close()
         served.metrics.forget(stream.request_id)
-    if accumulator.timed_out:
-        raise RequestTimeout(timeout, accumulator.num_output_tokens)
-    body = accumulator.chat_completion_body(served.name, reading=reading) if chat else accumulator.completion_body(served.name)
-    return json_response(body)
 
 
 def _chat_input(

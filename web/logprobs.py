@@ -1,7 +1,9 @@
 """Logprobs in OpenAI's two shapes, and the text of the tokens they show.
 
 ``completion_logprobs`` builds the legacy ``logprobs`` object of
-``/v1/completions`` (parallel lists, with each token's text offset);
+``/v1/completions`` (parallel lists, with each token's text offset), and
+``echo_logprobs`` its prompt part when ``echo`` is set;
+``vllm_prompt_logprobs`` vLLM's ``prompt_logprobs`` list;
 ``chat_logprobs`` the ``logprobs.content`` list of ``/v1/chat/completions``
 (one entry per token, with its UTF-8 bytes). Both name tokens through
 ``TokenTexts``, which shows a token that holds part of a UTF-8 character as
@@ -12,12 +14,13 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
 if TYPE_CHECKING:
+    from trioserve.engine.sampling.prompt_logprobs import PromptLogprob
     from trioserve.engine.sampling.sampler import TokenLogprobs
 
 # JSON has no -Infinity; OpenAI reports impossible tokens as -9999.0.
@@ -129,3 +132,39 @@ def chat_logprobs(entries: Iterable[TokenLogprobs], texts: TokenTexts) -> list[d
         return {"token": texts.text(token_id), "logprob": _logprob(logprob), "bytes": texts.bytes(token_id)}
 
     return [{**one(e.token_id, e.logprob), "top_logprobs": [one(tid, lp) for tid, lp in e.top]} for e in entries]
+
+
+def echo_logprobs(
+    prompt_ids: Sequence[int], entries: Sequence[PromptLogprob], texts: TokenTexts
+) -> tuple[dict[str, Any], int]:
+    """The legacy ``logprobs`` object of an echoed prompt (as OpenAI gives
+    it: the first token has no logprob, ``null``), and the text offset after
+    it. ``entries`` score ``prompt_ids[1:]``."""
+    first = texts.text(prompt_ids[0])
+    body = {"tokens": [first], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [0]}
+    rest, offset = completion_logprobs(entries, texts, len(first))  # type: ignore[arg-type]
+    return concat_logprobs(body, rest), offset
+
+
+def concat_logprobs(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    """Two legacy ``logprobs`` objects, one after the other."""
+    return {key: first[key] + second[key] for key in first}
+
+
+def vllm_prompt_logprobs(
+    prompt_ids: Sequence[int], entries: Sequence[PromptLogprob], texts: TokenTexts
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs``: ``None`` for the first prompt token, then
+    per token ``{token id: {logprob, rank, decoded_token}}`` for the token
+    itself and the top ones of its position."""
+
+    def one(logprob: float, rank: int, token_id: int) -> dict[str, Any]:
+        return {"logprob": _logprob(logprob), "rank": rank, "decoded_token": texts.text(token_id)}
+
+    result: list[dict[str, dict[str, Any]] | None] = [None]
+    for entry in entries:
+        position = {str(tid): one(lp, rank, tid) for rank, (tid, lp) in enumerate(entry.top, start=1)}
+        position.setdefault(str(entry.token_id), one(entry.logprob, entry.rank, entry.token_id))
+        result.append(position)
+    assert len(result) == len(prompt_ids), "prompt logprobs must score every prompt token after the first"
+    return result

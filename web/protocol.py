@@ -12,8 +12,8 @@ prompt given as a batch of one, ``stop`` as a string, chat's
 ``InvalidRequestError`` into a 400 whose ``param`` names the body's field
 (fields.py). The fields that are the API's own (``stream``, ``timeout``,
 ...) are checked here. Unknown fields are ignored, as OpenAI does; the few
-known fields we cannot honour (``echo``, ``best_of``, ``suffix``) are
-refused rather than silently dropped. ``response_format`` and
+known fields we cannot honour (``best_of``, ``suffix``, ``echo`` with
+``stream``) are refused rather than silently dropped. ``response_format`` and
 ``structured_outputs`` are read by ``structured.py``, ``tools`` and
 ``tool_choice`` by ``tools.py``, ``messages`` by ``chat_messages.py``.
 """
@@ -74,6 +74,7 @@ def request_input(
     logprobs: Any,
     structured: StructuredOutput | None,
     names: Mapping[str, str] | None = None,
+    prompt_logprobs: Any = None,
 ) -> RequestInput:
     """The engine's ``RequestInput`` of a body: ``prompt``, the sampling
     fields (with the endpoint's reading of ``max_tokens`` and ``logprobs``,
@@ -85,7 +86,9 @@ def request_input(
     given = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
     priority = body.get("priority")
     try:
-        params = SamplingParams(**given, max_tokens=max_tokens, logprobs=logprobs, structured_output=structured)
+        params = SamplingParams(
+            **given, max_tokens=max_tokens, logprobs=logprobs, structured_output=structured, prompt_logprobs=prompt_logprobs
+        )
         request = RequestInput(prompt, params, 0 if priority is None else priority)
     except InvalidRequestError as exc:
         raise invalid(exc, names) from None
@@ -111,24 +114,35 @@ def _stream_options(body: dict[str, Any], stream: bool) -> bool:
     return bool(include_usage)
 
 
-def _prompt(body: dict[str, Any]) -> Any:
-    """The completions API's prompt in the engine's shape: text or token ids
-    (the engine's ``as_prompt`` then judges it)."""
+# The most prompts one completions request may batch.
+MAX_PROMPTS = 256
+
+
+def _prompts(body: dict[str, Any]) -> list[Any]:
+    """The completions API's prompts in the engine's shape: each text or
+    token ids (the engine's ``as_prompt`` then judges it). A list of strings
+    or of token-id lists is OpenAI's batch form: one prompt each."""
     value = body.get("prompt")
     if value is None:
         raise InvalidRequest("prompt is required", param="prompt")
     if not isinstance(value, str | list):
         raise InvalidRequest(f"prompt must be a string or a list of token ids, got {type(value).__name__}", param="prompt")
-    # A batch of one is accepted in each of OpenAI's list shapes.
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str | list):
-        return value[0]
     if isinstance(value, list) and value and not is_token_ids(value):
-        raise InvalidRequest(
-            "prompt must be a string, a list of token ids, or a list of one of those; "
-            "batched prompts are not supported, send one request per prompt",
-            param="prompt",
-        )
-    return value
+        if not all(isinstance(item, str | list) for item in value):
+            raise InvalidRequest(
+                "prompt must be a string, a list of token ids, or a list of those", param="prompt"
+            )
+        if len(value) > MAX_PROMPTS:
+            raise InvalidRequest(f"prompt may batch at most {MAX_PROMPTS} prompts, got {len(value)}", param="prompt")
+        return list(value)
+    return [value]
+
+
+def _echo(body: dict[str, Any], stream: bool) -> bool:
+    echo = boolean(body, "echo", False)
+    if echo and stream:
+        raise InvalidRequest("echo is not supported with stream: send stream false", param="echo")
+    return echo
 
 
 # -- requests ------------------------------------------------------------
@@ -145,10 +159,23 @@ class CompletionRequest:
     """
 
     model: str | None
-    request: RequestInput
+    # One per prompt of the body, in order (OpenAI's batch form has several).
+    requests: tuple[RequestInput, ...]
     stream: bool = False
     include_usage: bool = False
     timeout: float | None = None
+    # ``echo``: each choice's text (and logprobs) starts with its prompt's.
+    echo: bool = False
+    # ``max_tokens`` 0 with ``echo``: the engine samples one token (it
+    # always does after a prompt) that the response leaves out.
+    drop_output: bool = False
+    # vLLM's ``prompt_logprobs``: each choice carries them in vLLM's shape.
+    prompt_logprobs: int | None = None
+
+    @property
+    def request(self) -> RequestInput:
+        """The first prompt's request (the only one unless the body batched prompts)."""
+        return self.requests[0]
 
     @property
     def prompt(self) -> str | tuple[int, ...]:
@@ -170,23 +197,42 @@ class CompletionRequest:
     @classmethod
     def from_json(cls, body: Any) -> CompletionRequest:
         body = require_object(body)
-        refuse_unsupported(body, "echo", (False,), "the prompt is not echoed back")
         refuse_unsupported(body, "suffix", ("",), "insertion (suffix) needs a fill-in-the-middle model")
         stream = boolean(body, "stream", False)
+        echo = _echo(body, stream)
         max_tokens = body.get("max_tokens")
-        request = request_input(
-            body,
-            _prompt(body),
-            max_tokens=16 if max_tokens is None else max_tokens,  # OpenAI's default for completions
-            logprobs=body.get("logprobs"),
-            structured=structured_output(body),
-        )
+        if max_tokens is None:
+            max_tokens = 16  # OpenAI's default for completions
+        drop_output = echo and type(max_tokens) is int and max_tokens == 0
+        prompts = _prompts(body)
+        if stream and len(prompts) > 1:
+            raise InvalidRequest("a batch of prompts is not supported with stream: send stream false", param="prompt")
+        structured = structured_output(body)
+        requests = []
+        for prompt in prompts:
+            request = request_input(
+                body,
+                prompt,
+                max_tokens=1 if drop_output else max_tokens,
+                logprobs=body.get("logprobs"),
+                structured=structured,
+                prompt_logprobs=body.get("prompt_logprobs"),
+            )
+            params = request.params
+            if echo and params.logprobs is not None:
+                # Echoed logprobs are the prompt's: the engine scores it.
+                wanted = max(params.logprobs, params.prompt_logprobs or 0)
+                request = attrs.evolve(request, params=attrs.evolve(params, prompt_logprobs=wanted))
+            requests.append(request)
         return cls(
             model=string(body, "model", None),
-            request=request,
+            requests=tuple(requests),
             stream=stream,
             include_usage=_stream_options(body, stream),
             timeout=timeout_field(body),
+            echo=echo,
+            drop_output=drop_output,
+            prompt_logprobs=body.get("prompt_logprobs"),  # judged by SamplingParams above
         )
 
 
