@@ -169,6 +169,8 @@ def test_prompt_logprobs_survive_chunked_prefill_and_a_prefix_cache_hit(http, re
         ({"prompt": ["Hi", "there"], "stream": True}, "prompt"),
         ({"prompt": ["Hi", 3]}, "prompt"),
         ({"prompt": ["Hi", ""]}, "prompt"),
+        # Refused by the engine after the first prompt was queued.
+        ({"prompt": ["Hi", "word " * 600]}, "prompt"),
     ],
 )
 def test_bad_fields_are_refused_by_name(http, body, field):

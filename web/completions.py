@@ -118,8 +118,9 @@ async def _generate(kind: type[CompletionRequest] | type[ChatCompletionRequest],
             await served.engine.prepare(new.params)
             streams.append(_submit(served, new, streams, deadline))
     except BaseException as exc:
-        for stream in streams:
+        for stream in streams:  # a batch's prompts queued before the refusal
             stream.close()
+            served.metrics.forget(stream.request_id)
         if not isinstance(exc, Exception):
             raise
         raise _refusal(translate(exc, log_requests=log_requests), chat) from None
