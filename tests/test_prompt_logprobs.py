@@ -17,7 +17,7 @@ import torch
 
 from trioserve.web.app import create_app
 
-from server_fixtures import MODEL, server_config, server_in_thread
+from server_fixtures import MODEL, parse_sse, server_config, server_in_thread
 
 pytestmark = pytest.mark.slow
 
@@ -155,6 +155,17 @@ def test_prompt_logprobs_survive_chunked_prefill_and_a_prefix_cache_hit(http, re
     again = complete(http, prompt=text, max_tokens=1, prompt_logprobs=3)
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert vllm_values(again["choices"][0], ids) == pytest.approx(uncached, abs=1e-5)
+
+
+def test_a_stream_carries_prompt_logprobs_in_its_first_chunk(http):
+    ids = tokenize(http, "The capital of France is")
+    whole = complete(http, prompt=ids, max_tokens=3, prompt_logprobs=1)["choices"][0]
+    body = {"prompt": ids, "max_tokens": 3, "prompt_logprobs": 1, "temperature": 0, "stream": True}
+    events = parse_sse(http.post("/v1/completions", json=body).content)
+    chunks = [e["choices"][0] for e in events[:-1] if e["choices"]]
+    assert "prompt_logprobs" in chunks[0] and all("prompt_logprobs" not in c for c in chunks[1:])
+    assert vllm_values(chunks[0], ids) == pytest.approx(vllm_values(whole, ids), abs=1e-5)
+    assert "".join(c["text"] for c in chunks) == whole["text"]
 
 
 @pytest.mark.parametrize(

@@ -130,6 +130,9 @@ class CompletionStream:
     include_usage: bool = False
     id: str = attrs.field(factory=completion_id)
     created: int = attrs.field(factory=_now)
+    # vLLM's ``prompt_logprobs`` asked for: a completion's first chunk with
+    # text carries them (pass ``texts`` too).
+    prompt_logprobs: bool = False
     _choices: _Choices = attrs.field(factory=_Choices, init=False)
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -144,20 +147,21 @@ class CompletionStream:
         if self.texts is not None:
             logprobs, choice.text_offset = completion_logprobs(output.logprobs, self.texts, choice.text_offset)
         if not output.text_delta and not output.logprobs and output.finish_reason is None:
-            return []  # the detokenizer is holding text back; nothing to say yet
-        return [
-            self._chunk(
-                [
-                    {
-                        "index": output.index,
-                        "text": output.text_delta,
-                        "logprobs": logprobs,
-                        "finish_reason": finish_reason(output.finish_reason),
-                        "stop_reason": output.stop_reason,
-                    }
-                ]
-            )
-        ]
+            # The detokenizer is holding text back; nothing to say yet (the
+            # prompt's logprobs wait in the choice for the next chunk).
+            return []
+        body = {
+            "index": output.index,
+            "text": output.text_delta,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason(output.finish_reason),
+            "stop_reason": output.stop_reason,
+        }
+        if self.prompt_logprobs and self.texts is not None and not choice.started:
+            choice.started = True
+            ids, scored = choice.prompt_token_ids, choice.prompt_logprobs
+            body["prompt_logprobs"] = None if ids is None or scored is None else vllm_prompt_logprobs(ids, scored, self.texts)
+        return [self._chunk([body])]
 
     def final_chunks(self) -> list[dict[str, Any]]:
         """The usage chunk (empty ``choices``) when ``stream_options.include_usage`` asked for it."""

@@ -139,6 +139,8 @@ async def _generate(kind: type[CompletionRequest] | type[ChatCompletionRequest],
         builder = builder_kind(served.name, texts=texts, include_usage=parsed.include_usage)
         if reading is not None:
             builder.reading = reading
+        if isinstance(builder, CompletionStream):
+            builder.prompt_logprobs = wants_prompt
         response = Response(
             _sse_body(stream, builder, served, parsed.params.n, first, log_requests=log_requests),
             content_type="text/event-stream; charset=utf-8",
