@@ -168,6 +168,34 @@ def test_a_stream_carries_prompt_logprobs_in_its_first_chunk(http):
     assert "".join(c["text"] for c in chunks) == whole["text"]
 
 
+def test_a_preempted_prompt_is_scored_once(default_loaded):
+    """A request paused (preempted by recompute) after its first prompt
+    chunk recomputes that chunk: its prompt logprobs come out once, each
+    position once, equal to an uninterrupted run's."""
+    from trioserve.engine.sampling.sampling_params import SamplingParams
+
+    from conftest import make_core
+
+    def run(*, pause: bool) -> list:
+        core = make_core(default_loaded, max_num_batched_tokens=16)
+        params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2)
+        ids = core.add_request("r", LONG, params)
+        outputs = core.step()
+        if pause:
+            assert core.pause("r")
+            outputs += core.step()  # its blocks go back; nothing of it runs
+            assert core.resume("r")
+        while core.has_unfinished():
+            outputs += core.step()
+        scored = [o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None]
+        assert len(scored) == 1 and len(scored[0]) == len(ids) - 1
+        assert [e.token_id for e in scored[0]] == ids[1:]
+        return scored[0]
+
+    paused, plain = run(pause=True), run(pause=False)
+    assert [e.logprob for e in paused] == pytest.approx([e.logprob for e in plain], abs=1e-5)
+
+
 @pytest.mark.parametrize(
     "body, field",
     [
