@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from trioserve.web.app import create_app
+from trioserve.web.errors import InvalidRequest
+from trioserve.web.protocol import ChatCompletionRequest
 
 from server_fixtures import MODEL, parse_sse, server_config, server_in_thread
 
@@ -216,3 +218,10 @@ def test_bad_fields_are_refused_by_name(http, body, field):
     response = http.post("/v1/completions", json=body)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == field
+
+
+def test_prompt_logprobs_on_chat_is_refused_naming_the_field():
+    body = {"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1}
+    with pytest.raises(InvalidRequest, match="prompt_logprobs is supported on /v1/completions only") as caught:
+        ChatCompletionRequest.from_json(body)
+    assert caught.value.param == "prompt_logprobs"

@@ -281,6 +281,9 @@ class ChatCompletionRequest:
         body = require_object(body)
         if body.get("functions"):
             raise InvalidRequest("functions is not supported: use tools", param="functions")
+        if body.get("prompt_logprobs") is not None:
+            # Refused, not ignored: the chat answer has no place for them yet.
+            raise InvalidRequest("prompt_logprobs is supported on /v1/completions only", param="prompt_logprobs")
         stream = boolean(body, "stream", False)
         want_logprobs = boolean(body, "logprobs", False)
         top = body.get("top_logprobs")
