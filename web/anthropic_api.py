@@ -103,8 +103,8 @@ def _renamed(error: ApiError) -> ApiError:
 
 async def create_message() -> Response:
     """Answer a message as the chat path answers its chat completion:
-    the same steps, through ``completions``' own helpers (``_chat_input``,
-    ``_refusal``, ``_first_output``), so that a change there reaches both
+    the same steps, through ``completions``' own helpers (``chat_input``,
+    ``refusal``, ``first_output``), so that a change there reaches both
     APIs; only the shapes in and out are Anthropic's."""
     arrival = trio.current_time()
     host = current_host()
@@ -122,17 +122,17 @@ async def create_message() -> Response:
     )
     params = served.engine.sampling_defaults.apply(parsed.params)
     try:
-        new, reading = completions._chat_input(parsed, parsed.request, served, host.config)
+        new, reading = completions.chat_input(parsed, parsed.request, served, host.config)
         await served.engine.prepare(new.params)
         stream = request_ids.submit_nowait(served.engine, new, deadline=None if timeout is None else arrival + timeout)
     except Exception as exc:
-        raise _renamed(completions._refusal(completions.translate(exc, log_requests=log_requests), True)) from None
+        raise _renamed(completions.refusal(completions.translate(exc, log_requests=log_requests), True)) from None
     stream = tracing.follow(stream, params, parsed.model, served.name)
     stream = plugins.postprocessed(stream, RequestContext(ENDPOINT, served.name, stream.request_id, body), 1)
     if messages.stream:
         first = None
         if served.engine.config.max_queue_time is not None:
-            first = await completions._first_output(stream, served, 1, log_requests=log_requests)
+            first = await completions.first_output(stream, served, 1, log_requests=log_requests)
         events = MessageStream(served.name, reading, messages.stop_sequences)
         response = Response(
             _event_body(stream, events, served, first, log_requests=log_requests),
@@ -195,7 +195,7 @@ async def count_tokens() -> Response:
     served = host.get(parsed.model)
     g.model_name = served.name
     try:
-        new, _ = completions._chat_input(parsed, parsed.request, served, host.config)
+        new, _ = completions.chat_input(parsed, parsed.request, served, host.config)
         prompt = new.prompt
         if not isinstance(prompt, list | tuple) or not all(isinstance(t, int) for t in prompt):
             # Not rendered on the web side: the engine templates it so.

@@ -112,7 +112,7 @@ async def _generate(kind: type[CompletionRequest] | type[ChatCompletionRequest],
     streams: list[RequestStream] = []
     try:
         if chat:
-            news[0], reading = _chat_input(parsed, news[0], served, host.config)
+            news[0], reading = chat_input(parsed, news[0], served, host.config)
         for new in news:
             # A schema, regex or grammar compiles in a worker thread (cached).
             await served.engine.prepare(new.params)
@@ -123,7 +123,7 @@ async def _generate(kind: type[CompletionRequest] | type[ChatCompletionRequest],
             served.metrics.forget(stream.request_id)
         if not isinstance(exc, Exception):
             raise
-        raise _refusal(translate(exc, log_requests=log_requests), chat) from None
+        raise refusal(translate(exc, log_requests=log_requests), chat) from None
     for i, stream in enumerate(streams):
         stream = tracing.follow(stream, params, parsed.model, served.name)  # itself when tracing is off
         context = RequestContext(endpoint, served.name, stream.request_id, body)
@@ -134,7 +134,7 @@ async def _generate(kind: type[CompletionRequest] | type[ChatCompletionRequest],
     if parsed.stream:
         first = None
         if served.engine.config.max_queue_time is not None:
-            first = await _first_output(stream, served, parsed.params.n, log_requests=log_requests)
+            first = await first_output(stream, served, parsed.params.n, log_requests=log_requests)
         builder_kind = ChatCompletionStream if chat else CompletionStream
         builder = builder_kind(served.name, texts=texts, include_usage=parsed.include_usage)
         if reading is not None:
@@ -218,7 +218,7 @@ async def _gather(
         served.metrics.forget(stream.request_id)
 
 
-def _chat_input(
+def chat_input(
     parsed: ChatCompletionRequest, new: RequestInput, served: ServedModel, config: ServerConfig
 ) -> tuple[RequestInput, ChatReading]:
     """The chat request's input and how its output is read (web/parsers.py):
@@ -256,7 +256,7 @@ def _chat_input(
     return new, reading
 
 
-def _refusal(error: ApiError, chat: bool) -> ApiError:
+def refusal(error: ApiError, chat: bool) -> ApiError:
     """The engine's refusal, its field named as the chat API names it
     (its prompt is the templated messages; its logprobs, top_logprobs)."""
     if chat and error.param in CHAT_NAMES:
@@ -264,7 +264,7 @@ def _refusal(error: ApiError, chat: bool) -> ApiError:
     return error
 
 
-async def _first_output(
+async def first_output(
     stream: RequestStream, served: ServedModel, n: int, *, log_requests: bool
 ) -> RequestOutput | None:
     """Wait for a streamed request's first output before its status goes
