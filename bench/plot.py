@@ -33,6 +33,16 @@ def require_matplotlib():
     return plt
 
 
+def save_figure(plt, fig, path: str | Path) -> Path:
+    """Write ``fig`` as a PNG at ``path`` (its folder made if missing), close
+    it, and return the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _label(run: RunResult) -> str:
     return "unbounded" if run.max_concurrency is None else f"concurrency {run.max_concurrency}"
 

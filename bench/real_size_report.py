@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from .plot import require_matplotlib
+from .plot import require_matplotlib, save_figure
 from .vs_llama import LLAMA_SERVER, TRIOSERVE, _figure, _ratio
 
 GB = 1e9
@@ -147,8 +147,4 @@ def plot_report(document: Mapping, path: str | Path) -> Path:
     axes[0].legend(fontsize=8)
     fig.suptitle(f"Fraction of the roofline: {info['cpu']}, {info['threads']} threads, {info['date'][:10]}")
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(plt, fig, path)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import attrs
 
-from .plot import require_matplotlib
+from .plot import require_matplotlib, save_figure
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 TRIOSERVE = "trioserve"
@@ -308,8 +308,4 @@ def plot_comparison(document: Mapping, path: str | Path) -> Path:
     fig.suptitle(f"{info.get('model_name', 'model')}: {info['input_len']} tokens in, {info['output_len']} out, "
                  f"greedy, same GGUF; {info.get('threads')} threads")  # fmt: skip
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(plt, fig, path)
