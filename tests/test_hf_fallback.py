@@ -216,6 +216,14 @@ async def test_deadline_ends_a_request_and_frees_its_blocks_while_others_finish(
                 tokens.extend(out.new_token_ids)
         assert results["long"] is FinishReason.DEADLINE
         assert tokens == _generate(hf, short, 24)
+        # The long reader ended itself at its deadline and sent the abort,
+        # which the scheduler applies at a step boundary, maybe after a
+        # step still in its thread. A later request passes that boundary,
+        # and is served as before.
+        after = []
+        async for out in engine.generate(short, SamplingParams(max_tokens=4, **GREEDY)):
+            after.extend(out.new_token_ids)
+        assert after == tokens[:4]
         await trio.testing.wait_all_tasks_blocked()  # the released blocks go back between steps
         kv = engine.statistics().allocator.kv
         assert kv.num_free_blocks == kv.num_blocks
