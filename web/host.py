@@ -26,6 +26,7 @@ from trioserve.engine.loading.loader import LoadedModel
 from .errors import NotFoundError, ServiceUnavailable
 from .health import TaskCountCollector
 from .metrics import Metrics
+from .responses_store import ResponsesStore
 from .scopes import cancel_after
 from .served import ServedModel
 from .settings import ServerConfig
@@ -64,6 +65,8 @@ class ModelHost:
     error: BaseException | None = attrs.field(default=None, init=False)
     models: dict[str, ServedModel] = attrs.field(factory=dict, init=False)
     started: int = attrs.field(factory=lambda: int(time.time()), init=False)
+    # What /v1/responses stores (web/openai_responses_api.py).
+    responses: ResponsesStore = attrs.field(init=False)
     _ready: trio.Event = attrs.field(factory=trio.Event, init=False)
     _stopped: trio.Event = attrs.field(factory=trio.Event, init=False)
     _drain_requested: trio.Event = attrs.field(factory=trio.Event, init=False)
@@ -76,6 +79,7 @@ class ModelHost:
         limits = [m.model_config.max_context_len for m in self.preloaded.values()]
         if self.config.engine.max_model_len is not None:
             limits = [min([self.config.engine.max_model_len, *limits])]
+        self.responses = ResponsesStore(self.config.responses_store_size)
         self.metrics = Metrics(max_model_len=max(limits, default=DEFAULT_METRICS_MAX_MODEL_LEN))
         self.metrics.registry.register(TaskCountCollector())
         for name in self.config.model_names:

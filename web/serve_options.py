@@ -33,6 +33,7 @@ from .settings import (
     DEFAULT_BODY_TIMEOUT,
     DEFAULT_KEEP_ALIVE_TIMEOUT,
     DEFAULT_MAX_BODY_SIZE,
+    DEFAULT_RESPONSES_STORE_SIZE,
     DEFAULT_SEND_TIMEOUT,
     DEFAULT_SHUTDOWN_TIMEOUT,
     ENV_PREFIX,
@@ -98,6 +99,13 @@ def _add_serve_options(parser: argparse.ArgumentParser) -> list[argparse.Action]
         default=(),
         help="plugins to load, by entry-point name, comma-separated (docs/api.md, 'Plugins'); "
         "an unknown name stops startup (default: none)",
+    )
+    add(
+        "--responses-store-size",
+        type=count,
+        default=DEFAULT_RESPONSES_STORE_SIZE,
+        help="responses /v1/responses keeps for GET and previous_response_id, in memory; beyond it the least "
+        f"recently used is dropped (default: {DEFAULT_RESPONSES_STORE_SIZE})",
     )
     add(
         "--reasoning-parser",
@@ -195,6 +203,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         send_timeout=args.send_timeout,
         max_connections=args.max_connections,
         log_requests=args.log_requests,
+        responses_store_size=args.responses_store_size,
         access_log=args.access_log,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         grpc_port=args.grpc_port,

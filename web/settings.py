@@ -30,6 +30,7 @@ DEFAULT_KEEP_ALIVE_TIMEOUT = 5.0
 DEFAULT_BODY_TIMEOUT = 30.0
 DEFAULT_SEND_TIMEOUT = 120.0
 ENV_PREFIX = "TRIOSERVE_"
+DEFAULT_RESPONSES_STORE_SIZE = 256
 
 
 @attrs.frozen
@@ -130,6 +131,9 @@ class ServerConfig:
     # the HTTP server when grpc_port is set (0 picks a free port).
     grpc_port: int | None = attrs.field(default=None, validator=_optional_port)
     grpc_host: str = "127.0.0.1"
+    # Responses /v1/responses keeps for GET and previous_response_id
+    # (web/responses_store.py), the least recently used dropped beyond it.
+    responses_store_size: int = attrs.field(default=DEFAULT_RESPONSES_STORE_SIZE, validator=positive)
     # How chat output is read (web/parsers.py): None or "auto" picks by
     # each model's chat template; "none" turns reasoning parsing off.
     reasoning_parser: str | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.in_(REASONING_CHOICES)))
