@@ -16,7 +16,7 @@ from werkzeug.exceptions import HTTPException
 from trioserve.engine.errors import InvalidRequestError
 from trioserve.engine.text.tokenizer import apply_chat_template
 
-from . import anthropic_api, chat_page, completions, request_ids
+from . import anthropic_api, chat_page, completions, openai_responses_api, request_ids
 from .body import body_left_unread, read_body, request_json
 from .errors import ApiError, AuthenticationError, InternalError, InvalidRequest, NotFoundError, log_unexpected
 from .fields import invalid
@@ -55,6 +55,7 @@ def register(app: Quart) -> None:
     app.add_url_rule("/detokenize", view_func=detokenize, methods=["POST"])
     app.add_url_rule("/version", view_func=version, methods=["GET"])
     app.register_blueprint(anthropic_api.blueprint())
+    app.register_blueprint(openai_responses_api.blueprint())
     chat_page.register(app)
     app.register_error_handler(ApiError, handle_api_error)
     app.register_error_handler(HTTPException, handle_http_exception)
