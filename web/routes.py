@@ -16,7 +16,7 @@ from werkzeug.exceptions import HTTPException
 from trioserve.engine.errors import InvalidRequestError
 from trioserve.engine.text.tokenizer import apply_chat_template
 
-from . import anthropic_api, chat_page, completions, openai_responses_api, request_ids
+from . import anthropic_api, batches_api, chat_page, completions, files_api, openai_responses_api, request_ids
 from .body import body_left_unread, read_body, request_json
 from .errors import ApiError, AuthenticationError, InternalError, InvalidRequest, NotFoundError, log_unexpected
 from .fields import invalid
@@ -55,6 +55,7 @@ def register(app: Quart) -> None:
     app.add_url_rule("/detokenize", view_func=detokenize, methods=["POST"])
     app.add_url_rule("/version", view_func=version, methods=["GET"])
     app.register_blueprint(anthropic_api.blueprint())
+    batches_api.register(app)  # and /v1/files
     app.register_blueprint(openai_responses_api.blueprint())
     chat_page.register(app)
     app.register_error_handler(ApiError, handle_api_error)
@@ -77,7 +78,9 @@ async def check_api_key_and_read_body() -> None:
         expected = config.api_key.encode("utf-8", "surrogateescape")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given, expected):
             raise AuthenticationError()
-    await read_body(config.max_body_size, config.body_timeout)
+    # An upload of a batch's lines may be larger than any request body.
+    uploading = request.method == "POST" and request.path == files_api.PATH
+    await read_body(config.max_upload_size if uploading else config.max_body_size, config.body_timeout)
     if config.log_requests and g.body:
         text = g.body[:MAX_LOGGED_BODY].decode("utf-8", "backslashreplace")
         more = len(g.body) - MAX_LOGGED_BODY

@@ -30,9 +30,11 @@ from .engine_options import (
 from .parsers import REASONING_CHOICES, TOOL_CALL_CHOICES
 from .option_types import count, recording, seconds, size_in_bytes, watchdog_seconds
 from .settings import (
+    DEFAULT_BATCH_MAX_IN_FLIGHT,
     DEFAULT_BODY_TIMEOUT,
     DEFAULT_KEEP_ALIVE_TIMEOUT,
     DEFAULT_MAX_BODY_SIZE,
+    DEFAULT_MAX_UPLOAD_SIZE,
     DEFAULT_RESPONSES_STORE_SIZE,
     DEFAULT_SEND_TIMEOUT,
     DEFAULT_SHUTDOWN_TIMEOUT,
@@ -128,6 +130,24 @@ def _add_serve_options(parser: argparse.ArgumentParser) -> list[argparse.Action]
         help="also serve the gRPC API (proto/trioserve.proto) and grpc.health.v1 on --host at this port; "
         "0 picks a free one (default: no gRPC)",
     )
+    add(
+        "--batch-dir",
+        default=None,
+        help="folder of the Batch API's files and batches; batches in progress there resume at startup "
+        "(default: batches in $TRIOSERVE_CACHE, else ~/.cache/trioserve/batches)",
+    )
+    add(
+        "--max-upload-size",
+        type=size_in_bytes,
+        default=DEFAULT_MAX_UPLOAD_SIZE,
+        help="largest file POST /v1/files takes, e.g. 100M; beyond it 413 (default: 100M)",
+    )
+    add(
+        "--batch-max-in-flight",
+        type=count,
+        default=DEFAULT_BATCH_MAX_IN_FLIGHT,
+        help=f"lines of one batch in the engine at once, at low priority (default: {DEFAULT_BATCH_MAX_IN_FLIGHT})",
+    )
 
     add = recording(option_group(parser, "reliability"), actions)
     add(
@@ -210,6 +230,9 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         grpc_host=args.host,
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser,
+        batch_dir=args.batch_dir,
+        max_upload_size=args.max_upload_size,
+        batch_max_in_flight=args.batch_max_in_flight,
     )
 
 

@@ -29,6 +29,10 @@ DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 DEFAULT_KEEP_ALIVE_TIMEOUT = 5.0
 DEFAULT_BODY_TIMEOUT = 30.0
 DEFAULT_SEND_TIMEOUT = 120.0
+# The Batch API (web/batches_api.py): the largest file POST /v1/files takes,
+# and how many of one batch's lines are in the engine at once.
+DEFAULT_MAX_UPLOAD_SIZE = 100 << 20
+DEFAULT_BATCH_MAX_IN_FLIGHT = 8
 ENV_PREFIX = "TRIOSERVE_"
 DEFAULT_RESPONSES_STORE_SIZE = 256
 
@@ -138,6 +142,12 @@ class ServerConfig:
     # each model's chat template; "none" turns reasoning parsing off.
     reasoning_parser: str | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.in_(REASONING_CHOICES)))
     tool_call_parser: str | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.in_(TOOL_CALL_CHOICES)))
+    # The Batch API (web/batches_api.py): where files and batches are kept
+    # (None: web/batch_store.py's default_batch_dir()), the largest upload,
+    # and the lines of one batch in the engine at once.
+    batch_dir: str | None = None
+    max_upload_size: int = attrs.field(default=DEFAULT_MAX_UPLOAD_SIZE, validator=positive)
+    batch_max_in_flight: int = attrs.field(default=DEFAULT_BATCH_MAX_IN_FLIGHT, validator=positive)
 
     @property
     def model_names(self) -> tuple[str, ...]:
