@@ -297,18 +297,21 @@ def test_the_store_size_flag():
 
 _TEXT = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=12)
 _ARGUMENTS = st.dictionaries(st.sampled_from(["city", "days"]), st.integers(0, 9) | _TEXT, max_size=2)
-# A model's turn: text, calls (name, arguments), or both.
-_TURN = st.tuples(_TEXT, st.lists(st.tuples(st.sampled_from(["get_weather", "get_time"]), _ARGUMENTS), max_size=2))
+# A model's turn: its reasoning, text, calls (name, arguments), any of them.
+_CALLS = st.lists(st.tuples(st.sampled_from(["get_weather", "get_time"]), _ARGUMENTS), max_size=2)
+_TURN = st.tuples(_TEXT, _TEXT, _CALLS)
 _INSTRUCTIONS = st.none() | _TEXT
 
 
-def _chat_body(text: str, calls: list[tuple[str, dict]], turn: int) -> dict:
+def _chat_body(reasoning: str, text: str, calls: list[tuple[str, dict]], turn: int) -> dict:
     """A ``chat.completion`` body as the chat path gives it for a model's turn."""
     tool_calls = [
         {"id": f"call_{turn}_{i}", "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}
         for i, (name, arguments) in enumerate(calls)
     ]
-    message = {"role": "assistant", "content": text or None, **({"tool_calls": tool_calls} if tool_calls else {})}
+    message = {"role": "assistant", "content": text or None, "reasoning_content": reasoning or None}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
     usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2, "prompt_tokens_details": {"cached_tokens": 0}}
     return {"choices": [{"message": message, "finish_reason": "tool_calls" if calls else "stop"}], "usage": usage}
 
@@ -318,10 +321,11 @@ def _chat_body(text: str, calls: list[tuple[str, dict]], turn: int) -> dict:
 def test_a_conversation_continued_from_stored_responses_is_the_one_sent_whole(turns):
     """Each turn sent with ``previous_response_id`` (the server's store and
     translation) gives the chat messages of the whole conversation sent
-    at once, the outputs appended as a client appends ``response.output``."""
+    at once, the outputs appended as a client appends ``response.output``
+    (their reasoning items included, which the prompt leaves out)."""
     previous: StoredResponse | None = None
     whole: list[dict] = []
-    for turn, (user, instructions, (text, calls)) in enumerate(turns):
+    for turn, (user, instructions, (reasoning, text, calls)) in enumerate(turns):
         new = [{"type": "function_call_output", "call_id": item["call_id"], "output": "done"}
                for item in (previous.body["output"] if previous else []) if item["type"] == "function_call"]  # fmt: skip
         new.append({"role": "user", "content": [{"type": "input_text", "text": user}]})
@@ -331,6 +335,6 @@ def test_a_conversation_continued_from_stored_responses_is_the_one_sent_whole(tu
         sent_whole = ResponsesBody.from_json({"input": list(whole), "instructions": instructions})
         assert chained.chat["messages"] == sent_whole.chat["messages"]
         shape = ResponseShape("resp_" + str(turn), MODEL, chained, 0.0, 1.0)
-        response = shape.from_chat(_chat_body(text, calls, turn), len)
+        response = shape.from_chat(_chat_body(reasoning, text, calls, turn), len)
         previous = StoredResponse(response, (*chained.conversation, *output_conversation(response["output"])))
         whole += json.loads(json.dumps(response["output"]))  # as the client sends the items back
