@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
+import sys
 
 import openai
 import pytest
@@ -226,3 +228,19 @@ def test_a_restart_resumes_a_batch_without_losing_or_repeating_lines(server, cli
     assert batch.status == "completed" and batch.request_counts.completed == len(RESUMED)
     assert sorted(line["custom_id"] for line in written) == ["r0", "r1", "r2"]
     assert written[: len(before)] == before  # kept as they were
+
+
+def test_run_batch_writes_every_line_in_order(tmp_path):
+    source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_bytes(jsonl(chat_line("a", "Say hi."), b"nope", chat_line("b", "Say bye.")))
+    args = ["run-batch", "-i", str(source), "-o", str(out), "--max-model-len", "512", "--kv-cache-memory", "128M", "--max-num-seqs", "4"]
+    result = subprocess.run(
+        [sys.executable, "-m", "trioserve.web.cli", *args, "--batch-dir", str(tmp_path / "unused")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [line["custom_id"] for line in written] == ["a", None, "b"]
+    assert written[0]["response"]["status_code"] == 200 and written[0]["response"]["body"]["choices"][0]["message"]["content"]
+    assert written[1]["error"]["code"] == "invalid_json" and written[1]["error"]["line"] == 2
+    assert "3/3" in result.stderr  # the progress bar

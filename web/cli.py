@@ -20,6 +20,7 @@ from .engine_options import (
     option_group,
 )
 from .request_ids import RequestIdFilter
+from .run_batch import build_run_batch_parser
 from .serve_options import build_serve_parser, server_config_from_args
 
 # Entry points that add a command to ``trioserve`` (``trioserve bench``).
@@ -37,6 +38,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"trioserve serve: error: {exc}", file=sys.stderr)
         return 2
     return run(create_app(config), host=args.host, port=args.port)
+
+
+def cmd_run_batch(args: argparse.Namespace) -> int:
+    from .run_batch import cmd_run_batch as run
+
+    return run(args)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -170,6 +177,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     build_serve_parser(serve)
     serve.set_defaults(func=cmd_serve)
+
+    run_batch = commands.add_parser(
+        "run-batch",
+        help="run a file of OpenAI batch lines offline, as vLLM's run_batch",
+        description="Load the model and run every line of an OpenAI batch file (docs/api.md, 'Batch API') "
+        "through the server's handlers without a listener, writing each line's result, errors included, to "
+        "the output file. Takes serve's options for the model and engine.",
+    )
+    build_run_batch_parser(run_batch)
+    run_batch.set_defaults(func=cmd_run_batch)
 
     worker = commands.add_parser(
         "worker",
