@@ -20,8 +20,10 @@ from hypothesis import strategies as st
 from server_fixtures import MODEL, server_config, server_in_thread
 
 from trioserve.web.app import create_app
+from trioserve.web.batch_lines import LineError, RequestLine, read_lines
+from trioserve.web.batch_runner import LineRunner, ServerStopping
 from trioserve.web.batch_service import EXTENSION
-from trioserve.web.batch_store import BatchStore
+from trioserve.web.batch_store import BatchStore, LineLog, read_complete_lines
 
 pytestmark = pytest.mark.slow
 
@@ -244,3 +246,76 @@ def test_run_batch_writes_every_line_in_order(tmp_path):
     assert written[0]["response"]["status_code"] == 200 and written[0]["response"]["body"]["choices"][0]["message"]["content"]
     assert written[1]["error"]["code"] == "invalid_json" and written[1]["error"]["line"] == 2
     assert "3/3" in result.stderr  # the progress bar
+
+
+# -- the parts, without a model ---------------------------------------------
+
+
+def scripted_app(answers: list[tuple[int, dict]]):
+    """An app whose chat endpoint echoes the body it got, answering with
+    ``answers``' statuses and headers in turn (then 200)."""
+    from quart import request
+    from quart_trio import QuartTrio
+
+    app = QuartTrio(__name__)
+    seen: list[dict] = []
+
+    @app.post(CHAT)
+    async def chat():
+        body = await request.get_json()
+        seen.append(body)
+        status, headers = answers.pop(0) if answers else (200, {})
+        return body, status, headers
+
+    return app, seen
+
+
+async def test_lines_run_at_the_low_priority_class_or_lower(autojump_clock):
+    app, seen = scripted_app([])
+    runner = LineRunner(app, priority=5, max_in_flight=2)
+    lines = [RequestLine(1, "a", CHAT, {}), RequestLine(2, "b", CHAT, {"priority": 0}), RequestLine(3, "c", CHAT, {"priority": 9})]
+    results = {}
+    await runner.run(lines, lambda line, out: results.setdefault(line.custom_id, out))
+    assert sorted(body["priority"] for body in seen) == [5, 5, 9]
+    assert {out["response"]["status_code"] for out in results.values()} == {200}
+
+
+async def test_a_line_turned_away_for_load_is_tried_again_and_a_drain_stops_the_run(autojump_clock):
+    app, seen = scripted_app([(429, {"Retry-After": "3"}), (200, {})])
+    runner = LineRunner(app, priority=1, max_in_flight=1)
+    start = trio.current_time()
+    out = await runner.run_line(RequestLine(1, "a", CHAT, {}))
+    assert out["response"]["status_code"] == 200 and len(seen) == 2 and trio.current_time() - start >= 3
+    app, _ = scripted_app([(503, {})])
+    recorded = []
+    with pytest.RaisesGroup(ServerStopping):
+        await LineRunner(app, priority=1, max_in_flight=1).run([RequestLine(1, "a", CHAT, {})], lambda *a: recorded.append(a))
+    assert recorded == []
+
+
+def test_a_line_cut_short_by_a_crash_is_cut_off_before_appending(tmp_path):
+    log = LineLog(tmp_path / "out.data")
+    log.append({"custom_id": "a"})
+    log.close()
+    with open(log.path, "a") as out:
+        out.write('{"custom_id": "b", "resp')
+    assert read_complete_lines(log.path) == [{"custom_id": "a"}]
+    log.append({"custom_id": "c"})
+    log.close()
+    assert read_complete_lines(log.path) == [{"custom_id": "a"}, {"custom_id": "c"}]
+
+
+RAW_LINE = st.one_of(
+    st.builds(lambda i: json.dumps(chat_line(f"id{i}", "Hi.")).encode(), st.integers(0, 3)),
+    st.binary(max_size=20).filter(lambda raw: b"\n" not in raw),
+    st.builds(lambda i, url: json.dumps({**chat_line(f"id{i}", "Hi."), "url": url}).encode(), st.integers(0, 3), st.text(max_size=5)),
+)
+
+
+@given(raws=st.lists(RAW_LINE, max_size=8))
+def test_every_nonblank_line_is_read_once_and_custom_ids_run_once(raws):
+    items = list(read_lines(b"\n".join(raws), {CHAT}))
+    assert [item.number for item in items] == [i + 1 for i, raw in enumerate(raws) if raw.strip()]
+    runnable = [item.custom_id for item in items if isinstance(item, RequestLine)]
+    assert len(runnable) == len(set(runnable))
+    assert all(item.code and item.message for item in items if isinstance(item, LineError))
