@@ -9,6 +9,7 @@ sent whole."""
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import openai
@@ -23,6 +24,7 @@ from trioserve.web.openai_responses_output import ResponseShape
 from trioserve.web.responses_store import ResponsesStore, StoredResponse
 from trioserve.web.serve_options import build_serve_parser, server_config_from_args
 
+from scripted_tokens import script, scripted_plugin
 from server_fixtures import MODEL, server_config, server_in_thread
 
 KEY = "sesame"
@@ -212,29 +214,44 @@ def test_json_schema_text_format_constrains_the_output(client):
 
 
 @pytest.mark.slow
-def test_reasoning_is_a_reasoning_item_whole_and_streamed():
-    # deepseek_r1 reads all text before a </think> as reasoning: with the
-    # tiny model, which never writes one, the whole output is reasoning.
-    config = server_config(reasoning_parser="deepseek_r1")
+def test_reasoning_text_and_a_call_are_one_response_whole_and_streamed(monkeypatch):
+    # The tiny model writes what a reasoning model with tools writes: its
+    # reasoning scripted token by token, then its answer held to a regex.
+    scripted_plugin(monkeypatch)
+    config = server_config(reasoning_parser="qwen3", engine={"plugins": ("scripted",)})
+    thinking = script(testing.tiny_loaded().tokenizer, "<think>Oslo, then.", "</think>")
+    answer = 'Sure.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    extra = {"logits_processors": [thinking], "structured_outputs": {"regex": re.escape(answer)}}
+    body = _stream_body(tools=[WEATHER], max_output_tokens=80, extra_body=extra)
     with server_in_thread(create_app(config, loaded=testing.tiny_loaded())) as server:
         with openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0) as client:
-            response = _create(client, max_output_tokens=8)
-            with client.responses.stream(**_stream_body(max_output_tokens=8)) as stream:
-                events = list(stream)
-            answer = client.chat.completions.create(
-                model=MODEL, max_tokens=8, temperature=0, messages=[{"role": "user", "content": QUESTION}]
-            )
+            whole = client.responses.create(**body)
+            with client.responses.stream(**body) as stream:
+                kinds = {event.type for event in stream}
+                streamed = stream.get_final_response()
 
-    reasoning = answer.choices[0].message.model_extra["reasoning_content"]
-    assert reasoning
-    assert [(item.type, [part.text for part in item.content]) for item in response.output] == [("reasoning", [reasoning])]
-    assert 0 < response.usage.output_tokens_details.reasoning_tokens <= response.usage.output_tokens
-    kinds = {event.type for event in events}
-    assert {"response.reasoning_text.delta", "response.reasoning_text.done"} <= kinds
-    assert "response.output_text.delta" not in kinds
-    last = events[-1].response
-    assert [(item.type, item.content[0].text) for item in last.output] == [("reasoning", reasoning)]
-    assert last.usage.output_tokens_details.reasoning_tokens == response.usage.output_tokens_details.reasoning_tokens
+    def items(response):
+        return [
+            (item.type, item.status, [part.text for part in item.content] if item.type != "function_call" else None,
+             getattr(item, "name", None), getattr(item, "arguments", None))
+            for item in response.output
+        ]  # fmt: skip
+
+    assert whole.status == "completed"
+    assert items(whole) == [
+        ("reasoning", "completed", ["Oslo, then."], None, None),
+        ("message", "completed", ["Sure."], None, None),
+        ("function_call", "completed", None, "get_weather", '{"city": "Oslo"}'),
+    ]
+    assert items(streamed) == items(whole)
+    assert 0 < whole.usage.output_tokens_details.reasoning_tokens < whole.usage.output_tokens
+    assert streamed.usage.model_dump(exclude={"input_tokens_details"}) == whole.usage.model_dump(exclude={"input_tokens_details"})
+    assert {
+        "response.reasoning_text.delta",
+        "response.reasoning_text.done",
+        "response.output_text.delta",
+        "response.function_call_arguments.delta",
+    } <= kinds
 
 
 @pytest.mark.slow

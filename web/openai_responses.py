@@ -24,10 +24,11 @@ Other fields: ``tools`` (functions: ``name``, ``description``,
 ``parameters``, ``strict``) and ``tool_choice``; ``text.format`` is the
 chat ``response_format``; ``max_output_tokens`` is ``max_tokens``;
 ``temperature`` and ``top_p`` as in chat; vLLM's sampling extras
-(``top_k``, ``seed``, ``stop``, ``logits_processors``, ...) and
-``chat_template_kwargs`` pass through. ``metadata``, ``user``,
-``reasoning`` and ``include`` are accepted and echoed (the model's
-template decides whether it reasons). What cannot be honoured is
+(``top_k``, ``seed``, ``stop``, ``logits_processors``, ...),
+``structured_outputs`` and ``chat_template_kwargs`` pass through.
+``metadata``, ``user`` and ``reasoning`` are echoed (the model's
+template decides whether it reasons), ``include`` is accepted and not
+read (the reasoning is always in the output). What cannot be honoured is
 refused: ``background``, ``conversation``, ``prompt``, ``truncation``
 ``auto``, ``top_logprobs``, tools that are not functions, and input that
 is not text.
@@ -110,7 +111,7 @@ class ResponsesBody:
         items = input_items(body.get("input"), earlier)
         conversation = (*earlier, *items)
         chat: dict[str, Any] = {"messages": chat_messages(conversation, instructions)}
-        for name in ("model", "temperature", "top_p", "chat_template_kwargs", "priority", *_PASSED):
+        for name in ("model", "temperature", "top_p", "priority", "chat_template_kwargs", "structured_outputs", *_PASSED):
             if body.get(name) is not None:
                 chat[name] = body[name]
         if body.get("max_output_tokens") is not None:
