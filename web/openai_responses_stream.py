@@ -179,9 +179,10 @@ class ResponseEvents:
         return events
 
     def _close(self, status: str) -> list[Event]:
-        open_item, where = self._open, self._where() if self._open is not None else {}
+        open_item = self._open
         if open_item is None:
             return []
+        where = self._where()
         events = []
         item = open_item.item
         if open_item.kind == "reasoning":
