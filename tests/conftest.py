@@ -26,6 +26,7 @@ from trioserve.engine.config import EngineConfig
 from trioserve.engine.core.engine_core import EngineCore
 from trioserve.engine.errors import CpuCapabilityError
 from trioserve.engine.loading.loader import LoadedModel, load_model
+from trioserve.web import batch_store
 
 # Where the model/KV-path tests put the model, its KV cache and its batches:
 # "cpu" (the default) or "cuda" / "cuda:N" (TRIOSERVE_TEST_DEVICE=cuda), so
@@ -83,6 +84,17 @@ def isas() -> tuple[str, ...]:
 def default_loaded() -> LoadedModel:
     """The default model, dequantized to float32 on TEST_DEVICE (CPU unless TRIOSERVE_TEST_DEVICE says otherwise)."""
     return load_model(None, dtype="float32", device=TEST_DEVICE, quantization="none")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _batch_dir(tmp_path_factory):
+    # Every app without --batch-dir keeps the Batch API's batches in the
+    # default folder and resumes the unfinished ones it finds there: the
+    # test servers get a folder of this session's own, so a batch a test
+    # left unfinished runs in no other test's server, nor in the user's.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(batch_store.BATCH_DIR_ENV, str(tmp_path_factory.mktemp("batches")))
+        yield
 
 
 @pytest.fixture(scope="session", autouse=True)

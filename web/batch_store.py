@@ -41,10 +41,15 @@ OUTPUT_SUFFIX = "-output"
 ERRORS_SUFFIX = "-errors"
 
 
+BATCH_DIR_ENV = "TRIOSERVE_BATCH_DIR"
+
+
 def default_batch_dir() -> Path:
-    """Where batches live without ``--batch-dir``: ``batches`` in trioserve's
-    cache (``$TRIOSERVE_CACHE``, else ``~/.cache/trioserve``)."""
-    return cache_root() / "batches"
+    """Where batches live without ``--batch-dir``: ``$TRIOSERVE_BATCH_DIR``,
+    else ``batches`` in trioserve's cache (``$TRIOSERVE_CACHE``, else
+    ``~/.cache/trioserve``)."""
+    folder = os.environ.get(BATCH_DIR_ENV)
+    return Path(folder) if folder else cache_root() / "batches"
 
 
 def new_id(prefix: str) -> str:

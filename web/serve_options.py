@@ -134,7 +134,7 @@ def _add_serve_options(parser: argparse.ArgumentParser) -> list[argparse.Action]
         "--batch-dir",
         default=None,
         help="folder of the Batch API's files and batches; batches in progress there resume at startup "
-        "(default: batches in $TRIOSERVE_CACHE, else ~/.cache/trioserve/batches)",
+        "(default: $TRIOSERVE_BATCH_DIR, else batches in $TRIOSERVE_CACHE, else ~/.cache/trioserve/batches)",
     )
     add(
         "--max-upload-size",
