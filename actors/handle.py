@@ -25,6 +25,7 @@ from trioserve.engine.core.new_request import RequestInput
 from trioserve.engine.loading.generation_config import SamplingDefaults
 from trioserve.engine.models.projections import ProjectionChoice
 from trioserve.engine.core.outputs import RequestOutput
+from trioserve.engine.sampling.pooling import PoolingParams
 from trioserve.engine.sampling.sampling_params import SamplingParams
 from trioserve.engine.core.sequence import FinishReason
 
@@ -158,6 +159,35 @@ class Engine:
             while (output := await actor.receive()) is not None:
                 yield output
 
+    async def embed(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        dimensions: int | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        deadline: float | None = None,
+        timeout: float | None = None,
+    ) -> tuple[float, ...]:
+        """The embedding of ``prompt`` (text or token ids): its final
+        hidden states pooled as the model's config says (engine/sampling/pooling.py),
+        cut to ``dimensions`` where the model allows it. Only an engine
+        serving embeddings (``EngineConfig.task``) takes it.
+
+        It goes the way ``generate`` does: it waits for room in the
+        admission queue, is scheduled (and batched) with the others, and a
+        cancel aborts it. ``deadline`` / ``timeout`` as there; when it
+        passes, ``trio.TooSlowError``. Raises what ``generate`` raises
+        (``InvalidRequestError`` naming ``model`` when this engine does not
+        serve embeddings, or ``dimensions``).
+        """
+        request = RequestInput(prompt, SamplingParams(), priority, pooling=PoolingParams(dimensions))
+        async with self._submitted(request, request_id, deadline, timeout, final_only=True) as actor:
+            output = None
+            while (received := await actor.receive()) is not None:
+                output = received
+        return embedding_of(output)
+
     async def submit(
         self,
         request: RequestInput,
@@ -263,7 +293,7 @@ class Engine:
         # the core and the scheduler take as it is.
         request_id = uuid.uuid4().hex if request_id is None else request_id
         params = self.sampling_defaults.apply(request.params)
-        new = self.core.validate(request_id, request.prompt, params, priority=request.priority)
+        new = self.core.validate(request_id, request.prompt, params, priority=request.priority, pooling=request.pooling)
         capped = self._degradation.cap(new.params, new.priority, self._admission.pressure)
         if capped is not new.params:
             new = attrs.evolve(new, params=capped)
@@ -380,3 +410,16 @@ class Engine:
             pass  # the scheduler is gone already (or, impossibly, busy with more than it can hold)
         await self._scheduler.wait_stopped()  # one step at most
         return self._scheduler.statistics().num_aborted - before
+
+
+def embedding_of(output: RequestOutput | None) -> tuple[float, ...]:
+    """An embedding request's vector from its final output (``final_only``);
+    ``trio.TooSlowError`` when its deadline ended it first, ``EngineClosed``
+    when it was aborted."""
+    assert output is not None and output.finished, "an embedding request ended without its final output"
+    if output.embedding is None:
+        if output.finish_reason is FinishReason.DEADLINE:
+            raise trio.TooSlowError(f"embedding request {output.request_id!r} ran past its deadline")
+        # An abort: the engine draining, or ``abort(request_id)``.
+        raise EngineClosed(f"embedding request {output.request_id!r} was aborted before its vector was computed")
+    return output.embedding

@@ -263,6 +263,10 @@ class EngineConfig:
     # A path is read and checked here (GenerationConfigError names the path
     # and the field), so a bad one stops startup before the model loads.
     generation_config: str = attrs.field(default="auto", validator=_generation_config)
+    # What the model serves (engine/sampling/pooling.py): "generate" text,
+    # "embed" pooled hidden states (/v1/embeddings), or "auto": embed for a
+    # sentence-transformers folder (its modules.json has a Pooling module).
+    task: str = attrs.field(default="auto", validator=attrs.validators.in_(("auto", "generate", "embed")))
 
     def __attrs_post_init__(self) -> None:
         if self.kv_cache_dtype == "fp8" and self.device is not None and str(self.device).startswith("cpu"):

@@ -30,6 +30,12 @@ def chunk_for(
     else:
         tokens = (*prompt[start:], *output[: end - len(prompt)])
     sampling = None
+    pooling = request.pooling
+    if pooling is not None:
+        # An embedding request never samples: its chunks keep the rows it pools.
+        num_pooled = pooling.num_rows(start, num_tokens, len(prompt))
+        return ScheduledChunk(request.request_id, start, tokens, table, window_block_ids=window_table,
+                              pooling=pooling, num_pooled=num_pooled)  # fmt: skip
     if end == request.num_tokens:
         sampling = SamplingRow.for_sequence(
             request.request_id, request.sampling_params, prompt, output, request.eos_token_ids

@@ -36,6 +36,7 @@ from trioserve.engine.loading.loader import LoadedModel, load_model_for, resolve
 from trioserve.engine.plugins import Plugins
 from trioserve.engine.runtime.build import build_runner, kv_dtype_choice
 from trioserve.engine.runtime.model_runner import ModelRunner, RunnerOutput
+from trioserve.engine.sampling.pooling import PooledState, PoolingParams, served_pooling
 from trioserve.engine.sampling.grammar import FilledMask, GrammarCompiler, GrammarError, GrammarMatchers, MaskFill, MaskRequest
 from trioserve.engine.sampling.rows import TokenMask
 from trioserve.engine.sampling.sampling_params import SamplingParams
@@ -69,6 +70,11 @@ class EngineCore:
         self.loaded = loaded
         self.model_config = loaded.model_config
         self.tokenizer = loaded.tokenizer
+        # An embedding model's pooling (``config.task``); None: it generates.
+        self.pooling = served_pooling(config.task, loaded.path)
+        if self.pooling is not None:
+            _check_embeds(config, loaded)
+            log.info("%s: serving embeddings, pooled as %s", loaded.name, self.pooling.source)
         self.max_model_len = config.resolved_max_model_len(loaded.model_config)
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)  # process-wide: the step is the only heavy user
@@ -164,14 +170,33 @@ class EngineCore:
         return self.input_processor.tokenize(prompt)
 
     def validate(
-        self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, *, priority: int = 0
+        self,
+        request_id: str,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        pooling: PoolingParams | None = None,
     ) -> NewRequest:
         """Check a request once, at the edge: its id, its prompt (tokenized;
         ids in the vocabulary; short enough to fit with one generated token)
         and its parameters against the vocabulary. Raises
         ``InvalidRequestError`` (or ``RequestTooLongError``,
-        ``TokenizerError``) naming the field at fault."""
-        return self.input_processor.validate(request_id, prompt, params, priority)
+        ``TokenizerError``) naming the field at fault. ``pooling`` makes it
+        an embedding request, which only an embedding model takes (and it
+        takes no other; the error names ``model``)."""
+        if (pooling is None) != (self.pooling is None):
+            why = (
+                "this model serves embeddings only (the server was started with --task embed): use /v1/embeddings"
+                if pooling is None
+                else "this model does not serve embeddings: the server was not started with --task embed"
+            )
+            raise InvalidRequestError(why, field="model")
+        new = self.input_processor.validate(request_id, prompt, params, priority)
+        if pooling is None:
+            return new
+        assert self.pooling is not None
+        return attrs.evolve(new, pooling=self.pooling.resolve(pooling, self.model_config.hidden_size))
 
     def add_request(
         self,
@@ -207,7 +232,10 @@ class EngineCore:
             except Exception as exc:
                 message = "the tokenizer failed to decode this request's prompt"
                 raise self.input_processor.tokenizer_error(message, "prompt", exc) from exc
-            completions.append(Completion(request=request, parent_id=request_id, index=index, detokenizer=detokenizer))
+            pooled = None if request.pooling is None else PooledState(request.pooling)
+            completions.append(
+                Completion(request=request, parent_id=request_id, index=index, detokenizer=detokenizer, pooled=pooled)
+            )
         # Only the first completion is scheduled now (its id is checked free
         # there, before anything is kept). Its siblings wait until it has
         # computed the prompt, so they find every full prompt block in the
@@ -379,6 +407,7 @@ class EngineCore:
         ended, self._ended = [*self._ended, *plan.finished], []
         outputs = completions.step_started(ended, plan, now)
         completions.add_prompt_logprobs(output.prompt_logprobs)
+        completions.add_pooled(output.pooled)
         constrained = [rid for rid in output.sampled if rid in self.grammars and self.scheduler.get_request(rid) is not None]
         # A speculating request may append several tokens (engine/sampling/speculative.py).
         before = {rid: r.num_output_tokens for rid in output.extra_tokens if (r := self.scheduler.get_request(rid))}
@@ -421,6 +450,11 @@ class EngineCore:
                 outputs.append(completions.final_output(completion, token_ids, delta.text, logprobs, now, delta.stop_str))
             else:
                 outputs.append(completions.output(completion, token_ids, delta.text, logprobs, now))
+        for request_id in finished - output.sampled.keys():
+            # An embedding request ends with its prompt, its vector pooled.
+            completion = completions.get(request_id)
+            if completion is not None and completion.pooled is not None:
+                outputs.append(completions.final_output(completion, (), "", (), now))
         self._end_failed()
         return outputs
 
@@ -448,3 +482,13 @@ class EngineCore:
                 continue
             for sibling in self._held_siblings.pop(completion.parent_id, ()):
                 self.scheduler.add_request(sibling)
+
+
+def _check_embeds(config: EngineConfig, loaded: LoadedModel) -> None:
+    """Refuse an embedding model where its hidden states cannot be had:
+    tensor parallelism (the ranks' LM-head collectives would no longer
+    match) and the transformers fallback (its forward gives logits only)."""
+    if config.tensor_parallel_size > 1:
+        raise ValueError("--task embed runs with tensor_parallel_size 1 only")
+    if type(loaded.model).__name__ == "TransformersForCausalLM":
+        raise ValueError(f"--task embed needs a natively run model; {loaded.name} runs on the transformers fallback")

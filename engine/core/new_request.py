@@ -21,6 +21,7 @@ from typing import Any
 import attrs
 
 from trioserve.engine.errors import InvalidRequestError
+from trioserve.engine.sampling.pooling import Pooling, PoolingParams
 from trioserve.engine.sampling.sampling_params import SamplingParams
 from trioserve.engine.text.tokenizer import check_text
 
@@ -101,6 +102,11 @@ class RequestInput:
     prompt: Prompt = attrs.field(converter=as_prompt)
     params: SamplingParams = attrs.field(factory=SamplingParams, validator=_sampling_params)
     priority: int = attrs.field(default=0, validator=_priority)
+    # An embedding request (``Engine.embed``): its prompt's pooled hidden
+    # states instead of generated tokens; None generates.
+    pooling: PoolingParams | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.instance_of(PoolingParams))
+    )
 
     @property
     def is_chat(self) -> bool:
@@ -122,6 +128,9 @@ class NewRequest:
     prompt_token_ids: tuple[int, ...] = attrs.field(converter=tuple)
     params: SamplingParams = attrs.field(validator=attrs.validators.instance_of(SamplingParams))
     priority: int = attrs.field(default=0, validator=_priority)
+    # An embedding request's pooling, resolved against the model
+    # (``EngineCore.validate``); None generates.
+    pooling: Pooling | None = None
 
     @prompt_token_ids.validator
     def _check_prompt(self, _attribute: object, value: tuple[int, ...]) -> None:

@@ -25,6 +25,7 @@ from trioserve.engine.core.sequence import FinishReason, Request
 from trioserve.engine.faults import Fault
 from trioserve.engine.plugins import PluginError
 from trioserve.engine.sampling.grammar import GrammarMatchers
+from trioserve.engine.sampling.pooling import ChunkPooled, PooledState
 from trioserve.engine.sampling.prompt_logprobs import ChunkPromptLogprobs, PromptLogprob
 from trioserve.engine.sampling.sampler import TokenLogprobs
 from trioserve.engine.text.detokenizer import DetokenizerDelta, IncrementalDetokenizer
@@ -48,6 +49,8 @@ class Completion:
     # asked); reported once, with the first output once all are in.
     prompt_logprobs: list[PromptLogprob] = attrs.field(factory=list)
     prompt_logprobs_reported: bool = False
+    # An embedding request's pooled rows so far (engine/sampling/pooling.py).
+    pooled: PooledState | None = None
 
     def add_prompt_logprobs(self, scored: ChunkPromptLogprobs) -> None:
         """Keep a chunk's prompt logprobs. A chunk recomputed after a
@@ -142,6 +145,13 @@ class OutputProcessor:
             if completion is not None:
                 completion.add_prompt_logprobs(chunk)
 
+    def add_pooled(self, shares: Mapping[str, ChunkPooled]) -> None:
+        """Add a step's pooled rows to their embedding requests."""
+        for sequence_id, share in shares.items():
+            completion = self._completions.get(sequence_id)
+            if completion is not None and completion.pooled is not None:
+                completion.pooled.add(share)
+
     def step_started(self, ended: list[Request], plan: SchedulerOutput, now: float) -> list[RequestOutput]:
         """Note which completions ``plan`` scheduled for the first time or
         preempted; return the final outputs of those in ``ended`` (ended
@@ -221,6 +231,9 @@ class OutputProcessor:
     ) -> RequestOutput:
         request = completion.request
         prompt_logprobs = completion.take_prompt_logprobs() if token_ids else None
+        embedding = None
+        if reason is FinishReason.STOP and completion.pooled is not None:
+            embedding = completion.pooled.embedding()
         return RequestOutput(
             request_id=completion.parent_id,
             index=completion.index,
@@ -242,6 +255,7 @@ class OutputProcessor:
             ),
             prompt_logprobs=prompt_logprobs,
             prompt_token_ids=None if prompt_logprobs is None else tuple(request.prompt_token_ids),
+            embedding=embedding,
         )
 
     # -- failures -----------------------------------------------------------------

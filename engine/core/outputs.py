@@ -35,6 +35,8 @@ class RequestOutput:
     the request asked for them, the first output with a token carries them,
     one per prompt token after the first (position 1 on), and
     ``prompt_token_ids`` (all of them, so the first is known too).
+    ``embedding``: an embedding request's vector, on its final output
+    when it finished with its prompt computed (``FinishReason.STOP``).
     """
 
     request_id: str
@@ -50,6 +52,7 @@ class RequestOutput:
     times: RequestTimes
     prompt_logprobs: tuple[PromptLogprob, ...] | None = None
     prompt_token_ids: tuple[int, ...] | None = None
+    embedding: tuple[float, ...] | None = None
 
     @property
     def finished(self) -> bool:

@@ -333,6 +333,10 @@ class Scheduler:
             )
             if not chunk.samples:
                 request.num_computed_tokens += chunk.num_tokens
+                if request.pooling is not None and request.num_computed_tokens == request.num_tokens:
+                    # An embedding request ends with its prompt: its vector is pooled.
+                    self._finish(request, FinishReason.STOP)
+                    finished.append(request)
                 continue
             if request.request_id not in sampled:
                 raise ValueError(f"no sampled token for request {request.request_id!r}, whose chunk samples")

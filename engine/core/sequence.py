@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
+from trioserve.engine.sampling.pooling import Pooling
 from trioserve.engine.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -63,6 +64,9 @@ class Request:
     # Speculative decoding: the most tokens the next proposal may have, set
     # from how many of the last one were accepted (None: the proposer's k).
     draft_limit: int | None = None
+    # An embedding request (engine/sampling/pooling.py): it finishes once its
+    # prompt is computed, with its hidden states pooled, and samples nothing.
+    pooling: Pooling | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -104,6 +108,7 @@ def completion_requests(new: NewRequest, eos_token_ids: tuple[int, ...], arrival
                 eos_token_ids=eos_token_ids,
                 priority=new.priority,
                 arrival_time=arrival_time,
+                pooling=new.pooling,
             )
         )
     return requests

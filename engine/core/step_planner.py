@@ -130,7 +130,10 @@ class StepPlanner:
             # Prompt logprobs need logits at every prompt position, which a
             # prefix-cache hit would skip: such a request computes its whole
             # prompt (no token ids: no lookup). Its blocks are still cached.
-            lookup = request.all_token_ids if request.sampling_params.prompt_logprobs is None else ()
+            # So do mean and CLS embeddings (engine/sampling/pooling.py),
+            # which need every position's hidden state.
+            pools_all = request.pooling is not None and request.pooling.method.needs_every_position
+            lookup = request.all_token_ids if request.sampling_params.prompt_logprobs is None and not pools_all else ()
             admissions.append(KVAllocation(request.request_id, 0, num_tokens, lookup))
             num_seqs += 1
             self.tokens -= num_tokens

@@ -322,11 +322,13 @@ class LlamaForCausalLM(nn.Module):
         isa = next(name for name, index in NATIVE_ISAS.items() if index == made.decode.isa)
         return compressed_on_cpu(isa, self.batch_invariant)
 
-    def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, kv_cache: KVCache, *, normed_hidden: bool = False) -> torch.Tensor:
         """Run ``batch``, writing its keys and values into ``kv_cache``.
 
         Returns float32 logits ``[len(batch.logits_indices), vocab_size]``,
-        one row per entry of ``logits_indices``, in that order.
+        one row per entry of ``logits_indices``, in that order; with
+        ``normed_hidden``, those rows' final hidden states after the final
+        norm instead (embeddings pool them; ``head_logits`` gives their logits).
         """
         made = self._projections()
         rotary = [r.cos_sin(batch.positions) for r in self.rotaries]
@@ -353,7 +355,13 @@ class LlamaForCausalLM(nn.Module):
             hidden = self._decoder_layers(hidden, made, rotary, kv_cache, slots, meta, attend, window)
         hidden = hidden.index_select(0, batch.logits_indices)
         hidden = F.rms_norm(hidden, (hidden.shape[-1],), self.norm, self.config.rms_norm_eps)
+        if normed_hidden:
+            return hidden
         return self.lm_logits(hidden, made)
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of final-normed rows (``forward(..., normed_hidden=True)``)."""
+        return self.lm_logits(hidden, self._projections())
 
     def forward_decode(
         self,

@@ -13,6 +13,7 @@ from trioserve.engine.runtime.cuda_graphs import DecodeGraphs
 from trioserve.engine.layers.forward_batch import ForwardBatch, SeqChunk
 from trioserve.engine.layers.kv_cache import KVCache
 from trioserve.engine.plugins import PluginError
+from trioserve.engine.sampling.pooling import ChunkPooled, pool_rows
 from trioserve.engine.sampling.prompt_logprobs import ChunkPromptLogprobs, prompt_logprobs
 from trioserve.engine.sampling.sampler import Sampler, TokenLogprobs
 from trioserve.engine.runtime.step_plan import StepPlan
@@ -38,16 +39,21 @@ class RunnerOutput:
     # The prompt logprobs of the chunks that asked for them
     # (``ScheduledChunk.prompt_targets``).
     prompt_logprobs: Mapping[str, ChunkPromptLogprobs] = attrs.field(factory=dict)
+    # Embedding chunks' shares of their vectors (engine/sampling/pooling.py).
+    pooled: Mapping[str, ChunkPooled] = attrs.field(factory=dict)
 
 
 @attrs.frozen(eq=False)
 class StepLogits:
     """A step whose forward has run: its plan and the logits of its sampling
     chunks (None when it had no chunks). Lives on the step's thread (or in
-    the worker process) between ``forward_step`` and ``sample_step``."""
+    the worker process) between ``forward_step`` and ``sample_step``.
+    A plan with embedding chunks has them pooled already (``pooled``) and
+    left out of ``plan``."""
 
     plan: StepPlan
     logits: torch.Tensor | None
+    pooled: Mapping[str, ChunkPooled] = attrs.field(factory=dict)
 
 
 @attrs.define
@@ -92,7 +98,33 @@ class ModelRunner:
         if not plan.chunks:
             return StepLogits(plan, None)
         with torch.inference_mode(), self._attention_backends():
+            if any(chunk.pooling is not None for chunk in plan.chunks):
+                return self._forward_pooling(plan)
             return StepLogits(plan, self.forward(plan))
+
+    def _forward_pooling(self, plan: StepPlan) -> StepLogits:
+        # The forward hands out final hidden states, not logits: the
+        # embedding chunks pool theirs, the others' go through the LM head.
+        # The step then goes on as the plan without the embedding chunks.
+        chunks = [
+            SeqChunk(chunk.token_ids, chunk.start, chunk.block_ids, chunk.num_logits, chunk.window_block_ids)
+            for chunk in plan.chunks
+        ]
+        batch = ForwardBatch.build(chunks, block_size=self.block_size, device=self.device)
+        hidden = self.model(batch, self.kv_cache, normed_hidden=True)
+        pooled, keep, rest, offset = {}, [], [], 0
+        for chunk in plan.chunks:
+            n = chunk.num_logits
+            if chunk.pooling is None:
+                keep.extend(range(offset, offset + n))
+                rest.append(chunk)
+            elif (share := pool_rows(chunk.pooling, chunk.start, hidden[offset : offset + n].float())) is not None:
+                pooled[chunk.request_id] = share
+            offset += n
+        logits = None
+        if keep:
+            logits = self.model.head_logits(hidden[torch.tensor(keep, dtype=torch.int64, device=hidden.device)])
+        return StepLogits(attrs.evolve(plan, chunks=tuple(rest)), logits if rest else None, pooled)
 
     def sample_step(self, step: StepLogits, token_mask: TokenMask | None) -> RunnerOutput:
         """The second half of ``execute``: sample the step's tokens, the rows
@@ -104,15 +136,21 @@ class ModelRunner:
             with torch.inference_mode():
                 logits, prompt = _split_prompt_logits(plan, logits)
         if logits is None or not rows:
-            return RunnerOutput(sampled={}, logprobs={}, prompt_logprobs=prompt)
+            return RunnerOutput(sampled={}, logprobs={}, prompt_logprobs=prompt, pooled=step.pooled)
         with torch.inference_mode():
             if any(chunk.num_draft_tokens for chunk in plan.chunks):
-                return attrs.evolve(self._sample_speculating(plan, logits, token_mask), prompt_logprobs=prompt)
+                return attrs.evolve(
+                    self._sample_speculating(plan, logits, token_mask), prompt_logprobs=prompt, pooled=step.pooled
+                )
             result = self.sampler.sample(logits, rows, token_mask)
         ids = [row.request_id for row in rows]
         logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs) if lp is not None}
         return RunnerOutput(
-            sampled=dict(zip(ids, result.token_ids)), logprobs=logprobs, failed=result.failed, prompt_logprobs=prompt
+            sampled=dict(zip(ids, result.token_ids)),
+            logprobs=logprobs,
+            failed=result.failed,
+            prompt_logprobs=prompt,
+            pooled=step.pooled,
         )
 
     def _sample_speculating(self, plan: StepPlan, logits: torch.Tensor, token_mask: TokenMask | None) -> RunnerOutput:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import attrs
 
+from trioserve.engine.sampling.pooling import Pooling
 from trioserve.engine.sampling.rows import SamplingRow, TokenMask
 
 
@@ -36,6 +37,9 @@ class ScheduledChunk:
     tokens that follow the chunk's first ``len(prompt_targets)`` positions;
     the step then wants logits at every position and reports each target's
     logprob with the top ``prompt_logprobs`` tokens of its position.
+    ``pooling``: for an embedding request (engine/sampling/pooling.py), which
+    never samples, how its final hidden states pool; the step keeps the
+    chunk's last ``num_pooled`` rows of them instead of logits.
     """
 
     request_id: str
@@ -47,6 +51,8 @@ class ScheduledChunk:
     window_block_ids: tuple[int, ...] | None = None
     prompt_targets: tuple[int, ...] = ()
     prompt_logprobs: int = 0
+    pooling: Pooling | None = None
+    num_pooled: int = 0
 
     @property
     def draft_token_ids(self) -> tuple[int, ...]:
@@ -56,7 +62,9 @@ class ScheduledChunk:
     def num_logits(self) -> int:
         """Logit rows the step needs: one per verified position, or every
         position for prompt logprobs (the targets' rows first, the sampled
-        row last)."""
+        row last), or the rows an embedding request pools."""
+        if self.pooling is not None:
+            return self.num_pooled
         if self.prompt_targets:
             return self.num_tokens
         return 1 + self.num_draft_tokens if self.sampling is not None else 0
