@@ -99,6 +99,14 @@ def add_engine_options(parser: argparse.ArgumentParser, *, several_models: bool 
     )
 
     add = recording(option_group(parser, "engine"), actions)
+    add(
+        "--task",
+        default="auto",
+        choices=["auto", "generate", "embed"],
+        help="what the model serves: generate (the completions APIs) or embed (/v1/embeddings, its hidden "
+        "states pooled as its sentence-transformers config says, else last token, normalised); auto embeds "
+        "for a sentence-transformers folder (default: auto)",
+    )
     add("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when present)")
     add("--block-size", type=int, default=16, help="tokens per KV cache block, the prefix cache's unit (default: 16)")
     add(
@@ -304,6 +312,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConf
         kv_cache_dtype=args.kv_cache_dtype,
         batch_invariant=args.batch_invariant,
         generation_config=args.generation_config,
+        task=args.task,
     )
     fields.update(overrides)
     config = EngineConfig(**fields)

@@ -18,6 +18,7 @@ from trioserve.engine.text.tokenizer import apply_chat_template
 
 from . import anthropic_api, batches_api, chat_page, completions, files_api, openai_responses_api, request_ids
 from .body import body_left_unread, read_body, request_json
+from .embeddings_api import create_embedding
 from .errors import ApiError, AuthenticationError, InternalError, InvalidRequest, NotFoundError, log_unexpected
 from .fields import invalid
 from .health import health_report
@@ -48,6 +49,7 @@ def register(app: Quart) -> None:
     app.before_request(check_api_key_and_read_body)
     app.add_url_rule("/v1/completions", view_func=completions.create_completion, methods=["POST"])
     app.add_url_rule("/v1/chat/completions", view_func=completions.create_chat_completion, methods=["POST"])
+    app.add_url_rule("/v1/embeddings", view_func=create_embedding, methods=["POST"])
     app.add_url_rule("/v1/models", view_func=list_models, methods=["GET"])
     app.add_url_rule("/health", view_func=health, methods=["GET"])
     app.add_url_rule("/metrics", view_func=metrics, methods=["GET"])
