@@ -157,18 +157,34 @@ class _Wide:
         return cls(lambda parts, bias: kernel.make(_cat(parts), bias, choice.group_size), kernel.what)
 
 
+# Values requantized at once by _int8_groups: a chunk's float32 temporaries
+# (a few times 4 bytes a value) stay in a core's cache.
+_REGROUP_VALUES = 1 << 16
+
+
 def _int8_groups(parts: list[Tensor]) -> Int8GroupWeight:
     """Matrices stacked by rows as int8 in groups of 32: one stored in such
     groups taken as it is, any other rounded into them from its values (a
-    group's largest magnitude to 127)."""
-    grouped = [
-        p if isinstance(p, Int8GroupWeight) and p.group_size == int8_native.GROUP
-        else quantize_int8_groups(p if isinstance(p, torch.Tensor) else p.dequantize(), int8_native.GROUP)
-        for p in parts
-    ]
-    return Int8GroupWeight(
-        torch.cat([g.q for g in grouped]).contiguous(), torch.cat([g.scale for g in grouped]).contiguous(), int8_native.GROUP
-    )
+    group's largest magnitude to 127). Each row is rounded on its own, so
+    the rows go a chunk at a time, written into the result as they come."""
+    rows = [p.shape[0] if isinstance(p, torch.Tensor) else p.q.shape[0] for p in parts]
+    k = parts[0].shape[1] if isinstance(parts[0], torch.Tensor) else parts[0].q.shape[1]
+    check_group_size((sum(rows), k), int8_native.GROUP)
+    q = torch.empty(sum(rows), k, dtype=torch.int8)
+    scale = torch.empty(sum(rows), k // int8_native.GROUP)
+    at, step = 0, max(1, _REGROUP_VALUES // k)
+    for part, n in zip(parts, rows):
+        if isinstance(part, Int8GroupWeight) and part.group_size == int8_native.GROUP:
+            q[at : at + n], scale[at : at + n] = part.q, part.scale
+        else:
+            for start in range(0, n, step):
+                chunk = _rows(part, slice(start, start + step))
+                dense = chunk if isinstance(chunk, torch.Tensor) else chunk.dequantize()
+                done = quantize_int8_groups(dense, int8_native.GROUP)
+                first, end = at + start, at + start + done.q.shape[0]
+                q[first:end], scale[first:end] = done.q, done.scale
+        at += n
+    return Int8GroupWeight(q, scale, int8_native.GROUP)
 
 
 def _build_layer(
@@ -356,7 +372,7 @@ def _in_native_groups(tensor: Tensor) -> Tensor:
     groups of 32, which the native Q8_0 kernel runs (one more rounding: a
     group's largest value to 127); anything else as it is."""
     if isinstance(tensor, Int8GroupWeight) and tensor.group_size != int8_native.GROUP:
-        return regroup_int8(tensor, int8_native.GROUP)
+        return regroup_int8(tensor, int8_native.GROUP, rows_at_once=max(1, _REGROUP_VALUES // tensor.q.shape[1]))
     return tensor
 
 

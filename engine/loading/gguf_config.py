@@ -54,26 +54,25 @@ _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 def read_metadata(path: Path) -> tuple[dict[str, Any], dict[str, list[float]]]:
     """The GGUF's metadata (scalars and arrays, by key; its tensors' names
     under ``"tensors"``), and its rotary factor tables
-    (``rope_factors_long``/``_short``, ``rope_freqs``) as lists."""
+    (``rope_factors_long``/``_short``, ``rope_freqs``) as lists. Read from
+    the header alone (``gguf_file``): of the tokenizer's keys only its
+    special ids (native_config's) are kept."""
     import gguf
 
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as exc:  # gguf raises ValueError, struct.error, OSError...
-        raise ModelLoadError(f"{path}: not a readable GGUF model: {type(exc).__name__}: {exc}") from None
-    metadata = {}
-    for key, field in reader.fields.items():
-        # Of the tokenizer's keys only its special ids (native_config's).
-        if (key.startswith("tokenizer.") and not key.endswith("_token_id")) or key.startswith("GGUF."):
-            continue
-        try:
-            metadata[key] = field.contents()
-        except Exception:  # noqa: BLE001 - a key we cannot parse is one we do not use
-            continue
-    metadata["tensors"] = [t.name for t in reader.tensors]
+    from trioserve.engine.loading.gguf_file import GGUFFile
+
+    file = GGUFFile(path, want_strings=lambda key: not key.startswith("tokenizer."))
+    metadata = {
+        key: value
+        for key, value in file.fields.items()
+        if not (key.startswith("tokenizer.") and not key.endswith("_token_id")) and value is not None
+    }
+    metadata["tensors"] = [t.name for t in file.tensors]
     tables = {
-        t.name.removesuffix(".weight"): [float(x) for x in gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1)]
-        for t in reader.tensors
+        t.name.removesuffix(".weight"): [
+            float(x) for x in gguf.quants.dequantize(file.data(t), gguf.GGMLQuantizationType[t.type_name]).reshape(-1)
+        ]
+        for t in file.tensors
         if t.name.startswith("rope_")
     }
     return metadata, tables

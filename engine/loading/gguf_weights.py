@@ -25,6 +25,11 @@ come out one expert at a time under the Hub's per-expert names (Qwen3-MoE's
 ``block_sparse_moe.experts.E.w1``), each decoded from its own rows of the
 file, so no layer's experts are ever decoded whole; the router
 (``ffn_gate_inp``) as ``mlp.gate`` (``block_sparse_moe.gate``).
+
+Start-up reads the file once: the header without parsing the vocabulary
+(``gguf_file``), each tensor's bytes from the mapped file when the model
+reaches it, decoded a chunk of rows at a time (``by_rows``: numpy over the
+blocks, the chunk's temporaries in cache) into the result's rows.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import torch
 
 from trioserve.engine.errors import ModelLoadError
 from trioserve.engine.kernels import mxfp4
+from trioserve.engine.loading.gguf_file import GGUFFile
 from trioserve.engine.kernels.rtn import Int4Weight, Int8GroupWeight, quantize_int8_groups
 
 Compressed = Int4Weight | Int8GroupWeight
@@ -140,14 +146,16 @@ def expert_name(gguf_name: str, arch: str) -> str | None:
     return f"model.layers.{match.group(1)}.{block}.experts.{{expert}}.{parts[stacked.group(1)]}.{stacked.group(2)}"
 
 
-def _fp16(blocks: np.ndarray, at: int) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(blocks[..., at : at + 2]).view(np.float16)[..., 0].astype(np.float32))
+def _half(blocks: np.ndarray, at: int) -> np.ndarray:
+    """Each block's float16 at byte ``at``, as float32 ``[rows, blocks]``."""
+    return blocks[..., at : at + 2].view(np.float16)[..., 0].astype(np.float32)
 
 
-def _nibbles(qs: np.ndarray) -> torch.Tensor:
-    """Each block's 16 bytes as its 32 values: low nibbles first, then high."""
-    q = torch.from_numpy(np.ascontiguousarray(qs))
-    return torch.cat([q & 0x0F, q >> 4], dim=-1)
+def _nibbles(qs: np.ndarray, into: np.ndarray) -> None:
+    """Each block's 16 bytes ``qs`` (``[..., 16]``) as its 32 values into
+    ``into`` (``[..., 2, 16]``): low nibbles first, then high."""
+    np.bitwise_and(qs, 0x0F, out=into[..., 0, :])
+    np.right_shift(qs, 4, out=into[..., 1, :])
 
 
 def decode_q4(kind: str, data: np.ndarray) -> Int4Weight:
@@ -155,10 +163,21 @@ def decode_q4(kind: str, data: np.ndarray) -> Int4Weight:
     size = 18 if kind == "Q4_0" else 20
     out = data.shape[0]
     blocks = data.reshape(out, -1, size)
-    d = _fp16(blocks, 0)
-    zero = _fp16(blocks, 2) + 8 * d if kind == "Q4_1" else torch.zeros_like(d)
-    q = _nibbles(blocks[..., size - 16 :])
-    return Int4Weight(q.reshape(out, -1), d, zero, GROUP)
+    d = _half(blocks, 0)
+    zero = _half(blocks, 2) + 8 * d if kind == "Q4_1" else np.zeros_like(d)
+    q = np.empty((out, blocks.shape[1], 2, 16), dtype=np.uint8)
+    _nibbles(blocks[..., size - 16 :], q)
+    return Int4Weight(torch.from_numpy(q.reshape(out, -1)), torch.from_numpy(d), torch.from_numpy(zero), GROUP)
+
+
+def _k_scale_min(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A K-quant block's 12 bytes of 6-bit ``(sc, min)`` pairs (``[..., 12]``)
+    as its 8 scales and 8 minimums (gguf-py's ``Q4_K.get_scale_min``, over
+    every block at once)."""
+    d, m, m_d = (packed[..., 4 * i : 4 * i + 4] for i in range(3))
+    sc = np.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mins = np.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc, mins
 
 
 def decode_q4_k(data: np.ndarray) -> Int4Weight:
@@ -168,30 +187,39 @@ def decode_q4_k(data: np.ndarray) -> Int4Weight:
     its first sub-block, the high ones its second); a value is
     ``q d sc - dmin min``, each sub-block's step ``d sc`` and offset
     ``dmin min`` the float32 products the reference computes."""
-    import gguf
-
     out = data.shape[0]
     blocks = data.reshape(out, -1, 144)
-    d, dmin = _fp16(blocks, 0), _fp16(blocks, 2)
-    sc, mins = gguf.quants.Q4_K.get_scale_min(np.ascontiguousarray(blocks[..., 4:16]).reshape(-1, 12))
-    scale = d[..., None] * torch.from_numpy(sc.astype(np.float32)).view(*d.shape, 8)
-    offset = dmin[..., None] * torch.from_numpy(mins.astype(np.float32)).view(*d.shape, 8)
-    qs = torch.from_numpy(np.ascontiguousarray(blocks[..., 16:])).view(out, -1, 4, 32)
-    q = torch.stack([qs & 0x0F, qs >> 4], dim=3)  # [out, blocks, chunk, low/high, 32]
-    scale, offset = scale.reshape(out, -1), offset.reshape(out, -1)
-    return Int4Weight(q.reshape(out, -1), scale, 8 * scale - offset, GROUP)
+    n = blocks.shape[1]
+    sc, mins = _k_scale_min(blocks[..., 4:16])
+    scale = _half(blocks, 0)[..., None] * sc.astype(np.float32)  # [out, n, 8]
+    zero = 8 * scale - _half(blocks, 2)[..., None] * mins.astype(np.float32)
+    chunks = blocks[..., 16:].reshape(out, n, 4, 32)
+    q = np.empty((out, n, 4, 2, 32), dtype=np.uint8)  # [out, blocks, chunk, low/high, 32]
+    np.bitwise_and(chunks, 0x0F, out=q[..., 0, :])
+    np.right_shift(chunks, 4, out=q[..., 1, :])
+    return Int4Weight(
+        torch.from_numpy(q.reshape(out, -1)), torch.from_numpy(scale.reshape(out, -1)),
+        torch.from_numpy(zero.reshape(out, -1)), GROUP,
+    )  # fmt: skip
 
 
 def decode_q5_0(data: np.ndarray) -> Int8GroupWeight:
     """Q5_0 rows (``[out, blocks * 22]`` uint8) as an ``Int8GroupWeight``:
-    ``(q - 16) d`` per block of 32, ``q``'s fifth bit from the block's 32-bit mask."""
+    ``(q - 16) d`` per block of 32, ``q``'s fifth bit from the block's 32-bit
+    mask (little-endian: value ``j``'s is bit ``j``)."""
     out = data.shape[0]
     blocks = data.reshape(out, -1, 22)
-    d = _fp16(blocks, 0)
-    high = np.ascontiguousarray(blocks[..., 2:6]).view(np.uint32)  # [out, blocks, 1]
-    high = ((high >> np.arange(GROUP, dtype=np.uint32)) & 1).astype(np.uint8)
-    q = _nibbles(blocks[..., 6:]) | torch.from_numpy(high << 4)
-    return Int8GroupWeight((q.to(torch.int8) - 16).reshape(out, -1), d, GROUP)
+    n = blocks.shape[1]
+    q = np.empty((out, n, 2, 16), dtype=np.uint8)
+    _nibbles(blocks[..., 6:], q)
+    high = np.unpackbits(blocks[..., 2:6], axis=-1, bitorder="little").reshape(q.shape)
+    q |= high << 4
+    q -= 16  # 0..31 to -16..15, read as int8 below
+    return Int8GroupWeight(torch.from_numpy(q.view(np.int8).reshape(out, -1)), torch.from_numpy(_half(blocks, 0)), GROUP)
+
+
+_Q6_LOW_SHIFTS = np.array([0, 4], dtype=np.uint8).reshape(2, 1)
+_Q6_HIGH_SHIFTS = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)
 
 
 def decode_q6_k(data: np.ndarray) -> Int8GroupWeight:
@@ -204,14 +232,16 @@ def decode_q6_k(data: np.ndarray) -> Int8GroupWeight:
     out = data.shape[0]
     blocks = data.reshape(out, -1, 210)
     n = blocks.shape[1]
-    low = np.ascontiguousarray(blocks[..., :128]).reshape(out, n, 2, 1, 64)
-    low = (low >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)) & 0x0F  # [out, n, half, 2, 64]
-    high = np.ascontiguousarray(blocks[..., 128:192]).reshape(out, n, 2, 1, 32)
-    high = (high >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)) & 0x03  # [out, n, half, 4, 32]
-    q = (low.reshape(out, n, 256) | (high.reshape(out, n, 256) << 4)).astype(np.int8) - np.int8(32)
-    sc = torch.from_numpy(np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).astype(np.float32))
-    scale = _fp16(blocks, 208)[..., None] * sc  # [out, n, 16]
-    return Int8GroupWeight(torch.from_numpy(q.reshape(out, -1)), scale.reshape(out, -1), 16)
+    q = np.empty((out, n, 2, 2, 64), dtype=np.uint8)  # [out, n, half, low/high nibble, 64]
+    np.right_shift(blocks[..., :128].reshape(out, n, 2, 1, 64), _Q6_LOW_SHIFTS, out=q)
+    q &= 0x0F
+    high = np.right_shift(blocks[..., 128:192].reshape(out, n, 2, 1, 32), _Q6_HIGH_SHIFTS)  # [out, n, half, 4, 32]
+    high &= 0x03
+    high <<= 4
+    q |= high.reshape(q.shape)
+    q -= 32  # 0..63 to -32..31, read as int8 below
+    scale = _half(blocks, 208)[..., None] * blocks[..., 192:208].view(np.int8).astype(np.float32)  # [out, n, 16]
+    return Int8GroupWeight(torch.from_numpy(q.view(np.int8).reshape(out, -1)), torch.from_numpy(scale.reshape(out, -1)), 16)
 
 
 def requantize_int8(kind: str, data: np.ndarray) -> Int8GroupWeight:
@@ -223,30 +253,42 @@ def requantize_int8(kind: str, data: np.ndarray) -> Int8GroupWeight:
     return quantize_int8_groups(torch.from_numpy(np.ascontiguousarray(dense)), GROUP)
 
 
-def by_rows(decode: Callable[[np.ndarray], Compressed], data: np.ndarray, rows_at_once: int = 4096) -> Compressed:
-    """``decode(data)``, ``rows_at_once`` rows of blocks at a time: a
-    vocabulary's table (151,936 rows for Qwen2.5) decoded whole would pass
-    through several bytes a value of temporaries (float32 ones for Q5_1 and
-    Q5_K), where the result holds one."""
-    if data.shape[0] <= rows_at_once:
-        return decode(data)
-    parts = [decode(data[i : i + rows_at_once]) for i in range(0, data.shape[0], rows_at_once)]
-    first = parts[0]
+# The block bytes decoded at once (by_rows): a chunk's values and
+# temporaries (a few bytes a value) stay in a core's cache, so each byte of
+# the file is read from memory once and each value written once.
+_CHUNK_BYTES = 1 << 20
+
+
+def by_rows(decode: Callable[[np.ndarray], Compressed], data: np.ndarray, rows_at_once: int | None = None) -> Compressed:
+    """``decode(data)``, ``rows_at_once`` rows of blocks at a time (by
+    default ``_CHUNK_BYTES`` of them), each part written into the result's
+    rows as it is decoded: a vocabulary's table (151,936 rows for Qwen2.5)
+    decoded whole would pass through several bytes a value of temporaries
+    (float32 ones for Q5_1 and Q5_K), where the result holds one."""
+    out = data.shape[0]
+    if rows_at_once is None:
+        rows_at_once = max(1, _CHUNK_BYTES // max(1, data[:1].nbytes))
+    first = decode(data[:rows_at_once])
+    if out <= rows_at_once:
+        return first
+    parts = (first.q, first.scale, first.zero) if isinstance(first, Int4Weight) else (first.q, first.scale)
+    whole = [torch.empty((out, *p.shape[1:]), dtype=p.dtype) for p in parts]
+    for start in range(0, out, rows_at_once):
+        part = first if start == 0 else decode(data[start : start + rows_at_once])
+        got = (part.q, part.scale, part.zero) if isinstance(part, Int4Weight) else (part.q, part.scale)
+        for into, value in zip(whole, got):
+            into[start : start + rows_at_once] = value
     if isinstance(first, Int4Weight):
-        return Int4Weight(
-            torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
-            torch.cat([p.zero for p in parts]), first.group_size,  # type: ignore[union-attr]
-        )
-    return Int8GroupWeight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]), first.group_size)
+        return Int4Weight(whole[0], whole[1], whole[2], first.group_size)
+    return Int8GroupWeight(whole[0], whole[1], first.group_size)
 
 
 def decode_q8_0_blocks(data: np.ndarray) -> Int8GroupWeight:
     """Q8_0 rows (``[out, blocks * 34]`` uint8) as an ``Int8GroupWeight``: ``q * d`` per block of 32."""
     out = data.shape[0]
     blocks = data.reshape(out, -1, 34)
-    d = _fp16(blocks, 0)
-    q = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8))
-    return Int8GroupWeight(q.reshape(out, -1), d, GROUP)
+    q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8)
+    return Int8GroupWeight(torch.from_numpy(q.reshape(out, -1)), torch.from_numpy(_half(blocks, 0)), GROUP)
 
 
 def decode_q8_0(data: np.ndarray) -> torch.Tensor:
@@ -276,24 +318,36 @@ def _unpermute(weight: torch.Tensor | Compressed, heads: int) -> torch.Tensor | 
 def _check_scales(path: Path, name: str, kind: str, weight: Compressed) -> None:
     """Raise ``ModelLoadError`` naming tensor ``name`` when ``weight``'s
     scales are not finite, or a 4-bit group's step or offset does not fit
-    in float16: either would come out of every matmul as inf or NaN."""
-    parts = (weight.scale, weight.zero) if isinstance(weight, Int4Weight) else (weight.scale,)
-    if not all(bool(torch.isfinite(part).all()) for part in parts):
+    in float16: either would come out of every matmul as inf or NaN. Read
+    ``_CHUNK_BYTES`` of scales at a time, each chunk once, while it is in cache."""
+    rows = max(1, _CHUNK_BYTES // max(1, weight.scale[:1].nbytes))
+    finite, largest = True, 0.0
+    for start in range(0, weight.scale.shape[0], rows):
+        scale = weight.scale[start : start + rows]
+        if isinstance(weight, Int4Weight):
+            zero = weight.zero[start : start + rows]
+            finite = finite and bool(torch.isfinite(scale).all()) and bool(torch.isfinite(zero).all())
+            if finite:
+                largest = max(largest, float(scale.abs().max()), float((zero - 8 * scale).abs().max()))
+        else:
+            finite = finite and bool(torch.isfinite(scale).all())
+        if not finite:
+            break
+    if not finite:
         raise ModelLoadError(
             f"{path}: tensor {name!r} ({kind}) has scales that are not finite numbers: the file is damaged"
         )
-    if isinstance(weight, Int4Weight):
-        largest = max(float(weight.scale.abs().max()), float((weight.zero - 8 * weight.scale).abs().max()))
-        if largest > _FLOAT16_MAX:
-            raise ModelLoadError(
-                f"{path}: tensor {name!r} ({kind}) has a group scale of {largest:.4g}, beyond float16's range "
-                f"({_FLOAT16_MAX:g}), which the native 4-bit kernel holds scales in; use --quantization none to "
-                f"dequantize it"
-            )
+    if largest > _FLOAT16_MAX:
+        raise ModelLoadError(
+            f"{path}: tensor {name!r} ({kind}) has a group scale of {largest:.4g}, beyond float16's range "
+            f"({_FLOAT16_MAX:g}), which the native 4-bit kernel holds scales in; use --quantization none to "
+            f"dequantize it"
+        )
 
 
 def _decoded(path: Path, name: str, kind: str, data: np.ndarray) -> torch.Tensor | Compressed:
     """Tensor ``name``'s rows ``data`` of GGUF type ``kind`` as held (the module's docstring)."""
+    data = np.ascontiguousarray(data)  # the decoders view a block's bytes as float16: no copy of the file's rows
     if kind in ("Q4_0", "Q4_1", "Q5_1", "Q5_K"):
         rows_of = decode_q4 if kind.startswith("Q4") else requantize_int8
         value: torch.Tensor | Compressed = by_rows(lambda rows: rows_of(kind, rows), data)
@@ -312,36 +366,32 @@ def _decoded(path: Path, name: str, kind: str, data: np.ndarray) -> torch.Tensor
 
 
 def read_tensors(path: Path, *, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor | Compressed]]:
-    """Yield ``(hf_name, tensor)`` for every tensor of the GGUF at ``path``, one at a time."""
-    import gguf
-
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as exc:  # gguf raises ValueError, struct.error, OSError...
-        raise ModelLoadError(f"{path}: not a readable GGUF file: {type(exc).__name__}: {exc}") from None
-    arch_field = reader.fields.get("general.architecture")
-    arch = bytes(arch_field.parts[-1]).decode() if arch_field is not None else ""
-    for tensor in reader.tensors:
-        per_expert = expert_name(tensor.name, arch)
-        name = hf_name(tensor.name, arch) if per_expert is None else per_expert
+    """Yield ``(hf_name, tensor)`` for every tensor of the GGUF at ``path``,
+    one at a time, each decoded from its bytes in the mapped file
+    (``gguf_file``) when it is reached."""
+    file = GGUFFile(path)
+    arch = file.architecture
+    for info in file.tensors:
+        per_expert = expert_name(info.name, arch)
+        name = hf_name(info.name, arch) if per_expert is None else per_expert
         if name is None:
             continue
-        kind = tensor.tensor_type.name
+        kind = info.type_name
         if kind not in SUPPORTED_TYPES:
             raise ModelLoadError(
-                f"{path}: tensor {tensor.name!r} has GGUF type {kind}, which trioserve cannot load "
+                f"{path}: tensor {info.name!r} has GGUF type {kind}, which trioserve cannot load "
                 f"compressed (supported: {', '.join(SUPPORTED_TYPES)}); use --quantization none to dequantize it"
             )
-        data = np.asarray(tensor.data)
+        data = file.data(info)
         if per_expert is not None:
-            bias = tensor.name.endswith(".bias")
+            bias = info.name.endswith(".bias")
             if data.ndim != (2 if bias else 3):
                 want = "[experts, out]" if bias else "[experts, out, in]"
-                raise ModelLoadError(f"{path}: tensor {tensor.name!r}: expected {want}, got shape {data.shape}")
+                raise ModelLoadError(f"{path}: tensor {info.name!r}: expected {want}, got shape {data.shape}")
             for e in range(data.shape[0]):
-                yield per_expert.format(expert=e), _decoded(path, tensor.name, kind, data[e])
+                yield per_expert.format(expert=e), _decoded(path, info.name, kind, data[e])
             continue
-        value = _decoded(path, tensor.name, kind, data)
+        value = _decoded(path, info.name, kind, data)
         if arch in _PERMUTED and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
             value = _unpermute(value, num_heads if "q_proj" in name else num_kv_heads)
         if arch in _SHIFTED_NORMS and name.endswith("norm.weight"):
