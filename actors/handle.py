@@ -21,6 +21,7 @@ import trio
 
 from trioserve.engine.config import EngineConfig
 from trioserve.engine.core.engine_core import EngineCore
+from trioserve.engine.core.latency_objectives import NO_OBJECTIVES, LatencyObjectives
 from trioserve.engine.core.new_request import RequestInput
 from trioserve.engine.loading.generation_config import SamplingDefaults
 from trioserve.engine.models.projections import ProjectionChoice
@@ -130,6 +131,7 @@ class Engine:
         deadline: float | None = None,
         timeout: float | None = None,
         final_only: bool = False,
+        objectives: LatencyObjectives = NO_OBJECTIVES,
     ) -> AsyncIterator[RequestOutput]:
         """Generate for ``prompt`` (text, token ids or chat messages); yield
         each completion's deltas as they come, coalesced when the reader is
@@ -149,12 +151,14 @@ class Engine:
         any compute and ``RequestShed`` if a request of higher priority took
         its place in the queue (both before any output). Under pressure a
         low-priority request may get a smaller ``max_tokens``
-        (``DegradationPolicy``).
+        (``DegradationPolicy``). ``objectives``: its TTFT / TPOT targets
+        (``LatencyObjectives``); with ``--scheduling-policy slo`` admission
+        predicts against them and refuses what cannot meet them.
 
         The Python API's edge: the arguments become the ``RequestInput``
         whose validators judge them (``submit`` takes one built elsewhere).
         """
-        request = RequestInput(prompt, SamplingParams() if params is None else params, priority)
+        request = RequestInput(prompt, SamplingParams() if params is None else params, priority, objectives=objectives)
         async with self._submitted(request, request_id, deadline, timeout, final_only) as actor:
             while (output := await actor.receive()) is not None:
                 yield output
@@ -238,6 +242,7 @@ class Engine:
         deadline: float | None = None,
         timeout: float | None = None,
         final_only: bool = False,
+        objectives: LatencyObjectives = NO_OBJECTIVES,
     ) -> RequestStream:
         """Like ``generate``, but queue the request now or raise
         ``EngineOverloaded`` (with ``retry_after``) at once. When the queue
@@ -246,7 +251,7 @@ class Engine:
         logprobs are refused first (``ExpensiveRequestRefused``); see
         ``DegradationPolicy``. A structured output not compiled before
         (``prepare``) is compiled here, in the event loop."""
-        request = RequestInput(prompt, SamplingParams() if params is None else params, priority)
+        request = RequestInput(prompt, SamplingParams() if params is None else params, priority, objectives=objectives)
         return self.submit_nowait(request, request_id=request_id, deadline=deadline, timeout=timeout, final_only=final_only)
 
     def submit_nowait(
@@ -297,6 +302,8 @@ class Engine:
         capped = self._degradation.cap(new.params, new.priority, self._admission.pressure)
         if capped is not new.params:
             new = attrs.evolve(new, params=capped)
+        if request.objectives is not new.objectives:
+            new = attrs.evolve(new, objectives=request.objectives)
         if timeout is not None:
             after = trio.current_time() + timeout
             deadline = after if deadline is None else min(deadline, after)

@@ -12,6 +12,7 @@ from typing import Any
 
 import attrs
 
+from trioserve.engine.core.latency_objectives import ObjectiveDefaults
 from trioserve.engine.errors import GenerationConfigError
 from trioserve.engine.model_config import (  # noqa: F401  # re-exported: where callers import them from
     ARCHITECTURE_BY_MODEL_TYPE,
@@ -44,6 +45,11 @@ def _kv_cache_memory(instance: Any, attribute: attrs.Attribute, value: Any) -> N
 
 
 WORKER_MODES = ("thread", "process")
+# The built-in scheduling policies (--scheduling-policy): "priority" runs
+# lower priority values first, first come first served within a class;
+# "slo" orders a class by deadline slack and admission refuses at the
+# door what cannot meet its latency objectives (issue #44).
+SCHEDULING_POLICIES = ("priority", "slo")
 # What the KV cache may store (engine/kernels/kv_dtype_choice.py); "fp8" is e4m3, on CUDA only.
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "fp8")
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -173,6 +179,14 @@ class EngineConfig:
     adaptive_concurrency: bool = False
     target_tpot_ms: float = attrs.field(default=100.0, validator=optional_positive_finite)
     degradation: DegradationPolicy = attrs.field(factory=DegradationPolicy)
+    # Latency objectives (docs/reliability.md, "Latency objectives"): the
+    # scheduling policy (SCHEDULING_POLICIES), and the targets a request that
+    # gives none gets. Only "slo" enforces targets; under "priority" they are
+    # carried and reported as not enforced.
+    scheduling_policy: str = attrs.field(default="priority", validator=attrs.validators.in_(SCHEDULING_POLICIES))
+    slo_defaults: ObjectiveDefaults = attrs.field(
+        factory=ObjectiveDefaults, validator=attrs.validators.instance_of(ObjectiveDefaults)
+    )
     # Seconds a model step may run before the executor declares it hung:
     # its requests fail, their KV blocks are quarantined until it returns,
     # and the next steps run on a fresh thread (docs/reliability.md). As

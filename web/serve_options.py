@@ -28,6 +28,7 @@ from .engine_options import (
     overload_config_from_args,
 )
 from .parsers import REASONING_CHOICES, TOOL_CALL_CHOICES
+from .slo_options import add_slo_options, slo_config_from_args
 from .option_types import count, recording, seconds, size_in_bytes, watchdog_seconds
 from .settings import (
     DEFAULT_BATCH_MAX_IN_FLIGHT,
@@ -164,6 +165,7 @@ def _add_serve_options(parser: argparse.ArgumentParser) -> list[argparse.Action]
     )
     add("--max-queued-tokens", type=int, default=None, help="bound on queued prompt tokens (default: none)")
     actions += add_overload_options(parser)
+    actions += add_slo_options(parser, option_group(parser, "reliability"))
     add(
         "--watchdog-timeout",
         type=watchdog_seconds,
@@ -208,6 +210,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_queued_requests=args.max_queued_requests,
         max_queued_tokens=args.max_queued_tokens,
         **overload_config_from_args(args),
+        **slo_config_from_args(args),
         watchdog_timeout=args.watchdog_timeout or None,  # 0: off
         plugins=args.plugins,
     )

@@ -57,3 +57,47 @@ class LatencyObjectives:
 
 
 NO_OBJECTIVES = LatencyObjectives()
+
+
+def _objective_pairs(value: object) -> tuple:
+    return tuple(sorted(dict(value).items())) if value else ()
+
+
+@attrs.frozen
+class ObjectiveDefaults:
+    """The server's default objectives (``--slo-ttft-ms``, ``--slo-tpot-ms``,
+    ``--slo-class-defaults``, ``--slo-model-defaults``): for a request that
+    leaves a target unset, its priority class's default, else its model's,
+    else the server's. The class is the most specific: an interactive class
+    keeps its tight target whichever model it asks."""
+
+    server: LatencyObjectives = NO_OBJECTIVES
+    # (priority, objectives) pairs; a mapping is taken too.
+    by_priority: tuple[tuple[int, LatencyObjectives], ...] = attrs.field(default=(), converter=_objective_pairs)
+    # (model name, objectives) pairs: the served name or a LoRA adapter's.
+    by_model: tuple[tuple[str, LatencyObjectives], ...] = attrs.field(default=(), converter=_objective_pairs)
+
+    @property
+    def empty(self) -> bool:
+        """No default at all: requests carry only what they give."""
+        return self.server.empty and not self.by_priority and not self.by_model
+
+    def resolve(self, given: LatencyObjectives, *, model: str | None = None, priority: int = 0) -> LatencyObjectives:
+        """``given`` with each target it leaves unset filled from the
+        defaults (class, then model, then server); ``best_effort`` is the
+        request's own."""
+        if given.ttft is not None and given.tpot is not None:
+            return given
+        layers = [dict(self.by_priority).get(priority), dict(self.by_model).get(model), self.server]
+        ttft, tpot = given.ttft, given.tpot
+        for layer in layers:
+            if layer is None:
+                continue
+            ttft = layer.ttft if ttft is None else ttft
+            tpot = layer.tpot if tpot is None else tpot
+        if ttft == given.ttft and tpot == given.tpot:
+            return given
+        return LatencyObjectives(ttft, tpot, given.best_effort)
+
+
+NO_DEFAULTS = ObjectiveDefaults()

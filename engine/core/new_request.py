@@ -20,6 +20,7 @@ from typing import Any
 
 import attrs
 
+from trioserve.engine.core.latency_objectives import NO_OBJECTIVES, LatencyObjectives
 from trioserve.engine.errors import InvalidRequestError
 from trioserve.engine.sampling.pooling import Pooling, PoolingParams
 from trioserve.engine.sampling.sampling_params import SamplingParams
@@ -107,6 +108,11 @@ class RequestInput:
     pooling: PoolingParams | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.instance_of(PoolingParams))
     )
+    # Its latency targets (issue #44): what admission predicts against and
+    # the ``slo`` scheduling policy orders by; NO_OBJECTIVES: none.
+    objectives: LatencyObjectives = attrs.field(
+        default=NO_OBJECTIVES, validator=attrs.validators.instance_of(LatencyObjectives), kw_only=True
+    )
 
     @property
     def is_chat(self) -> bool:
@@ -131,6 +137,8 @@ class NewRequest:
     # An embedding request's pooling, resolved against the model
     # (``EngineCore.validate``); None generates.
     pooling: Pooling | None = None
+    # Its latency targets, as the edge gave them (``RequestInput.objectives``).
+    objectives: LatencyObjectives = attrs.field(default=NO_OBJECTIVES, kw_only=True)
 
     @prompt_token_ids.validator
     def _check_prompt(self, _attribute: object, value: tuple[int, ...]) -> None:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
+from trioserve.engine.core.latency_objectives import NO_OBJECTIVES, LatencyObjectives
 from trioserve.engine.sampling.pooling import Pooling
 from trioserve.engine.sampling.sampling_params import SamplingParams
 
@@ -67,6 +68,9 @@ class Request:
     # An embedding request (engine/sampling/pooling.py): it finishes once its
     # prompt is computed, with its hidden states pooled, and samples nothing.
     pooling: Pooling | None = None
+    # Its latency targets (engine/core/latency_objectives.py): the ``slo``
+    # scheduling policy orders by them; NO_OBJECTIVES: none.
+    objectives: LatencyObjectives = NO_OBJECTIVES
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -109,6 +113,7 @@ def completion_requests(new: NewRequest, eos_token_ids: tuple[int, ...], arrival
                 priority=new.priority,
                 arrival_time=arrival_time,
                 pooling=new.pooling,
+                objectives=new.objectives,
             )
         )
     return requests
