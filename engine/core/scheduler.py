@@ -33,6 +33,11 @@ there), and admission refuses a prompt beyond that cap. So the
 highest-priority running request always fits once every other is preempted,
 and when nothing runs the head waiting request fits the empty pool.
 
+A policy may also cut a step's token budget (``token_budget``) and learn
+from each step's time (``observe_step``, measured by ``clock`` from the
+plan to the sampled tokens): the ``slo`` policy (slo_policy.py) does, so
+that chunked prefill stays within running requests' TPOT targets.
+
 Finished and aborted requests release their blocks in the next batch;
 ``free_finished(block_manager)`` releases them at once in process.
 """
@@ -40,7 +45,8 @@ Finished and aborted requests release their blocks in the next batch;
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 
@@ -91,6 +97,10 @@ class Scheduler:
     # The order of waiting requests and the choice of victims (engine/plugins.py);
     # None: the built-in PriorityPolicy with aging_interval.
     policy: SchedulingPolicy | None = attrs.field(default=None, kw_only=True)
+    # The time steps are measured by, for a policy that learns their cost
+    # (``observe_step``); tests give a fake one.
+    clock: Callable[[], float] = attrs.field(default=time.monotonic, kw_only=True)
+    _step_started: tuple[float, int] | None = attrs.field(init=False, default=None)  # (clock, tokens)
     # The unfinished requests: waiting (in _key order), running, paused.
     _queues: RequestQueues = attrs.field(init=False)
     # The pool as this scheduler knows it, and the commits and frees it owes
@@ -243,7 +253,7 @@ class Scheduler:
             self.proposer,
             self.block_size,
             self.max_context_len,
-            tokens=self.max_num_batched_tokens,
+            tokens=self._token_budget(),
             free_blocks=self._kv.budget.num_free_blocks + num_freed,
         )
         step.plan_running()
@@ -297,6 +307,7 @@ class Scheduler:
                 self._queues.start(request)
             chunks.append(chunk_for(request, start, num_tokens, table, self._drafts.take(rid), window_table))
         released = ()
+        self._step_started = (self.clock(), sum(c.num_tokens for c in chunks)) if chunks else None
         if chunks:
             # A plan without chunks never reaches the runner: keep them for the next.
             released, self._released = tuple(self._released), []
@@ -322,6 +333,7 @@ class Scheduler:
         overwritten later). Tokens after a stop are dropped.
         A request finished since the plan was made is skipped.
         """
+        self._observe_step()
         finished: list[Request] = []
         for chunk in output.chunks:
             request = self._queues.requests.get(chunk.request_id)
@@ -356,6 +368,23 @@ class Scheduler:
     def _check_not_in_flight(self) -> None:
         if self._in_flight is not None:
             raise RuntimeError("the previous batch is still in flight: call finalize() first")
+
+    def _token_budget(self) -> int:
+        """``max_num_batched_tokens``, or less where the policy cuts it
+        (``token_budget``: the slo policy keeps a step within its running
+        requests' TPOT targets)."""
+        token_budget = getattr(self.policy, "token_budget", None)
+        if token_budget is None:
+            return self.max_num_batched_tokens
+        return max(1, min(self.max_num_batched_tokens, token_budget(self._queues.running, self.max_num_batched_tokens)))
+
+    def _observe_step(self) -> None:
+        """Tell a policy that learns step costs (``observe_step``) how long
+        the step just run took, from its plan to its sampled tokens."""
+        started, self._step_started = self._step_started, None
+        observe = getattr(self.policy, "observe_step", None)
+        if started is not None and observe is not None:
+            observe(started[1], self.clock() - started[0])
 
     def _take_finished(self) -> tuple[Request, ...]:
         finished, self._finished = tuple(self._finished), []

@@ -1,6 +1,8 @@
 """The scheduler's policy: which waiting request runs first, which running
-one is preempted. ``PriorityPolicy`` (engine/plugins.py) is the built-in
-one; a plugin of ``trioserve.scheduling_policies`` may replace it.
+one is preempted. The built-in ones, chosen by ``--scheduling-policy``:
+``priority`` (``PriorityPolicy``, engine/plugins.py) and ``slo``
+(``SloPolicy``, engine/core/slo_policy.py); a plugin of
+``trioserve.scheduling_policies`` may replace either.
 
 A plugin's policy runs inside the scheduler, on every step, so it is
 guarded (``GuardedPolicy``): if it raises, or returns a key that is not a
@@ -19,14 +21,20 @@ from typing import Any
 import attrs
 
 from trioserve.engine.config import EngineConfig
+from trioserve.engine.core.slo_policy import SloPolicy
 from trioserve.engine.plugins import PluginLoadError, Plugins, PriorityPolicy, SchedulingPolicy
 
 log = logging.getLogger(__name__)
 
 
 def scheduling_policy(plugins: Plugins, config: EngineConfig) -> SchedulingPolicy:
-    """The policy ``plugins`` give (guarded), or the built-in priority policy."""
-    builtin = PriorityPolicy(config.priority_aging_steps)
+    """The policy ``plugins`` give (guarded), or the built-in one
+    ``config.scheduling_policy`` names."""
+    builtin: PriorityPolicy | SloPolicy
+    if config.scheduling_policy == "slo":
+        builtin = SloPolicy(config.priority_aging_steps)
+    else:
+        builtin = PriorityPolicy(config.priority_aging_steps)
     if plugins.scheduling_policy is None:
         return builtin
     name, factory = plugins.scheduling_policy
@@ -45,7 +53,7 @@ class GuardedPolicy:
 
     name: str
     policy: Any
-    fallback: PriorityPolicy
+    fallback: PriorityPolicy | SloPolicy
     failed: bool = False
 
     def key(self, request: Any, age: int) -> tuple[float, ...]:

@@ -1,0 +1,192 @@
+"""The ``slo`` scheduling policy (engine/core/slo_policy.py): earliest
+deadline first within a class, the victim with the most slack, chunked
+prefill cut to running requests' TPOT targets, and, in a scheduler driven by
+a fake clock, more first-token deadlines met than first come, first served."""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trioserve.engine.config import EngineConfig
+from trioserve.engine.core.block_manager import BlockManager
+from trioserve.engine.core.latency_objectives import LatencyObjectives
+from trioserve.engine.core.scheduler import Scheduler
+from trioserve.engine.core.scheduling_policy import scheduling_policy
+from trioserve.engine.core.slo_policy import SloPolicy, StepCost, next_token_deadline
+from trioserve.engine.plugins import Plugins, PriorityPolicy
+
+from factories import FakeRunner, make_request
+
+
+def slo_request(rid: str, *, arrival: float = 0.0, ttft: float | None = None, tpot: float | None = None, **kw):
+    request = make_request(rid, **kw)
+    request.arrival_time = arrival
+    request.objectives = LatencyObjectives(ttft=ttft, tpot=tpot)
+    return request
+
+
+@attrs.define
+class FakeClock:
+    now: float = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def scheduler_for(policy, clock: FakeClock, **kw) -> tuple[Scheduler, BlockManager]:
+    sizes = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, num_blocks=64, block_size=4) | kw
+    scheduler = Scheduler(**sizes, policy=policy, clock=clock)
+    return scheduler, BlockManager(sizes["num_blocks"], sizes["block_size"])
+
+
+def timed_step(scheduler, block_manager, runner, clock: FakeClock, *, fixed=0.01, per_token=0.001):
+    """One step whose time on ``clock`` is ``fixed + per_token x tokens``."""
+    output = scheduler.schedule(block_manager)
+    clock.now += fixed + per_token * sum(c.num_tokens for c in output.chunks)
+    scheduler.update_from_output(output, runner.execute(output, scheduler))
+    scheduler.check_invariants()
+    return output
+
+
+targets = st.one_of(st.none(), st.floats(min_value=0.01, max_value=100.0))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.floats(0.0, 50.0), targets), min_size=1, max_size=12))
+def test_waiting_order_is_by_deadline_within_class_then_by_arrival(specs):
+    clock = FakeClock()
+    scheduler, _ = scheduler_for(SloPolicy(), clock)
+    for i, (priority, arrival, ttft) in enumerate(specs):
+        scheduler.add_request(slo_request(f"r{i}", arrival=arrival, ttft=ttft, priority=priority))
+    order = [scheduler.get_request(f"r{i}") for i in range(len(specs))]
+    order.sort(key=scheduler._key)
+    for a, b in zip(order, order[1:]):
+        assert a.priority <= b.priority
+        if a.priority != b.priority:
+            continue
+        da, db = a.objectives.first_token_deadline(a.arrival_time), b.objectives.first_token_deadline(b.arrival_time)
+        if math.isinf(da) and math.isinf(db):
+            assert a.arrival_index < b.arrival_index  # without targets: first come, first served
+        else:
+            assert da <= db  # with targets first, earliest deadline first
+    scheduler.check_invariants()
+
+
+def test_a_running_request_is_due_by_its_tpot_budget():
+    request = slo_request("r", arrival=10.0, ttft=1.0, tpot=0.1)
+    assert next_token_deadline(request) == 11.0
+    request.output_token_ids.extend([1, 2, 3])
+    assert next_token_deadline(request) == 10.0 + 1.0 + 0.3
+    assert next_token_deadline(slo_request("n", ttft=1.0, max_tokens=4)) == 1.0
+    no_tpot = slo_request("m", ttft=1.0)
+    no_tpot.output_token_ids.append(1)
+    assert next_token_deadline(no_tpot) == math.inf
+
+
+def test_the_victim_is_the_running_request_with_the_most_slack():
+    # Three prompts of 7 tokens fill the 6 blocks; the next token of each
+    # needs a third block, so the scheduler must preempt.
+    clock = FakeClock()
+    scheduler, pool = scheduler_for(SloPolicy(), clock, num_blocks=6, max_model_len=32)
+    scheduler.add_request(slo_request("tight", ttft=5.0, tpot=0.05, prompt_len=7, max_tokens=8))
+    scheduler.add_request(slo_request("none", prompt_len=7, max_tokens=8))
+    scheduler.add_request(slo_request("loose", ttft=5.0, tpot=2.0, prompt_len=7, max_tokens=8))
+    runner = FakeRunner(block_size=4)
+    timed_step(scheduler, pool, runner, clock)
+    timed_step(scheduler, pool, runner, clock)
+    first = timed_step(scheduler, pool, runner, clock)
+    assert first.preempted == ("none",)  # no target: infinite slack
+    # The two left grow until they fill the pool again.
+    second = next(o for o in iter(lambda: timed_step(scheduler, pool, runner, clock), None) if o.preempted)
+    assert second.preempted == ("loose",)  # more slack than "tight"
+    assert scheduler.get_request("tight").status.name == "RUNNING"
+
+
+def test_step_cost_fits_the_line_of_the_steps_it_saw():
+    cost = StepCost()
+    assert cost.tokens_within(1.0) is None
+    for tokens in [1, 5, 20, 64, 3, 128, 8, 40, 2, 90]:
+        cost.observe(tokens, 0.01 + 0.001 * tokens)
+    fixed, per_token = cost.line()
+    assert math.isclose(fixed, 0.01, rel_tol=1e-6) and math.isclose(per_token, 0.001, rel_tol=1e-6)
+    assert cost.tokens_within(0.05) == 40
+    assert cost.tokens_within(0.005) == 0
+
+
+def test_a_tight_tpot_target_cuts_the_prefill_chunk():
+    clock = FakeClock()
+    policy = SloPolicy(min_chunk=4)
+    for tokens in [1, 8, 32, 64, 2, 16, 48, 4]:
+        policy.observe_step(tokens, 0.01 + 0.001 * tokens)  # as the engine measured them
+    scheduler, pool = scheduler_for(policy, clock, max_num_batched_tokens=128)
+    runner = FakeRunner(block_size=4)
+    scheduler.add_request(slo_request("chat", ttft=1.0, tpot=0.03, prompt_len=4, max_tokens=50))
+    timed_step(scheduler, pool, runner, clock)  # its prompt, its first token
+    scheduler.add_request(slo_request("long", ttft=10.0, prompt_len=200, max_tokens=2))
+    for _ in range(4):
+        output = timed_step(scheduler, pool, runner, clock)
+        # Within 30 ms: 10 ms fixed + 1 ms per token -> at most 20 tokens.
+        assert sum(c.num_tokens for c in output.chunks) <= 20
+        assert any(c.request_id == "long" and c.num_tokens >= 4 for c in output.chunks)  # it progresses
+    # Without a TPOT target the step takes the whole budget.
+    scheduler.abort("chat")
+    output = timed_step(scheduler, pool, runner, clock)
+    assert sum(c.num_tokens for c in output.chunks) > 20
+
+
+def test_the_scheduler_learns_step_costs_from_its_clock():
+    clock = FakeClock()
+    policy = SloPolicy()
+    scheduler, pool = scheduler_for(policy, clock)
+    runner = FakeRunner(block_size=4)
+    for i in range(10):  # one arrival a step: steps of different sizes
+        scheduler.add_request(slo_request(f"r{i}", prompt_len=4 + 5 * i, max_tokens=3))
+        timed_step(scheduler, pool, runner, clock, fixed=0.02, per_token=0.002)
+    fixed, per_token = policy.cost.line()
+    assert math.isclose(fixed, 0.02, rel_tol=1e-6) and math.isclose(per_token, 0.002, rel_tol=1e-6)
+
+
+def first_token_deadlines_met(policy) -> int:
+    """Batch requests with loose TTFT targets arrive first, then chat
+    requests with tight ones; two run at a time. How many first tokens come
+    within their TTFT target?"""
+    clock = FakeClock()
+    scheduler, pool = scheduler_for(policy, clock, max_num_seqs=2, num_blocks=128)
+    runner = FakeRunner(block_size=4)
+    arrivals = [(f"batch{i}", 0.0, 30.0, 40, 20) for i in range(6)]
+    arrivals += [(f"chat{i}", 0.05 + 0.01 * i, 0.6, 8, 4) for i in range(6)]
+    pending = sorted(arrivals, key=lambda a: a[1])
+    first_token: dict[str, float] = {}
+    while pending or scheduler.has_unfinished():
+        while pending and pending[0][1] <= clock.now:
+            rid, arrival, ttft, prompt_len, max_tokens = pending.pop(0)
+            scheduler.add_request(slo_request(rid, arrival=arrival, ttft=ttft, prompt_len=prompt_len, max_tokens=max_tokens))
+        if not scheduler.has_unfinished():
+            clock.now = pending[0][1]
+            continue
+        output = timed_step(scheduler, pool, runner, clock)
+        for chunk in output.chunks:
+            if chunk.samples and chunk.request_id not in first_token:
+                first_token[chunk.request_id] = clock.now
+        scheduler.free_finished(pool)
+    ttft_of = {rid: ttft for rid, _, ttft, _, _ in arrivals}
+    arrival_of = {rid: arrival for rid, arrival, _, _, _ in arrivals}
+    return sum(first_token[rid] - arrival_of[rid] <= ttft_of[rid] for rid in ttft_of)
+
+
+def test_earliest_deadline_first_meets_more_first_token_deadlines_than_fcfs():
+    fcfs = first_token_deadlines_met(PriorityPolicy())
+    edf = first_token_deadlines_met(SloPolicy())
+    assert edf == 12
+    assert fcfs < edf
+
+
+def test_scheduling_policy_slo_selects_the_slo_policy():
+    config = EngineConfig(scheduling_policy="slo", priority_aging_steps=7)
+    policy = scheduling_policy(Plugins(), config)
+    assert isinstance(policy, SloPolicy) and policy.aging_interval == 7
+    assert isinstance(scheduling_policy(Plugins(), EngineConfig()), PriorityPolicy)
