@@ -4,9 +4,9 @@
 core (``admit``, in the admission loop, which may run while a step does:
 admitting only queues the request in the core) and collects the control
 messages that arrive meanwhile (``put``: ``Abort``, ``Resume``,
-``AbortAll``). ``apply``, called by the step loop between steps, applies
-them, then the deadlines and queue deadlines that have passed, then the
-pauses of readers that fell behind. A request dropped before any compute
+``AbortAll``, and LoRA's ``LoadLora`` / ``UnloadLora``). ``apply``, called
+by the step loop between steps, applies them, then the deadlines and queue
+deadlines that have passed, then the pauses of readers that fell behind. A request dropped before any compute
 gets its final outputs or its error through ``Delivery`` (delivery.py).
 """
 
@@ -21,13 +21,14 @@ import trio
 from trioserve.engine.core.engine_core import EngineCore
 from trioserve.engine.core.sequence import FinishReason
 from trioserve.engine.errors import InvalidRequestError
+from trioserve.engine.lora.adapter import LoraError
 
 from .admission import AdmissionQueue
 from .deadlines import Deadlines
 from .deltas import final_output
 from .delivery import Delivery, outcome_of
 from .errors import QueueTimeout
-from .messages import Abort, AbortAll, AddRequest, Resume
+from .messages import Abort, AbortAll, AddRequest, LoadLora, Resume, UnloadLora
 from .quarantine import Quarantine
 from .route import Route
 
@@ -57,7 +58,7 @@ class StepBoundary:
     def max_queue_time(self) -> float | None:
         return self.core.config.max_queue_time
 
-    def put(self, message: Abort | Resume | AbortAll) -> None:
+    def put(self, message: Abort | Resume | AbortAll | LoadLora | UnloadLora) -> None:
         """A control message, applied at the next step boundary."""
         self._control.append(message)
 
@@ -125,6 +126,8 @@ class StepBoundary:
                 self._abort_all = message.reason
                 for request_id in list(routes):
                     release |= self._abort(request_id, message.reason)
+            elif isinstance(message, LoadLora | UnloadLora):
+                self._change_lora(message)
         for route in self.deadlines.expired(trio.current_time()):
             release |= self._abort(route.request_id, FinishReason.DEADLINE)
         if self.max_queue_time is not None:
@@ -136,6 +139,22 @@ class StepBoundary:
                     route.paused = True
                     release = True
         return release
+
+    def _change_lora(self, message: LoadLora | UnloadLora) -> None:
+        """Load or unload an adapter now, between steps, and answer."""
+        error: Exception | None = None
+        try:
+            if isinstance(message, LoadLora):
+                self.core.load_lora(message.adapter)
+            else:
+                self.core.unload_lora(message.name)
+        except LoraError as exc:
+            error = exc
+        try:
+            message.reply.send_nowait(error)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # its caller went away; the change stands
+        message.reply.close()
 
     def _expire_queue_deadlines(self) -> bool:
         """Drop the requests past their queue deadline that nothing has been

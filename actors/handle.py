@@ -12,7 +12,7 @@ dropped unclosed is closed by its own finalizer (``RequestStream``).
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -24,6 +24,7 @@ from trioserve.engine.core.engine_core import EngineCore
 from trioserve.engine.core.latency_objectives import NO_OBJECTIVES, LatencyObjectives
 from trioserve.engine.core.new_request import RequestInput
 from trioserve.engine.loading.generation_config import SamplingDefaults
+from trioserve.engine.lora.adapter import LoraAdapter
 from trioserve.engine.models.projections import ProjectionChoice
 from trioserve.engine.core.outputs import RequestOutput
 from trioserve.engine.sampling.pooling import PoolingParams
@@ -35,7 +36,7 @@ from .allocator import AllocatorActor
 from .degradation import Degradation
 from .errors import DuplicateRequestError, EngineClosed, EngineOverloaded
 from .executor import Executor
-from .messages import AbortAll, AddRequest
+from .messages import AbortAll, AddRequest, LoadLora, UnloadLora
 from .request import RequestActor
 from .stream import RequestStream
 from .request_ids import RequestIds
@@ -112,12 +113,49 @@ class Engine:
     def _projection_choice_of(executor: Any, core: EngineCore) -> ProjectionChoice:
         """What ``executor``'s worker process reported, else ``core``'s loaded model's."""
         reported = getattr(executor, "worker_projection_choice", None)
-        return reported if reported is not None else core.loaded.projection_choice
+        return reported if reported is not None else core.projection_choice
 
     @property
     def closed(self) -> bool:
         """Admission is closed (``drain`` or shutdown)."""
         return self._admission.closed
+
+    # -- LoRA adapters (engine/lora), changed between steps ---------------------------
+
+    def lora_adapters(self) -> tuple[LoraAdapter, ...]:
+        """The adapters loaded now, in loading order (none without LoRA)."""
+        return () if self.core.lora is None else self.core.lora.adapters()
+
+    async def load_lora(self, name: str, path: str, base_model_name: str | None = None) -> LoraAdapter:
+        """Read the PEFT adapter at ``path`` (in a worker thread) and serve
+        it as ``name`` from the next step boundary on. Raises ``LoraError``
+        naming the field at fault: an adapter that does not fit the base
+        model, ``max_loras`` reached, the name taken; nothing changes then."""
+        adapter = await trio.to_thread.run_sync(self.core.read_lora, name, path, base_model_name)
+        await self._change_lora(lambda reply: LoadLora(adapter, reply))
+        return adapter
+
+    async def unload_lora(self, name: str) -> None:
+        """Stop serving adapter ``name`` at the next step boundary:
+        ``LoraNotFound`` if it is not loaded, ``LoraInUse`` while requests
+        run with it (they finish first; unload it after)."""
+        await self._change_lora(lambda reply: UnloadLora(name, reply))
+
+    async def _change_lora(self, message: Callable[[trio.MemorySendChannel[Exception | None]], Any]) -> None:
+        # The scheduler applies it between steps (actors/boundary.py) and
+        # answers on a channel of one, so its send never waits.
+        reply_send, reply = trio.open_memory_channel[Exception | None](1)
+        with reply:
+            try:
+                await self._control.send(message(reply_send))
+            except (trio.ClosedResourceError, trio.BrokenResourceError):
+                raise EngineClosed("the engine is not running") from None
+            with trio.move_on_after(self.core.config.shutdown_timeout + 60) as waited:
+                error = await reply.receive()
+            if waited.cancelled_caught:
+                raise EngineClosed("the engine stopped before it applied the adapter change")
+        if error is not None:
+            raise error
 
     # -- requests -------------------------------------------------------------------
 
@@ -302,6 +340,9 @@ class Engine:
         capped = self._degradation.cap(new.params, new.priority, self._admission.pressure)
         if capped is not new.params:
             new = attrs.evolve(new, params=capped)
+        if request.lora is not None:
+            # The adapter the request names (its model field: web/lora_api.py).
+            new = attrs.evolve(new, lora=self.core.lora_ref(request.lora))
         if request.objectives is not new.objectives:
             new = attrs.evolve(new, objectives=request.objectives)
         if timeout is not None:

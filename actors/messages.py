@@ -4,7 +4,9 @@ Who sends what to whom (see docs/architecture.md for capacities):
 
 - request actor -> scheduler, admission queue: ``AddRequest``.
 - request actor -> scheduler, control channel: ``Abort``, ``Resume``;
-  ``Engine.drain`` sends ``AbortAll``.
+  ``Engine.drain`` sends ``AbortAll``; ``Engine.load_lora`` /
+  ``unload_lora`` send ``LoadLora`` / ``UnloadLora``, answered on their
+  ``reply`` channel once applied between steps.
 - scheduler -> request actor, the request's output channel:
   ``RequestOutput`` (the engine core's value), ``Paused``, ``Failed``.
 - scheduler -> allocator: ``Allocate``; allocator -> scheduler: ``KVResult``.
@@ -22,6 +24,7 @@ import trio
 
 from trioserve.engine.core.kv_batch import KVBatch
 from trioserve.engine.core.new_request import NewRequest
+from trioserve.engine.lora.adapter import LoraAdapter
 from trioserve.engine.runtime.model_runner import RunnerOutput
 from trioserve.engine.sampling.sampling_params import SamplingParams
 from trioserve.engine.runtime.step_plan import StepPlan
@@ -162,3 +165,22 @@ class StepFailed:
     error: Exception = attrs.field(eq=False)
     seconds: float
     released: trio.Event | None = attrs.field(default=None, eq=False)
+
+
+@attrs.frozen(eq=False)
+class LoadLora:
+    """Serve ``adapter`` (read and checked already) from the next step on;
+    ``reply`` (capacity 1) gets None, or the ``LoraError`` that refused it."""
+
+    adapter: LoraAdapter
+    reply: trio.MemorySendChannel[Exception | None]
+
+
+@attrs.frozen(eq=False)
+class UnloadLora:
+    """Stop serving adapter ``name`` at the next step boundary; ``reply``
+    (capacity 1) gets None, or the ``LoraError`` that refused it (not
+    loaded, or requests still run with it)."""
+
+    name: str
+    reply: trio.MemorySendChannel[Exception | None]

@@ -14,6 +14,7 @@ import attrs
 
 from trioserve.engine.core.latency_objectives import ObjectiveDefaults
 from trioserve.engine.errors import GenerationConfigError
+from trioserve.engine.lora.config import LoraConfig
 from trioserve.engine.model_config import (  # noqa: F401  # re-exported: where callers import them from
     ARCHITECTURE_BY_MODEL_TYPE,
     FULL_ATTENTION,
@@ -241,6 +242,8 @@ class EngineConfig:
     )
     # Plugins to load by entry-point name (engine/plugins.py; --plugins).
     plugins: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    # LoRA adapters (engine/lora; --enable-lora, --lora-modules): None serves none.
+    lora: LoraConfig | None = None
     # Compressed weights (engine/kernels, docs/api.md): "auto" keeps a GGUF's
     # quantized matrices compressed on CPU (float32 activations) and loads
     # float checkpoints as they are; "int8" / "int4" quantize any checkpoint

@@ -193,12 +193,13 @@ class BlockManager:
         holding = self._holdings.get(request_id)
         return () if holding is None or holding.window_ids is None else tuple(holding.window_ids)
 
-    def cached_prefix_len(self, token_ids: Sequence[int]) -> int:
-        """How many leading tokens of ``token_ids`` an admission would find
-        in the cache now; changes nothing, counts nothing."""
+    def cached_prefix_len(self, token_ids: Sequence[int], root: int = _ROOT_HASH) -> int:
+        """How many leading tokens of ``token_ids`` an admission (from
+        ``root``: ``KVAllocation.root_hash``) would find in the cache now;
+        changes nothing, counts nothing."""
         if not self.enable_prefix_caching:
             return 0
-        return self._hit(token_ids)[0] * self.block_size
+        return self._hit(token_ids, root)[0] * self.block_size
 
     # -- the three operations -------------------------------------------------
 
@@ -295,8 +296,9 @@ class BlockManager:
                 "are computed, but it holds no blocks"
             )
         token_ids = allocation.token_ids
+        root = allocation.root_hash
         num_hit, hit_blocks, window_hits, last_hash = (
-            self._hit(token_ids) if self.enable_prefix_caching else (0, [], [], _ROOT_HASH)
+            self._hit(token_ids, root) if self.enable_prefix_caching else (0, [], [], root)
         )
         num_cached = num_hit * self.block_size
         num_new = allocation.num_new_tokens
@@ -325,15 +327,16 @@ class BlockManager:
             self._hits += num_cached
         return tuple(block_ids), num_cached
 
-    def _hit(self, token_ids: Sequence[int]) -> tuple[int, list[int], list[int], int]:
-        """The longest usable prefix-cache hit for ``token_ids``: its length
-        in blocks, its full-group blocks, the window group's blocks of it
-        that a window layer still reads (the hit's trailing ones), and the
-        hash of its last block."""
+    def _hit(self, token_ids: Sequence[int], root: int = _ROOT_HASH) -> tuple[int, list[int], list[int], int]:
+        """The longest usable prefix-cache hit for ``token_ids``, chained
+        from ``root``: its length in blocks, its full-group blocks, the
+        window group's blocks of it that a window layer still reads (the
+        hit's trailing ones), and the hash of its last block (``root``
+        without a hit)."""
         # The last token is never served from the cache: computing it gives
         # the logits the next token is sampled from.
         num_full = max(0, len(token_ids) - 1) // self.block_size
-        parent = _ROOT_HASH
+        parent = root
         blocks: list[int] = []
         hashes: list[int] = []
         for i in range(num_full):
@@ -353,7 +356,7 @@ class BlockManager:
             found = [window.cached.get(h) for h in hashes[first:k]]
             if all(b is not None for b in found):
                 return k, blocks[:k], [b for b in found if b is not None], hashes[k - 1]
-        return 0, [], [], _ROOT_HASH
+        return 0, [], [], root
 
     # -- checks ---------------------------------------------------------------
 

@@ -46,8 +46,9 @@ def chunk_for(
         # Position p's logits give the logprob of prompt token p + 1.
         targets = tuple(prompt[start + 1 : min(end + 1, len(prompt))])
     return ScheduledChunk(
-        request.request_id, start, tokens + draft, table, sampling, len(draft), window_table, targets, want or 0
-    )
+        request.request_id, start, tokens + draft, table, sampling, len(draft), window_table, targets, want or 0,
+        lora=request.lora,
+    )  # fmt: skip
 
 
 def append_tokens(

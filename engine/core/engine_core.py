@@ -33,6 +33,10 @@ from trioserve.engine.heap_trim import trim_heap
 from trioserve.engine.kernels.kv_dtype_choice import KVDtypeChoice, refuse_before_load
 from trioserve.engine.layers.kv_cache import KVCache
 from trioserve.engine.loading.loader import LoadedModel, load_model_for, resolve_device
+from trioserve.engine.lora.adapter import LoraAdapter, LoraError, load_adapter
+from trioserve.engine.lora.registry import LoraNotFound, LoraRef, serving_registry
+from trioserve.engine.models.invariance import lora_invariance
+from trioserve.engine.models.projections import ProjectionChoice
 from trioserve.engine.plugins import Plugins
 from trioserve.engine.runtime.build import build_runner, kv_dtype_choice
 from trioserve.engine.runtime.model_runner import ModelRunner, RunnerOutput
@@ -106,6 +110,17 @@ class EngineCore:
         if runner:
             self.runner = build_runner(loaded, config, self.num_blocks, self.plugins, self.kv_dtype)
         self.kv_cache: KVCache | None = None if self.runner is None else self.runner.kv_cache
+        # LoRA adapters (engine/lora): the core's registry, which its runner
+        # reads during steps; changed only between steps (``load_lora``).
+        self.lora = serving_registry(config, loaded, has_runner=self.runner is not None)
+        if self.lora is not None and self.pooling is not None:
+            raise ValueError("LoRA adapters serve generation only, not an embedding model (--task embed)")
+        if self.lora is not None:
+            assert isinstance(self.runner, ModelRunner)
+            self.runner.lora = self.lora
+            invariance = self.projection_choice.invariance
+            log.log(logging.INFO if invariance is None or invariance.invariant else logging.WARNING,
+                    "%s: serving LoRA adapters (%d loaded): %s", loaded.name, len(self.lora), invariance)  # fmt: skip
         if self.runner is not None and config.tensor_parallel_size > 1:
             from trioserve.engine.parallel.tp_runner import tensor_parallel_runner  # torch.distributed only when asked for
 
@@ -135,6 +150,16 @@ class EngineCore:
         self.num_heap_trims = 0
         # What loading and the warm-up freed goes back before serving starts.
         trim_heap()
+
+    @property
+    def projection_choice(self) -> ProjectionChoice:
+        """How the model runs its projections and whether it is
+        batch-invariant, as this core runs it (LoRA changes the latter)."""
+        choice = self.loaded.projection_choice
+        if self.lora is None or choice.invariance is None:
+            return choice
+        compressed = choice.quantization is not None
+        return attrs.evolve(choice, invariance=lora_invariance(choice.invariance, compressed=compressed))
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> EngineCore:
@@ -177,6 +202,7 @@ class EngineCore:
         *,
         priority: int = 0,
         pooling: PoolingParams | None = None,
+        lora: str | None = None,
     ) -> NewRequest:
         """Check a request once, at the edge: its id, its prompt (tokenized;
         ids in the vocabulary; short enough to fit with one generated token)
@@ -184,7 +210,8 @@ class EngineCore:
         ``InvalidRequestError`` (or ``RequestTooLongError``,
         ``TokenizerError``) naming the field at fault. ``pooling`` makes it
         an embedding request, which only an embedding model takes (and it
-        takes no other; the error names ``model``)."""
+        takes no other; the error names ``model``). ``lora`` names a loaded
+        LoRA adapter to run with (``LoraNotFound`` naming ``model`` else)."""
         if (pooling is None) != (self.pooling is None):
             why = (
                 "this model serves embeddings only (the server was started with --task embed): use /v1/embeddings"
@@ -193,6 +220,8 @@ class EngineCore:
             )
             raise InvalidRequestError(why, field="model")
         new = self.input_processor.validate(request_id, prompt, params, priority)
+        if lora is not None:
+            new = attrs.evolve(new, lora=self.lora_ref(lora))
         if pooling is None:
             return new
         assert self.pooling is not None
@@ -206,13 +235,15 @@ class EngineCore:
         *,
         priority: int = 0,
         arrival_time: float | None = None,
+        lora: str | None = None,
     ) -> list[int]:
-        """Validate and admit a request; return its prompt token ids.
+        """Validate and admit a request (``lora``: the adapter it runs
+        with, see ``validate``); return its prompt token ids.
 
         Raises ``InvalidRequestError`` (or ``RequestTooLongError``) naming the
         field at fault; nothing is admitted then.
         """
-        request = self.validate(request_id, prompt, params, priority=priority)
+        request = self.validate(request_id, prompt, params, priority=priority, lora=lora)
         self.admit(request, arrival_time=arrival_time)
         return list(request.prompt_token_ids)
 
@@ -223,6 +254,11 @@ class EngineCore:
         request_id = new.request_id
         if self.output_processor.children(request_id) is not None:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", field="request_id")
+        if new.lora is not None:
+            # Validated while its adapter was loaded; it may have been unloaded since.
+            if self.lora is None or self.lora.resolve(new.lora) is None:
+                raise InvalidRequestError(f"the LoRA adapter {new.lora.name!r} was unloaded", field="model")
+            self.lora.use(request_id, new.lora)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         children = completion_requests(new, self.model_config.eos_token_ids, arrival)
         completions = []
@@ -261,6 +297,41 @@ class EngineCore:
             self._ended.append(held)
             found = True
         return found
+
+    # -- LoRA adapters (engine/lora), changed between steps only ----------------
+
+    def read_lora(self, name: str, path: str, base_model_name: str | None = None) -> LoraAdapter:
+        """Read and check the PEFT adapter at ``path`` for this model (any
+        thread; it changes nothing): ``LoraError`` naming the field at fault."""
+        if self.lora is None:
+            raise LoraError("this engine serves no LoRA adapters (start it with --enable-lora)", field="lora_name")
+        return load_adapter(name, path, self.model_config, max_rank=self.lora.max_rank, base_model_name=base_model_name)
+
+    def lora_ref(self, name: str) -> LoraRef:
+        """What a request running adapter ``name`` carries; ``LoraNotFound``
+        naming ``model`` unless it is loaded."""
+        if self.lora is None:
+            raise LoraNotFound(f"{name!r} names a LoRA adapter, but this engine serves none", field="model")
+        return self.lora.ref(name)
+
+    def load_lora(self, adapter: LoraAdapter) -> None:
+        """Serve ``adapter`` (``read_lora``) from the next step on; between
+        steps only. ``LoraError`` naming ``lora_name`` when ``max_loras``
+        are loaded or the name is taken."""
+        if self.lora is None:
+            raise LoraError("this engine serves no LoRA adapters (start it with --enable-lora)", field="lora_name")
+        self.lora.add(adapter)
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving adapter ``name``; between steps only.
+        ``LoraNotFound`` if it is not loaded, ``LoraInUse`` while requests
+        run with it (they are let finish; unload it after)."""
+        if self.lora is None:
+            raise LoraNotFound(f"no adapter {name!r} is loaded (this engine serves none)", field="lora_name")
+        if self.lora.get(name) is None:
+            raise LoraNotFound(f"no adapter {name!r} is loaded", field="lora_name")
+        self.lora.check_unused(name, lambda request_id: self.output_processor.children(request_id) is not None)
+        self.lora.remove(name)
 
     def pause(self, request_id: str) -> bool:
         """Preempt a request's completions by recompute and keep them out of

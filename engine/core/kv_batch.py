@@ -53,12 +53,16 @@ class KVAllocation:
     ``h + min(num_new_tokens, len(token_ids) - h)``. ``token_ids`` is empty
     for a request that already holds blocks, and for one that must not read
     the cache (it wants prompt logprobs): nothing is looked up then.
+    ``root_hash`` is the parent hash of its first block: 0 for the base
+    model, its adapter's for a LoRA request (``LoraRef.root_hash``), so
+    blocks computed under different adapters never match.
     """
 
     request_id: str
     num_computed_tokens: int = attrs.field(validator=non_negative)
     num_new_tokens: int = attrs.field(validator=positive)
     token_ids: tuple[int, ...] = attrs.field(default=(), converter=tuple)
+    root_hash: int = 0
 
 
 @attrs.frozen

@@ -22,6 +22,7 @@ import attrs
 
 from trioserve.engine.core.latency_objectives import NO_OBJECTIVES, LatencyObjectives
 from trioserve.engine.errors import InvalidRequestError
+from trioserve.engine.lora.registry import LoraRef
 from trioserve.engine.sampling.pooling import Pooling, PoolingParams
 from trioserve.engine.sampling.sampling_params import SamplingParams
 from trioserve.engine.text.tokenizer import check_text
@@ -113,6 +114,10 @@ class RequestInput:
     objectives: LatencyObjectives = attrs.field(
         default=NO_OBJECTIVES, validator=attrs.validators.instance_of(LatencyObjectives), kw_only=True
     )
+    # The name of a loaded LoRA adapter to run with (engine/lora); None: the base model.
+    lora: str | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.instance_of(str))
+    )
 
     @property
     def is_chat(self) -> bool:
@@ -139,6 +144,8 @@ class NewRequest:
     pooling: Pooling | None = None
     # Its latency targets, as the edge gave them (``RequestInput.objectives``).
     objectives: LatencyObjectives = attrs.field(default=NO_OBJECTIVES, kw_only=True)
+    # The LoRA adapter, resolved by ``EngineCore.validate``; None: the base model.
+    lora: LoraRef | None = None
 
     @prompt_token_ids.validator
     def _check_prompt(self, _attribute: object, value: tuple[int, ...]) -> None:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
+from trioserve.engine.lora.registry import LoraRef
 from trioserve.engine.core.latency_objectives import NO_OBJECTIVES, LatencyObjectives
 from trioserve.engine.sampling.pooling import Pooling
 from trioserve.engine.sampling.sampling_params import SamplingParams
@@ -71,6 +72,9 @@ class Request:
     # Its latency targets (engine/core/latency_objectives.py): the ``slo``
     # scheduling policy orders by them; NO_OBJECTIVES: none.
     objectives: LatencyObjectives = NO_OBJECTIVES
+    # The LoRA adapter it runs with (engine/lora); None: the base model.
+    # Its KV blocks hash from the adapter's root (``LoraRef.root_hash``).
+    lora: LoraRef | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -114,6 +118,7 @@ def completion_requests(new: NewRequest, eos_token_ids: tuple[int, ...], arrival
                 arrival_time=arrival_time,
                 pooling=new.pooling,
                 objectives=new.objectives,
+                lora=new.lora,
             )
         )
     return requests

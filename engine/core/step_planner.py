@@ -134,7 +134,8 @@ class StepPlanner:
             # which need every position's hidden state.
             pools_all = request.pooling is not None and request.pooling.method.needs_every_position
             lookup = request.all_token_ids if request.sampling_params.prompt_logprobs is None and not pools_all else ()
-            admissions.append(KVAllocation(request.request_id, 0, num_tokens, lookup))
+            root = 0 if request.lora is None else request.lora.root_hash  # blocks per adapter
+            admissions.append(KVAllocation(request.request_id, 0, num_tokens, lookup, root))
             num_seqs += 1
             self.tokens -= num_tokens
             self.free_blocks -= self._blocks_for(num_tokens)

@@ -46,3 +46,10 @@ class QuantizedProjections:
     def mlp(self, x: torch.Tensor, activation: str) -> torch.Tensor:
         gate, up = self.gate_up_linear(x).chunk(2, dim=-1)
         return self.down_linear(gate_activation(gate, activation).mul_(up))
+
+    # The MLP's two halves apart, for LoRA's deltas between them (engine/lora).
+    def gate_up(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate_up_linear(x)
+
+    def down(self, h: torch.Tensor) -> torch.Tensor:
+        return self.down_linear(h)

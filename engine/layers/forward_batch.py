@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
+
+if TYPE_CHECKING:
+    from trioserve.engine.lora.batch import LoraBatch
 
 
 @attrs.frozen
@@ -61,6 +65,9 @@ class ForwardBatch:
     window_slot_mapping: torch.Tensor | None = None
     window_block_tables: torch.Tensor | None = None
     window_block_tables_cpu: tuple[tuple[int, ...], ...] | None = None
+    # An engine serving LoRA (engine/lora): which token rows run which
+    # adapter; set on every batch of such an engine, None otherwise.
+    lora: LoraBatch | None = None
 
     def window_batch(self) -> ForwardBatch:
         """This batch as the sliding-window layers' pool sees it: their

@@ -89,3 +89,17 @@ def float_on_cpu(dtype: torch.dtype, *, packed: bool, native_attention: bool) ->
         "float32 projections on oneDNN's packed GEMM, whose rows keep their bits at every row count; "
         "attention per token over its own context (native); the rest a row at a time",
     )
+
+
+def lora_invariance(base: Invariance, *, compressed: bool) -> Invariance:
+    """``base`` as an engine serving LoRA adapters runs the model: every
+    batch runs the layers in torch (engine/lora), so compressed weights
+    leave the fused native step; float weights keep their path, and the
+    adapters' deltas are computed a row at a time in a fixed order."""
+    if not compressed:
+        return base
+    return Invariance(
+        False,
+        "LoRA (--enable-lora): the layers run in torch, not the fused native step, on compressed "
+        "kernels whose arithmetic follows the row count",
+    )

@@ -32,6 +32,7 @@ from trioserve.engine.kernels.native import ISAS as NATIVE_ISAS
 from trioserve.engine.kernels.native_decode import NativeDecode, decode_head, unsupported
 from trioserve.engine.kernels.projections import QuantizedProjections
 from trioserve.engine.layers.rotary import RotaryEmbedding, apply_rotary
+from trioserve.engine.lora.projections import wrap_layers
 from trioserve.engine.models.invariance import Invariance, compressed_on_cpu, float_on_cpu, on_device
 from trioserve.engine.models import moe_weights
 from trioserve.engine.models.moe import GroupedExperts, SparseMoeBlock
@@ -331,6 +332,11 @@ class LlamaForCausalLM(nn.Module):
         norm instead (embeddings pool them; ``head_logits`` gives their logits).
         """
         made = self._projections()
+        if batch.lora is not None:
+            # An engine serving LoRA (engine/lora) runs every batch's layers
+            # in torch, adapters or not, so every request gets one
+            # arithmetic; an adapter's rows get its deltas there.
+            made = attrs.evolve(made, layers=wrap_layers(batch.lora, made.layers), decode=None)
         rotary = [r.cos_sin(batch.positions) for r in self.rotaries]
         hidden = self.embed(batch.input_ids)
         slots = batch.slot_mapping

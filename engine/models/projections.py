@@ -126,6 +126,13 @@ class PlainProjections:
         gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
         return F.linear(gate_activation(gate, activation) * up, self.down_weight)
 
+    # The MLP's two halves apart, for LoRA's deltas between them (engine/lora).
+    def gate_up(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.gate_up_weight)
+
+    def down(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.down_weight)
+
 
 @attrs.frozen
 class PackedProjections:
@@ -160,6 +167,14 @@ class PackedProjections:
         gate = gate_activation(onednn.linear(x, self.gate_weight, None, "none"), activation)
         hidden = onednn.linear_binary(x, self.up_weight, None, "mul", gate)
         return onednn.linear(hidden, self.down_weight, None, "none")
+
+    # The MLP's two halves apart, for LoRA's deltas between them (engine/lora).
+    def gate_up(self, x: torch.Tensor) -> torch.Tensor:
+        gate = onednn.linear(x, self.gate_weight, None, "none")
+        return torch.cat([gate, onednn.linear(x, self.up_weight, None, "none")], dim=-1)
+
+    def down(self, h: torch.Tensor) -> torch.Tensor:
+        return onednn.linear(h, self.down_weight, None, "none")
 
 
 Projections = PlainProjections | PackedProjections | QuantizedProjections

@@ -12,6 +12,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from trioserve.engine.runtime.cuda_graphs import DecodeGraphs
 from trioserve.engine.layers.forward_batch import ForwardBatch, SeqChunk
 from trioserve.engine.layers.kv_cache import KVCache
+from trioserve.engine.lora.batch import LoraBatch
+from trioserve.engine.lora.registry import LoraRegistry
 from trioserve.engine.plugins import PluginError
 from trioserve.engine.sampling.pooling import ChunkPooled, pool_rows
 from trioserve.engine.sampling.prompt_logprobs import ChunkPromptLogprobs, prompt_logprobs
@@ -74,6 +76,9 @@ class ModelRunner:
     # Decode-only steps replayed from CUDA graphs (engine/runtime/cuda_graphs.py);
     # None runs every step op by op (CPU, or ``enforce_eager``).
     decode_graphs: DecodeGraphs | None = None
+    # The engine's LoRA adapters (engine/lora), the core's registry, read
+    # here during a step and changed only between steps; None: no LoRA.
+    lora: LoraRegistry | None = None
 
     @property
     def block_size(self) -> int:
@@ -197,12 +202,28 @@ class ModelRunner:
             )
             for chunk in plan.chunks
         ]
-        if self.decode_graphs is not None:
+        if self.decode_graphs is not None and self.lora is None:
             logits = self.decode_graphs.run(chunks)
             if logits is not None:
                 return logits
         batch = ForwardBatch.build(chunks, block_size=self.block_size, device=self.device)
+        if self.lora is not None:
+            batch = attrs.evolve(batch, lora=self._lora_batch(plan))
         return self.model(batch, self.kv_cache)
+
+    def _lora_batch(self, plan: StepPlan) -> LoraBatch:
+        """Which of ``plan``'s token rows run which adapter. Set on every
+        batch of a LoRA engine, adapters or not, so every batch takes the
+        same path through the model (engine/lora/projections.py)."""
+        assert self.lora is not None
+        adapters = []
+        for chunk in plan.chunks:
+            adapter = None if chunk.lora is None else self.lora.resolve(chunk.lora)
+            if chunk.lora is not None and adapter is None:
+                # An adapter is unloaded only when no request uses it (EngineCore.unload_lora).
+                raise RuntimeError(f"chunk of {chunk.request_id!r} runs adapter {chunk.lora.name!r}, which is not loaded")
+            adapters.append(adapter)
+        return LoraBatch.build(adapters, [chunk.num_tokens for chunk in plan.chunks], self.device)
 
 
 def _split_prompt_logits(plan: StepPlan, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, ChunkPromptLogprobs]]:

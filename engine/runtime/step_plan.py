@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import attrs
 
+from trioserve.engine.lora.registry import LoraRef
 from trioserve.engine.sampling.pooling import Pooling
 from trioserve.engine.sampling.rows import SamplingRow, TokenMask
 
@@ -53,6 +54,8 @@ class ScheduledChunk:
     prompt_logprobs: int = 0
     pooling: Pooling | None = None
     num_pooled: int = 0
+    # The LoRA adapter the chunk's tokens run with (engine/lora); None: the base model.
+    lora: LoraRef | None = None
 
     @property
     def draft_token_ids(self) -> tuple[int, ...]:
