@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import attrs
 import httpx
@@ -57,8 +58,9 @@ class Target:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
 
-def build_payload(target: Target, sample: SampleRequest) -> dict:
-    """The JSON body for one streamed, greedy request."""
+def build_payload(target: Target, sample: SampleRequest, extra: Mapping[str, Any] | None = None) -> dict:
+    """The JSON body for one streamed, greedy request; ``extra``'s fields
+    are added to it (a priority, latency objectives)."""
     payload: dict = {
         "model": target.model,
         "max_tokens": sample.output_len,
@@ -72,7 +74,7 @@ def build_payload(target: Target, sample: SampleRequest) -> dict:
         payload["prompt"] = sample.prompt
     if target.ignore_eos:
         payload["ignore_eos"] = True
-    return payload
+    return payload | dict(extra or {})
 
 
 class SSEParser:
@@ -166,10 +168,13 @@ class _Recorder:
         )
 
 
-async def _stream(client: httpx.AsyncClient, target: Target, sample: SampleRequest) -> RequestMeasurement:
+async def _stream(
+    client: httpx.AsyncClient, target: Target, sample: SampleRequest, extra: Mapping[str, Any] | None
+) -> RequestMeasurement:
     recorder = _Recorder(trio.current_time(), target.chat)
     parser = SSEParser()
-    async with client.stream("POST", target.url, json=build_payload(target, sample), headers=target.headers()) as r:
+    body = build_payload(target, sample, extra)
+    async with client.stream("POST", target.url, json=body, headers=target.headers()) as r:
         if r.status_code != 200:
             body = (await r.aread()).decode("utf-8", errors="replace").strip()
             error = f"HTTP {r.status_code}: {body[:300]}"
@@ -183,13 +188,16 @@ async def _stream(client: httpx.AsyncClient, target: Target, sample: SampleReque
     return recorder.output(sample)
 
 
-async def send_request(client: httpx.AsyncClient, target: Target, sample: SampleRequest) -> RequestMeasurement:
-    """Send one streamed request and time it; never raises for a failed
-    request, which comes back with ``success=False`` and the error text."""
+async def send_request(
+    client: httpx.AsyncClient, target: Target, sample: SampleRequest, extra: Mapping[str, Any] | None = None
+) -> RequestMeasurement:
+    """Send one streamed request (``extra``: fields added to its body) and
+    time it; never raises for a failed request, which comes back with
+    ``success=False`` and the error text."""
     start = trio.current_time()
     try:
         with trio.fail_after(target.request_timeout):
-            return await _stream(client, target, sample)
+            return await _stream(client, target, sample, extra)
     except trio.TooSlowError:
         error = f"timed out after {target.request_timeout:g} s"
     except (httpx.HTTPError, _StreamError) as exc:

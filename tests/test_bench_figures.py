@@ -19,6 +19,7 @@ quick ones run. They were scripts until issue 40:
 | scripts/bench_actors.py | trioserve bench actors |
 | scripts/bench_tracing.py | trioserve bench tracing |
 | scripts/overload.py | trioserve bench overload |
+| (new with issue 44) | trioserve bench slo |
 | scripts/slow_reader.py | trioserve bench slow-reader |
 | scripts/bench_suite.py | trioserve bench suite |
 """
@@ -56,6 +57,7 @@ DOCUMENTED = [
     "tracing --outputs 64 --requests 2000",
     "overload --num-threads 1 --max-num-seqs 16 --input-len 32 --output-len 32 --duration 60 "
     "--calibration-requests 32 --out overload-results",
+    "slo --rates 0.5,1,1.5 --burstiness 1,0.25 --requests 60 --num-threads 2 --out slo-results --plots docs/images",
     "slow-reader -- --num-threads 1",
     "suite --out bench-results --plots docs/images",
     "suite --dtype bfloat16 --out bench-bf16 --plots /tmp/bf16-img --skip start,prefix,memory,burst,sweep",

@@ -8,7 +8,8 @@ with the roofline), ``rss-ready`` (memory at ready). The engine's choices:
 ``invariance``, ``quality``, ``speculative``, ``structured``, ``kv-dtype``,
 ``kernels``, ``cpu-paths``. Scaling out: ``dp``, ``worker-mode``, ``tp``.
 Serving overhead and reliability: ``actors``, ``tracing``, ``overload``,
-``slow-reader``. The float path against transformers: ``suite``.
+``slo`` (goodput under latency objectives), ``slow-reader``. The float
+path against transformers: ``suite``.
 
 They may import every package of trioserve; nothing imports them but
 ``trioserve.bench.cli``.
@@ -25,6 +26,7 @@ from . import (
     quality,
     real_size,
     rss_ready,
+    slo,
     slow_reader,
     speculative,
     structured,
@@ -53,6 +55,7 @@ COMMANDS = (
     actors,
     tracing,
     overload,
+    slo,
     slow_reader,
     suite,
 )

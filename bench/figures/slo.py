@@ -1,0 +1,205 @@
+"""``trioserve bench slo``: goodput under latency objectives, for the slo
+scheduling policy against first come, first served and the priority policy.
+
+    trioserve bench slo [--rates 0.5,1,1.5] [--burstiness 1,0.25] [--requests 60] [--out slo-results]
+
+For each setup in ``--setups``, a fresh ``trioserve serve`` (the default
+model) on a free loopback port: ``fcfs`` (``--scheduling-policy priority``,
+the requests send no priority: one class, arrival order), ``priority``
+(the same server flag, the requests send their class's priority) and
+``slo`` (``--scheduling-policy slo``, priorities sent: earliest deadline
+first in a class, refusal at the door of what cannot meet its targets).
+Every setup gets the same requests: a mix of classes (bench/slo.py:
+interactive, TTFT 1 s and TPOT 200 ms at priority 0; batch, TTFT 20 s and
+TPOT 1 s at priority 1), each sending its ``ttft_ms`` / ``tpot_ms``, at each
+rate of ``--rates`` and each arrival shape of ``--burstiness`` (1: Poisson;
+lower: burstier), ``--requests`` requests a run.
+
+Reported per run: goodput (requests that met both targets per second of
+offered load), the share refused at the door, and per class the admitted
+requests whose TTFT overran its target by more than 20%. With
+``--plots``: goodput against offered load, the TTFT CDF per class at the
+highest rate, and the refused share against load. Clients give up after
+``--client-timeout`` seconds. Speeds depend on the machine and on what else
+runs on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import attrs
+import trio
+
+from trioserve.engine.loading.sources import DEFAULT_MODEL_NAME
+
+from ..arguments import name_list, positive_float, positive_int
+from ..client import Target
+from ..datasets import load_tokenizer
+from ..plot import require_matplotlib, save_figure
+from ..process import serving_process
+from ..slo import DEFAULT_CLASSES, MixRun, mixed_requests, run_mix, summarize
+
+# Setup -> (the server's --scheduling-policy, whether requests send their priority).
+SETUPS = {"fcfs": ("priority", False), "priority": ("priority", True), "slo": ("slo", True)}
+
+GOODPUT_PNG = "slo_goodput.png"
+TTFT_CDF_PNG = "slo_ttft_cdf.png"
+REFUSED_PNG = "slo_refused.png"
+
+
+def float_list(text: str) -> list[float]:
+    """``"0.5,1,2"`` -> ``[0.5, 1.0, 2.0]``: numbers > 0."""
+    return [positive_float(part) for part in name_list(text)]
+
+
+def setup_list(text: str) -> list[str]:
+    names = name_list(text)
+    unknown = [n for n in names if n not in SETUPS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown setup {unknown[0]!r}; choose from {', '.join(SETUPS)}")
+    return names
+
+
+def add_parser(commands) -> argparse.ArgumentParser:
+    p = commands.add_parser(
+        "slo",
+        help="goodput under per-request latency objectives: the slo policy against FCFS and priorities",
+        description=__doc__.split("\n\n")[0].removeprefix("``trioserve bench slo``: "),
+        epilog=__doc__.split("\n\n", 2)[2],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    load = p.add_argument_group("load")
+    load.add_argument("--rates", type=float_list, default=[0.5, 1.0, 1.5], help="requests/s to offer (default: 0.5,1,1.5)")
+    load.add_argument("--burstiness", type=float_list, default=[1.0],
+                      help="arrival shapes: 1 Poisson, lower burstier (default: 1)")  # fmt: skip
+    load.add_argument("--requests", type=positive_int, default=60, help="requests a run (default: 60)")
+    load.add_argument("--client-timeout", type=positive_float, default=120.0,
+                      help="seconds a client waits before it hangs up (default: 120)")  # fmt: skip
+    load.add_argument("--seed", type=int, default=0, help="seeds prompts, classes and arrivals (default: 0)")
+    server = p.add_argument_group("server")
+    server.add_argument("--setups", type=setup_list, default=list(SETUPS), help="default: fcfs,priority,slo")
+    server.add_argument("--max-num-seqs", type=positive_int, default=8, help="every server's --max-num-seqs (default: 8)")
+    server.add_argument("--num-threads", type=positive_int, default=None, help="every server's --num-threads")
+    out = p.add_argument_group("output")
+    out.add_argument("--out", type=Path, default=Path("slo-results"), help="folder for logs and summary.json")
+    out.add_argument("--plots", type=Path, default=None, help="folder for the PNG plots (default: none)")
+    p.set_defaults(func=run)
+    return p
+
+
+async def sweep(target: Target, requests, rates, burstinesses, *, with_priority: bool, seed: int) -> list[dict]:
+    """One run of ``requests`` per (burstiness, rate), summarized."""
+    results = []
+    for burstiness in burstinesses:
+        for rate in rates:
+            mix: MixRun = await run_mix(
+                target, requests, request_rate=rate, burstiness=burstiness, with_priority=with_priority, seed=seed
+            )
+            results.append(summarize(mix))
+            line = {k: results[-1][k] for k in ("offered_rps", "burstiness", "goodput_rps", "refused", "late")}
+            print(json.dumps(line), flush=True)
+    return results
+
+
+def run(args: argparse.Namespace) -> int:
+    args.out.mkdir(parents=True, exist_ok=True)
+    common = ["--max-num-seqs", str(args.max_num_seqs)]
+    if args.num_threads is not None:
+        common += ["--num-threads", str(args.num_threads)]
+    requests = mixed_requests(load_tokenizer(), DEFAULT_CLASSES, args.requests, seed=args.seed)
+    summary: dict = {
+        "command": " ".join(["trioserve", *sys.argv[1:]]),
+        "cpus": os.cpu_count(),
+        "load_average": os.getloadavg(),
+        "classes": [attrs.asdict(c) for c in DEFAULT_CLASSES],
+        "setups": {},
+    }
+    for name in args.setups:
+        policy, with_priority = SETUPS[name]
+        with serving_process([*common, "--scheduling-policy", policy], args.out / f"{name}.log") as (url, _):
+            target = Target(base_url=url, model=DEFAULT_MODEL_NAME, ignore_eos=True, request_timeout=args.client_timeout)
+            print(f"{name}: --scheduling-policy {policy}, priorities {'sent' if with_priority else 'not sent'}", flush=True)
+            summary["setups"][name] = trio.run(
+                lambda: sweep(target, requests, args.rates, args.burstiness, with_priority=with_priority, seed=args.seed)
+            )
+    summary["load_average_after"] = os.getloadavg()
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print_table(summary)
+    if args.plots is not None:
+        for path in write_plots(summary, args.plots):
+            print(f"wrote {path}")
+    return 0
+
+
+def print_table(summary: dict) -> None:
+    """A markdown table: a row per (burstiness, rate), per setup goodput,
+    refused share and late admitted requests."""
+    names = list(summary["setups"])
+    print("| arrivals | offered (req/s) | " + " | ".join(f"{n}: goodput / refused / late" for n in names) + " |")
+    print("| --- | --- |" + " --- |" * len(names))
+    for i, first in enumerate(summary["setups"][names[0]]):
+        shape = "Poisson" if first["burstiness"] == 1 else f"gamma {first['burstiness']:g}"
+        cells = []
+        for name in names:
+            r = summary["setups"][name][i]
+            cells.append(f"{r['goodput_rps']:.2f} / {r['refused_fraction']:.0%} / {r['late']}")
+        print(f"| {shape} | {first['offered_rps']:g} | " + " | ".join(cells) + " |")
+
+
+def write_plots(summary: dict, directory: Path) -> list[Path]:
+    """Goodput and refused share against offered load (a panel per arrival
+    shape), and the TTFT CDF per class at the highest rate (first shape)."""
+    plt = require_matplotlib()
+    setups = summary["setups"]
+    shapes = sorted({r["burstiness"] for runs in setups.values() for r in runs}, reverse=True)
+    written = []
+    for png, key, ylabel in (
+        (GOODPUT_PNG, "goodput_rps", "goodput (requests/s within both targets)"),
+        (REFUSED_PNG, "refused_fraction", "share refused at the door"),
+    ):
+        fig, axes = plt.subplots(1, len(shapes), figsize=(5.5 * len(shapes), 4.2), squeeze=False)
+        for ax, shape in zip(axes[0], shapes):
+            for name, runs in setups.items():
+                points = sorted((r["offered_rps"], r[key]) for r in runs if r["burstiness"] == shape)
+                ax.plot([x for x, _ in points], [y for _, y in points], marker="o", label=name)
+            if key == "goodput_rps":
+                top = max(r["offered_rps"] for runs in setups.values() for r in runs)
+                ax.plot([0, top], [0, top], ls=":", color="grey", label="offered")
+            title = "Poisson arrivals" if shape == 1 else f"bursty arrivals (gamma shape {shape:g})"
+            ax.set(title=title, xlabel="offered load (requests/s)", ylabel=ylabel)
+            ax.set_ylim(bottom=0)
+            ax.grid(alpha=0.3)
+            ax.legend()
+        fig.tight_layout()
+        written.append(save_figure(plt, fig, directory / png))
+    classes = [c["name"] for c in summary["classes"]]
+    fig, axes = plt.subplots(1, len(classes), figsize=(5.5 * len(classes), 4.2), squeeze=False)
+    for ax, class_name in zip(axes[0], classes):
+        target = None
+        for name, runs in setups.items():
+            at = [r for r in runs if r["burstiness"] == shapes[0]]
+            highest = max(at, key=lambda r: r["offered_rps"])
+            entry = highest["classes"].get(class_name)
+            if entry is None:
+                continue
+            target = entry["ttft_target_ms"]
+            values = entry["ttft_ms"]
+            if values:
+                # The CDF over all the class's requests: the refused and
+                # those that never got a token stay above the curve's end.
+                ys = [(i + 1) / entry["requests"] for i in range(len(values))]
+                ax.step(values, ys, where="post", label=f"{name} ({highest['offered_rps']:g} req/s)")
+        if target is not None:
+            ax.axvline(target, ls="--", color="grey", label="TTFT target")
+        ax.set(title=f"TTFT CDF: {class_name}", xlabel="TTFT (ms)", ylabel="fraction of the class's requests", ylim=(0, 1.02))
+        ax.set_xscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    written.append(save_figure(plt, fig, directory / TTFT_CDF_PNG))
+    return written

@@ -1,0 +1,147 @@
+"""``trioserve bench slo`` (bench/slo.py, bench/figures/slo.py) against a
+fake server that keeps or misses latency objectives on purpose.
+
+The fake refuses (429) a request whose TTFT target is under 500 ms, answers
+priority 0 after 0.2 s and anything else after 3 s; under ``autojump_clock``
+those delays cost no real time and the client's timings are exact.
+"""
+
+from __future__ import annotations
+
+import json
+
+import attrs
+import pytest
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve
+
+from trioserve.bench.client import Target
+from trioserve.bench.figures.slo import GOODPUT_PNG, REFUSED_PNG, TTFT_CDF_PNG, write_plots
+from trioserve.bench.measurement import RequestMeasurement
+from trioserve.bench.datasets import SampleRequest
+from trioserve.bench.slo import MixedRequest, MixRun, RequestClass, mixed_requests, run_mix, summarize
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@attrs.define
+class ObjectivesFake:
+    """An ASGI app standing for a server under latency objectives."""
+
+    bodies: list = attrs.Factory(list)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        request = json.loads(body)
+        self.bodies.append(request)
+        if request.get("ttft_ms", 0) < 500:
+            error = {"error": {"message": "cannot meet ttft_ms", "type": "slo_unattainable", "param": "ttft_ms"}}
+            headers = [(b"content-type", b"application/json"), (b"retry-after", b"1")]
+            await send({"type": "http.response.start", "status": 429, "headers": headers})
+            await send({"type": "http.response.body", "body": json.dumps(error).encode()})
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        await trio.sleep(0.2 if request.get("priority") == 0 else 3.0)
+        for i in range(request["max_tokens"]):
+            if i:
+                await trio.sleep(0.05)
+            chunk = {"choices": [{"index": 0, "text": f"t{i} "}]}
+            await send({"type": "http.response.body", "body": f"data: {json.dumps(chunk)}\n\n".encode(), "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+
+INTERACTIVE = RequestClass("interactive", priority=0, ttft_ms=1000, tpot_ms=200, share=1, input_len=4, output_len=3)
+BATCH = RequestClass("batch", priority=1, ttft_ms=5000, tpot_ms=None, share=1, input_len=8, output_len=5)
+IMPOSSIBLE = RequestClass("impossible", priority=0, ttft_ms=100, tpot_ms=100, share=1, input_len=4, output_len=2)
+
+
+def mix() -> list[MixedRequest]:
+    classes = [INTERACTIVE, BATCH, IMPOSSIBLE, INTERACTIVE, BATCH, INTERACTIVE]
+    return [MixedRequest(SampleRequest(f"p{i}", c.input_len, c.output_len), c) for i, c in enumerate(classes)]
+
+
+@pytest.fixture
+async def fake(nursery):
+    app = ObjectivesFake()
+    config = Config()
+    config.bind = ["127.0.0.1:0"]
+    config.errorlog = None
+    binds = await nursery.start(serve, app, config)
+    return app, Target(base_url=binds[0], model="fake", ignore_eos=True)
+
+
+async def test_goodput_counts_the_requests_within_both_targets(fake, autojump_clock):
+    app, target = fake
+    run = await run_mix(target, mix(), request_rate=2.0, seed=1)
+    assert {json.dumps(b.get("priority")) for b in app.bodies} == {"0", "1"}
+    assert all(b["ttft_ms"] and b["max_tokens"] for b in app.bodies)
+    summary = summarize(run)
+    assert (summary["requests"], summary["refused"], summary["admitted"], summary["met"]) == (6, 1, 5, 5)
+    assert summary["late"] == 0
+    assert summary["goodput_rps"] == pytest.approx(5 / 3)  # 5 met over 6 requests at 2/s
+    interactive = summary["classes"]["interactive"]
+    assert interactive["met"] == 3 and interactive["ttft_ms"] == pytest.approx([200.0] * 3, abs=1)
+    assert summary["classes"]["impossible"]["refused"] == 1
+
+
+async def test_without_priorities_the_interactive_class_misses_and_is_late(fake, autojump_clock):
+    app, target = fake
+    summary = summarize(await run_mix(target, mix(), request_rate=2.0, with_priority=False, burstiness=0.25))
+    assert all("priority" not in b for b in app.bodies)
+    interactive = summary["classes"]["interactive"]
+    assert (interactive["met"], interactive["late"]) == (0, 3)  # 3 s against 1 s (+20%)
+    assert summary["classes"]["batch"]["met"] == 2
+    assert summary["attainment"] == pytest.approx(2 / 6)
+
+
+def test_a_request_that_never_got_a_token_is_late_not_timed():
+    failed = RequestMeasurement(False, 4, error="timed out after 10 s")
+    run = MixRun((MixedRequest(SampleRequest("p", 4, 3), INTERACTIVE),), (failed,), 1.0, 1.0, 10.0)
+    summary = summarize(run)
+    assert (summary["admitted"], summary["met"], summary["late"]) == (1, 0, 1)
+    assert summary["classes"]["interactive"]["ttft_ms"] == []
+
+
+@attrs.frozen
+class LetterTokenizer:
+    """One token per lowercase letter: a prompt of n tokens is n letters."""
+
+    vocab_size: int = 26
+    all_special_ids: list = attrs.Factory(list)
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) - 97 for c in text if c.isalpha()]
+
+    def decode(self, ids):
+        return "".join(chr(97 + i) for i in ids)
+
+
+def test_the_mix_draws_classes_by_share_with_their_lengths():
+    requests = mixed_requests(LetterTokenizer(), [INTERACTIVE, BATCH], 40, seed=3)
+    assert requests == mixed_requests(LetterTokenizer(), [INTERACTIVE, BATCH], 40, seed=3)
+    assert {r.request_class.name for r in requests} == {"interactive", "batch"}
+    for r in requests:
+        assert (r.sample.prompt_len, r.sample.output_len) == (r.request_class.input_len, r.request_class.output_len)
+
+
+async def test_the_plots_are_written(fake, autojump_clock, tmp_path):
+    _, target = fake
+    runs = {
+        name: [summarize(await run_mix(target, mix(), request_rate=rate, with_priority=sent)) for rate in (1.0, 2.0)]
+        for name, sent in (("fcfs", False), ("slo", True))
+    }
+    summary = {"classes": [attrs.asdict(c) for c in (INTERACTIVE, BATCH, IMPOSSIBLE)], "setups": runs}
+    paths = write_plots(summary, tmp_path)
+    assert {p.name for p in paths} == {GOODPUT_PNG, REFUSED_PNG, TTFT_CDF_PNG}
+    assert all(p.read_bytes().startswith(PNG_MAGIC) for p in paths)
