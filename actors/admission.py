@@ -231,6 +231,11 @@ class AdmissionQueue(BoundedSenders):
     def num_queued(self) -> int:
         return len(self._queue)
 
+    def queued(self) -> tuple[AddRequest, ...]:
+        """The queued messages, oldest first (a copy: SLO admission reads
+        them to predict a new request's wait)."""
+        return tuple(self._queue)
+
     @property
     def num_queued_tokens(self) -> int:
         return self._tokens

@@ -11,6 +11,7 @@ dropped unclosed is closed by its own finalizer (``RequestStream``).
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -22,7 +23,7 @@ import trio
 from trioserve.engine.config import EngineConfig
 from trioserve.engine.core.engine_core import EngineCore
 from trioserve.engine.core.latency_objectives import NO_OBJECTIVES, LatencyObjectives
-from trioserve.engine.core.new_request import RequestInput
+from trioserve.engine.core.new_request import NewRequest, RequestInput
 from trioserve.engine.loading.generation_config import SamplingDefaults
 from trioserve.engine.lora.adapter import LoraAdapter
 from trioserve.engine.models.projections import ProjectionChoice
@@ -36,6 +37,7 @@ from .allocator import AllocatorActor
 from .degradation import Degradation
 from .errors import DuplicateRequestError, EngineClosed, EngineOverloaded
 from .executor import Executor
+from .slo_admission import SloDecision, SloRefused, decide, predict, tokens_ahead
 from .messages import AbortAll, AddRequest, LoadLora, UnloadLora
 from .request import RequestActor
 from .stream import RequestStream
@@ -340,11 +342,14 @@ class Engine:
         capped = self._degradation.cap(new.params, new.priority, self._admission.pressure)
         if capped is not new.params:
             new = attrs.evolve(new, params=capped)
+        if request.objectives is not new.objectives:
+            new = attrs.evolve(new, objectives=request.objectives)
+        decision = self._judge(new)  # raises SloRefused: refused at the door
+        if decision is not None and decision.max_tokens is not None:
+            new = attrs.evolve(new, params=attrs.evolve(new.params, max_tokens=decision.max_tokens))
         if request.lora is not None:
             # The adapter the request names (its model field: web/lora_api.py).
             new = attrs.evolve(new, lora=self.core.lora_ref(request.lora))
-        if request.objectives is not new.objectives:
-            new = attrs.evolve(new, objectives=request.objectives)
         if timeout is not None:
             after = trio.current_time() + timeout
             deadline = after if deadline is None else min(deadline, after)
@@ -363,8 +368,51 @@ class Engine:
             retry_after=self._scheduler.retry_after,
             on_close=self._on_request_closed,
         )
+        actor.slo = decision
         self._ids.add(actor)
         return actor
+
+    def _judge(self, new: NewRequest) -> SloDecision | None:
+        """SLO admission (actors/slo_admission.py): with the slo policy, a
+        request with objectives gets its prediction on the replica that
+        would serve it soonest, and is admitted or refused (``SloRefused``)."""
+        config = self.core.config
+        if config.scheduling_policy != "slo" or new.objectives.empty:
+            return None
+        now = time.monotonic()
+        best = None
+        for scheduler, queue in self._slo_views():
+            queued = queue.queued()
+            core = scheduler.core.scheduler
+            ahead = tokens_ahead(
+                new, now, core.waiting_requests, [m.request for m in queued], [m.arrival_time for m in queued]
+            )
+            prediction = predict(
+                scheduler.latency,
+                new,
+                ahead,
+                core.running_requests,
+                token_budget=config.max_num_batched_tokens,
+                max_num_seqs=core.running_limit,
+            )
+            if best is None or prediction.ttft < best.ttft:
+                best = prediction
+        assert best is not None
+        try:
+            return decide(new.objectives, best, max_tokens=new.params.max_tokens, degraded=self._degraded())
+        except SloRefused:
+            self._num_refused += 1
+            raise
+
+    def _slo_views(self) -> list[tuple[Any, Any]]:
+        """Each replica's scheduler actor and admission queue (one here)."""
+        return [(self._scheduler, self._admission)]
+
+    def _degraded(self) -> bool:
+        """A hung step runs or the worker is down (as /health's ``degraded``)."""
+        executor = self._executor.statistics()
+        worker_down = executor.worker_state is not None and executor.worker_state != "ready"
+        return executor.num_hung_steps_running > 0 or worker_down
 
     def _on_request_closed(self, actor: RequestActor) -> None:
         self._ids.closed(actor)

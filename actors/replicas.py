@@ -199,6 +199,11 @@ class ReplicatedEngine(Engine):
     def _replica_statistics(self) -> tuple[ReplicaStatistics, ...]:
         return tuple(replica.statistics() for replica in self.replicas)
 
+    def _slo_views(self) -> list[tuple[Any, Any]]:
+        # Each replica with its own queue and latency model: admission
+        # judges a request by the replica that would serve it soonest.
+        return [(replica.scheduler, queue) for replica, queue in zip(self.replicas, self._admission.queues, strict=True)]
+
     def _overload_statistics(self, scheduler: SchedulerActorStatistics) -> OverloadStatistics:
         concurrencies = [r.scheduler.concurrency for r in self.replicas if r.scheduler.concurrency is not None]
         p90s = [c.last_p90 for c in concurrencies if c.last_p90 is not None]

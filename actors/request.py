@@ -96,6 +96,9 @@ class RequestActor:
         self.queue_deadline = queue_deadline
         self.final_only = final_only
         self.arrival_time = time.monotonic()
+        # What SLO admission predicted and decided at the door (None: not
+        # judged: no objectives, or not the slo policy); the engine sets it.
+        self.slo: Any = None
         self._on_full = on_full
         self._admission = admission
         self._control = control

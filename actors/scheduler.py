@@ -38,6 +38,7 @@ import trio
 
 from trioserve.engine.core.engine_core import EngineCore
 from trioserve.engine.core.kv_batch import KVResult
+from trioserve.engine.core.latency_model import LatencyModel
 from trioserve.engine.core.outputs import RequestOutput
 from trioserve.engine.core.scheduler import SchedulerOutput
 from trioserve.engine.core.sequence import FinishReason
@@ -124,6 +125,9 @@ class SchedulerActor:
         self._total_generation = 0
         self._nursery: trio.Nursery | None = None
         self._num_worker_recoveries = 0  # steps failed with WorkerLost: all running requests recomputed
+        # This engine's step-cost law, learned from its own steps (issue #44):
+        # SLO admission predicts with it (actors/slo_admission.py).
+        self.latency = LatencyModel()
 
     # -- the actor --------------------------------------------------------------
 
@@ -329,6 +333,7 @@ class SchedulerActor:
                 self._release_needed = True
             return self.core.process_output(plan, _NO_OUTPUT)
         now = trio.current_time()
+        self.latency.observe_plan(plan.plan, reply.seconds)
         # Decode chunks compute the token sampled last step; the rest is prefill.
         decodes = sum(1 for c in plan.chunks if c.is_decode)
         # Speculating chunks: their proposals are not prompt, their accepted tokens are generated.

@@ -7,6 +7,7 @@ finalizer if its owner drops it unclosed.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import trio
 
@@ -34,6 +35,12 @@ class RequestStream:
     @property
     def request_id(self) -> str:
         return self._actor.request_id
+
+    @property
+    def slo(self) -> Any:
+        """SLO admission's ``SloDecision`` for the request, or None when it
+        was not judged (no objectives, or not ``--scheduling-policy slo``)."""
+        return self._actor.slo
 
     def __aiter__(self) -> RequestStream:
         return self

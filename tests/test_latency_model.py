@@ -74,7 +74,7 @@ def test_it_follows_a_machine_that_slows_down():
 
 
 def test_ttft_grows_with_the_queue_ahead_and_tpot_with_the_batch():
-    model = LatencyModel(prior=(0.005, 0.05, 0.0, 0.001, 0.0))
+    model = LatencyModel(prior=(0.005, 0.005, 0.0, 0.001, 0.0))
     alone = model.predict_ttft(100)
     behind = model.predict_ttft(100, ahead=[2000, 2000], token_budget=512)
     assert alone == pytest.approx(0.005 + 0.1 * 0.05 / 1000 * 1000, rel=1e-6)

@@ -21,6 +21,7 @@ from trioserve.actors.errors import (
     RequestDropped,
     RequestShed,
 )
+from trioserve.actors.slo_admission import SloRefused
 from trioserve.engine.errors import InvalidRequestError, RequestTooLongError
 from trioserve.engine.plugins import PluginError
 
@@ -204,6 +205,12 @@ def from_exception(exc: BaseException) -> ApiError:
         return ServiceUnavailable(str(exc), code="queue_timeout", retry_after=_retry_after(exc))
     if isinstance(exc, RequestShed):
         return Overloaded(_retry_after(exc), str(exc), code="request_shed")
+    if isinstance(exc, SloRefused):
+        # Refused at the door for a latency objective (docs/reliability.md,
+        # "Latency objectives"); 503 while the engine runs degraded.
+        if exc.degraded:
+            return ServiceUnavailable(str(exc), code="slo_unattainable", retry_after=_retry_after(exc))
+        return Overloaded(_retry_after(exc), str(exc), code="slo_unattainable", param=exc.objective)
     if isinstance(exc, ExpensiveRequestRefused):
         return Overloaded(_retry_after(exc), str(exc), code="expensive_request_refused", param=exc.field)
     if isinstance(exc, EngineOverloaded):

@@ -33,14 +33,14 @@ import numpy as np
 
 from trioserve.engine.runtime.step_plan import StepPlan
 
-# Features are scaled so that the coefficients are of similar size: tokens
-# per thousand, attention pairs per million.
-_SCALE = np.array([1.0, 1e-3, 1e-6, 1.0, 1e-3])
+# Features are scaled so that a step's features are of order one: tokens
+# per hundred, attention pairs per ten thousand.
+_SCALE = np.array([1.0, 1e-2, 1e-4, 1.0, 1e-2])
 NUM_FEATURES = len(_SCALE)
 # Before any step: 5 ms a step, 50 us a prefill token, 1 ms a decoding
 # sequence (a small model on a CPU); the wide prior variance lets the
 # first few steps replace it.
-DEFAULT_PRIOR = (0.005, 0.05, 0.0, 0.001, 0.0)
+DEFAULT_PRIOR = (0.005, 0.005, 0.0, 0.001, 0.0)
 # The shortest step it predicts: a fit can go below zero where it has no data.
 MIN_STEP_SECONDS = 1e-4
 # Steps simulated at most for one TTFT prediction (a bound on its cost).
@@ -77,9 +77,9 @@ class StepShape:
 
 @attrs.frozen
 class LatencyModelStatistics:
-    """The fit now: its coefficients (seconds per step, per thousand
-    prefill tokens, per million prefill attention pairs, per decoding
-    sequence, per thousand decode context tokens), the steps it has seen,
+    """The fit now: its coefficients (seconds per step, per hundred
+    prefill tokens, per ten thousand prefill attention pairs, per decoding
+    sequence, per hundred decode context tokens), the steps it has seen,
     and the relative error of its one-step-ahead predictions over the
     recent ``window`` steps (median and p90; None before any step)."""
 
@@ -99,7 +99,7 @@ class LatencyModel:
 
     prior: Sequence[float] = DEFAULT_PRIOR
     forgetting: float = attrs.field(default=0.995)
-    prior_variance: float = 100.0
+    prior_variance: float = 1.0
     window: int = 256
     _theta: np.ndarray = attrs.field(init=False)
     _covariance: np.ndarray = attrs.field(init=False)
@@ -131,7 +131,7 @@ class LatencyModel:
         coefficients = profile.get("coefficients")
         if not isinstance(coefficients, list | tuple) or len(coefficients) != NUM_FEATURES:
             raise ValueError(f"a latency profile has {NUM_FEATURES} coefficients, got {coefficients!r}")
-        kwargs.setdefault("prior_variance", 1.0)
+        kwargs.setdefault("prior_variance", 0.01)
         return cls(prior=tuple(float(c) for c in coefficients), **kwargs)
 
     # -- learning ---------------------------------------------------------------

@@ -40,11 +40,16 @@ def check_objective(value: object, field: str) -> float | None:
 class LatencyObjectives:
     """Targets for one request, in seconds: ``ttft`` for its first token
     (from its arrival), ``tpot`` for each output token after it (the mean
-    over the request). None: no target of that kind."""
+    over the request). None: no target of that kind. ``best_effort``:
+    admitted even when predicted to miss; ``allow_shorter``: refused for
+    its TPOT, admitted with a lower ``max_tokens`` where one fits."""
 
     ttft: float | None = attrs.field(default=None, validator=lambda _, a, v: check_objective(v, a.name))
     tpot: float | None = attrs.field(default=None, validator=lambda _, a, v: check_objective(v, a.name))
     best_effort: bool = False
+    # Refused for its TPOT target, it may be admitted with a lower
+    # max_tokens instead (its answer then ends with finish reason length).
+    allow_shorter: bool = False
 
     @property
     def empty(self) -> bool:
@@ -85,7 +90,7 @@ class ObjectiveDefaults:
     def resolve(self, given: LatencyObjectives, *, model: str | None = None, priority: int = 0) -> LatencyObjectives:
         """``given`` with each target it leaves unset filled from the
         defaults (class, then model, then server); ``best_effort`` is the
-        request's own."""
+        request's own, as is ``allow_shorter``."""
         if given.ttft is not None and given.tpot is not None:
             return given
         layers = [dict(self.by_priority).get(priority), dict(self.by_model).get(model), self.server]
@@ -97,7 +102,7 @@ class ObjectiveDefaults:
             tpot = layer.tpot if tpot is None else tpot
         if ttft == given.ttft and tpot == given.tpot:
             return given
-        return LatencyObjectives(ttft, tpot, given.best_effort)
+        return attrs.evolve(given, ttft=ttft, tpot=tpot)
 
 
 NO_DEFAULTS = ObjectiveDefaults()

@@ -436,6 +436,17 @@ class Scheduler:
     def num_paused(self) -> int:
         return len(self._queues.paused)
 
+    @property
+    def waiting_requests(self) -> tuple[Request, ...]:
+        """The waiting requests, in the order the policy runs them (a copy:
+        admission reads it to predict a new request's wait)."""
+        return tuple(self._queues.waiting)
+
+    @property
+    def running_requests(self) -> tuple[Request, ...]:
+        """The running requests (a copy), in the order they started."""
+        return tuple(self._queues.running)
+
     # -- the running limit --------------------------------------------------------
 
     @property

@@ -1,0 +1,99 @@
+"""SLO admission at the door (actors/slo_admission.py), on the autojump
+clock with the fake executor: steps cost 10 ms plus 1 ms a token, the
+latency model learns that from the engine's own steps, and a request that
+cannot meet its TTFT target is refused at once, before any compute."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+
+import actor_fixtures
+from trioserve.actors.slo_admission import SloPrediction, SloRefused, decide
+from trioserve.engine.core.latency_objectives import LatencyObjectives
+from trioserve.engine.sampling.sampling_params import SamplingParams
+
+
+def params(max_tokens: int = 4) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def slo_engine(policy: str = "slo"):
+    return actor_fixtures.fake_engine(step_time=0.01, token_time=0.001, scheduling_policy=policy)
+
+
+PROMPT = [5 + i for i in range(200)]  # 200 tokens: a step of 0.21 s alone
+
+
+async def _learn(engine) -> None:
+    """A few requests, so the latency model has seen prefill and decode steps."""
+    for i in range(4):
+        pair = [engine.generate_nowait(PROMPT[: 30 + 40 * i + 10 * j], params(3 + 2 * j)) for j in range(2)]
+        for stream in pair:
+            [out async for out in stream]
+
+
+async def test_a_request_that_cannot_meet_its_ttft_is_refused_at_once(autojump_clock):
+    async with slo_engine() as engine:
+        await _learn(engine)
+        # ~1.3 s of prefill queued ahead, at a higher priority.
+        streams = [engine.generate_nowait([t + 300 * (i + 1) for t in PROMPT], params(), priority=-1) for i in range(6)]
+        before = trio.current_time()
+        with pytest.raises(SloRefused) as refused:
+            engine.generate_nowait(PROMPT[:20], params(), request_id="late", objectives=LatencyObjectives(ttft=0.3))
+        assert trio.current_time() == before
+        error = refused.value
+        assert error.objective == "ttft_ms" and error.reason == "ttft"
+        assert error.predicted > 0.6 and error.target == 0.3
+        assert "ttft_ms 300" in str(error) and error.retry_after >= 1
+        # Best effort is admitted, with its prediction.
+        admitted = engine.generate_nowait(
+            PROMPT[:20], params(), request_id="fine", objectives=LatencyObjectives(ttft=0.3, best_effort=True)
+        )
+        assert admitted.slo.prediction.ttft > 0.6
+        # A loose target is admitted too.
+        loose = engine.generate_nowait(PROMPT[:20], params(), objectives=LatencyObjectives(ttft=30.0))
+        assert loose.slo is not None
+        for stream in [*streams, admitted, loose]:
+            [out async for out in stream]
+        assert not any("late" in {c.request_id for c in plan.chunks} for plan in engine.fake.plans)
+        assert engine.statistics().num_refused == 1
+
+
+async def test_the_prediction_tracks_the_measured_ttft(autojump_clock):
+    async with slo_engine() as engine:
+        await _learn(engine)
+        # Distinct prompts: no prefix cache hits between them.
+        streams = [engine.generate_nowait([t + 300 * (i + 1) for t in PROMPT], params(2), priority=-1) for i in range(3)]
+        start = trio.current_time()
+        stream = engine.generate_nowait([t + 2000 for t in PROMPT[:40]], params(2), objectives=LatencyObjectives(ttft=100.0))
+        first = None
+        async for out in stream:
+            if first is None and out.new_token_ids:
+                first = trio.current_time() - start
+        for other in streams:
+            [out async for out in other]
+        # After 20 steps of training the fit is rough; it improves with every step.
+        assert stream.slo.prediction.ttft == pytest.approx(first, rel=0.5)
+
+
+async def test_without_the_slo_policy_targets_are_carried_not_judged(autojump_clock):
+    async with slo_engine("priority") as engine:
+        streams = [engine.generate_nowait(PROMPT, params()) for _ in range(6)]
+        stream = engine.generate_nowait(PROMPT[:20], params(), objectives=LatencyObjectives(ttft=0.001))
+        assert stream.slo is None
+        for s in [*streams, stream]:
+            [out async for out in s]
+
+
+def test_a_tpot_refusal_may_be_admitted_shorter():
+    prediction = SloPrediction(ttft=0.1, tpot=0.2)
+    with pytest.raises(SloRefused, match="tpot_ms 100"):
+        decide(LatencyObjectives(tpot=0.1), prediction, max_tokens=200)
+    shorter = decide(LatencyObjectives(tpot=0.1, allow_shorter=True), prediction, max_tokens=200)
+    assert shorter.max_tokens is not None and 16 <= shorter.max_tokens < 200
+    # Degraded: the refusal says so (the web layer answers 503).
+    with pytest.raises(SloRefused) as refused:
+        decide(LatencyObjectives(ttft=0.01), prediction, max_tokens=None, degraded=True)
+    assert refused.value.degraded
