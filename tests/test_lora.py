@@ -349,3 +349,16 @@ def _next_logits(core: EngineCore, prompt: list[int], adapter: str | None) -> to
     lora = LoraBatch.build([None if adapter is None else core.lora.get(adapter)], [len(prompt)], "cpu")
     with torch.inference_mode():
         return core.runner.model(attrs.evolve(batch, lora=lora), core.kv_cache)[0]
+
+
+def test_the_registry_forgets_ended_requests_as_it_goes():
+    from trioserve.engine.lora import LoraRef, LoraRegistry
+
+    registry, ref, running = LoraRegistry(1, 8), LoraRef("a", "0"), {"r999"}
+    for i in range(1000):
+        registry.use(f"r{i}", ref, running.__contains__)
+    assert len(registry._users) < 200  # pruned as it doubled: ended requests do not pile up
+    with pytest.raises(LoraInUse, match="r999"):
+        registry.check_unused("a", running.__contains__)
+    registry.check_unused("a", set().__contains__)
+    assert not registry._users

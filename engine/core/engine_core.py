@@ -258,7 +258,7 @@ class EngineCore:
             # Validated while its adapter was loaded; it may have been unloaded since.
             if self.lora is None or self.lora.resolve(new.lora) is None:
                 raise InvalidRequestError(f"the LoRA adapter {new.lora.name!r} was unloaded", field="model")
-            self.lora.use(request_id, new.lora)
+            self.lora.use(request_id, new.lora, self._has_request)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         children = completion_requests(new, self.model_config.eos_token_ids, arrival)
         completions = []
@@ -330,8 +330,12 @@ class EngineCore:
             raise LoraNotFound(f"no adapter {name!r} is loaded (this engine serves none)", field="lora_name")
         if self.lora.get(name) is None:
             raise LoraNotFound(f"no adapter {name!r} is loaded", field="lora_name")
-        self.lora.check_unused(name, lambda request_id: self.output_processor.children(request_id) is not None)
+        self.lora.check_unused(name, self._has_request)
         self.lora.remove(name)
+
+    def _has_request(self, request_id: str) -> bool:
+        """Whether request ``request_id`` is admitted and not yet reported ended."""
+        return self.output_processor.children(request_id) is not None
 
     def pause(self, request_id: str) -> bool:
         """Preempt a request's completions by recompute and keep them out of

@@ -53,18 +53,27 @@ class LoraRegistry:
     max_loras: int
     max_rank: int
     _adapters: dict[str, LoraAdapter] = attrs.field(factory=dict, init=False)
-    # Admitted requests by id -> the adapter name they run with (``use``).
+    # Admitted requests by id -> the adapter name they run with (``use``);
+    # the ended ones are dropped once it doubles (``_prune_at``) and at unloads.
     _users: dict[str, str] = attrs.field(factory=dict, init=False)
+    _prune_at: int = attrs.field(default=64, init=False)
 
-    def use(self, request_id: str, ref: LoraRef) -> None:
+    def use(self, request_id: str, ref: LoraRef, alive: Callable[[str], bool]) -> None:
         """Record that request ``request_id`` runs ``ref``'s adapter, so it
-        is not unloaded under it (``check_unused``)."""
+        is not unloaded under it (``check_unused``); ``alive`` says which
+        recorded requests have not ended."""
+        if len(self._users) >= self._prune_at:
+            self._prune(alive)
+            self._prune_at = max(64, 2 * len(self._users))
         self._users[request_id] = ref.name
+
+    def _prune(self, alive: Callable[[str], bool]) -> None:
+        self._users = {rid: n for rid, n in self._users.items() if alive(rid)}
 
     def check_unused(self, name: str, alive: Callable[[str], bool]) -> None:
         """``LoraInUse`` naming ``lora_name`` if a request still ``alive``
         runs adapter ``name``; forgets the requests that are not."""
-        self._users = {rid: n for rid, n in self._users.items() if alive(rid)}
+        self._prune(alive)
         users = sorted(rid for rid, n in self._users.items() if n == name)
         if users:
             raise LoraInUse(
