@@ -1,7 +1,8 @@
-"""LoRA adapters (engine/lora): greedy tokens equal PEFT's merged model for
-each adapter, requests for different adapters share a batch and each gets
-what it gets alone, the prefix cache is keyed by adapter, compressed base
-weights run with adapters, and what does not fit is refused."""
+"""LoRA adapters (engine/lora, web/lora_api.py): greedy tokens equal PEFT's
+merged model for each adapter, requests for different adapters share a
+batch and each gets what it gets alone, the prefix cache is keyed by
+adapter, compressed base weights run with adapters, and a real server
+loads, serves, lists and unloads them at run time, refusing what does not fit."""
 
 from __future__ import annotations
 
@@ -264,7 +265,9 @@ def test_an_adapter_that_does_not_fit_is_refused_naming_the_module(tiny, tmp_pat
     assert _run(core, {"r": (PROMPTS["p1"], "all")}, num_tokens=2)["r"]
 
 
-# -- the default model: compressed base weights --------------------------------
+# -- the default model: compressed base weights, and a real server --------------
+
+KEY = "sesame"
 
 
 def _default_shape(config) -> dict[str, tuple[int, int]]:
@@ -349,6 +352,118 @@ def _next_logits(core: EngineCore, prompt: list[int], adapter: str | None) -> to
     lora = LoraBatch.build([None if adapter is None else core.lora.get(adapter)], [len(prompt)], "cpu")
     with torch.inference_mode():
         return core.runner.model(attrs.evolve(batch, lora=lora), core.kv_cache)[0]
+
+
+@pytest.fixture(scope="module")
+def lora_server(default_loaded, tmp_path_factory):
+    """A real server on the default model, behind an API key, serving adapter
+    ``sql`` from the start (``--lora-modules``), at most two loaded at once."""
+    from server_fixtures import server_config, server_in_thread
+
+    from trioserve.web.app import create_app
+
+    root = tmp_path_factory.mktemp("adapters")
+    config = default_loaded.model_config
+    # Strong enough to change the first few greedy tokens.
+    folders = {name: _default_adapter(root / name, config, seed, 0.08) for seed, name in enumerate(("sql", "later", "third"))}
+    folders["bad_rank"] = _write_adapter(root / "bad_rank", dict(r=32, target_modules=["q_proj"]), {})
+    folders["bad_module"] = _write_adapter(root / "bad_module", dict(r=8, target_modules=["q_proj", "embed_tokens"]), {})
+    lora = LoraConfig([LoraModule("sql", str(folders["sql"]))], max_loras=2)
+    app = create_app(server_config(api_key=KEY, engine=dict(lora=lora)), loaded=default_loaded)
+    with server_in_thread(app) as running:
+        yield running, folders
+
+
+@pytest.mark.slow
+def test_a_server_serves_lists_loads_and_unloads_adapters_and_refuses_what_does_not_fit(lora_server):
+    import httpx
+    import openai
+
+    from server_fixtures import MODEL
+
+    server, folders = lora_server
+    headers = {"Authorization": f"Bearer {KEY}"}
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    http = httpx.Client(base_url=server.url, headers=headers, timeout=60)
+
+    def listed() -> dict[str, dict]:
+        return {m.id: m.model_dump() for m in client.models.list().data}
+
+    def load(**body) -> httpx.Response:
+        return http.post("/v1/load_lora_adapter", json=body)
+
+    def refused(response: httpx.Response, status: int, param: str, match: str) -> None:
+        assert response.status_code == status, response.text
+        error = response.json()["error"]
+        assert error["param"] == param and match in error["message"], error
+
+    def complete(model: str, max_tokens: int = 8, prompt: str = "SELECT name FROM") -> str:
+        reply = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0)
+        assert reply.model == model
+        return reply.choices[0].text
+
+    with client, http:
+        models = listed()
+        assert models["sql"]["parent"] == MODEL and models["sql"]["root"] == str(folders["sql"])
+        base, sql = complete(MODEL), complete("sql")
+        assert base != sql  # the adapter runs
+        assert complete("sql") == sql  # and the same way each time
+        chat = client.chat.completions.create(
+            model="sql", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0
+        )
+        assert chat.model == "sql" and chat.choices[0].message.content
+
+        # Behind the API key like the rest.
+        assert httpx.post(server.url + "/v1/load_lora_adapter", json={}).status_code == 401
+
+        # A stream on the base model runs on while adapters come and go.
+        stream = client.completions.create(model=MODEL, prompt="Once upon", max_tokens=24, temperature=0, stream=True)
+        chunks = iter(stream)
+        first = next(chunks)
+        assert load(lora_name="later", lora_path=str(folders["later"])).status_code == 200
+        assert listed()["later"]["parent"] == MODEL
+        assert complete("later")
+        refused(load(lora_name="third", lora_path=str(folders["third"])), 400, "lora_name", "max_loras reached")
+        refused(load(lora_name="x", lora_path=str(folders["bad_rank"])), 400, "lora_path", "rank 32 is over --max-lora-rank")
+        refused(load(lora_name="x", lora_path=str(folders["bad_module"])), 400, "lora_path", "'embed_tokens' does not fit")
+        refused(load(lora_name="x", lora_path=str(folders["sql"]) + "-missing"), 400, "lora_path", "is not a folder")
+        refused(load(lora_path=str(folders["third"])), 400, "lora_name", "lora_name is required")
+        refused(load(lora_name=MODEL, lora_path=str(folders["third"])), 400, "lora_name", "is taken")
+        refused(http.post("/v1/unload_lora_adapter", json={"lora_name": "nope"}), 404, "lora_name", "'nope'")
+        text = first.choices[0].text + "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
+        assert text == complete(MODEL, 24, "Once upon")  # the stream was not disturbed
+
+        # An adapter running a request is not unloaded under it.
+        busy = iter(client.completions.create(model="later", prompt="Hello", max_tokens=40, temperature=0, stream=True))
+        next(busy)
+        refused(http.post("/v1/unload_lora_adapter", json={"lora_name": "later"}), 409, "lora_name", "running request")
+        list(busy)
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "later"}).status_code == 200
+        assert "later" not in listed()
+        with pytest.raises(openai.NotFoundError):
+            complete("later")
+        with pytest.raises(openai.NotFoundError):
+            complete("unknown-model")
+        assert complete("sql") == sql
+
+
+def test_the_flags_reach_the_engine_config():
+    from trioserve.web.serve_options import build_serve_parser, server_config_from_args
+
+    parser = build_serve_parser()
+    assert server_config_from_args(parser.parse_args([])).engine.lora is None
+    args = parser.parse_args(
+        ["--lora-modules", "sql=/a/sql", '{"name": "chat", "path": "/a/chat", "base_model_name": "base"}',
+         "--lora-modules", "more=/a/more", "--max-loras", "5", "--max-lora-rank", "32"]
+    )  # fmt: skip
+    lora = server_config_from_args(args).engine.lora
+    assert lora == LoraConfig(
+        [LoraModule("sql", "/a/sql"), LoraModule("chat", "/a/chat", "base"), LoraModule("more", "/a/more")],
+        max_loras=5, max_lora_rank=32,
+    )  # fmt: skip
+    assert server_config_from_args(parser.parse_args(["--enable-lora"])).engine.lora == LoraConfig()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--lora-modules", "no-path"])
 
 
 def test_the_registry_forgets_ended_requests_as_it_goes():

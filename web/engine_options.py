@@ -19,6 +19,7 @@ from trioserve.engine.config import DEFAULT_GRAMMAR_CACHE_SIZE, KV_CACHE_DTYPES,
 from trioserve.engine.loading.generation_config import read_generation_config
 from trioserve.engine.parallel.placement import plan_replicas
 
+from .lora_options import add_lora_options, lora_config_from_args
 from .option_types import count, fraction_or_off, parse_memory, recording, seconds
 
 
@@ -97,6 +98,7 @@ def add_engine_options(parser: argparse.ArgumentParser, *, several_models: bool 
         "keys; PATH a generation_config.json (or a folder holding one); none ignores the model's. Where "
         "none apply: temperature 0.8, top_k 40, top_p 0.95, min_p 0.05 (default: auto; docs/api.md)",
     )
+    actions += add_lora_options(parser, option_group(parser, "model"))
 
     add = recording(option_group(parser, "engine"), actions)
     add(
@@ -309,6 +311,7 @@ def engine_config_from_args(args: argparse.Namespace, **overrides) -> EngineConf
         quantization=args.quantization,
         quantization_group_size=args.quantization_group_size,
         **structured_output_fields(args),
+        lora=lora_config_from_args(args),
         kv_cache_dtype=args.kv_cache_dtype,
         batch_invariant=args.batch_invariant,
         generation_config=args.generation_config,

@@ -25,6 +25,7 @@ from trioserve.engine.loading.loader import LoadedModel
 
 from .errors import NotFoundError, ServiceUnavailable
 from .health import TaskCountCollector
+from .lora_models import served_adapter
 from .metrics import Metrics
 from .responses_store import ResponsesStore
 from .scopes import cancel_after
@@ -96,7 +97,11 @@ class ModelHost:
         ``NotFoundError`` for an unknown name and ``ServiceUnavailable``
         unless the host is ready."""
         if name is not None and name not in self.config.model_names:
-            raise NotFoundError.model(name, self.config.model_names)
+            adapter = served_adapter(self.models.values(), name)  # a LoRA adapter's name (web/lora_api.py)
+            if adapter is None:
+                raise NotFoundError.model(name, self.config.model_names)
+            self.raise_unless_ready()
+            return adapter
         self.raise_unless_ready()
         return self.models[self.default_name if name is None else name]
 

@@ -23,6 +23,8 @@ from .errors import ApiError, AuthenticationError, InternalError, InvalidRequest
 from .fields import invalid
 from .health import health_report
 from .host import HostState, ModelHost, current_host
+from .lora_api import blueprint as lora_blueprint
+from .lora_models import adapter_cards
 from .protocol import DetokenizeRequest, TokenizeRequest
 from .responses import error_response, json_response
 
@@ -59,6 +61,7 @@ def register(app: Quart) -> None:
     app.register_blueprint(anthropic_api.blueprint())
     batches_api.register(app)  # and /v1/files
     app.register_blueprint(openai_responses_api.blueprint())
+    app.register_blueprint(lora_blueprint())  # /v1/load_lora_adapter, /v1/unload_lora_adapter
     chat_page.register(app)
     app.register_error_handler(ApiError, handle_api_error)
     app.register_error_handler(HTTPException, handle_http_exception)
@@ -111,6 +114,7 @@ async def list_models() -> Response:
                 "implementation": served.implementation if served is not None else None,
             }
         )
+    data += adapter_cards(host.models.values())  # LoRA adapters, each with its base model as parent
     return json_response({"object": "list", "data": data})
 
 
