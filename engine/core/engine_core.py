@@ -305,7 +305,10 @@ class EngineCore:
         thread; it changes nothing): ``LoraError`` naming the field at fault."""
         if self.lora is None:
             raise LoraError("this engine serves no LoRA adapters (start it with --enable-lora)", field="lora_name")
-        return load_adapter(name, path, self.model_config, max_rank=self.lora.max_rank, base_model_name=base_model_name)
+        return load_adapter(
+            name, path, self.model_config, max_rank=self.lora.max_rank, base_model_name=base_model_name,
+            device=self.loaded.device,
+        )  # fmt: skip
 
     def lora_ref(self, name: str) -> LoraRef:
         """What a request running adapter ``name`` carries; ``LoraNotFound``

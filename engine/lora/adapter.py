@@ -163,11 +163,18 @@ def _read_tensors(folder: Path, name: str) -> dict[str, torch.Tensor]:
 
 
 def load_adapter(
-    name: str, path: str | Path, config: ModelConfig, *, max_rank: int, base_model_name: str | None = None
+    name: str,
+    path: str | Path,
+    config: ModelConfig,
+    *,
+    max_rank: int,
+    base_model_name: str | None = None,
+    device: torch.device | str = "cpu",
 ) -> LoraAdapter:
     """Read the PEFT adapter in folder ``path`` as ``name`` for a base model
-    of ``config``; ``LoraError`` naming the adapter, the module and the
-    reason when it cannot be served (see the module's docstring)."""
+    of ``config`` on ``device`` (where its weights are put); ``LoraError``
+    naming the adapter, the module and the reason when it cannot be served
+    (see the module's docstring)."""
     folder = Path(path)
     raw = _read_config(folder, name)
     rank, scaling, targets, only_layers, fan_in_fan_out = _check_config(raw, name, max_rank)
@@ -215,7 +222,7 @@ def load_adapter(
         digest.update(f"{layer}.{module}".encode())
         digest.update(a.numpy().tobytes())
         digest.update(b.numpy().tobytes())
-        layers[layer].append(LoraDelta(MODULES[module][0], start, a, b, scaling))
+        layers[layer].append(LoraDelta(MODULES[module][0], start, a.to(device), b.to(device), scaling))
     return LoraAdapter(
         name=name,
         path=str(folder),

@@ -146,7 +146,7 @@ def serving_registry(config: EngineConfig, loaded: LoadedModel, *, has_runner: b
         registry.add(
             load_adapter(
                 module.name, module.path, loaded.model_config, max_rank=lora.max_lora_rank,
-                base_model_name=module.base_model_name,
+                base_model_name=module.base_model_name, device=loaded.device,
             )
         )  # fmt: skip
     return registry
