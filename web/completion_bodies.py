@@ -27,8 +27,10 @@ from .logprobs import TokenTexts, chat_logprobs, completion_logprobs, concat_log
 from .output_reader import ChatReading, StreamedChoice
 
 if TYPE_CHECKING:
-    from trioserve.engine.core.outputs import RequestOutput
+    from trioserve.engine.core.outputs import RequestOutput, RequestTimes
     from trioserve.engine.sampling.prompt_logprobs import PromptLogprob
+
+    from .slo import SloReport
 
 # OpenAI's finish reasons are stop/length; the others are ours, named so a
 # client can tell them apart: "timeout" is a deadline that expired (the
@@ -86,10 +88,16 @@ class _Choices:
 
     by_index: dict[int, _Choice] = attrs.field(factory=dict)
     num_prompt_tokens: int = 0
+    # Latency objectives (web/slo.py): the report ``usage.slo`` gives, and
+    # the first completion's latest times it measures from.
+    slo: SloReport | None = None
+    times: RequestTimes | None = None
 
     def update(self, output: RequestOutput) -> _Choice:
         choice = self.by_index.setdefault(output.index, _Choice())
         self.num_prompt_tokens = output.num_prompt_tokens
+        if output.index == 0:
+            self.times = output.times
         choice.num_output_tokens = output.num_output_tokens
         choice.num_cached_tokens = output.num_cached_tokens
         if output.finish_reason is not None:
@@ -105,19 +113,33 @@ class _Choices:
         completion = sum(c.num_output_tokens for c in self.by_index.values())
         first = self.by_index[min(self.by_index)] if self.by_index else None
         cached = first.num_cached_tokens if first is not None else 0
-        return {
+        usage = {
             "prompt_tokens": self.num_prompt_tokens,
             "completion_tokens": completion,
             "total_tokens": self.num_prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": cached},
         }
+        if self.slo is not None:
+            usage["slo"] = self.slo.usage(self.times, first.num_output_tokens if first is not None else 0)
+        return usage
+
+
+class _ReportsSlo:
+    """The builders' common setter of ``usage.slo``."""
+
+    _choices: _Choices
+
+    def report_slo(self, report: SloReport | None) -> None:
+        """Put ``report`` (web/slo.py) in the usage: the request's targets,
+        whether they are enforced, predicted and measured."""
+        self._choices.slo = report
 
 
 # -- streams -------------------------------------------------------------
 
 
 @attrs.define
-class CompletionStream:
+class CompletionStream(_ReportsSlo):
     """Chunks of a streamed ``POST /v1/completions`` response.
 
     Pass ``texts`` when the request asked for logprobs. Call ``chunks`` per
@@ -171,7 +193,7 @@ class CompletionStream:
 
 
 @attrs.define
-class ChatCompletionStream:
+class ChatCompletionStream(_ReportsSlo):
     """Chunks of a streamed ``POST /v1/chat/completions`` response.
 
     Each completion's first chunk carries ``delta.role``; later ones carry
@@ -251,7 +273,7 @@ class ChatCompletionStream:
 
 
 @attrs.define
-class OutputAccumulator:
+class OutputAccumulator(_ReportsSlo):
     """Gathers a request's deltas into one non-streaming body.
 
     ``n`` is the number of completions to wait for; pass ``texts`` when the

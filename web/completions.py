@@ -31,6 +31,7 @@ from quart import Response, g, request
 
 from trioserve.actors import RequestStream
 from trioserve.actors.errors import RequestDropped, RequestFailed
+from trioserve.actors.slo_admission import SloRefused
 from trioserve.actors.deltas import final_output
 from trioserve.engine.errors import TrioserveError
 from trioserve.engine.core.new_request import RequestInput
@@ -52,6 +53,7 @@ from .output_reader import ChatReading
 from .parsers import OutputParsers
 from .reasoning import prompt_opens_thinking
 from .settings import ServerConfig
+from .slo import slo_report, with_objectives
 from .structured import ModelTokens, chat_constraint
 from .tools import render_prompt
 
@@ -109,6 +111,9 @@ async def _generate(kind: type[CompletionRequest] | type[ChatCompletionRequest],
     reading = None
     deadline = None if timeout is None else arrival + timeout
     news = [parsed.request] if chat else list(parsed.requests)
+    # Latency objectives: the body's, then the headers', then the server's defaults (web/slo.py).
+    slo_defaults = served.engine.config.slo_defaults
+    news = [with_objectives(new, request.headers, slo_defaults, parsed.model or served.name) for new in news]
     streams: list[RequestStream] = []
     try:
         if chat:
@@ -123,7 +128,15 @@ async def _generate(kind: type[CompletionRequest] | type[ChatCompletionRequest],
             served.metrics.forget(stream.request_id)
         if not isinstance(exc, Exception):
             raise
+        if isinstance(exc, SloRefused):
+            served.metrics.slo.refused(served.name, news[0].priority, exc.reason)
+            tracing.slo_refused(exc)
         raise refusal(translate(exc, log_requests=log_requests), chat) from None
+    reports = [slo_report(new.objectives, served.engine.config.scheduling_policy, s.slo) for new, s in zip(news, streams)]
+    for report, new, stream in zip(reports, news, streams):
+        if report is not None:
+            served.metrics.slo.track(stream.request_id, served.name, new.priority, report)
+            tracing.slo_decided(report)
     for i, stream in enumerate(streams):
         stream = tracing.follow(stream, params, parsed.model, served.name)  # itself when tracing is off
         context = RequestContext(endpoint, served.name, stream.request_id, body)
@@ -141,6 +154,7 @@ async def _generate(kind: type[CompletionRequest] | type[ChatCompletionRequest],
             builder.reading = reading
         if isinstance(builder, CompletionStream):
             builder.prompt_logprobs = wants_prompt
+        builder.report_slo(reports[0])
         response = Response(
             _sse_body(stream, builder, served, parsed.params.n, first, log_requests=log_requests),
             content_type="text/event-stream; charset=utf-8",
@@ -150,6 +164,8 @@ async def _generate(kind: type[CompletionRequest] | type[ChatCompletionRequest],
         response.timeout = None
         return response
     accumulators = [OutputAccumulator(n=parsed.params.n, texts=texts) for _ in streams]
+    for accumulator, report in zip(accumulators, reports):
+        accumulator.report_slo(report)
     if not chat:
         for accumulator, new in zip(accumulators, news):
             accumulator.echo = _echo_text(new, served) if parsed.echo else None

@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from trioserve.engine.core.sequence import FinishReason
 
 from .replica_metrics import ReplicaMetrics
+from .slo_metrics import SloMetrics
 
 if TYPE_CHECKING:
     from trioserve.engine.core.outputs import RequestOutput
@@ -179,6 +180,8 @@ class Metrics:
         )
         # Per data-parallel replica, labelled ``replica`` (replica_metrics.py).
         self.replicas = ReplicaMetrics(self.registry)
+        # Latency objectives, per priority class (slo_metrics.py).
+        self.slo = SloMetrics(self.registry)
 
     @property
     def _model_only(self) -> list[Gauge | Counter | Histogram]:
@@ -207,6 +210,7 @@ class Metrics:
     def observe_output(self, model: str, output: RequestOutput, *, num_completions: int = 1) -> None:
         """Feed one streamed delta. ``num_completions`` is the request's ``n``:
         the request-level histograms are observed once all have finished."""
+        self.slo.observe_output(output)
         times = output.times
         tracked = self._tracked.get(output.request_id)
         if tracked is None:
@@ -244,6 +248,7 @@ class Metrics:
         """Drop a request's state when its stream ended without a final delta
         (the client went away); call it in the handler's ``finally``."""
         self._tracked.pop(request_id, None)
+        self.slo.forget(request_id)
 
     @property
     def num_tracked(self) -> int:

@@ -34,6 +34,7 @@ from .chat_messages import ChatMessage, chat_messages
 from .errors import InvalidRequest
 from .fields import boolean, invalid, is_token_ids, refuse_unsupported, string, token_ids
 from .json_body import require_object
+from .slo import body_objectives
 from .structured import structured_output
 from .timeouts import timeout_field
 from .tools import ToolChoice, tool_choice
@@ -89,7 +90,7 @@ def request_input(
         params = SamplingParams(
             **given, max_tokens=max_tokens, logprobs=logprobs, structured_output=structured, prompt_logprobs=prompt_logprobs
         )
-        request = RequestInput(prompt, params, 0 if priority is None else priority)
+        request = RequestInput(prompt, params, 0 if priority is None else priority, objectives=body_objectives(body))
     except InvalidRequestError as exc:
         raise invalid(exc, names) from None
     best_of = body.get("best_of")

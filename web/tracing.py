@@ -328,3 +328,38 @@ def follow(stream: RequestStream, params: SamplingParams, requested_model: str |
         return stream
     trace.describe(params, requested_model, served_model, stream.request_id)
     return TracedStream(stream, trace)
+
+
+def slo_decided(report: Any) -> None:
+    """Mark on the request's span (if it has one) its latency objectives
+    and the door's prediction and decision (web/slo.py's ``SloReport``)."""
+    trace: RequestTrace | None = g.get("trace")
+    if trace is None:
+        return
+    attributes: dict[str, Any] = {"trioserve.slo.enforced": report.enforced}
+    for name, value in (("ttft_ms", report.objectives.ttft), ("tpot_ms", report.objectives.tpot)):
+        if value is not None:
+            attributes[f"trioserve.slo.{name}"] = value * 1000
+    if report.decision is not None:
+        prediction = report.decision.prediction
+        attributes["trioserve.slo.predicted_ttft_ms"] = prediction.ttft * 1000
+        attributes["trioserve.slo.predicted_tpot_ms"] = prediction.tpot * 1000
+        if report.decision.max_tokens is not None:
+            attributes["trioserve.slo.max_tokens_lowered_to"] = report.decision.max_tokens
+    trace.span.add_event("slo.admitted" if report.enforced else "slo.not_enforced", attributes)
+
+
+def slo_refused(exc: Any) -> None:
+    """Mark on the request's span (if it has one) a refusal at the door
+    for a latency objective (``SloRefused``)."""
+    trace: RequestTrace | None = g.get("trace")
+    if trace is None:
+        return
+    trace.span.add_event(
+        "slo.refused",
+        {
+            "trioserve.slo.objective": exc.objective,
+            "trioserve.slo.predicted_ms": exc.predicted * 1000,
+            "trioserve.slo.target_ms": exc.target * 1000,
+        },
+    )
