@@ -142,7 +142,8 @@ class _Wide:
         int8 in groups of 32 on the native kernel of the same variant (a
         Q8_0 or Q5_0 matrix exactly; the fused decode step takes the layer;
         a prompt's rows on the bfloat16 GEMM from where the 4-bit kernel's
-        do), else int8 per channel on the int8 kernel here."""
+        do; held as Q8_0 lanes blocks where ``in_lanes`` says: on
+        avx512vnni), else int8 per channel on the int8 kernel here."""
         if choice.scheme != "auto" or choice.kernel.bits != 4:
             return None
         kernel = _eight_bit_kernel(cpu_paths, choice.kernel)
@@ -151,7 +152,7 @@ class _Wide:
             rows = choice.gemm_from_rows
 
             def native_groups(parts: list[Tensor], bias: torch.Tensor | None) -> Linear:
-                return int8_native.Int8GroupNativeLinear.over(_int8_groups(parts), isa, bias, rows)
+                return int8_native.Int8GroupNativeLinear.over(_int8_groups(parts), isa, bias, rows).in_lanes(head=False)
 
             return cls(native_groups, f"int8 in groups of 32, native kernel ({isa})")
         return cls(lambda parts, bias: kernel.make(_cat(parts), bias, choice.group_size), kernel.what)
