@@ -11,10 +11,12 @@ to int8 in groups of 32 in decode steps on ``avx512vnni`` and ``avx2int8``,
 to bfloat16 in the panels of ``avx512bf16``, and to int16 in groups of 32
 in the panels of ``avx2`` (``call_isa``).
 
-On ``avx2int8`` a matrix of whole panels of 16 channels is held as lanes
-blocks instead (``to_lanes``: the same bytes, each block's nibbles with 8
-channels in a vector's lanes), which its kernels read as they lie at every
-row count (csrc/lanes_avx2.h); the kernels tell the layouts by shape.
+On ``avx2int8`` and ``avx512vnni`` a matrix of whole panels of 16
+channels is held as lanes blocks instead (``to_lanes``: the same bytes,
+each block's nibbles with 16 channels in a 512-bit vector's lanes, 8 in
+each 256-bit half), which their kernels read as they lie at every row
+count (csrc/lanes_avx2.h, csrc/lanes_vnni.h); the kernels tell the layouts
+by shape.
 
 On a CPU with AMX tiles torch's bfloat16 GEMM (oneDNN) runs several times
 faster than the bfloat16 panels: there a linear with ``gemm_from_rows``
@@ -119,8 +121,9 @@ def pack_blocks(weight: Int4Weight) -> torch.Tensor:
     return blocks
 
 
-# Lanes blocks (csrc/lanes_avx2.h): avx2int8's 4-bit weights with 16
-# channels a panel in the lanes, as many bytes as the blocks.
+# Lanes blocks (csrc/lanes_avx2.h, csrc/lanes_vnni.h): avx2int8's and
+# avx512vnni's 4-bit weights with 16 channels a panel in the lanes, as many
+# bytes as the blocks.
 LANES_CHANNELS = 16
 LANES_BLOCK_BYTES = LANES_CHANNELS * BLOCK_BYTES
 LANES_NIBBLE_BYTES = LANES_CHANNELS * GROUP // 2  # then the 16 d and 16 m
@@ -128,17 +131,20 @@ LANES_NIBBLE_BYTES = LANES_CHANNELS * GROUP // 2  # then the 16 d and 16 m
 
 def lanes_layout(isa: int, out: int) -> bool:
     """Whether a 4-bit matrix of ``out`` channels for variant ``isa`` is
-    stored as lanes blocks: on ``avx2int8``, where its decode steps then
-    read the weights as they lie (no sums across lanes, no panels staged
-    each call: csrc/lanes_avx2.h), for whole panels of 16 channels."""
-    return isa == _AVX2_INT8 and out % LANES_CHANNELS == 0
+    stored as lanes blocks: on ``avx2int8`` and ``avx512vnni``, where their
+    decode steps then read the weights as they lie, one contiguous stream a
+    thread (no sums across lanes, no gathers, no panels staged each call:
+    csrc/lanes_avx2.h, csrc/lanes_vnni.h), for whole panels of 16 channels;
+    a matrix with a partial panel keeps GGUF's blocks and their kernels."""
+    return isa in (_AVX2_INT8, _VNNI) and out % LANES_CHANNELS == 0
 
 
 def to_lanes(blocks: torch.Tensor) -> torch.Tensor:
     """Blocks ``[out, in // 32, 20]`` (``out`` a multiple of 16) as lanes
     blocks ``[out // 16, in // 32, 320]``: per panel of 16 channels and
-    block, for q = 0..3 and each half v of the channels, channel 8v + c's
-    nibble bytes 4q..4q+3 at 4c; then the 16 d, then the 16 m (float16)."""
+    block, for q = 0..3, 64 bytes with channel c's nibble bytes 4q..4q+3 at
+    4c (on AVX2 two vectors, of channels 0-7 and 8-15); then the 16 d, then
+    the 16 m (float16)."""
     out, groups, _ = blocks.shape
     panels = out // LANES_CHANNELS
     by_panel = blocks.view(panels, 2, 8, groups, BLOCK_BYTES)

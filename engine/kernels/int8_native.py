@@ -2,9 +2,10 @@
 float32 activations: per channel, ``x @ (q * scale).T`` with the scale
 applied once per output after the int8 row's dot product; or in groups of
 32 (GGUF's Q8_0), which a tied LM head runs on the embedding table itself
-(on avx2int8 laid out as Q8_0 lanes blocks, which the embeddings read too:
-``q8_lanes``) and the projections a GGUF stores wider than 4 bits run on
-(``quant.load``)."""
+(on avx2int8 and avx512vnni laid out as Q8_0 lanes blocks, which the
+embeddings read too: ``q8_lanes``) and the projections a GGUF stores wider
+than 4 bits run on (``quant.load``; on avx512vnni in Q8_0 lanes blocks
+too)."""
 
 from __future__ import annotations
 
@@ -67,8 +68,8 @@ class Int8NativeLinear:
 class Int8GroupNativeLinear:
     """``x @ W.T + bias`` with ``W = q * scale`` per group of 32, over
     ``weight``'s own tensors (shared, not copied: a tied LM head and the
-    embeddings are one table). An avx2int8 LM head is held as Q8_0 lanes
-    blocks (``in_lanes``)."""
+    embeddings are one table). An avx2int8 LM head, and any avx512vnni
+    table, is held as Q8_0 lanes blocks (``in_lanes``)."""
 
     weight: Int8GroupWeight | Q8Lanes
     isa: int
@@ -85,13 +86,17 @@ class Int8GroupNativeLinear:
             raise ValueError(f"int8 group size {weight.group_size}: the native kernel runs groups of {GROUP}")
         return cls(weight, native.ISAS[isa], native.ops(), bias=bias, gemm_from_rows=gemm_from_rows)
 
-    def in_lanes(self) -> Int8GroupNativeLinear:
-        """This linear over its table as Q8_0 lanes blocks where it runs on
-        avx2int8 and the table has whole panels of 16 channels (an LM head:
-        the fused decode step takes a projection's groups as they are), else
-        itself."""
+    def in_lanes(self, head: bool = True) -> Int8GroupNativeLinear:
+        """This linear over its table as Q8_0 lanes blocks where the table
+        has whole panels of 16 channels and it runs on avx512vnni, whose
+        kernels read lanes blocks at every row count (csrc/lanes_vnni.h:
+        one contiguous stream a thread, where GGUF's groups are read 16
+        channels at once across 16 rows), or on avx2int8 as an LM head
+        (``head``: its fused decode step takes a projection's groups as they
+        are, csrc/rows_avx2.h); else itself."""
         w = self.weight
-        if self.isa != _AVX2_INT8 or not isinstance(w, Int8GroupWeight) or not q8_lanes.fits(w):
+        held = self.isa == _VNNI or (self.isa == _AVX2_INT8 and head)
+        if not held or not isinstance(w, Int8GroupWeight) or not q8_lanes.fits(w):
             return self
         return attrs.evolve(self, weight=Q8Lanes.of(w, self.ops))
 
@@ -101,12 +106,13 @@ class Int8GroupNativeLinear:
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if isinstance(w, Q8Lanes):
+        if isinstance(w, Q8Lanes) and self.isa == _AVX2_INT8:
             # int16 activations at any row count: a decode step's bits, and as
             # wide as a prompt's 4-bit calls on AVX2 (int4_native.call_isa).
             return self.ops.q8g_linear(x, w.blocks, _NO_STEPS, _AVX2_INT8)  # type: ignore[attr-defined]
         if self.gemm_from_rows is not None and x.shape[0] >= self.gemm_from_rows and not self.int8_panels:
-            return bf16_gemm(x, self.ops.q8g_dequantize_bf16(w.q, w.scale))  # type: ignore[attr-defined]
+            g = w.groups() if isinstance(w, Q8Lanes) else w
+            return bf16_gemm(x, self.ops.q8g_dequantize_bf16(g.q, g.scale))  # type: ignore[attr-defined]
         if dequantizes(self.isa, x.shape[0]):  # as int4_native
             return F.linear(x, w.dequantize())
         if self.int8_panels:
@@ -121,6 +127,8 @@ class Int8GroupNativeLinear:
             isa = _AVX2 if self.isa == _AVX2_INT8 else _BF16
         else:
             isa = call_isa(self.isa, x.shape[0])
+        if isinstance(w, Q8Lanes):  # avx512vnni's (csrc/lanes_vnni.h), on isa as for the groups
+            return self.ops.q8g_linear(x, w.blocks, _NO_STEPS, isa)  # type: ignore[attr-defined]
         return self.ops.q8g_linear(x, w.q, w.scale, isa)  # type: ignore[attr-defined]
 
 

@@ -39,7 +39,7 @@ SOURCE_DIR = Path(__file__).parent / "csrc"
 SOURCES = ("linear.cpp", "decode.cpp")
 HEADERS = (
     "kernels.h", "isa.h", "vexp.h", "panel.h", "panel_vnni.h", "rows_vnni.h", "panel_avx2.h", "panel_avx2_int16.h",
-    "rows_avx2.h", "lanes_avx2.h", "q8_lanes_avx2.h", "attend.h", "attend64.h", "rows.h",
+    "rows_avx2.h", "lanes_avx2.h", "q8_lanes_avx2.h", "lanes_vnni.h", "attend.h", "attend64.h", "rows.h",
 )
 LIBRARY_NAME = "trioserve_native"
 SWITCH_ENV = "TRIOSERVE_NATIVE_KERNELS"
@@ -57,9 +57,10 @@ CFLAGS = ("-O3", "-fopenmp")
 # rows with the panels' bits),
 # ``avx512bf16`` AVX-512 with the many-row panels in bfloat16 products
 # (csrc/panel.h), and ``avx512vnni`` that with int8 activations against the
-# weights stored in groups of 32, 4-bit and Q8_0 (csrc/panel_vnni.h, and
-# csrc/rows_vnni.h at few rows with the panels' bits; int4_native.call_isa
-# and int8_native say which calls);
+# weights stored in groups of 32, 4-bit and Q8_0 (held as lanes blocks
+# where they have whole panels of 16 channels: csrc/lanes_vnni.h at every
+# row count; else csrc/panel_vnni.h, and csrc/rows_vnni.h at few rows with
+# the panels' bits; int4_native.call_isa and int8_native say which calls);
 # only the linears have them.
 ISAS = {"scalar": 0, "avx2": 1, "avx2int8": 2, "avx512": 3, "avx512bf16": 4, "avx512vnni": 5}
 # The variants best first, the order in which a caller takes the first that works.

@@ -36,6 +36,7 @@ from trioserve.engine.config import ModelConfig
 from trioserve.engine.kernels import native
 from trioserve.engine.kernels.int4_native import Int4NativeLinear
 from trioserve.engine.kernels.int8_native import Int8GroupNativeLinear, Int8NativeLinear
+from trioserve.engine.kernels.q8_lanes import Q8Lanes
 from trioserve.engine.kernels.projections import QuantizedProjections
 
 from trioserve.engine.kernels.native_attention import CACHE_DTYPES, MAX_QUERY_TOKENS
@@ -130,12 +131,15 @@ def _native(linear: object) -> NativeLinear | None:
 
 
 def _parts(linear: NativeLinear) -> tuple[torch.Tensor, torch.Tensor]:
-    """The weight and scale csrc/decode.cpp takes: 4-bit blocks and no scale,
-    or int8 and its scales per channel ``[out]`` or per group ``[out, in / 32]``."""
+    """The weight and scale csrc/decode.cpp takes: 4-bit blocks (or lanes
+    blocks) and no scale, Q8_0 lanes blocks and no scale (avx512vnni's:
+    csrc/lanes_vnni.h), or int8 and its scales per channel ``[out]`` or per
+    group ``[out, in / 32]``."""
     if isinstance(linear, Int4NativeLinear):
         return linear.blocks, _EMPTY
     if isinstance(linear, Int8GroupNativeLinear):
-        return linear.weight.q, linear.weight.scale
+        w = linear.weight
+        return (w.blocks, _EMPTY) if isinstance(w, Q8Lanes) else (w.q, w.scale)
     return linear.q, linear.scale
 
 
@@ -244,7 +248,9 @@ def decode_head(head: object) -> object | None:
     avx2int8's int8 activations for a 4-bit head and int16 ones for a Q8_0
     head, in panels from 10 rows and below them row kernels with the
     panels' bits (csrc/rows_avx2.h; a 4-bit head held as lanes blocks runs
-    csrc/lanes_avx2.h at every row count, a Q8_0 one csrc/q8_lanes_avx2.h);
+    csrc/lanes_avx2.h at every row count, a Q8_0 one csrc/q8_lanes_avx2.h;
+    on avx512vnni a head in lanes blocks, 4-bit or Q8_0, runs
+    csrc/lanes_vnni.h at every row count, with the panels' bits);
     else None (``head`` itself serves). A batch-invariant model takes it
     for a prompt's logits too; outside that mode a prompt's logits keep ``head``:
     float32 activations, from 10 rows in bfloat16 panels, or on AVX2 panels

@@ -1,5 +1,7 @@
 """A Q8_0 table held with 16 channels' values side by side ("Q8_0 lanes
-blocks", csrc/q8_lanes_avx2.h): how ``avx2int8`` holds the LM head.
+blocks", csrc/q8_lanes_avx2.h): how ``avx2int8`` holds the LM head, and
+``avx512vnni`` every table of whole panels (its projections too), read by
+csrc/lanes_vnni.h in the same layout.
 
 In GGUF's layout a group's dot of a row and channel lies across a vector's
 lanes, and the exact sums need it added across them, which made a 5-row

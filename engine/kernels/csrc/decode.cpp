@@ -263,11 +263,19 @@ enum Part : int64_t {
 };
 
 // A linear weight's output channels, in either 4-bit layout or int8.
-int64_t out_channels(const torch::Tensor& w) { return w.dim() == 3 ? q4_out(w) : w.size(0); }
+// Q8_0 lanes blocks (q8_lanes_avx2.h: avx512vnni holds a projection's int8
+// groups so, lanes_vnni.h) are uint8 [out / 16, in / 32, 576].
+bool is_q8_lanes(const torch::Tensor& w) {
+  return w.dim() == 3 && w.scalar_type() == at::kByte && w.size(2) == kQ8LanesBlockBytes;
+}
+int64_t out_channels(const torch::Tensor& w) {
+  return is_q8_lanes(w) ? w.size(0) * kLanesChannels : w.dim() == 3 ? q4_out(w) : w.size(0);
+}
 
 struct Linear {
   // uint8 [out, in / 32, 20] 4-bit blocks (or [out / 16, in / 32, 320]
-  // lanes blocks: lanes_avx2.h), or int8 [out, in] with a float32
+  // lanes blocks: lanes_avx2.h, lanes_vnni.h), or Q8_0 lanes blocks
+  // [out / 16, in / 32, 576] (their steps inside), or int8 [out, in] with a float32
   // scale per channel ([out]) or per group of 32 inputs ([out, in / 32]:
   // GGUF's Q8_0, what a file's wider matrices are held in)
   const torch::Tensor& weight;
@@ -277,7 +285,8 @@ struct Linear {
   int64_t out() const { return out_channels(weight); }
 
   void operator()(const float* x, int64_t rows, int64_t k, float* y, int64_t isa) const {
-    if (weight.dim() == 3) q4_blocks_matmul(x, rows, k, weight, y, isa);
+    if (is_q8_lanes(weight)) q8g_lanes_by_isa(x, rows, k, weight.data_ptr<uint8_t>(), out(), y, isa);
+    else if (weight.dim() == 3) q4_blocks_matmul(x, rows, k, weight, y, isa);
     else if (scale.dim() == 2) q8g_matmul(x, rows, k, weight.data_ptr<int8_t>(), scale.data_ptr<float>(), out(), y, isa);
     else q8_matmul(x, rows, k, weight.data_ptr<int8_t>(), scale.data_ptr<float>(), out(), y, isa);
     if (bias.numel() == 0) return;
@@ -289,7 +298,10 @@ struct Linear {
 
 void check_linear(const torch::Tensor& w, const torch::Tensor& scale, const torch::Tensor& bias, int64_t in,
                   const char* what) {
-  if (w.dim() == 3) {
+  if (is_q8_lanes(w)) {
+    TORCH_CHECK(w.size(1) * kGroup == in && scale.numel() == 0, what, ": Q8_0 lanes blocks must be uint8 [out / 16, ",
+                in / kGroup, ", 576], without a scale");
+  } else if (w.dim() == 3) {
     TORCH_CHECK(is_q4_blocks(w) && w.size(1) * kGroup == in, what, ": 4-bit blocks must be uint8 [out, ",
                 in / kGroup, ", 20] or lanes blocks [out / 16, ", in / kGroup, ", 320]");
   } else {

@@ -68,6 +68,9 @@ inline void with_count(int64_t n, const F& f) {
 // on how many rows run with it, at any batch size (Python calls them for
 // decode steps and their LM head; a prompt's 4-bit calls below 10 rows
 // too, and from 10 rows the bfloat16 panels: int4_native.call_isa). An
+// Its 4-bit and Q8_0 weights of whole panels of 16 channels are held as
+// lanes blocks, avx2int8's layouts, read as they lie by one kernel at every
+// row count with the same bits (lanes_vnni.h). An
 // earlier row kernel summed in another order than the panels (the scales
 // applied per row and pair of blocks), so a batch's size could move a
 // sequence's result and a speculative step's verification had to stay
@@ -155,7 +158,7 @@ __attribute__((target("avx2,fma,f16c"))) inline Block256 q4_block_avx2(const uin
 // chunk, as before, zero-filled its bytes at every call: at 32 decode rows
 // some 60 MB a step, 2% of its time in memset. ``slot`` tells apart the
 // buffers one call holds at once.
-enum ScratchSlot { kScratchPanel, kScratchStage, kScratchSlots };
+enum ScratchSlot { kScratchPanel, kScratchStage, kScratchLanes, kScratchSlots };
 
 inline uint8_t* thread_scratch(ScratchSlot slot, int64_t bytes) {
   struct Buffer {
@@ -596,3 +599,4 @@ inline void q8g_matmul(const float* x, int64_t rows, int64_t k, const int8_t* w,
 // Last: its dispatch takes either layout of 4-bit weights (q4_matmul's too).
 #include "lanes_avx2.h"
 #include "q8_lanes_avx2.h"
+#include "lanes_vnni.h"

@@ -130,7 +130,7 @@ inline void over_lanes_panels(int64_t panels, int64_t rows, const Run& run) {
 }
 
 // y[rows, out] = x[rows, k] @ W.T for W in lanes blocks [out / 16, k / 32,
-// 320]: on kAvx2Int8 at any row count (int8 activations, as its panels),
+// 320] on AVX2 (AVX-512's: lanes_vnni.h): on kAvx2Int8 at any row count (int8 activations, as its panels),
 // on kAvx2 from kPanelFromRows rows (a prompt's: the int16 panels of
 // panel_avx2_int16.h, each panel block decoded from the lanes).
 inline void q4_lanes_matmul(const float* x, int64_t rows, int64_t k, const uint8_t* w, int64_t out, float* y,
@@ -173,12 +173,5 @@ inline bool is_q4_blocks(const torch::Tensor& blocks) {
          (blocks.size(2) == kBlockBytes || blocks.size(2) == kLanesBlockBytes);
 }
 inline int64_t q4_out(const torch::Tensor& blocks) { return blocks.size(0) * (is_lanes(blocks) ? kLanesChannels : 1); }
-
-// y[rows, out] = x[rows, k] @ W.T for 4-bit ``blocks`` in either layout.
-inline void q4_blocks_matmul(const float* x, int64_t rows, int64_t k, const torch::Tensor& blocks, float* y,
-                             int64_t isa) {
-  if (is_lanes(blocks)) q4_lanes_matmul(x, rows, k, blocks.data_ptr<uint8_t>(), q4_out(blocks), y, isa);
-  else q4_matmul(x, rows, k, blocks.data_ptr<uint8_t>(), q4_out(blocks), y, isa);
-}
 
 }  // namespace trioserve_native

@@ -2,10 +2,12 @@
 // inside on some variants: to int8 in decode steps, to bfloat16 or int16 in
 // the panels; kernels.h):
 //
-//   trioserve::q4_linear(x, blocks, isa)        4-bit groups of 32, w = q * d + m (either layout: lanes_avx2.h)
+//   trioserve::q4_linear(x, blocks, isa)        4-bit groups of 32, w = q * d + m (either layout: lanes_avx2.h,
+//                                               lanes_vnni.h)
 //   trioserve::q8_linear(x, q, scale, isa)      int8 per output channel, w = q * scale
 //   trioserve::q8g_linear(x, q, scale, isa)     int8 in groups of 32 (GGUF's Q8_0), w = q * scale[group]
-//                                               (or Q8_0 lanes blocks as q, their steps inside: q8_lanes_avx2.h)
+//                                               (or Q8_0 lanes blocks as q, their steps inside: q8_lanes_avx2.h,
+//                                               lanes_vnni.h)
 //   trioserve::q4_dequantize(blocks)            4-bit groups to a float32 matrix (q4_dequantize_bf16: bfloat16)
 //   trioserve::q8g_dequantize_bf16(q, scale)    int8 groups of 32 to a bfloat16 matrix
 //   trioserve::q8g_lanes_rows(lanes, ids)       rows of Q8_0 lanes blocks to float32 (embeddings)
@@ -81,15 +83,16 @@ torch::Tensor q8g_linear(const torch::Tensor& x_in, const torch::Tensor& q_in, c
   if (q_in.scalar_type() == at::kByte) {  // Q8_0 lanes blocks (q8_lanes_avx2.h); their steps inside
     TORCH_CHECK(q_in.dim() == 3 && q_in.size(2) == kQ8LanesBlockBytes, "q8g_linear: lanes blocks must be uint8 [out / ",
                 kLanesChannels, ", in / 32, ", kQ8LanesBlockBytes, "]");
-    TORCH_CHECK(isa == kAvx2Int8, "q8g_linear: Q8_0 lanes blocks run on isa ", int64_t(kAvx2Int8),
-                " (avx2int8), not isa ", isa);
+    TORCH_CHECK(isa == kAvx2Int8 || isa >= kAvx512, "q8g_linear: Q8_0 lanes blocks run on isa ", int64_t(kAvx2Int8),
+                " (avx2int8), not isa ", isa, " (nor on AVX-512's from isa ", int64_t(kAvx512), ": lanes_vnni.h)");
     TORCH_CHECK(x_in.size(1) == q_in.size(1) * kGroup, "q8g_linear: x has ", x_in.size(1), " inputs, the weight ",
                 q_in.size(1) * kGroup);
     const torch::Tensor x = x_in.contiguous();
     const torch::Tensor lanes = q_in.contiguous();
     const int64_t out = lanes.size(0) * kLanesChannels;
     torch::Tensor y = torch::empty({x.size(0), out}, x.options());
-    q8g_lanes_matmul(x.data_ptr<float>(), x.size(0), x.size(1), lanes.data_ptr<uint8_t>(), out, y.data_ptr<float>());
+    q8g_lanes_by_isa(x.data_ptr<float>(), x.size(0), x.size(1), lanes.data_ptr<uint8_t>(), out, y.data_ptr<float>(),
+                     isa);
     return y;
   }
   check_q8g(q_in, scale_in, "q8g_linear");

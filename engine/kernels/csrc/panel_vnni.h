@@ -29,6 +29,11 @@
 // A row's result depends on that row alone (its sums run per row and
 // channel, block after block); rows_vnni.h's row kernels, which serve
 // calls of few rows, give the same bits.
+//
+// A matrix of whole panels of 16 channels is held as lanes blocks instead
+// (int4_native.lanes_layout, int8_native.in_lanes), already in the lanes:
+// lanes_vnni.h's tiles read it with these bits and no staging; these
+// panels serve the matrices left in GGUF's layout.
 
 #pragma once
 
