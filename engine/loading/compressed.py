@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import attrs
+import numpy as np
 import torch
 
 from trioserve.engine.kernels.capability import CpuPaths
@@ -40,7 +41,7 @@ from trioserve.engine.loading.sources import find_shards
 from trioserve.engine.kernels.choose import KERNELS, Kernel, KernelChoice, Linear, candidates, choose_kernel
 from trioserve.engine.kernels.embedding import CompressedEmbedding
 from trioserve.engine.kernels.projections import QuantizedProjections
-from trioserve.engine.kernels.rtn import Int4Weight, Int8GroupWeight, Int8Weight, check_group_size, quantize_int8_groups, regroup_int8
+from trioserve.engine.kernels.rtn import Int4Weight, Int8GroupWeight, Int8Weight, check_group_size, quantize_int8_groups
 
 logger = logging.getLogger(__name__)
 
@@ -107,12 +108,13 @@ def _cat(parts: list[Tensor]) -> Tensor:
     """Stack weights by rows: exact when all share one format (the kernels
     convert it if it is not theirs), else float32."""
     if all(isinstance(p, Int4Weight) and p.group_size == parts[0].group_size for p in parts):
-        return Int4Weight(
-            torch.cat([p.q for p in parts]),
-            torch.cat([p.scale for p in parts]),
-            torch.cat([p.zero for p in parts]),
-            parts[0].group_size,
-        )
+        if len(parts) == 1:
+            return parts[0]
+
+        def stacked(name: str) -> torch.Tensor:  # numpy's copy, on this thread (_dense_rows says why)
+            return torch.from_numpy(np.concatenate([getattr(p, name).numpy() for p in parts]))
+
+        return Int4Weight(stacked("q"), stacked("scale"), stacked("zero"), parts[0].group_size)
     if all(isinstance(p, Int8Weight) for p in parts):
         return Int8Weight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
     return torch.cat([p if isinstance(p, torch.Tensor) else p.dequantize() for p in parts]).float()
@@ -158,34 +160,61 @@ class _Wide:
         return cls(lambda parts, bias: kernel.make(_cat(parts), bias, choice.group_size), kernel.what)
 
 
-# Values requantized at once by _int8_groups: a chunk's float32 temporaries
-# (a few times 4 bytes a value) stay in a core's cache.
+# Values requantized at once by _int8_groups and _in_native_groups: a
+# chunk's float32 temporaries (a few times 4 bytes a value) stay in a
+# core's cache.
 _REGROUP_VALUES = 1 << 16
+
+
+def _dense_rows(weight: Tensor, rows: slice) -> np.ndarray:
+    """Rows ``rows`` of ``weight`` as float32, by the arithmetic of its
+    ``dequantize`` (``kernels/rtn.py``), in numpy on the calling thread:
+    torch's parallel regions, one a chunk, wait on each other's threads,
+    and on a busy machine every wait is a scheduler's time slice."""
+    if isinstance(weight, torch.Tensor):
+        return weight[rows].float().numpy()
+    q = weight.q[rows].numpy().astype(np.float32)
+    out, k = q.shape
+    scale = weight.scale[rows].numpy()[..., None]
+    if isinstance(weight, Int4Weight):
+        groups = (q - 8).reshape(out, -1, weight.group_size) * scale + weight.zero[rows].numpy()[..., None]
+    else:
+        groups = q.reshape(out, -1, weight.group_size) * scale
+    return groups.reshape(out, k)
+
+
+def _round_into(dense: np.ndarray, q: np.ndarray, scale: np.ndarray) -> None:
+    """``rtn.quantize_int8_groups`` of ``dense`` in groups of 32, by its
+    float32 arithmetic (numpy's, as ``_dense_rows``), into ``q`` and ``scale``."""
+    groups = dense.reshape(dense.shape[0], -1, int8_native.GROUP)
+    scale[...] = np.abs(groups).max(axis=-1) / np.float32(127)
+    divisor = np.where(scale > 0, scale, np.float32(1))
+    rounded = np.rint(groups / divisor[..., None])
+    np.clip(rounded, -127, 127, out=rounded)
+    q[...] = rounded.reshape(q.shape)
 
 
 def _int8_groups(parts: list[Tensor]) -> Int8GroupWeight:
     """Matrices stacked by rows as int8 in groups of 32: one stored in such
     groups taken as it is, any other rounded into them from its values (a
-    group's largest magnitude to 127). Each row is rounded on its own, so
-    the rows go a chunk at a time, written into the result as they come."""
+    group's largest magnitude to 127: ``rtn.quantize_int8_groups``). Each
+    row is rounded on its own, so the rows go a chunk at a time, written
+    into the result as they come."""
     rows = [p.shape[0] if isinstance(p, torch.Tensor) else p.q.shape[0] for p in parts]
     k = parts[0].shape[1] if isinstance(parts[0], torch.Tensor) else parts[0].q.shape[1]
     check_group_size((sum(rows), k), int8_native.GROUP)
-    q = torch.empty(sum(rows), k, dtype=torch.int8)
-    scale = torch.empty(sum(rows), k // int8_native.GROUP)
+    q = np.empty((sum(rows), k), dtype=np.int8)
+    scale = np.empty((sum(rows), k // int8_native.GROUP), dtype=np.float32)
     at, step = 0, max(1, _REGROUP_VALUES // k)
     for part, n in zip(parts, rows):
         if isinstance(part, Int8GroupWeight) and part.group_size == int8_native.GROUP:
-            q[at : at + n], scale[at : at + n] = part.q, part.scale
+            q[at : at + n], scale[at : at + n] = part.q.numpy(), part.scale.numpy()
         else:
             for start in range(0, n, step):
-                chunk = _rows(part, slice(start, start + step))
-                dense = chunk if isinstance(chunk, torch.Tensor) else chunk.dequantize()
-                done = quantize_int8_groups(dense, int8_native.GROUP)
-                first, end = at + start, at + start + done.q.shape[0]
-                q[first:end], scale[first:end] = done.q, done.scale
+                end = min(n, start + step)
+                _round_into(_dense_rows(part, slice(start, end)), q[at + start : at + end], scale[at + start : at + end])
         at += n
-    return Int8GroupWeight(q, scale, int8_native.GROUP)
+    return Int8GroupWeight(torch.from_numpy(q), torch.from_numpy(scale), int8_native.GROUP)
 
 
 def _build_layer(
@@ -373,7 +402,7 @@ def _in_native_groups(tensor: Tensor) -> Tensor:
     groups of 32, which the native Q8_0 kernel runs (one more rounding: a
     group's largest value to 127); anything else as it is."""
     if isinstance(tensor, Int8GroupWeight) and tensor.group_size != int8_native.GROUP:
-        return regroup_int8(tensor, int8_native.GROUP, rows_at_once=max(1, _REGROUP_VALUES // tensor.q.shape[1]))
+        return _int8_groups([tensor])  # as regroup_int8 rounds them, a chunk of rows at a time
     return tensor
 
 

@@ -255,8 +255,16 @@ def requantize_int8(kind: str, data: np.ndarray) -> Int8GroupWeight:
 
 # The block bytes decoded at once (by_rows): a chunk's values and
 # temporaries (a few bytes a value) stay in a core's cache, so each byte of
-# the file is read from memory once and each value written once.
+# the file is read from memory once and each value written once. The
+# decoders and the copies are numpy's, on the calling thread: torch's
+# parallel regions, one a chunk, wait on each other's threads, and on a
+# busy machine every wait is a scheduler's time slice.
 _CHUNK_BYTES = 1 << 20
+
+
+def _arrays(weight: Compressed) -> list[np.ndarray]:
+    parts = (weight.q, weight.scale, weight.zero) if isinstance(weight, Int4Weight) else (weight.q, weight.scale)
+    return [p.numpy() for p in parts]
 
 
 def by_rows(decode: Callable[[np.ndarray], Compressed], data: np.ndarray, rows_at_once: int | None = None) -> Compressed:
@@ -271,16 +279,15 @@ def by_rows(decode: Callable[[np.ndarray], Compressed], data: np.ndarray, rows_a
     first = decode(data[:rows_at_once])
     if out <= rows_at_once:
         return first
-    parts = (first.q, first.scale, first.zero) if isinstance(first, Int4Weight) else (first.q, first.scale)
-    whole = [torch.empty((out, *p.shape[1:]), dtype=p.dtype) for p in parts]
+    whole = [np.empty((out, *p.shape[1:]), dtype=p.dtype) for p in _arrays(first)]
     for start in range(0, out, rows_at_once):
         part = first if start == 0 else decode(data[start : start + rows_at_once])
-        got = (part.q, part.scale, part.zero) if isinstance(part, Int4Weight) else (part.q, part.scale)
-        for into, value in zip(whole, got):
+        for into, value in zip(whole, _arrays(part)):
             into[start : start + rows_at_once] = value
+    q, scale, *zero = (torch.from_numpy(w) for w in whole)
     if isinstance(first, Int4Weight):
-        return Int4Weight(whole[0], whole[1], whole[2], first.group_size)
-    return Int8GroupWeight(whole[0], whole[1], first.group_size)
+        return Int4Weight(q, scale, zero[0], first.group_size)
+    return Int8GroupWeight(q, scale, first.group_size)
 
 
 def decode_q8_0_blocks(data: np.ndarray) -> Int8GroupWeight:
@@ -305,8 +312,10 @@ def _unpermute(weight: torch.Tensor | Compressed, heads: int) -> torch.Tensor | 
     def rows(t: torch.Tensor) -> torch.Tensor:
         n = t.shape[0]
         # llama.cpp stores each head's rows (2, half) as (half, 2): read the
-        # stored rows as (half, 2) and put them back as (2, half).
-        return t.reshape(heads, n // heads // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+        # stored rows as (half, 2) and put them back as (2, half). (numpy's
+        # copy, on this thread: see _CHUNK_BYTES.)
+        a = t.numpy()
+        return torch.from_numpy(np.ascontiguousarray(a.reshape(heads, n // heads // 2, 2, *a.shape[1:]).swapaxes(1, 2)).reshape(a.shape))
 
     if isinstance(weight, Int4Weight):
         return Int4Weight(rows(weight.q), rows(weight.scale), rows(weight.zero), weight.group_size)
@@ -319,24 +328,23 @@ def _check_scales(path: Path, name: str, kind: str, weight: Compressed) -> None:
     """Raise ``ModelLoadError`` naming tensor ``name`` when ``weight``'s
     scales are not finite, or a 4-bit group's step or offset does not fit
     in float16: either would come out of every matmul as inf or NaN. Read
-    ``_CHUNK_BYTES`` of scales at a time, each chunk once, while it is in cache."""
-    rows = max(1, _CHUNK_BYTES // max(1, weight.scale[:1].nbytes))
+    ``_CHUNK_BYTES`` of scales at a time (numpy's, as ``by_rows``)."""
+    scales = weight.scale.numpy()
+    zeros = weight.zero.numpy() if isinstance(weight, Int4Weight) else None
+    rows = max(1, _CHUNK_BYTES // max(1, scales[:1].nbytes))
     finite, largest = True, 0.0
-    for start in range(0, weight.scale.shape[0], rows):
-        scale = weight.scale[start : start + rows]
-        if isinstance(weight, Int4Weight):
-            zero = weight.zero[start : start + rows]
-            finite = finite and bool(torch.isfinite(scale).all()) and bool(torch.isfinite(zero).all())
+    for start in range(0, scales.shape[0], rows):
+        scale = scales[start : start + rows]
+        finite = bool(np.isfinite(scale).all())
+        if finite and zeros is not None:
+            zero = zeros[start : start + rows]
+            finite = bool(np.isfinite(zero).all())
             if finite:
-                largest = max(largest, float(scale.abs().max()), float((zero - 8 * scale).abs().max()))
-        else:
-            finite = finite and bool(torch.isfinite(scale).all())
+                largest = max(largest, float(np.abs(scale).max(initial=0)), float(np.abs(zero - 8 * scale).max(initial=0)))
         if not finite:
-            break
-    if not finite:
-        raise ModelLoadError(
-            f"{path}: tensor {name!r} ({kind}) has scales that are not finite numbers: the file is damaged"
-        )
+            raise ModelLoadError(
+                f"{path}: tensor {name!r} ({kind}) has scales that are not finite numbers: the file is damaged"
+            )
     if largest > _FLOAT16_MAX:
         raise ModelLoadError(
             f"{path}: tensor {name!r} ({kind}) has a group scale of {largest:.4g}, beyond float16's range "
