@@ -1,17 +1,25 @@
-"""A GGUF file, dequantized once into a Hugging Face checkpoint folder.
+"""A GGUF file's config and tokenizer (and, for a float model, its weights
+dequantized) kept once in a Hugging Face checkpoint folder.
 
-Dequantizing a GGUF takes seconds to tens of seconds; loading safetensors
-takes a fraction of that. So the first start converts the file into
-``<cache>/<stem>-<key>/`` (``config.json``, ``model.safetensors``, tokenizer
-files) and every later start loads that folder like any local checkpoint.
-The key hashes the file's identity (resolved path, size, mtime), so a replaced
-file gets a fresh entry. A conversion writes into a temporary folder renamed
-into place at the end: an interrupted one never leaves a half cache.
+Every start needs the file's config.json and tokenizer files, which
+transformers builds from the GGUF's metadata in seconds: the first start
+writes them into ``<cache>/<stem>-<key>/`` and later starts read them. A
+model whose weights are read compressed from the file itself (``--quantization
+auto`` on a CPU, ``int8``, ``int4``: ``engine/loading/compressed.py`` maps
+the file and decodes each tensor as the model is built) needs nothing more
+(``ensure_converted(..., weights=False)``). A float model (``--quantization
+none``, the transformers fallback, a GPU) needs the weights dequantized
+too: ``model.safetensors`` is added to the entry the first time one is
+loaded. The key hashes the file's identity (resolved path, size, mtime), so a
+replaced file gets a fresh entry. A conversion writes into a temporary folder
+renamed into place at the end (the weights file alone moved into an entry
+that lacks it): an interrupted one never leaves a half cache.
 
-Most files are read by transformers' GGUF reader (its model, dequantized,
-then written out); those it cannot make a model of (``gguf_config.native_kind``:
-SmolLM3, Mixtral, Qwen3-MoE, gpt-oss) by trioserve's own reader (``gguf_weights``),
-with a config built from the metadata (``gguf_config.native_config``).
+Most files are read by transformers' GGUF reader (its config and tokenizer;
+for the weights, its model, dequantized, then written out); those it cannot
+make a model of (``gguf_config.native_kind``: SmolLM3, Mixtral, Qwen3-MoE,
+gpt-oss) by trioserve's own reader (``gguf_weights``), with a config built
+from the metadata (``gguf_config.native_config``).
 
 The conversion runs in a child process: transformers' modeling code, which
 it needs, imports torch's compiler stack (dynamo, inductor, triton, sympy),
@@ -47,6 +55,10 @@ _TMP_PREFIX = ".tmp-"
 _TOKENIZER_ONLY = ("smollm3", "gpt-oss")
 # Where a converting child leaves its error's message for the parent.
 _ERROR_FILE = ".conversion-error"
+# The dequantized weights of an entry, present only once a float model was loaded.
+WEIGHTS_FILE = "model.safetensors"
+# The child's flag for an entry of config and tokenizer only.
+_NO_WEIGHTS = "--no-weights"
 # GGUF model_type -> the architecture name config.json carries (GGUF metadata
 # has no ``architectures`` field).
 _ARCH_BY_MODEL_TYPE = {
@@ -122,15 +134,18 @@ def cached_checkpoint_dir(gguf_path: Path, cache_dir: Path | None = None) -> Pat
     return cache_root(cache_dir) / f"{resolved.stem}-{cache_key(resolved)}"
 
 
-def ensure_converted(gguf_path: Path, cache_dir: Path | None = None) -> Path:
+def ensure_converted(gguf_path: Path, cache_dir: Path | None = None, *, weights: bool = True) -> Path:
     """Return the cached checkpoint folder of ``gguf_path``, converting first
-    if there is none. Raises ``ModelLoadError`` naming the file on failure."""
+    if there is none; with ``weights``, one holding the weights dequantized
+    (``WEIGHTS_FILE``), else one holding at least the config and tokenizer
+    (all a model whose weights are read compressed from the file needs).
+    Raises ``ModelLoadError`` naming the file on failure."""
     gguf_path = Path(gguf_path)
     try:
         target = cached_checkpoint_dir(gguf_path, cache_dir)
     except OSError as exc:
         raise ModelLoadError(f"{gguf_path}: cannot read file: {exc.strerror or exc}") from None
-    if target.is_dir():
+    if target.is_dir() and (not weights or (target / WEIGHTS_FILE).is_file()):
         logger.debug("using cached conversion %s", target)
         return target
     try:
@@ -140,14 +155,12 @@ def ensure_converted(gguf_path: Path, cache_dir: Path | None = None) -> Path:
     _remove_stale_temps(target)
     tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}-", suffix=f"-{target.name}", dir=target.parent))
     try:
-        convert_gguf(gguf_path, tmp)
+        if weights:
+            convert_gguf(gguf_path, tmp)
+        else:
+            describe_gguf(gguf_path, tmp)
         tmp.chmod(0o755)  # mkdtemp makes it private; the files inside follow the umask
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            # Another process finished the same conversion first; theirs is as good.
-            if not target.is_dir():
-                raise
+        _install(tmp, target)
     except OSError as exc:
         raise ModelLoadError(f"{target}: cannot write the converted checkpoint: {exc.strerror or exc}") from None
     finally:
@@ -155,13 +168,39 @@ def ensure_converted(gguf_path: Path, cache_dir: Path | None = None) -> Path:
     return target
 
 
+def _install(tmp: Path, target: Path) -> None:
+    """Rename the finished conversion ``tmp`` into place as ``target``; where
+    an entry is there already (another process's, or one without weights),
+    move only the weights into it, if it lacks them, with the config
+    transformers' model of the file gives (the same model; the config read
+    alone lacks the ``dtype`` and ``quantization_config`` its loading adds)."""
+    try:
+        os.rename(tmp, target)
+    except OSError:
+        if not target.is_dir():
+            raise
+        if (tmp / WEIGHTS_FILE).is_file() and not (target / WEIGHTS_FILE).is_file():
+            os.replace(tmp / "config.json", target / "config.json")
+            os.rename(tmp / WEIGHTS_FILE, target / WEIGHTS_FILE)
+
+
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     """Dequantize ``gguf_path`` into ``out_dir`` (an existing, empty folder)
     as ``config.json``, ``model.safetensors`` and tokenizer files, in a
     child process (its progress on this process's stderr). Raises
     ``ModelLoadError`` with the child's message when it fails."""
+    _run_child(gguf_path, out_dir, [])
+
+
+def describe_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """``convert_gguf`` without the weights: ``config.json`` and the
+    tokenizer files only."""
+    _run_child(gguf_path, out_dir, [_NO_WEIGHTS])
+
+
+def _run_child(gguf_path: Path, out_dir: Path, flags: list[str]) -> None:
     code = "import sys; from trioserve.engine.loading.gguf_cache import _child_main; sys.exit(_child_main(sys.argv[1:]))"
-    done = subprocess.run([sys.executable, "-c", code, str(gguf_path), str(out_dir)], stdin=subprocess.DEVNULL)
+    done = subprocess.run([sys.executable, "-c", code, str(gguf_path), str(out_dir), *flags], stdin=subprocess.DEVNULL)
     if done.returncode == 0:
         return
     error = out_dir / _ERROR_FILE
@@ -170,12 +209,13 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
 
 def _child_main(argv: list[str]) -> int:
-    """The converting child: ``convert_here(argv[0], argv[1])``; a failure's
-    message goes to ``_ERROR_FILE`` in the output folder (exit status 1)."""
+    """The converting child: ``convert_here(argv[0], argv[1])`` (without
+    the weights where ``argv[2]`` is ``_NO_WEIGHTS``); a failure's message
+    goes to ``_ERROR_FILE`` in the output folder (exit status 1)."""
     gguf_path, out_dir = Path(argv[0]), Path(argv[1])
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        convert_here(gguf_path, out_dir)
+        convert_here(gguf_path, out_dir, weights=_NO_WEIGHTS not in argv[2:])
     except ModelLoadError as exc:
         (out_dir / _ERROR_FILE).write_text(str(exc))
         return 1
@@ -185,26 +225,40 @@ def _child_main(argv: list[str]) -> int:
     return 0
 
 
-def convert_here(gguf_path: Path, out_dir: Path) -> None:
-    """``convert_gguf`` in this process (what the child runs)."""
+def convert_here(gguf_path: Path, out_dir: Path, *, weights: bool = True) -> None:
+    """``convert_gguf`` (``describe_gguf`` without ``weights``) in this
+    process (what the child runs)."""
     metadata, tables = gguf_config.read_metadata(gguf_path)
-    progress = Progress(f"converting {gguf_path.name}", total=4)
+    what = "converting" if weights else "reading the config and tokenizer of"
+    progress = Progress(f"{what} {gguf_path.name}", total=4 if weights else 2)
     try:
         if gguf_config.native_kind(metadata) is not None:
-            _convert_natively(gguf_path, out_dir, metadata, tables, progress)
+            _convert_natively(gguf_path, out_dir, metadata, tables, progress, weights=weights)
         else:
-            _convert_by_transformers(gguf_path, out_dir, metadata, tables, progress)
+            _convert_by_transformers(gguf_path, out_dir, metadata, tables, progress, weights=weights)
     finally:
         progress.close()
 
 
 def _convert_by_transformers(
-    gguf_path: Path, out_dir: Path, metadata: dict[str, Any], tables: dict[str, list[float]], progress: Progress
+    gguf_path: Path,
+    out_dir: Path,
+    metadata: dict[str, Any],
+    tables: dict[str, list[float]],
+    progress: Progress,
+    *,
+    weights: bool,
 ) -> None:
-    """``convert_here`` through transformers' model of the file."""
-    model = _read_gguf_model(gguf_path, metadata, tables)
-    progress.advance(note="weights dequantized")
-    hf_config = json.loads(model.config.to_json_string(use_diff=False))
+    """``convert_here`` through transformers' model of the file (its config
+    alone without ``weights``)."""
+    model = None
+    if weights:
+        model = _read_gguf_model(gguf_path, metadata, tables)
+        progress.advance(note="weights dequantized")
+        config = model.config
+    else:
+        config = _guarded(gguf_path, lambda: _read_gguf_config(gguf_path, metadata, tables))
+    hf_config = json.loads(config.to_json_string(use_diff=False))
     model_type = hf_config.get("model_type")
     if not hf_config.get("architectures") and model_type in _ARCH_BY_MODEL_TYPE:
         hf_config["architectures"] = [_ARCH_BY_MODEL_TYPE[model_type]]
@@ -213,68 +267,92 @@ def _convert_by_transformers(
     resolve_model_config(hf_config, source=str(gguf_path))
     (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True))
     progress.advance(note="config written")
-    _write_weights(model, out_dir / "model.safetensors", tied=bool(hf_config.get("tie_word_embeddings")))
-    del model
-    progress.advance(note="weights written")
+    if model is not None:
+        _write_weights(model, out_dir / WEIGHTS_FILE, tied=bool(hf_config.get("tie_word_embeddings")))
+        del model
+        progress.advance(note="weights written")
     _write_tokenizer(gguf_path, out_dir)
     progress.advance(note="tokenizer written")
 
 
 def _convert_natively(
-    gguf_path: Path, out_dir: Path, metadata: dict[str, Any], tables: dict[str, list[float]], progress: Progress
+    gguf_path: Path,
+    out_dir: Path,
+    metadata: dict[str, Any],
+    tables: dict[str, list[float]],
+    progress: Progress,
+    *,
+    weights: bool,
 ) -> None:
     """``convert_here`` for a ``gguf_config.native_kind`` file: its tensors
     through ``gguf_weights`` (dequantized, one at a time, under the Hub's
-    names), its config from its metadata."""
-    import gguf
+    names; skipped without ``weights``), its config from its metadata."""
     import torch
     from safetensors.torch import save_file
     from transformers import CONFIG_MAPPING
 
     from trioserve.engine.loading import gguf_weights
+    from trioserve.engine.loading.gguf_file import GGUFFile
     from trioserve.engine.models import moe_weights
     from trioserve.engine.models.llama import LlamaForCausalLM
 
     try:
-        reader = gguf.GGUFReader(str(gguf_path))
-        embedding = next(t for t in reader.tensors if t.name == "token_embd.weight")
-        hf = gguf_config.native_config(metadata, tables, vocab_size=int(embedding.shape[-1]))
+        embedding = next(t for t in GGUFFile(gguf_path).tensors if t.name == "token_embd.weight")
+        hf = gguf_config.native_config(metadata, tables, vocab_size=int(embedding.dims[-1]))
         hf_config = json.loads(CONFIG_MAPPING[hf["model_type"]].from_dict(hf).to_json_string(use_diff=False))
     except StopIteration:
         raise ModelLoadError(f"{gguf_path}: incomplete GGUF model: no tensor 'token_embd.weight'") from None
     except (ValueError, TypeError, KeyError) as exc:
         raise ModelLoadError(f"{gguf_path}: not a readable GGUF model: {type(exc).__name__}: {exc}") from None
-    del reader
     config = resolve_model_config(hf_config, source=str(gguf_path))
     (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True))
     progress.advance(note="config written")
-    tensors = {
-        name: (value if isinstance(value, torch.Tensor) else value.dequantize()).contiguous()
-        for name, value in gguf_weights.read_tensors(
-            gguf_path, num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads
-        )
-    }
-    if config.moe_routing == "gpt_oss":
-        for i in config.moe_layers:
-            try:
-                moe_weights.fuse_gpt_oss_experts(tensors, f"model.layers.{i}.", config.num_experts)
-            except KeyError as exc:
-                raise ModelLoadError(f"{gguf_path}: incomplete GGUF model: no tensor for {exc}") from None
-    # Refused here, naming the file, rather than by the loader, naming its cache.
-    required = LlamaForCausalLM(config, dtype=torch.float32, device="meta").required_weight_names()
-    missing = sorted(required - set(tensors))
-    if missing:
-        raise ModelLoadError(f"{gguf_path}: incomplete GGUF model: no tensor for {missing[:8]}")
-    progress.advance(note="weights dequantized")
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    del tensors
-    progress.advance(note="weights written")
+    if weights:
+        tensors = {
+            name: (value if isinstance(value, torch.Tensor) else value.dequantize()).contiguous()
+            for name, value in gguf_weights.read_tensors(
+                gguf_path, num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads
+            )
+        }
+        if config.moe_routing == "gpt_oss":
+            for i in config.moe_layers:
+                try:
+                    moe_weights.fuse_gpt_oss_experts(tensors, f"model.layers.{i}.", config.num_experts)
+                except KeyError as exc:
+                    raise ModelLoadError(f"{gguf_path}: incomplete GGUF model: no tensor for {exc}") from None
+        # Refused here, naming the file, rather than by the loader, naming its cache.
+        required = LlamaForCausalLM(config, dtype=torch.float32, device="meta").required_weight_names()
+        missing = sorted(required - set(tensors))
+        if missing:
+            raise ModelLoadError(f"{gguf_path}: incomplete GGUF model: no tensor for {missing[:8]}")
+        progress.advance(note="weights dequantized")
+        save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
+        del tensors
+        progress.advance(note="weights written")
     _write_tokenizer(gguf_path, out_dir)
     progress.advance(note="tokenizer written")
 
 
+def _read_gguf_config(gguf_path: Path, metadata: dict[str, Any], tables: dict[str, list[float]]) -> Any:
+    """The config transformers reads from the file, completed with what it
+    drops (``gguf_config``): a Qwen3's head width decides its shapes."""
+    from transformers import AutoConfig
+
+    read = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    return type(read).from_dict(gguf_config.complete(read.to_dict(), metadata, tables))
+
+
+def _guarded(gguf_path: Path, read: Any) -> Any:
+    """``read()``, with transformers' and gguf's errors (anything from
+    ValueError to KeyError) as a ``ModelLoadError`` naming the file."""
+    try:
+        return read()
+    except Exception as exc:
+        raise ModelLoadError(f"{gguf_path}: not a readable GGUF model: {type(exc).__name__}: {exc}") from None
+
+
 def _read_gguf_model(gguf_path: Path, metadata: dict[str, Any], tables: dict[str, list[float]]) -> Any:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
     from transformers import modeling_gguf_pytorch_utils as hf_gguf
     from transformers.utils import logging as hf_logging
 
@@ -288,10 +366,7 @@ def _read_gguf_model(gguf_path: Path, metadata: dict[str, Any], tables: dict[str
         if plain_tqdm is not None:
             hf_gguf.tqdm = functools.partial(plain_tqdm, disable=True)
     try:
-        # The config transformers reads, completed with what it drops
-        # (gguf_config), before the model is built: a Qwen3's head width decides its shapes.
-        read = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-        config = type(read).from_dict(gguf_config.complete(read.to_dict(), metadata, tables))
+        config = _read_gguf_config(gguf_path, metadata, tables)  # before the model is built
         model, info = AutoModelForCausalLM.from_pretrained(
             str(gguf_path.parent), gguf_file=gguf_path.name, config=config, output_loading_info=True,
             ignore_mismatched_sizes=True,  # refused below, naming the tensor
@@ -358,10 +433,11 @@ def _tokenizer_gguf(gguf_path: Path, scratch: Path) -> Path:
     picks a builder only for Gemma's and Phi-3's sentencepiece)."""
     import gguf
 
+    from trioserve.engine.loading.gguf_file import GGUFFile
+
+    if GGUFFile(gguf_path).architecture not in _TOKENIZER_ONLY:
+        return gguf_path  # without parsing the vocabulary here: transformers does
     reader = gguf.GGUFReader(str(gguf_path))
-    field = reader.fields.get("general.architecture")
-    if field is None or field.contents() not in _TOKENIZER_ONLY:
-        return gguf_path
     path = scratch / "tokenizer.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
     for key, field in reader.fields.items():

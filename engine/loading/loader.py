@@ -26,7 +26,7 @@ from trioserve.engine.config import EngineConfig, ModelConfig
 from trioserve.engine.errors import CpuCapabilityError, ModelLoadError
 from trioserve.engine.loading.gguf_cache import Progress
 from trioserve.engine.loading.hf_fallback_weights import load_fallback
-from trioserve.engine.loading.sources import find_shards, read_model_config, resolve_checkpoint, resolve_source
+from trioserve.engine.loading.sources import find_shards, read_model_config, resolve_source
 from trioserve.engine.heap_trim import fix_heap_thresholds
 from trioserve.engine.models.hf_fallback import is_fallback, require_native
 from trioserve.engine.models.llama import LlamaForCausalLM
@@ -146,8 +146,10 @@ def load_model(
     batch_invariant: bool = True,
 ) -> LoadedModel:
     """Load ``model``: ``None`` or ``"SmolLM2-135M-Instruct"`` for the default,
-    a checkpoint folder, or a ``.gguf`` file (converted once into
-    ``cache_dir``, default ``$TRIOSERVE_CACHE`` or ``~/.cache/trioserve``).
+    a checkpoint folder, or a ``.gguf`` file (its config and tokenizer kept
+    once in ``cache_dir``, default ``$TRIOSERVE_CACHE`` or
+    ``~/.cache/trioserve``; its weights read from the mapped file where they
+    load compressed, else dequantized once into the cache too: ``gguf_cache``).
 
     On CPU, ``cpu_paths`` (default: ``CpuPaths.from_environment()``) says
     what this machine runs; the model picks its path from it, and the
@@ -175,7 +177,12 @@ def load_model(
     # Before the weights' blocks come and go, so that loading leaves no
     # arena a large free top (heap_trim.py).
     fix_heap_thresholds()
-    folder = gguf_cache.ensure_converted(source, cache_dir) if source.is_file() else source
+    # A GGUF whose weights load compressed is read from the file itself
+    # (mapped, each tensor decoded as the model is built): its cache entry
+    # needs the config and tokenizer only, not the weights dequantized.
+    is_gguf = source.is_file()
+    from_file = is_gguf and quant_load.wanted(quantization, is_gguf=True, device=torch_device, dtype=torch_dtype)
+    folder = gguf_cache.ensure_converted(source, cache_dir, weights=not from_file) if is_gguf else source
     model_config = read_model_config(folder)
     fallback = is_fallback(model_config)
     if fallback and quantization in ("int8", "int4"):
@@ -195,6 +202,10 @@ def load_model(
             if quantization != "auto":
                 raise
             logger.warning("%s: compressed weights unavailable, dequantizing to float: %s", name, exc)
+    if from_file and (fallback or choice is None):
+        # A float model after all: add the weights (and the config that comes with them).
+        folder = gguf_cache.ensure_converted(source, cache_dir)
+        model_config = read_model_config(folder)
     # The tokenizer (mostly Python, and transformers' import) loads while the
     # weight copies, which release the GIL, run.
     with ThreadPoolExecutor(1, thread_name_prefix="tokenizer") as pool:
@@ -239,8 +250,9 @@ class RemoteModel:
     """What the server process knows of a model whose weights another
     process holds (``worker_mode="process"``): the CPU paths found here and
     the float projection choice made from them. A compressed model's
-    kernels are timed where it loads, so the worker reports its own choice
-    once ready (``Engine.projection_choice``). It has no weights and cannot
+    kernel is chosen where it loads (by rule, ``kernels/choose.py``, from
+    what that process finds), so the worker reports its own choice once
+    ready (``Engine.projection_choice``). It has no weights and cannot
     run."""
 
     cpu_paths: CpuPaths | None
@@ -263,9 +275,13 @@ def describe_model(
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     cpu_paths = _check_cpu(torch_device, torch_dtype, None)
-    folder, name = resolve_checkpoint(model, cache_dir)
+    source, name = resolve_source(model)
+    # A GGUF's weights are the worker's to read (or convert): the config and
+    # tokenizer are all this process needs of its cache entry.
+    folder = gguf_cache.ensure_converted(source, cache_dir, weights=False) if source.is_file() else source
     model_config = read_model_config(folder)
-    find_shards(folder)  # a folder without weights fails here, not in the worker
+    if not source.is_file():
+        find_shards(folder)  # a folder without weights fails here, not in the worker
     tokenizer = load_tokenizer(folder)
     model_config = attrs.evolve(model_config, eos_token_ids=eos_token_ids(tokenizer, model_config.eos_token_ids, folder))
     remote = RemoteModel(cpu_paths, choose_projections(torch_device, torch_dtype, cpu_paths, None), model_config)
