@@ -37,7 +37,7 @@ from .allocator import AllocatorActor
 from .degradation import Degradation
 from .errors import DuplicateRequestError, EngineClosed, EngineOverloaded
 from .executor import Executor
-from .slo_admission import SloDecision, SloRefused, decide, predict, tokens_ahead
+from .slo_admission import SloDecision, SloRefused, decide, predict, requests_ahead, running_load
 from .messages import AbortAll, AddRequest, LoadLora, UnloadLora
 from .request import RequestActor
 from .stream import RequestStream
@@ -384,15 +384,21 @@ class Engine:
         for scheduler, queue in self._slo_views():
             queued = queue.queued()
             core = scheduler.core.scheduler
-            ahead = tokens_ahead(
-                new, now, core.waiting_requests, [m.request for m in queued], [m.arrival_time for m in queued]
+            ahead = requests_ahead(
+                new,
+                now,
+                core.waiting_requests,
+                [m.request for m in queued],
+                [m.arrival_time for m in queued],
+                max_model_len=core.max_model_len,
             )
+            running = running_load(core.running_requests, max_model_len=core.max_model_len)
             prediction = predict(
                 scheduler.latency,
                 new,
                 ahead,
-                core.running_requests,
-                token_budget=config.max_num_batched_tokens,
+                running,
+                token_budget=core.max_num_batched_tokens,
                 max_num_seqs=core.running_limit,
             )
             if best is None or prediction.ttft < best.ttft:

@@ -128,6 +128,7 @@ class SchedulerActor:
         # This engine's step-cost law, learned from its own steps (issue #44):
         # SLO admission predicts with it (actors/slo_admission.py).
         self.latency = LatencyModel()
+        self._cycle_start = now  # when the step being run began to be planned
 
     # -- the actor --------------------------------------------------------------
 
@@ -231,6 +232,7 @@ class SchedulerActor:
                 self.core.release_memory()  # idle: the heap's free pages go back (engine/heap_trim.py)
                 await self._wait_for_news()
                 continue
+            self._cycle_start = trio.current_time()
             plan, fill = await self._plan(allocator, kv_results)
             if plan.chunks:
                 self._num_steps += 1
@@ -333,7 +335,6 @@ class SchedulerActor:
                 self._release_needed = True
             return self.core.process_output(plan, _NO_OUTPUT)
         now = trio.current_time()
-        self.latency.observe_plan(plan.plan, reply.seconds)
         # Decode chunks compute the token sampled last step; the rest is prefill.
         decodes = sum(1 for c in plan.chunks if c.is_decode)
         # Speculating chunks: their proposals are not prompt, their accepted tokens are generated.
@@ -344,6 +345,10 @@ class SchedulerActor:
         self._total_prompt += plan.num_batched_tokens - decodes - drafts
         self._total_generation += generated
         outputs = self.core.process_output(plan, reply.output)
+        # The latency model learns the whole step cycle, not only the
+        # model's step: planning, the allocator's round trip and reading
+        # the outputs delay a first token as much (actors/slo_admission.py).
+        self.latency.observe_plan(plan.plan, trio.current_time() - self._cycle_start)
         if self.concurrency is not None:
             scheduler = self.core.scheduler
             self.concurrency.observe(

@@ -23,6 +23,7 @@ from trioserve.engine.core.latency_model import LatencyModel
 from trioserve.engine.core.latency_objectives import LatencyObjectives
 from trioserve.engine.core.new_request import NewRequest
 from trioserve.engine.core.sequence import Request
+from trioserve.engine.core.slo_policy import next_token_deadline
 
 from .errors import EngineOverloaded
 
@@ -88,55 +89,77 @@ def _runs_before(priority: int, deadline: float, own_priority: int, own_deadline
     return priority < own_priority or (priority == own_priority and deadline <= own_deadline)
 
 
-def tokens_ahead(
+def _output_left(params_max_tokens: int | None, num_output: int, room: int) -> int:
+    """Tokens a request may still generate: up to its ``max_tokens``, else
+    to the context's end (``room``); an EOS may end it sooner."""
+    left = room if params_max_tokens is None else min(room, params_max_tokens - num_output)
+    return max(1, left)
+
+
+def requests_ahead(
     new: NewRequest,
     now: float,
     waiting: Iterable[Request],
     queued: Iterable[NewRequest] = (),
     queued_arrivals: Iterable[float] = (),
-) -> list[int]:
-    """The prefill tokens each request ahead of ``new`` still has to
-    compute, in the order the policy runs them: the core's ``waiting``
-    (already in the policy's order) then the admission queue's ``queued``
-    (arrived at ``queued_arrivals``), those that run before ``new``."""
+    *,
+    max_model_len: int,
+) -> list[tuple[int, int]]:
+    """The requests that run before ``new``, in the order the policy runs
+    them, as ``(prefill tokens left, output tokens left)``: the core's
+    ``waiting`` (already in the policy's order) then the admission queue's
+    ``queued`` (arrived at ``queued_arrivals``), those that run before
+    ``new`` by the ``slo`` policy's key (engine/core/slo_policy.py): a lower
+    priority value, or the same and a deadline no later than its first
+    token's."""
     own = new.objectives.first_token_deadline(now)
     ahead = []
     for request in waiting:
-        if _runs_before(request.priority, request.objectives.first_token_deadline(request.arrival_time), new.priority, own):
-            ahead.append(request.num_tokens - request.num_computed_tokens)
+        if _runs_before(request.priority, next_token_deadline(request), new.priority, own):
+            output = _output_left(request.sampling_params.max_tokens, request.num_output_tokens, max_model_len - request.num_tokens)
+            ahead.append((request.num_tokens - request.num_computed_tokens, output))
     for other, arrival in zip(queued, queued_arrivals, strict=True):
         if _runs_before(other.priority, other.objectives.first_token_deadline(arrival), new.priority, own):
-            ahead.extend([other.num_tokens] * other.params.n)
+            output = _output_left(other.params.max_tokens, 0, max_model_len - other.num_tokens)
+            ahead.extend([(other.num_tokens, output)] * other.params.n)
     return ahead
+
+
+def running_load(running: Iterable[Request], *, max_model_len: int) -> list[tuple[int, int, int]]:
+    """The running requests as ``(context, prefill left, output left)``:
+    the tokens computed, the known tokens not yet computed but the one a
+    decode step computes, and the tokens they may still generate."""
+    load = []
+    for request in running:
+        left = request.num_tokens - request.num_computed_tokens
+        prefill = left - 1 if request.num_output_tokens > 0 else left
+        output = _output_left(request.sampling_params.max_tokens, request.num_output_tokens, max_model_len - request.num_tokens)
+        load.append((request.num_computed_tokens, max(0, prefill), output))
+    return load
 
 
 def predict(
     model: LatencyModel,
     new: NewRequest,
-    ahead: list[int],
-    running: Iterable[Request],
+    ahead: list[tuple[int, int]],
+    running: list[tuple[int, int, int]],
     *,
     token_budget: int,
     max_num_seqs: int,
 ) -> SloPrediction:
-    """``new``'s predicted TTFT (its prefill after ``ahead``'s, beside the
-    ``running`` decodes) and TPOT (a decode step of the batch it joins)."""
-    running = list(running)
-    context = sum(request.num_tokens for request in running)
+    """``new``'s predicted TTFT (``LatencyModel.predict_ttft`` over the
+    ``running`` load and the requests ``ahead``) and TPOT (a decode step of
+    the batch it joins, at the context halfway through its answer)."""
     ttft = model.predict_ttft(
-        new.num_tokens,
-        ahead=ahead,
-        num_running=len(running),
-        running_context=context,
-        token_budget=token_budget,
-        max_num_seqs=max_num_seqs,
+        new.num_tokens, ahead=ahead, running=running, token_budget=token_budget, max_num_seqs=max_num_seqs
     )
+    members = len(running) + len(ahead) + 1
     batch = min(max_num_seqs, len(running) + len(ahead) + new.params.n)
-    mean_context = (context + sum(ahead) + new.num_tokens) / max(1, len(running) + len(ahead) + 1)
+    context = sum(c + p for c, p, _ in running) + sum(p for p, _ in ahead) + new.num_tokens
     # Over the answer, each sequence's context grows by half its length on average.
-    mean_context += (new.params.max_tokens or 0) / 2
+    mean_context = context / members + (new.params.max_tokens or 0) / 2
     tpot = model.predict_tpot(batch, int(batch * mean_context))
-    return SloPrediction(ttft, tpot, sum(ahead))
+    return SloPrediction(ttft, tpot, sum(p for p, _ in ahead))
 
 
 def retry_after(prediction: SloPrediction, target: float) -> float:

@@ -76,11 +76,14 @@ def test_it_follows_a_machine_that_slows_down():
 def test_ttft_grows_with_the_queue_ahead_and_tpot_with_the_batch():
     model = LatencyModel(prior=(0.005, 0.005, 0.0, 0.001, 0.0))
     alone = model.predict_ttft(100)
-    behind = model.predict_ttft(100, ahead=[2000, 2000], token_budget=512)
+    behind = model.predict_ttft(100, ahead=[(2000, 16), (2000, 16)], token_budget=512)
     assert alone == pytest.approx(0.005 + 0.1 * 0.05 / 1000 * 1000, rel=1e-6)
     # 4100 tokens in steps of 512 at most: at least 9 steps.
     assert behind > 9 * 0.005 + 4100 * 0.05e-3
     assert model.predict_ttft(100, cached_tokens=90) < alone
+    # A full batch: it waits for the shortest running answer to end.
+    full = model.predict_ttft(100, running=[(50, 0, 40), (50, 0, 400)], max_num_seqs=2)
+    assert full > 40 * model.predict_tpot(2, 100) and full < 60 * model.predict_tpot(2, 200)
     assert model.predict_tpot(32, 32 * 100) > model.predict_tpot(1, 100)
 
 

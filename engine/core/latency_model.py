@@ -75,6 +75,16 @@ class StepShape:
         return raw * _SCALE
 
 
+@attrs.define
+class _Simulated:
+    """A request in ``predict_ttft``'s simulation."""
+
+    prefill: int  # tokens still to prefill
+    output: int  # tokens still to generate
+    context: int  # tokens computed
+    own: bool = False
+
+
 @attrs.frozen
 class LatencyModelStatistics:
     """The fit now: its coefficients (seconds per step, per hundred
@@ -170,55 +180,70 @@ class LatencyModel:
         prompt_tokens: int,
         *,
         cached_tokens: int = 0,
-        ahead: Iterable[int] = (),
-        num_running: int = 0,
-        running_context: int = 0,
+        ahead: Iterable[tuple[int, int]] = (),
+        running: Iterable[tuple[int, int, int]] = (),
         token_budget: int = 2048,
         max_num_seqs: int = 256,
     ) -> float:
-        """Seconds until a new request's first token: the steps that run
-        the prefill queued ``ahead`` of it (each waiting request's tokens
-        still to compute, in the order the policy runs them) and then its
-        own ``prompt_tokens - cached_tokens``, chunked into steps of
-        ``token_budget`` tokens beside the running decodes. A request ahead
-        joins the decodes once its prefill is done (up to ``max_num_seqs``).
-        The time already queued before it arrived is not counted: TTFT is
-        from its arrival."""
-        queue = [max(0, tokens) for tokens in ahead]
-        queue.append(max(1, prompt_tokens - cached_tokens))
-        decodes, context = num_running, running_context
-        mean_context = running_context / num_running if num_running else 0.0
+        """Seconds until a new request's first token, simulated step by step
+        as the scheduler would run the load it meets:
+
+        - ``running``: the running requests, each ``(context, prefill,
+          output)``: tokens computed, tokens still to prefill, tokens still
+          to generate (at most);
+        - ``ahead``: the waiting requests the policy runs before it, in
+          that order, each ``(prefill, output)``;
+        - then its own ``prompt_tokens - cached_tokens``.
+
+        A waiting request starts when fewer than ``max_num_seqs`` run; each
+        step gives every decoding request one token and the rest of
+        ``token_budget`` to prefill, in order; a request leaves when its
+        output is done. Stretches of decode-only steps are summed in one go
+        (the law is linear in the context). TTFT counts from its arrival:
+        the step in flight then is not counted."""
+        own = _Simulated(max(1, prompt_tokens - cached_tokens), 1, 0, own=True)
+        active = [_Simulated(max(0, prefill), max(1, output), max(0, context)) for context, prefill, output in running]
+        queue = deque(_Simulated(max(1, prefill), max(1, output), 0) for prefill, output in ahead)
+        queue.append(own)
         total = 0.0
-        index, left = 0, queue[0]
         for _ in range(MAX_SIMULATED_STEPS):
-            room = max(1, token_budget - decodes)
+            while queue and len(active) < max_num_seqs:
+                active.append(queue.popleft())
+            decoding = [a for a in active if a.prefill == 0]
+            prefilling = [a for a in active if a.prefill > 0]
+            context = sum(a.context for a in decoding)
+            if not prefilling:
+                if not decoding:
+                    return total
+                # Decode only until the first of them finishes and frees a slot.
+                steps = min(a.output for a in decoding)
+                mid = context + len(decoding) * (steps - 1) / 2
+                total += steps * self.step_seconds(StepShape(decodes=len(decoding), decode_context=int(mid)))
+                for a in decoding:
+                    a.output -= steps
+                    a.context += steps
+                active = [a for a in active if a.output > 0]
+                continue
+            room = max(1, token_budget - len(decoding))
             prefill = pairs = 0
-            finished_own = False
-            joined = joined_context = 0
-            while room > 0 and index < len(queue):
-                take = min(room, left)
+            for a in prefilling:
+                take = min(room, a.prefill)
                 prefill += take
-                start = queue[index] - left
-                pairs += take * (start + (take + 1) // 2)
-                left -= take
+                pairs += take * (a.context + (take + 1) // 2)
+                a.prefill -= take
+                a.context += take
                 room -= take
-                if left == 0:
-                    if index == len(queue) - 1:
-                        finished_own = True
-                    else:
-                        joined += 1
-                        joined_context += queue[index]
-                    index += 1
-                    left = queue[index] if index < len(queue) else 0
-            total += self.step_seconds(StepShape(prefill, pairs, decodes, context))
-            if finished_own:
+                if room == 0:
+                    break
+            total += self.step_seconds(StepShape(prefill, pairs, len(decoding), context))
+            if own.prefill == 0:
                 return total
-            # Each decoding sequence's context grows by its token; the ones
-            # whose prefill finished decode from the next step on.
-            context += decodes
-            room_to_join = max(0, max_num_seqs - decodes)
-            decodes += min(joined, room_to_join)
-            context += joined_context if joined <= room_to_join else int(mean_context * room_to_join)
+            # This step sampled a token for the decodes and the finished prefills.
+            for a in active:
+                if a.prefill == 0:
+                    a.output -= 1
+                    a.context += 1
+            active = [a for a in active if a.output > 0]
         return total
 
     def predict_tpot(self, batch_size: int, context_tokens: int) -> float:
