@@ -127,8 +127,8 @@ class SchedulingPolicy(Protocol):
     does not fit may preempt a running one of key ``b``. Both run on every
     step for every request, so they must be cheap.
 
-    Optional: ``token_budget(running, tokens) -> int`` cuts a step's token
-    budget (at most ``tokens``, given the running requests), and
+    Optional: ``token_budget(running, tokens, now) -> int`` cuts a step's
+    token budget (at most ``tokens``, given the running requests), and
     ``observe_step(num_tokens, seconds)`` is told each step's tokens and
     time; the built-in ``slo`` policy (engine/core/slo_policy.py) uses both
     to keep chunked prefill within its requests' TPOT targets.

@@ -122,9 +122,10 @@ def test_a_tight_tpot_target_cuts_the_prefill_chunk():
     policy = SloPolicy(min_chunk=4)
     for tokens in [1, 8, 32, 64, 2, 16, 48, 4]:
         policy.observe_step(tokens, 0.01 + 0.001 * tokens)  # as the engine measured them
-    scheduler, pool = scheduler_for(policy, clock, max_num_batched_tokens=128)
+    scheduler, pool = scheduler_for(policy, clock, max_num_batched_tokens=128, num_blocks=256)
     runner = FakeRunner(block_size=4)
-    scheduler.add_request(slo_request("chat", ttft=1.0, tpot=0.03, prompt_len=4, max_tokens=50))
+    # Late already (it waited 10 s): its next token is due within one TPOT target.
+    scheduler.add_request(slo_request("chat", arrival=-10.0, ttft=1.0, tpot=0.03, prompt_len=4, max_tokens=50))
     timed_step(scheduler, pool, runner, clock)  # its prompt, its first token
     scheduler.add_request(slo_request("long", ttft=10.0, prompt_len=200, max_tokens=2))
     for _ in range(4):
@@ -132,8 +133,12 @@ def test_a_tight_tpot_target_cuts_the_prefill_chunk():
         # Within 30 ms: 10 ms fixed + 1 ms per token -> at most 20 tokens.
         assert sum(c.num_tokens for c in output.chunks) <= 20
         assert any(c.request_id == "long" and c.num_tokens >= 4 for c in output.chunks)  # it progresses
-    # Without a TPOT target the step takes the whole budget.
+    # Ahead of its TPOT budget (a first token long before its TTFT target),
+    # a request may wait for a longer step.
     scheduler.abort("chat")
+    scheduler.add_request(slo_request("ahead", arrival=clock.now, ttft=5.0, tpot=0.03, prompt_len=4, max_tokens=50))
+    timed_step(scheduler, pool, runner, clock)
+    scheduler.add_request(slo_request("long2", ttft=10.0, prompt_len=200, max_tokens=2))
     output = timed_step(scheduler, pool, runner, clock)
     assert sum(c.num_tokens for c in output.chunks) > 20
 

@@ -376,7 +376,8 @@ class Scheduler:
         token_budget = getattr(self.policy, "token_budget", None)
         if token_budget is None:
             return self.max_num_batched_tokens
-        return max(1, min(self.max_num_batched_tokens, token_budget(self._queues.running, self.max_num_batched_tokens)))
+        budget = token_budget(self._queues.running, self.max_num_batched_tokens, self.clock())
+        return max(1, min(self.max_num_batched_tokens, budget))
 
     def _observe_step(self) -> None:
         """Tell a policy that learns step costs (``observe_step``) how long

@@ -19,8 +19,9 @@ objectives (engine/core/latency_objectives.py).
   running request's computed tokens.
 - **Chunked prefill.** ``token_budget`` shrinks a step's token budget while
   a running request decodes under a TPOT target, so that the step's
-  predicted time stays within the tightest such target: a long prompt is
-  then chunked finer instead of stalling those decodes. The prediction is
+  predicted time stays within the least time such a request may wait for
+  its next token (its TPOT budget's slack, at least one TPOT target): a
+  long prompt is then chunked finer instead of stalling those decodes. The prediction is
   ``StepCost``, a line (seconds = fixed + per token x tokens) fitted online
   to the engine's own step times, which the scheduler reports through
   ``observe_step``. Before it has seen enough steps the budget is not cut.
@@ -132,13 +133,16 @@ class SloPolicy:
     def outranks(self, key_a: tuple[float, ...], key_b: tuple[float, ...]) -> bool:
         return key_a[0] < key_b[0]
 
-    def token_budget(self, running: Sequence[Any], tokens: int) -> int:
+    def token_budget(self, running: Sequence[Any], tokens: int, now: float) -> int:
         """This step's token budget out of ``tokens``: cut so that the step
-        should last no longer than the tightest TPOT target of a running
-        request that decodes, but never below its decodes plus ``min_chunk``."""
+        should last no longer than the least time a running request that
+        decodes under a TPOT target may wait for its next token at ``now``
+        (the slack of its TPOT budget, at least one TPOT target: the mean is
+        what is promised, so a request ahead of it may take a longer step),
+        but never below the decodes plus ``min_chunk``."""
         decodes = [r for r in running if r.num_output_tokens > 0 and r.num_tokens - r.num_computed_tokens == 1]
         tightest = min(
-            (r.objectives.tpot for r in decodes if r.objectives.tpot is not None),
+            (max(r.objectives.tpot, next_token_deadline(r) - now) for r in decodes if r.objectives.tpot is not None),
             default=None,
         )
         if tightest is None:
