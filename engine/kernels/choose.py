@@ -2,7 +2,9 @@
 
 Each kernel (``KERNELS``) is a capability path with a trial
 (``capability.PROBES``), so ``TRIOSERVE_CPU_ASSUME`` and the library caps
-turn it off like any other path. ``choose_kernel`` takes the first that
+turn it off like any other path. A trial is a correctness check (the
+kernel on seeded inputs, compared with float32 within a tolerance), never
+a timing: a busy machine passes the same trials as an idle one. ``choose_kernel`` takes the first that
 works here and stores the scheme asked for (``RULE``): the choice is a pure
 function of the CPU's features, the shapes and the flags, so two starts of
 a server on one machine compute the same bits (issue 39; the load-time

@@ -14,7 +14,8 @@ anything is computed.
   then bfloat16) whose
   capability path (``kv_cache_<dtype>`` in ``capability.PROBES``: a write
   into a paged pool, a gather and an attention over it, checked against
-  float32) works here; else float32. The paths name the instructions that
+  float32, on seeded inputs: a correctness check, never a timing) works
+  here; else float32. The paths name the instructions that
   make the conversions cheap (F16C comes with AVX2, bfloat16's conversion
   instructions with AVX-512 BF16 or AVX-NE-CONVERT), so
   ``TRIOSERVE_CPU_ASSUME`` turns them off like any other path. The choice
