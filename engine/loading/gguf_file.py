@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import mmap
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,10 @@ _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: 
 _NUMPY = {0: "u1", 1: "i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
 _STRING, _ARRAY = 8, 9
 # Types whose data are numpy values rather than blocks (gguf-py's choice).
-_PLAIN = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16, "I32": np.int32, "I64": np.int64}
+_PLAIN = {
+    "F32": np.float32, "F16": np.float16, "F64": np.float64,
+    "I8": np.int8, "I16": np.int16, "I32": np.int32, "I64": np.int64,
+}  # fmt: skip
 _DEFAULT_ALIGNMENT = 32
 
 
@@ -54,8 +57,8 @@ class GGUFFile:
     """The header of the GGUF at ``path`` (``fields``: each key's value, a
     string array as ``None`` unless ``want_strings(key)``), its tensors'
     ``TensorInfo`` in the file's order, and ``data(info)`` for a tensor's
-    values as a read-only view of the mapped file. Keep the object while
-    any view is used (the views hold the map)."""
+    values as a read-only view of the mapped file (a view holds the map:
+    it stays valid after this object is dropped)."""
 
     def __init__(self, path: Path, *, want_strings: Callable[[str], bool] = lambda key: False) -> None:
         import gguf
@@ -164,8 +167,3 @@ class GGUFFile:
             return self._buffer[begin : begin + info.nbytes].view(dtype).reshape(shape)
         block, size = self._sizes[info.type_name]
         return self._buffer[begin : begin + info.nbytes].reshape(*shape[:-1], shape[-1] // block * size)
-
-    def items(self) -> Iterator[tuple[TensorInfo, np.ndarray]]:
-        """Each tensor's info and data, in the file's order."""
-        for info in self.tensors:
-            yield info, self.data(info)

@@ -215,7 +215,8 @@ def decode_q5_0(data: np.ndarray) -> Int8GroupWeight:
     high = np.unpackbits(blocks[..., 2:6], axis=-1, bitorder="little").reshape(q.shape)
     q |= high << 4
     q -= 16  # 0..31 to -16..15, read as int8 below
-    return Int8GroupWeight(torch.from_numpy(q.view(np.int8).reshape(out, -1)), torch.from_numpy(_half(blocks, 0)), GROUP)
+    q = torch.from_numpy(q.view(np.int8).reshape(out, -1))
+    return Int8GroupWeight(q, torch.from_numpy(_half(blocks, 0)), GROUP)
 
 
 _Q6_LOW_SHIFTS = np.array([0, 4], dtype=np.uint8).reshape(2, 1)
@@ -241,7 +242,8 @@ def decode_q6_k(data: np.ndarray) -> Int8GroupWeight:
     q |= high.reshape(q.shape)
     q -= 32  # 0..63 to -32..31, read as int8 below
     scale = _half(blocks, 208)[..., None] * blocks[..., 192:208].view(np.int8).astype(np.float32)  # [out, n, 16]
-    return Int8GroupWeight(torch.from_numpy(q.view(np.int8).reshape(out, -1)), torch.from_numpy(scale.reshape(out, -1)), 16)
+    q = torch.from_numpy(q.view(np.int8).reshape(out, -1))
+    return Int8GroupWeight(q, torch.from_numpy(scale.reshape(out, -1)), 16)
 
 
 def requantize_int8(kind: str, data: np.ndarray) -> Int8GroupWeight:
@@ -315,7 +317,8 @@ def _unpermute(weight: torch.Tensor | Compressed, heads: int) -> torch.Tensor | 
         # stored rows as (half, 2) and put them back as (2, half). (numpy's
         # copy, on this thread: see _CHUNK_BYTES.)
         a = t.numpy()
-        return torch.from_numpy(np.ascontiguousarray(a.reshape(heads, n // heads // 2, 2, *a.shape[1:]).swapaxes(1, 2)).reshape(a.shape))
+        swapped = a.reshape(heads, n // heads // 2, 2, *a.shape[1:]).swapaxes(1, 2)
+        return torch.from_numpy(np.ascontiguousarray(swapped).reshape(a.shape))
 
     if isinstance(weight, Int4Weight):
         return Int4Weight(rows(weight.q), rows(weight.scale), rows(weight.zero), weight.group_size)
@@ -340,7 +343,8 @@ def _check_scales(path: Path, name: str, kind: str, weight: Compressed) -> None:
             zero = zeros[start : start + rows]
             finite = bool(np.isfinite(zero).all())
             if finite:
-                largest = max(largest, float(np.abs(scale).max(initial=0)), float(np.abs(zero - 8 * scale).max(initial=0)))
+                offset = np.abs(zero - 8 * scale).max(initial=0)
+                largest = max(largest, float(np.abs(scale).max(initial=0)), float(offset))
         if not finite:
             raise ModelLoadError(
                 f"{path}: tensor {name!r} ({kind}) has scales that are not finite numbers: the file is damaged"
