@@ -108,7 +108,7 @@ class LatencyModel:
     """
 
     prior: Sequence[float] = DEFAULT_PRIOR
-    forgetting: float = attrs.field(default=0.995)
+    forgetting: float = attrs.field(default=0.99)
     prior_variance: float = 1.0
     window: int = 256
     _theta: np.ndarray = attrs.field(init=False)
