@@ -380,7 +380,7 @@ class Engine:
         if config.scheduling_policy != "slo" or new.objectives.empty:
             return None
         now = time.monotonic()
-        best = None
+        predictions = []
         for scheduler, queue in self._slo_views():
             queued = queue.queued()
             core = scheduler.core.scheduler
@@ -401,14 +401,16 @@ class Engine:
                 token_budget=core.max_num_batched_tokens,
                 max_num_seqs=core.running_limit,
             )
-            if best is None or prediction.ttft < best.ttft:
-                best = prediction
-        assert best is not None
+            predictions.append(prediction)
+        best = min(predictions, key=lambda prediction: prediction.ttft)
         try:
-            return decide(new.objectives, best, max_tokens=new.params.max_tokens, degraded=self._degraded())
+            decision = decide(new.objectives, best, max_tokens=new.params.max_tokens, degraded=self._degraded())
         except SloRefused:
             self._num_refused += 1
             raise
+        if len(predictions) > 1:
+            decision = attrs.evolve(decision, replica_ttfts=tuple(p.ttft for p in predictions))
+        return decision
 
     def _slo_views(self) -> list[tuple[Any, Any]]:
         """Each replica's scheduler actor and admission queue (one here)."""

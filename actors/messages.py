@@ -42,7 +42,9 @@ class AddRequest:
     scheduler owns from the moment it receives this message.
     ``queue_deadline`` (trio time; None: none) is when the request is
     dropped with ``QueueTimeout`` if nothing has been computed for it yet
-    (arrival plus ``max_queue_time``).
+    (arrival plus ``max_queue_time``). ``predicted_ttfts``: with the slo
+    policy, the TTFT SLO admission predicted on each replica, for the
+    data-parallel router (empty: route by affinity and load).
     """
 
     request: NewRequest
@@ -50,6 +52,7 @@ class AddRequest:
     arrival_time: float
     outputs: trio.MemorySendChannel[Any] = attrs.field(eq=False, repr=False)
     queue_deadline: float | None = None
+    predicted_ttfts: tuple[float, ...] = ()
 
     @property
     def request_id(self) -> str:

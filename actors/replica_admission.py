@@ -47,7 +47,7 @@ class ReplicatedAdmission(BoundedSenders):
 
     def _put(self, message: AddRequest) -> None:
         self._check_open()
-        replica, hashes = self._router.choose(message.prompt_token_ids, self._kv_usage())
+        replica, hashes = self._router.choose(message.prompt_token_ids, self._kv_usage(), message.predicted_ttfts)
         # Raises if that replica's scheduler is gone (BrokenResourceError).
         self.queues[replica].send_nowait(message)
         self._router.record(message.request_id, replica, hashes, self._router.cost(message.prompt_token_ids, message.params))

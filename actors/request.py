@@ -130,6 +130,7 @@ class RequestActor:
             arrival_time=self.arrival_time,
             outputs=self._outputs_send,
             queue_deadline=self.queue_deadline,
+            predicted_ttfts=() if self.slo is None else self.slo.replica_ttfts,
         )
 
     async def submit(self) -> None:

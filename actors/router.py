@@ -48,6 +48,7 @@ class RouterStatistics:
     num_by_load: int  # no prefix known: the least loaded replica
     outstanding_requests: tuple[int, ...]  # per replica
     outstanding_tokens: tuple[int, ...]  # per replica
+    num_by_slo: int = 0  # --scheduling-policy slo: the replica with the soonest predicted TTFT
 
 
 @attrs.define
@@ -77,10 +78,18 @@ class ReplicaRouter:
         most = room if params.max_tokens is None else min(params.max_tokens, room)
         return len(prompt_token_ids) + params.n * most
 
-    def choose(self, prompt_token_ids: Sequence[int], kv_usage: Sequence[float]) -> tuple[int, list[int]]:
+    def choose(
+        self, prompt_token_ids: Sequence[int], kv_usage: Sequence[float], predicted_ttfts: Sequence[float] = ()
+    ) -> tuple[int, list[int]]:
         """The replica for a prompt, and its prefix hashes (for ``record``).
-        ``kv_usage``: each replica's KV usage now, 0..1."""
+        ``kv_usage``: each replica's KV usage now, 0..1. ``predicted_ttfts``:
+        with the slo policy, each replica's predicted TTFT for the request
+        (actors/slo_admission.py): the soonest wins, as admission judged it."""
         assert len(kv_usage) == self.num_replicas
+        if len(predicted_ttfts) == self.num_replicas:
+            self._counts["slo"] += 1
+            soonest = min(range(self.num_replicas), key=lambda replica: (predicted_ttfts[replica], replica))
+            return soonest, prefix_block_hashes(prompt_token_ids, self.block_size, self.max_prefix_blocks)
 
         def load(replica: int) -> tuple[int, float, int]:
             return self._tokens[replica], kv_usage[replica], replica
@@ -139,6 +148,7 @@ class ReplicaRouter:
             num_by_affinity=self._counts["affinity"],
             num_spilled=self._counts["spilled"],
             num_by_load=self._counts["load"],
+            num_by_slo=self._counts["slo"],
             outstanding_requests=tuple(self._requests),
             outstanding_tokens=tuple(self._tokens),
         )

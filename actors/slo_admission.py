@@ -55,6 +55,9 @@ class SloDecision:
 
     prediction: SloPrediction
     max_tokens: int | None = None
+    # With several replicas, the TTFT predicted on each (the router sends
+    # the request to the soonest: actors/router.py).
+    replica_ttfts: tuple[float, ...] = ()
 
 
 class SloRefused(EngineOverloaded):

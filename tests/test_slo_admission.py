@@ -10,6 +10,7 @@ import trio
 import trio.testing
 
 import actor_fixtures
+from trioserve.actors.router import ReplicaRouter
 from trioserve.actors.slo_admission import SloPrediction, SloRefused, decide
 from trioserve.engine.core.latency_objectives import LatencyObjectives
 from trioserve.engine.sampling.sampling_params import SamplingParams
@@ -97,3 +98,35 @@ def test_a_tpot_refusal_may_be_admitted_shorter():
     with pytest.raises(SloRefused) as refused:
         decide(LatencyObjectives(ttft=0.01), prediction, max_tokens=None, degraded=True)
     assert refused.value.degraded
+
+
+def test_the_router_sends_a_judged_request_to_the_soonest_replica():
+    router = ReplicaRouter(num_replicas=3, block_size=16, max_model_len=256)
+    prompt = list(range(5, 60))
+    first, hashes = router.choose(prompt, [0.0, 0.0, 0.0])
+    router.record("a", first, hashes, 100)
+    # Without predictions, the prefix's holder; with them, the soonest.
+    assert router.choose(prompt, [0.0, 0.0, 0.0])[0] == first
+    soonest = (first + 1) % 3
+    predicted = [5.0, 5.0, 5.0]
+    predicted[soonest] = 0.5
+    assert router.choose(prompt, [0.0, 0.0, 0.0], predicted)[0] == soonest
+    assert router.statistics().num_by_slo == 1
+
+
+async def test_replicas_are_judged_each_by_its_own_load(autojump_clock):
+    async with actor_fixtures.fake_engine(
+        step_time=0.01, token_time=0.001, scheduling_policy="slo", data_parallel_size=2
+    ) as engine:
+        # Requests sharing a prefix go to one replica by affinity: it is busy.
+        streams = [engine.generate_nowait([*PROMPT, 7000 + i], params(), priority=-1) for i in range(4)]
+        busy = engine.router.replica_of(streams[0].request_id)
+        assert all(engine.router.replica_of(s.request_id) == busy for s in streams)
+        # Affinity would send this one there too; its predictions send it to the idle one.
+        judged = engine.generate_nowait([*PROMPT[:100], 9000], params(), objectives=LatencyObjectives(ttft=30.0))
+        assert len(judged.slo.replica_ttfts) == 2
+        assert judged.slo.replica_ttfts[busy] > judged.slo.replica_ttfts[1 - busy]
+        assert engine.router.replica_of(judged.request_id) == 1 - busy
+        assert engine.router.statistics().num_by_slo == 1
+        for stream in [*streams, judged]:
+            [out async for out in stream]
