@@ -5,6 +5,7 @@ cannot meet its TTFT target is refused at once, before any compute."""
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import trio
 import trio.testing
@@ -13,6 +14,7 @@ import actor_fixtures
 from trioserve.actors.router import ReplicaRouter
 from trioserve.actors.slo_admission import SloPrediction, SloRefused, decide
 from trioserve.engine.core.latency_objectives import LatencyObjectives
+from trioserve.engine.core.sequence import FinishReason
 from trioserve.engine.sampling.sampling_params import SamplingParams
 
 
@@ -130,3 +132,17 @@ async def test_replicas_are_judged_each_by_its_own_load(autojump_clock):
         assert engine.router.statistics().num_by_slo == 1
         for stream in [*streams, judged]:
             [out async for out in stream]
+
+
+async def test_a_request_refused_for_tpot_may_run_shorter(autojump_clock):
+    async with slo_engine() as engine:
+        await _learn(engine)
+        tight = LatencyObjectives(tpot=0.002)
+        with pytest.raises(SloRefused, match="tpot_ms 2"):
+            engine.generate_nowait(PROMPT[:20], params(400), objectives=tight)
+        stream = engine.generate_nowait(PROMPT[:20], params(400), objectives=attrs.evolve(tight, allow_shorter=True))
+        lowered = stream.slo.max_tokens
+        assert lowered is not None and 16 <= lowered < 400
+        outputs = [out async for out in stream]
+        assert outputs[-1].num_output_tokens == lowered
+        assert outputs[-1].finish_reason is FinishReason.LENGTH
