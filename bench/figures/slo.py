@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -93,7 +94,10 @@ def add_parser(commands) -> argparse.ArgumentParser:
 
 
 async def sweep(target: Target, requests, rates, burstinesses, *, with_priority: bool, seed: int) -> list[dict]:
-    """One run of ``requests`` per (burstiness, rate), summarized."""
+    """One run of ``requests`` per (burstiness, rate), summarized, after
+    a warm-up of two requests of each class, sent at once and left out."""
+    warmups = [r for c in {r.request_class for r in requests} for r in [x for x in requests if x.request_class == c][:2]]
+    await run_mix(target, warmups, request_rate=math.inf, with_priority=with_priority)
     results = []
     for burstiness in burstinesses:
         for rate in rates:
