@@ -22,7 +22,7 @@ import trio
 
 from trioserve.engine.config import EngineConfig
 from trioserve.engine.core.engine_core import EngineCore
-from trioserve.engine.core.latency_objectives import NO_OBJECTIVES, LatencyObjectives
+from trioserve.engine.latency_objectives import NO_OBJECTIVES, LatencyObjectives
 from trioserve.engine.core.new_request import NewRequest, RequestInput
 from trioserve.engine.loading.generation_config import SamplingDefaults
 from trioserve.engine.lora.adapter import LoraAdapter

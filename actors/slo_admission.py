@@ -20,7 +20,7 @@ from collections.abc import Iterable
 import attrs
 
 from trioserve.engine.core.latency_model import LatencyModel
-from trioserve.engine.core.latency_objectives import LatencyObjectives
+from trioserve.engine.latency_objectives import LatencyObjectives
 from trioserve.engine.core.new_request import NewRequest
 from trioserve.engine.core.sequence import Request
 from trioserve.engine.core.slo_policy import next_token_deadline

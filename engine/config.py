@@ -12,7 +12,7 @@ from typing import Any
 
 import attrs
 
-from trioserve.engine.core.latency_objectives import ObjectiveDefaults
+from trioserve.engine.latency_objectives import ObjectiveDefaults
 from trioserve.engine.errors import GenerationConfigError
 from trioserve.engine.lora.config import LoraConfig
 from trioserve.engine.model_config import (  # noqa: F401  # re-exported: where callers import them from

@@ -13,7 +13,7 @@ import trio.testing
 import actor_fixtures
 from trioserve.actors.router import ReplicaRouter
 from trioserve.actors.slo_admission import SloPrediction, SloRefused, decide
-from trioserve.engine.core.latency_objectives import LatencyObjectives
+from trioserve.engine.latency_objectives import LatencyObjectives
 from trioserve.engine.core.sequence import FinishReason
 from trioserve.engine.sampling.sampling_params import SamplingParams
 

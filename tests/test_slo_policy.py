@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from trioserve.engine.config import EngineConfig
 from trioserve.engine.core.block_manager import BlockManager
-from trioserve.engine.core.latency_objectives import LatencyObjectives
+from trioserve.engine.latency_objectives import LatencyObjectives
 from trioserve.engine.core.scheduler import Scheduler
 from trioserve.engine.core.scheduling_policy import scheduling_policy
 from trioserve.engine.core.slo_policy import SloPolicy, StepCost, next_token_deadline

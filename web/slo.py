@@ -24,7 +24,7 @@ from typing import Any
 import attrs
 
 from trioserve.actors.slo_admission import SloDecision
-from trioserve.engine.core.latency_objectives import NO_OBJECTIVES, LatencyObjectives, ObjectiveDefaults
+from trioserve.engine.latency_objectives import NO_OBJECTIVES, LatencyObjectives, ObjectiveDefaults
 from trioserve.engine.core.new_request import RequestInput
 from trioserve.engine.core.outputs import RequestTimes
 from trioserve.engine.errors import InvalidRequestError

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 from trioserve.engine.config import SCHEDULING_POLICIES, EngineConfig
-from trioserve.engine.core.latency_objectives import LatencyObjectives, ObjectiveDefaults
+from trioserve.engine.latency_objectives import LatencyObjectives, ObjectiveDefaults
 from trioserve.engine.errors import InvalidRequestError
 
 from .option_types import recording

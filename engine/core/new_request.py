@@ -20,7 +20,7 @@ from typing import Any
 
 import attrs
 
-from trioserve.engine.core.latency_objectives import NO_OBJECTIVES, LatencyObjectives
+from trioserve.engine.latency_objectives import NO_OBJECTIVES, LatencyObjectives
 from trioserve.engine.errors import InvalidRequestError
 from trioserve.engine.lora.registry import LoraRef
 from trioserve.engine.sampling.pooling import Pooling, PoolingParams

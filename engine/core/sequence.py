@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from trioserve.engine.lora.registry import LoraRef
-from trioserve.engine.core.latency_objectives import NO_OBJECTIVES, LatencyObjectives
+from trioserve.engine.latency_objectives import NO_OBJECTIVES, LatencyObjectives
 from trioserve.engine.sampling.pooling import Pooling
 from trioserve.engine.sampling.sampling_params import SamplingParams
 
@@ -69,7 +69,7 @@ class Request:
     # An embedding request (engine/sampling/pooling.py): it finishes once its
     # prompt is computed, with its hidden states pooled, and samples nothing.
     pooling: Pooling | None = None
-    # Its latency targets (engine/core/latency_objectives.py): the ``slo``
+    # Its latency targets (engine/latency_objectives.py): the ``slo``
     # scheduling policy orders by them; NO_OBJECTIVES: none.
     objectives: LatencyObjectives = NO_OBJECTIVES
     # The LoRA adapter it runs with (engine/lora); None: the base model.

@@ -1,6 +1,6 @@
 """The ``slo`` scheduling policy (``--scheduling-policy slo``, issue #44):
 within a priority class, earliest deadline first, by the requests' latency
-objectives (engine/core/latency_objectives.py).
+objectives (engine/latency_objectives.py).
 
 - **Waiting order.** A request's key is (class, deadline, arrival). Its
   class is its ``priority``, aged as ``PriorityPolicy`` ages it; its
@@ -41,7 +41,7 @@ from typing import Any
 
 import attrs
 
-from trioserve.engine.core.latency_objectives import LatencyObjectives
+from trioserve.engine.latency_objectives import LatencyObjectives
 
 
 def next_token_deadline(request: Any) -> float:
