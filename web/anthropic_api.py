@@ -134,23 +134,9 @@ async def create_message() -> Response:
         if served.engine.config.max_queue_time is not None:
             first = await completions.first_output(stream, served, 1, log_requests=log_requests)
         events = MessageStream(served.name, reading, messages.stop_sequences)
-        response = Response(
-            _event_body(stream, events, served, first, log_requests=log_requests),
-            content_type="text/event-stream; charset=utf-8",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
-        response.timeout = None  # a stream lasts as long as generation does
-        return response
+        return completions.event_stream(_event_body(stream, events, served, first, log_requests=log_requests))
     accumulator = OutputAccumulator(n=1)
-    try:
-        async for output in stream:
-            served.observe(output, 1)
-            accumulator.add(output)
-    except Exception as exc:
-        raise completions.translate(exc, log_requests=log_requests) from None
-    finally:
-        stream.close()
-        served.metrics.forget(stream.request_id)
+    await completions.gather(stream, accumulator, served, 1, log_requests=log_requests)
     if accumulator.timed_out:
         raise RequestTimeout(timeout, accumulator.num_output_tokens)
     chat = accumulator.chat_completion_body(served.name, reading=reading)

@@ -155,14 +155,7 @@ async def _generate(kind: type[CompletionRequest] | type[ChatCompletionRequest],
         if isinstance(builder, CompletionStream):
             builder.prompt_logprobs = wants_prompt
         builder.report_slo(reports[0])
-        response = Response(
-            _sse_body(stream, builder, served, parsed.params.n, first, log_requests=log_requests),
-            content_type="text/event-stream; charset=utf-8",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
-        # A stream lasts as long as generation does: no response timeout.
-        response.timeout = None
-        return response
+        return event_stream(_sse_body(stream, builder, served, parsed.params.n, first, log_requests=log_requests))
     accumulators = [OutputAccumulator(n=parsed.params.n, texts=texts) for _ in streams]
     for accumulator, report in zip(accumulators, reports):
         accumulator.report_slo(report)
@@ -201,13 +194,13 @@ async def _gather_all(
     """Read each stream into its accumulator, the streams of a batch of
     prompts side by side; the first failure ends them all and is raised."""
     if len(streams) == 1:
-        await _gather(streams[0], accumulators[0], served, n, log_requests=log_requests)
+        await gather(streams[0], accumulators[0], served, n, log_requests=log_requests)
         return
     failures: list[ApiError] = []
 
     async def one(stream: RequestStream, accumulator: OutputAccumulator, cancel: trio.CancelScope) -> None:
         try:
-            await _gather(stream, accumulator, served, n, log_requests=log_requests)
+            await gather(stream, accumulator, served, n, log_requests=log_requests)
         except ApiError as error:
             failures.append(error)
             cancel.cancel()
@@ -219,7 +212,20 @@ async def _gather_all(
         raise failures[0]
 
 
-async def _gather(
+def event_stream(body: AsyncIterator[bytes]) -> Response:
+    """An SSE response of ``body``: never cached nor buffered by a proxy,
+    and without a response timeout (a stream lasts as long as generation
+    does)."""
+    response = Response(
+        body,
+        content_type="text/event-stream; charset=utf-8",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+    response.timeout = None
+    return response
+
+
+async def gather(
     stream: RequestStream, accumulator: OutputAccumulator, served: ServedModel, n: int, *, log_requests: bool
 ) -> None:
     """Read one request's outputs into ``accumulator`` (a failure: its ``ApiError``)."""
