@@ -261,7 +261,7 @@ class EngineConfig:
     grammar_cache_size: int = attrs.field(default=DEFAULT_GRAMMAR_CACHE_SIZE, validator=integer_at_least(1))
 
     # What the KV cache stores (engine/kernels/kv_dtype_choice.py): "auto" is a 16-bit
-    # dtype on CPU where its conversions work and measure fast here (else
+    # dtype on CPU where its conversions work here, by a fixed rule (else
     # float32), and the model's dtype on CUDA; "fp8" (e4m3, saturating) runs
     # on CUDA only. Keys and values are computed in the model's dtype and
     # rounded into the cache's; a 16-bit cache holds twice the tokens of a

@@ -168,7 +168,7 @@ PROBES: tuple[Probe, ...] = (
         needs="avx512",
         requirement="AVX-512 BW/VL/DQ or AVX-NE-CONVERT",
     ),
-    # Compressed-weight kernels (engine/kernels/choose.py picks among them by measurement).
+    # Compressed-weight kernels (engine/kernels/choose.py picks the first in a fixed order whose trial passes).
     Probe("quant_int4_pack_bfloat16", "ATen 4-bit packed linear in bfloat16", functools.partial(quant_int4_pack.trial, torch.bfloat16)),
     Probe("quant_int8_pack_bfloat16", "ATen int8 packed linear in bfloat16", functools.partial(quant_int8_pack.trial, torch.bfloat16)),
     # Our native kernels (engine/kernels/native.py), one variant per ISA; their
@@ -184,7 +184,8 @@ PROBES: tuple[Probe, ...] = (
     ),
     *_native_probes("native_attention_{}", "native decode attention ({})", native_attention.trial),
     # A KV cache narrower than the model (engine/kernels/kv_dtype_choice.py chooses among
-    # them by measurement); each needs the level that converts it in hardware.
+    # them by a fixed rule and their correctness trials); each needs the level that
+    # converts it in hardware.
     Probe(
         kv_dtype.kv_path(torch.bfloat16),
         "bfloat16 KV cache under a float32 model",

@@ -79,7 +79,8 @@ class StopWorker:
 class WorkerReady:
     """The runner is built; the worker takes plans. ``projection_choice``:
     how the model the worker loaded runs its projections (the kernels
-    timed there, which the server, holding no weights, cannot know)."""
+    whose trials passed there, which the server, holding no weights,
+    cannot know)."""
 
     pid: int
     projection_choice: ProjectionChoice | None = None
