@@ -183,7 +183,7 @@ _BAD = {
         st.sampled_from([{str(VOCAB_SIZE): 1}, {"1": Raw("NaN")}, {"1": Raw("Infinity")}]),
     ),
     "stream_options": st.one_of(NOT_STR.filter(lambda v: not isinstance(v, dict)), st.just({"include_usage": "yes"})),
-    "echo": st.one_of(st.just(True), SMALL_TEXT, st.integers(1, 5), st.just([])),
+    "echo": st.one_of(SMALL_TEXT, st.integers(1, 5), st.just([])),
     "suffix": st.one_of(SMALL_TEXT.filter(bool), INTS, st.just([])),
     "best_of": st.one_of(SMALL_TEXT, st.just(1.0), st.just(True), st.just([])),
     "response_format": st.one_of(
@@ -210,7 +210,7 @@ _ANY = {
     "token_ids": TOKEN_IDS,
     "logit_bias": st.dictionaries(INTS.map(str), st.one_of(FLOATS, INTS), max_size=4),
     "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}),
-    "echo": st.just(False),
+    "echo": st.booleans(),
     "suffix": st.just(""),
     "best_of": st.just(1),
     "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}]),

@@ -37,12 +37,18 @@ PROTECTED = [
     ("POST", "/v1/chat/completions"),
     ("POST", "/tokenize"),
     ("POST", "/detokenize"),
+    ("POST", "/v1/embeddings"),
+    ("POST", "/v1/responses"),
+    ("GET", "/v1/responses/resp_x"),
+    ("POST", "/v1/files"),
+    ("GET", "/v1/batches"),
+    ("POST", "/v1/load_lora_adapter"),
 ]
 UNKNOWN = [
     ("GET", "/index.html"),
     ("GET", "/admin"),
     ("GET", "/v1/nothing"),
-    ("POST", "/v1/embeddings"),
+    ("POST", "/v1/audio/speech"),
     ("GET", "/docs"),
     ("GET", "/health/x"),
 ]
