@@ -19,7 +19,7 @@ from typing import Any
 from quart import Blueprint, Response
 from quart_trio import QuartTrio
 
-from . import files_api
+from . import fields, files_api
 from .batch_service import EXTENSION, BatchService, current_batches, served_endpoints
 from .batch_store import BatchStore, default_batch_dir
 from .body import request_json
@@ -29,10 +29,6 @@ from .host import ModelHost
 from .responses import json_response
 
 PATH = "/v1/batches"
-# OpenAI's bounds on metadata: keys of at most 64 characters, values of 512, 16 pairs.
-MAX_METADATA_PAIRS = 16
-MAX_METADATA_KEY = 64
-MAX_METADATA_VALUE = 512
 DEFAULT_BATCHES_LIMIT = 20
 MAX_BATCHES_LIMIT = 100
 
@@ -70,28 +66,13 @@ async def create_batch() -> Response:
     window = body.get("completion_window")
     if window != "24h":
         raise InvalidRequest(f"completion_window must be '24h'; got {window!r}", param="completion_window")
-    metadata = _metadata(body.get("metadata"))
+    metadata = fields.metadata(body.get("metadata"))
     meta = service.store.file(input_file_id)
     if meta is None:
         raise NotFoundError(f"no file with id {input_file_id!r}", param="input_file_id", code="file_not_found")
     if meta["purpose"] != "batch":
         raise InvalidRequest(f"file {input_file_id} has purpose {meta['purpose']!r}, not 'batch'", param="input_file_id")
     return json_response(service.create(input_file_id, endpoint, metadata))
-
-
-def _metadata(value: Any) -> dict[str, str] | None:
-    if value is None:
-        return None
-    if not isinstance(value, dict) or len(value) > MAX_METADATA_PAIRS:
-        raise InvalidRequest(f"metadata must be an object of at most {MAX_METADATA_PAIRS} pairs", param="metadata")
-    for key, item in value.items():
-        if len(key) > MAX_METADATA_KEY or not isinstance(item, str) or len(item) > MAX_METADATA_VALUE:
-            raise InvalidRequest(
-                f"metadata.{key} must be a string of at most {MAX_METADATA_VALUE} characters under a key of at most "
-                f"{MAX_METADATA_KEY}",
-                param=f"metadata.{key}",
-            )
-    return value
 
 
 async def list_batches() -> Response:

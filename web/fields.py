@@ -36,6 +36,27 @@ def string(body: dict[str, Any], name: str, default: str | None) -> str | None:
     return value
 
 
+# OpenAI's bounds on ``metadata`` (responses, batches): at most 16 pairs,
+# keys of at most 64 characters, values strings of at most 512.
+MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
+
+
+def metadata(value: Any) -> dict[str, str] | None:
+    """``metadata`` as OpenAI bounds it (None when absent), else a 400 naming the field."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or len(value) > MAX_METADATA_PAIRS:
+        raise InvalidRequest(f"metadata must be an object of at most {MAX_METADATA_PAIRS} pairs", param="metadata")
+    for key, item in value.items():
+        if len(key) > MAX_METADATA_KEY or not isinstance(item, str) or len(item) > MAX_METADATA_VALUE:
+            raise InvalidRequest(
+                f"metadata.{key} must be a string of at most {MAX_METADATA_VALUE} characters under a key of at most "
+                f"{MAX_METADATA_KEY}",
+                param=f"metadata.{key}",
+            )
+    return value
+
+
 def is_token_ids(value: Any) -> bool:
     """Whether ``value`` has the shape of token ids: a list of integers."""
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)

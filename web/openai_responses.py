@@ -44,7 +44,7 @@ from typing import Any
 import attrs
 
 from .errors import InvalidRequest
-from .fields import boolean, string
+from .fields import boolean, metadata, string
 from .json_body import require_object
 from .protocol import SAMPLING_FIELDS
 from .responses_store import StoredResponse
@@ -70,7 +70,6 @@ _REFUSED = {
 # vLLM's extra sampling fields that pass through to the chat body as
 # they are (``n`` is not one: a response has one output).
 _PASSED = tuple(name for name in SAMPLING_FIELDS if name not in ("n", "temperature", "top_p", "max_tokens"))
-_METADATA_KEYS, _METADATA_KEY_LENGTH, _METADATA_VALUE_LENGTH = 16, 64, 512
 # The chat parser's names, as the Responses body names those fields.
 _CHAT_NAMES = (
     (re.compile(r"tools\[(\d+)\]\.function\.(name|description|parameters)"), r"tools[\1].\2"),
@@ -131,7 +130,7 @@ class ResponsesBody:
         echo = {
             "instructions": instructions,
             "max_output_tokens": body.get("max_output_tokens"),
-            "metadata": _metadata(body.get("metadata")),
+            "metadata": metadata(body.get("metadata")) or {},
             "parallel_tool_calls": parallel,
             "previous_response_id": previous.id if previous is not None else None,
             "reasoning": _reasoning(body.get("reasoning")),
@@ -355,21 +354,6 @@ def _response_format(fmt: dict[str, Any]) -> dict[str, Any]:
         return {"type": "json_object"}
     spec = {key: fmt[key] for key in ("name", "schema", "strict", "description") if key in fmt}
     return {"type": "json_schema", "json_schema": spec}
-
-
-def _metadata(value: Any) -> dict[str, str]:
-    if value is None:
-        return {}
-    if not isinstance(value, dict) or len(value) > _METADATA_KEYS:
-        raise InvalidRequest(f"metadata must be an object of at most {_METADATA_KEYS} pairs", param="metadata")
-    for key, text in value.items():
-        if len(key) > _METADATA_KEY_LENGTH or not isinstance(text, str) or len(text) > _METADATA_VALUE_LENGTH:
-            raise InvalidRequest(
-                f"metadata.{key}: keys are at most {_METADATA_KEY_LENGTH} characters, values strings of at most "
-                f"{_METADATA_VALUE_LENGTH}",
-                param=f"metadata.{key}",
-            )
-    return value
 
 
 def _reasoning(value: Any) -> dict[str, Any]:
