@@ -32,6 +32,7 @@ calls it.
 from __future__ import annotations
 
 import attrs
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -104,21 +105,76 @@ def dequantizes(isa: int, rows: int) -> bool:
 
 
 def pack_blocks(weight: Int4Weight) -> torch.Tensor:
-    """``weight`` as the kernel's blocks, uint8 ``[out, in // 32, 24]``."""
+    """``weight`` as the kernel's blocks, uint8 ``[out, in // 32, 20]``."""
+    d, m = _steps(weight)
+    return torch.from_numpy(_blocks(weight.q.numpy(), d, m).view(np.uint8))
+
+
+def pack_lanes(weight: Int4Weight) -> torch.Tensor:
+    """``to_lanes(pack_blocks(weight))`` (``out`` a multiple of 16), made
+    straight from the values a chunk of panels at a time: the chunk's
+    nibbles stay in a core's cache until they are laid out, and no matrix
+    of blocks is made beside the lanes."""
+    out, k = weight.q.shape
+    d, m = _steps(weight)
+    q = weight.q.numpy()
+    panels, groups = out // LANES_CHANNELS, k // GROUP
+    lanes = np.empty((panels, groups, LANES_BLOCK_BYTES // 4), dtype=np.uint32)
+    nibble_words = LANES_NIBBLE_BYTES // 4
+    step = max(1, _CHUNK_VALUES // (LANES_CHANNELS * k))
+    for p in range(0, panels, step):
+        rows, into = slice(p * LANES_CHANNELS, (p + step) * LANES_CHANNELS), lanes[p : p + step]
+        n = into.shape[0]
+        words = _nibbles(q[rows]).reshape(n, LANES_CHANNELS, groups, 4)
+        into[..., :nibble_words].reshape(n, groups, 4, LANES_CHANNELS)[...] = words.transpose(0, 2, 3, 1)
+        steps = into[..., nibble_words:].view(np.uint16).reshape(n, groups, 2, LANES_CHANNELS)
+        for i, step_of in enumerate((d[rows], m[rows])):
+            steps[:, :, i] = step_of.reshape(n, LANES_CHANNELS, groups).transpose(0, 2, 1)
+    return torch.from_numpy(lanes.view(np.uint8))
+
+
+# Values packed at once by pack_lanes: a chunk's values, nibbles and lanes
+# (under 3 bytes a value together, with numpy's temporaries) stay in a
+# core's cache; from 2^16 values Python's per-chunk cost is already small.
+_CHUNK_VALUES = 1 << 18
+
+
+def _steps(weight: Int4Weight) -> tuple[np.ndarray, np.ndarray]:
+    """Each block's ``d`` and ``m`` as the kernel's ``w = q * d + m`` takes
+    them: float16 bits, uint16 ``[out, in // 32]``. Exact for GGUF's float16
+    scales and for quantize_int4's, which it rounds to float16 before
+    choosing the nibbles; out of float16's range, infinite (as torch's
+    ``half``, without numpy's warning)."""
     if weight.group_size % GROUP:
         raise ValueError(f"quantization group size {weight.group_size}: the native 4-bit kernel needs a multiple of {GROUP}")
-    out, k = weight.q.shape
     repeat = weight.group_size // GROUP
-    d = weight.scale.float().repeat_interleave(repeat, dim=1)
-    m = weight.zero.float().repeat_interleave(repeat, dim=1) - 8 * d
-    q = weight.q.view(out, k // GROUP, GROUP)
-    blocks = torch.empty(out, k // GROUP, BLOCK_BYTES, dtype=torch.uint8)
-    # Exact for GGUF's float16 scales and for quantize_int4's, which it rounds
-    # to float16 before choosing the nibbles.
-    blocks[..., 0:2] = d.half().contiguous().view(torch.uint8).view(out, -1, 2)
-    blocks[..., 2:4] = m.half().contiguous().view(torch.uint8).view(out, -1, 2)
-    blocks[..., 4:] = q[..., :16] | (q[..., 16:] << 4)
+    d = np.repeat(weight.scale.float().numpy(), repeat, axis=1)
+    with np.errstate(over="ignore"):
+        m = np.repeat(weight.zero.float().numpy(), repeat, axis=1) - np.float32(8) * d
+        return d.astype(np.float16).view(np.uint16), m.astype(np.float16).view(np.uint16)
+
+
+def _blocks(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """Values ``q`` (uint8 ``[rows, in]``, 0..15) with their blocks' ``d``
+    and ``m`` (``_steps``) as blocks, uint32 words ``[rows, in // 32, 5]``: the two
+    float16 steps, then the 16 bytes of nibbles, value i low and i + 16
+    high (GGUF's Q4_1 block; x86 is little-endian)."""
+    rows, k = q.shape
+    blocks = np.empty((rows, k // GROUP, BLOCK_BYTES // 4), dtype=np.uint32)
+    halves = blocks[..., 0:1].view(np.uint16)  # [rows, groups, 2]: d, m
+    halves[..., 0], halves[..., 1] = d, m
+    blocks[..., 1:] = _nibbles(q)
     return blocks
+
+
+def _nibbles(q: np.ndarray) -> np.ndarray:
+    """Values ``q`` (uint8 ``[rows, in]``, 0..15) as their blocks' nibble
+    bytes, uint32 ``[rows, in // 32, 4]``: value i low, i + 16 high. Eight
+    values a word: each byte holds 0..15, so a shift by 4 stays in its
+    byte (x86 is little-endian)."""
+    rows, k = q.shape
+    words = np.ascontiguousarray(q, dtype=np.uint8).view(np.uint64).reshape(rows, k // GROUP, 4)
+    return ((words[..., 2:] << np.uint64(4)) | words[..., :2]).view(np.uint32)
 
 
 # Lanes blocks (csrc/lanes_avx2.h, csrc/lanes_vnni.h): avx2int8's and
@@ -146,11 +202,21 @@ def to_lanes(blocks: torch.Tensor) -> torch.Tensor:
     4c (on AVX2 two vectors, of channels 0-7 and 8-15); then the 16 d, then
     the 16 m (float16)."""
     out, groups, _ = blocks.shape
-    panels = out // LANES_CHANNELS
-    by_panel = blocks.view(panels, 2, 8, groups, BLOCK_BYTES)
-    nibbles = by_panel[..., 4:].reshape(panels, 2, 8, groups, 4, 4).permute(0, 3, 4, 1, 2, 5)
-    scales = by_panel[..., :4].reshape(panels, LANES_CHANNELS, groups, 2, 2).permute(0, 2, 3, 1, 4)
-    return torch.cat([nibbles.reshape(panels, groups, -1), scales.reshape(panels, groups, -1)], dim=2).contiguous()
+    lanes = np.empty((out // LANES_CHANNELS, groups, LANES_BLOCK_BYTES // 4), dtype=np.uint32)
+    _lanes_into(np.ascontiguousarray(blocks.numpy()).view(np.uint32), lanes)
+    return torch.from_numpy(lanes.view(np.uint8))
+
+
+def _lanes_into(blocks: np.ndarray, lanes: np.ndarray) -> None:
+    """``to_lanes`` in 4-byte words: blocks ``[out, groups, 5]`` into lanes
+    ``[out // 16, groups, 80]``. The nibbles move a word at a time (channel
+    c's word q to word 16q + c), the steps as float16s."""
+    panels, groups, _ = lanes.shape
+    by_panel = blocks.reshape(panels, LANES_CHANNELS, groups, BLOCK_BYTES // 4)
+    nibble_words = LANES_NIBBLE_BYTES // 4
+    lanes[..., :nibble_words].reshape(panels, groups, 4, LANES_CHANNELS)[...] = by_panel[..., 1:].transpose(0, 2, 3, 1)
+    steps = lanes[..., nibble_words:].view(np.uint16).reshape(panels, groups, 2, LANES_CHANNELS)
+    steps[...] = by_panel[..., :1].view(np.uint16).transpose(0, 2, 3, 1)
 
 
 def from_lanes(lanes: torch.Tensor) -> torch.Tensor:
@@ -185,8 +251,9 @@ class Int4NativeLinear:
     @classmethod
     def from_rtn(cls, weight: Int4Weight, bias: torch.Tensor | None, isa: str) -> Int4NativeLinear:
         out, k = weight.q.shape
-        blocks, index = pack_blocks(weight), native.ISAS[isa]
-        return cls(to_lanes(blocks) if lanes_layout(index, out) else blocks, bias, k, out, index, native.ops())
+        index = native.ISAS[isa]
+        blocks = pack_lanes(weight) if lanes_layout(index, out) else pack_blocks(weight)
+        return cls(blocks, bias, k, out, index, native.ops())
 
     @property
     def nbytes(self) -> int:

@@ -16,6 +16,7 @@ once.
 from __future__ import annotations
 
 import attrs
+import numpy as np
 import torch
 
 from trioserve.engine.kernels.rtn import Int8GroupWeight
@@ -24,6 +25,8 @@ GROUP = 32
 CHANNELS = 16  # a panel: csrc's kLanesChannels
 VALUE_BYTES = CHANNELS * GROUP  # 512 bytes of values a panel and group, then 16 float32 steps
 BLOCK_BYTES = VALUE_BYTES + CHANNELS * 4  # 576: csrc's kQ8LanesBlockBytes
+# Values laid out at once by Q8Lanes.of: a chunk's values and blocks stay in a core's cache.
+_CHUNK_VALUES = 1 << 18
 
 
 def fits(weight: Int8GroupWeight) -> bool:
@@ -44,13 +47,21 @@ class Q8Lanes:
         assert fits(weight), (tuple(weight.q.shape), weight.group_size)
         out, k = weight.q.shape
         panels, groups = out // CHANNELS, k // GROUP
-        # Group g of panel p: for each pair of inputs, the 16 channels' two values.
-        values = weight.q.view(torch.uint8).view(panels, CHANNELS, groups, GROUP // 2, 2).permute(0, 2, 3, 1, 4)
-        steps = weight.scale.float().view(panels, CHANNELS, groups).permute(0, 2, 1)
-        # Written in place: no second copy of the table while loading.
-        blocks = torch.empty(panels, groups, BLOCK_BYTES, dtype=torch.uint8)
-        blocks[..., :VALUE_BYTES].view(panels, groups, GROUP // 2, CHANNELS, 2).copy_(values)
-        blocks[..., VALUE_BYTES:].view(torch.float32).copy_(steps)
+        # Group g of panel p: for each pair of inputs, the 16 channels' two
+        # values, a pair moved as one uint16 (numpy, a chunk of panels at a
+        # time: moved a byte at a time by torch's permuted copy it ran at
+        # ~100 MB/s, the largest part of a start).
+        pairs = weight.q.numpy().view(np.uint16)
+        steps = weight.scale.float().numpy()
+        blocks = np.empty((panels, groups, BLOCK_BYTES), dtype=np.uint8)
+        step = max(1, _CHUNK_VALUES // (CHANNELS * k))
+        for p in range(0, panels, step):
+            rows, into = slice(p * CHANNELS, (p + step) * CHANNELS), blocks[p : p + step]
+            n = into.shape[0]
+            values = pairs[rows].reshape(n, CHANNELS, groups, GROUP // 2).transpose(0, 2, 3, 1)
+            into[..., :VALUE_BYTES].view(np.uint16).reshape(n, groups, GROUP // 2, CHANNELS)[...] = values
+            into[..., VALUE_BYTES:].view(np.float32)[...] = steps[rows].reshape(n, CHANNELS, groups).transpose(0, 2, 1)
+        blocks = torch.from_numpy(blocks)
         return cls(blocks, ops)
 
     @property
