@@ -31,7 +31,6 @@ from quart import Response, g, request
 
 from trioserve.actors import RequestStream
 from trioserve.actors.errors import RequestDropped, RequestFailed
-from trioserve.actors.slo_admission import SloRefused
 from trioserve.actors.deltas import final_output
 from trioserve.engine.errors import TrioserveError
 from trioserve.engine.core.new_request import RequestInput
@@ -39,7 +38,7 @@ from trioserve.engine.core.outputs import RequestOutput
 from trioserve.engine.plugins import RequestContext
 
 from .body import request_json
-from . import request_ids, tracing
+from . import request_ids, slo_door, tracing
 from .completion_bodies import ChatCompletionStream, CompletionStream, OutputAccumulator, batch_completion_body
 from .errors import ApiError, RequestTimeout, from_exception
 from .host import current_host
@@ -53,7 +52,6 @@ from .output_reader import ChatReading
 from .parsers import OutputParsers
 from .reasoning import prompt_opens_thinking
 from .settings import ServerConfig
-from .slo import slo_report, with_objectives
 from .structured import ModelTokens, chat_constraint
 from .tools import render_prompt
 
@@ -111,9 +109,8 @@ async def _generate(kind: type[CompletionRequest] | type[ChatCompletionRequest],
     reading = None
     deadline = None if timeout is None else arrival + timeout
     news = [parsed.request] if chat else list(parsed.requests)
-    # Latency objectives: the body's, then the headers', then the server's defaults (web/slo.py).
-    slo_defaults = served.engine.config.slo_defaults
-    news = [with_objectives(new, request.headers, slo_defaults, parsed.model or served.name) for new in news]
+    # Latency objectives: the body's, then the headers', then the server's defaults (web/slo_door.py).
+    news = [slo_door.objectives(served, new, request.headers, parsed.model) for new in news]
     streams: list[RequestStream] = []
     try:
         if chat:
@@ -128,15 +125,9 @@ async def _generate(kind: type[CompletionRequest] | type[ChatCompletionRequest],
             served.metrics.forget(stream.request_id)
         if not isinstance(exc, Exception):
             raise
-        if isinstance(exc, SloRefused):
-            served.metrics.slo.refused(served.name, news[0].priority, exc.reason)
-            tracing.slo_refused(exc)
+        slo_door.refused(served, news[0].priority, exc)
         raise refusal(translate(exc, log_requests=log_requests), chat) from None
-    reports = [slo_report(new.objectives, served.engine.config.scheduling_policy, s.slo) for new, s in zip(news, streams)]
-    for report, new, stream in zip(reports, news, streams):
-        if report is not None:
-            served.metrics.slo.track(stream.request_id, served.name, new.priority, report)
-            tracing.slo_decided(report)
+    reports = [slo_door.admitted(served, new, stream) for new, stream in zip(news, streams)]
     for i, stream in enumerate(streams):
         stream = tracing.follow(stream, params, parsed.model, served.name)  # itself when tracing is off
         context = RequestContext(endpoint, served.name, stream.request_id, body)

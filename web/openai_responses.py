@@ -25,7 +25,8 @@ Other fields: ``tools`` (functions: ``name``, ``description``,
 chat ``response_format``; ``max_output_tokens`` is ``max_tokens``;
 ``temperature`` and ``top_p`` as in chat; vLLM's sampling extras
 (``top_k``, ``seed``, ``stop``, ``logits_processors``, ...),
-``structured_outputs`` and ``chat_template_kwargs`` pass through.
+``structured_outputs``, ``chat_template_kwargs`` and the latency
+objectives' extension fields (web/slo.py) pass through.
 ``metadata``, ``user`` and ``reasoning`` are echoed (the model's
 template decides whether it reasons), ``include`` is accepted and not
 read (the reasoning is always in the output). What cannot be honoured is
@@ -48,6 +49,7 @@ from .fields import boolean, metadata, string
 from .json_body import require_object
 from .protocol import SAMPLING_FIELDS
 from .responses_store import StoredResponse
+from .slo import EXTENSION_FIELDS
 
 ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text")
@@ -110,7 +112,8 @@ class ResponsesBody:
         items = input_items(body.get("input"), earlier)
         conversation = (*earlier, *items)
         chat: dict[str, Any] = {"messages": chat_messages(conversation, instructions)}
-        for name in ("model", "temperature", "top_p", "priority", "chat_template_kwargs", "structured_outputs", *_PASSED):
+        passed = ("model", "temperature", "top_p", "priority", "chat_template_kwargs", "structured_outputs", *_PASSED)
+        for name in (*passed, *EXTENSION_FIELDS):
             if body.get(name) is not None:
                 chat[name] = body[name]
         if body.get("max_output_tokens") is not None:

@@ -16,6 +16,11 @@ be read back, deleted, and continued by a request whose
 conversation (its input and output items) followed by its own input.
 ``background: true`` is refused: every response here is answered while
 the request waits.
+
+Latency objectives (``ttft_ms``, ``tpot_ms``, ``slo_mode``,
+``slo_allow_shorter`` as body extension fields, or the ``x-slo-*``
+headers) take the chat path's door (web/slo_door.py); a refusal is the
+app's error (429 or 503), and ``usage.slo`` reports them.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from trioserve.actors import RequestStream
 from trioserve.engine.core.outputs import RequestOutput
 from trioserve.engine.plugins import RequestContext
 
-from . import completions, request_ids, tracing
+from . import completions, request_ids, slo_door, tracing
 from .body import request_json
 from .completion_bodies import OutputAccumulator
 from .errors import ApiError, InvalidRequest, NotFoundError, RequestTimeout
@@ -121,12 +126,15 @@ async def create_response() -> Response:
     )
     params = served.engine.sampling_defaults.apply(parsed.params)
     shape = ResponseShape(new_id("resp"), served.name, responses, params.temperature, params.top_p)
+    new = slo_door.objectives(served, parsed.request, request.headers, parsed.model)
     try:
-        new, reading = completions.chat_input(parsed, parsed.request, served, host.config)
+        new, reading = completions.chat_input(parsed, new, served, host.config)
         await served.engine.prepare(new.params)
         stream = request_ids.submit_nowait(served.engine, new, deadline=None if timeout is None else arrival + timeout)
     except Exception as exc:
+        slo_door.refused(served, new.priority, exc)
         raise _renamed(completions.refusal(completions.translate(exc, log_requests=log_requests), True)) from None
+    report = slo_door.admitted(served, new, stream)
     stream = tracing.follow(stream, params, parsed.model, served.name)
     stream = plugins.postprocessed(stream, RequestContext(ENDPOINT, served.name, stream.request_id, body), 1)
     tokenizer = served.engine.tokenizer
@@ -144,8 +152,10 @@ async def create_response() -> Response:
         if served.engine.config.max_queue_time is not None:
             first = await completions.first_output(stream, served, 1, log_requests=log_requests)
         events = ResponseEvents(shape, reading, count_tokens)
+        events.report_slo(report)
         return completions.event_stream(_event_body(stream, events, served, first, keep, log_requests=log_requests))
     accumulator = OutputAccumulator(n=1)
+    accumulator.report_slo(report)
     await completions.gather(stream, accumulator, served, 1, log_requests=log_requests)
     if accumulator.timed_out:
         raise RequestTimeout(timeout, accumulator.num_output_tokens)

@@ -76,14 +76,20 @@ def last_item_status(status: str) -> str:
     return "completed" if status == "completed" else "incomplete"
 
 
-def usage(input_tokens: int, cached_tokens: int, output_tokens: int, reasoning_tokens: int) -> dict[str, Any]:
-    return {
+def usage(counts: dict[str, Any], reasoning_tokens: int) -> dict[str, Any]:
+    """The Responses API's usage of a chat completion's (``counts``), and
+    its latency objectives' report (``slo``, web/slo.py) where it has one."""
+    input_tokens, output_tokens = counts["prompt_tokens"], counts["completion_tokens"]
+    used = {
         "input_tokens": input_tokens,
-        "input_tokens_details": {"cached_tokens": cached_tokens},
+        "input_tokens_details": {"cached_tokens": counts["prompt_tokens_details"]["cached_tokens"]},
         "output_tokens": output_tokens,
         "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens, output_tokens)},
         "total_tokens": input_tokens + output_tokens,
     }
+    if "slo" in counts:
+        used["slo"] = counts["slo"]
+    return used
 
 
 @attrs.frozen
@@ -152,8 +158,5 @@ class ResponseShape:
         if not output:
             output.append(message_item("", "completed"))
         output[-1]["status"] = last_item_status(status)
-        counts = chat["usage"]
-        cached = counts["prompt_tokens_details"]["cached_tokens"]
-        reasoning_tokens = count_tokens(reasoning) if reasoning else 0
-        used = usage(counts["prompt_tokens"], cached, counts["completion_tokens"], reasoning_tokens)
+        used = usage(chat["usage"], count_tokens(reasoning) if reasoning else 0)
         return self.response(status, output, used, incomplete, error)

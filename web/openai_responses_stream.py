@@ -45,6 +45,8 @@ from .output_reader import ChatReading
 if TYPE_CHECKING:
     from trioserve.engine.core.outputs import RequestOutput
 
+    from .slo import SloReport
+
 Event = dict[str, Any]
 # The event that ends a stream, by the response's status.
 _LAST_EVENTS = {"completed": "response.completed", "incomplete": "response.incomplete", "failed": "response.failed"}
@@ -89,6 +91,10 @@ class ResponseEvents:
         self._chat = ChatCompletionStream(self.shape.model, include_usage=True)
         self._chat.reading = self.reading
 
+    def report_slo(self, report: SloReport | None) -> None:
+        """Put ``report`` (web/slo.py) in the final response's usage."""
+        self._chat.report_slo(report)
+
     def events(self, output: RequestOutput) -> list[Event]:
         """What the engine's ``output`` adds to the stream."""
         events = self._start()
@@ -111,9 +117,7 @@ class ResponseEvents:
         events += self._close(last_item_status(status))
         used = None
         if counts is not None:
-            reasoning = self.count_tokens(self._reasoning) if self._reasoning else 0
-            cached = counts["prompt_tokens_details"]["cached_tokens"]
-            used = usage(counts["prompt_tokens"], cached, counts["completion_tokens"], reasoning)
+            used = usage(counts, self.count_tokens(self._reasoning) if self._reasoning else 0)
         self.response = self.shape.response(status, list(self._output), used, incomplete, error)
         return [*events, self._event(_LAST_EVENTS[status], response=self.response)]
 

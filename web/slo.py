@@ -33,6 +33,9 @@ from .errors import InvalidRequest
 
 # The body's extension fields and the headers, by the objective they set.
 BODY_FIELDS = {"ttft": "ttft_ms", "tpot": "tpot_ms"}
+# Every extension field of a body: what /v1/responses and /v1/messages pass
+# on to the chat body they become, and gRPC's request fields.
+EXTENSION_FIELDS = ("ttft_ms", "tpot_ms", "slo_mode", "slo_allow_shorter")
 HEADERS = {"ttft": "x-slo-ttft-ms", "tpot": "x-slo-tpot-ms"}
 SLO_MODES = ("enforced", "best_effort")
 

@@ -8,14 +8,18 @@ for gRPC, with its exporter installed); the other ``OTEL_*`` variables
 SDK reads them, and ``OTEL_SDK_DISABLED=true`` turns it off. When off, no
 hook is registered and nothing of OpenTelemetry is imported.
 
-A span covers one ``POST /v1/completions`` or ``/v1/chat/completions``, from
-its arrival to the request's end (its last output, an error, or the client
-going away). Its parent is the incoming W3C ``traceparent`` (a malformed one
-is ignored, with a log line). Attributes follow OpenTelemetry's GenAI
-conventions (``gen_ai.*``); its events are the request's timeline, taken
-from the ``RequestTimes`` value each engine output carries: ``queued``,
-``admitted``, ``first_scheduled``, ``preempted`` (each), ``first_token``,
-``deadline`` or ``aborted``, ``finished``.
+A span covers one ``POST /v1/completions``, ``/v1/chat/completions``,
+``/v1/responses`` or ``/v1/messages``, from its arrival to the request's
+end (its last output, an error, or the client going away). Its parent is
+the incoming W3C ``traceparent`` (a malformed one is ignored, with a log
+line). Attributes follow OpenTelemetry's GenAI conventions (``gen_ai.*``);
+its events are the request's timeline, taken from the ``RequestTimes``
+value each engine output carries: ``queued``, ``admitted``,
+``first_scheduled``, ``preempted`` (each), ``first_token``, ``deadline``
+or ``aborted``, ``finished``. A request with latency objectives gets one
+more at the door (web/slo_door.py): ``slo.admitted`` (the targets and the
+predicted TTFT and TPOT), ``slo.not_enforced`` (a server without the slo
+policy) or ``slo.refused`` (the objective, predicted and target).
 """
 
 from __future__ import annotations
@@ -42,7 +46,13 @@ from .completion_bodies import finish_reason as api_finish_reason
 log = logging.getLogger(__name__)
 
 # The traced paths and their GenAI operation names.
-OPERATIONS = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion"}
+OPERATIONS = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "text_completion",
+    # Both answer a chat (web/openai_responses_api.py, web/anthropic_api.py).
+    "/v1/responses": "chat",
+    "/v1/messages": "chat",
+}
 TRACEPARENT = "traceparent"
 TRACESTATE = "tracestate"
 DEFAULT_SERVICE_NAME = "trioserve"

@@ -1,0 +1,212 @@
+"""Latency objectives on every API surface (issue #44): ``/v1/responses``
+with the ``openai`` client, ``/v1/messages`` with the ``anthropic``
+client and gRPC's ``Generate`` over a real channel, against real loopback
+servers on the tiny model, one with ``--scheduling-policy slo`` and one
+without, both traced to an in-memory exporter. Each surface validates,
+refuses (in its own error shape), admits best effort and reports
+``usage.slo`` as ``/v1/chat/completions`` does (tests/test_slo_web.py);
+the door's decision is on the request's span and in /metrics."""
+
+from __future__ import annotations
+
+import uuid
+
+import anthropic
+import grpc
+import httpx
+import openai
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from trioserve import testing
+from trioserve.actors.slo_admission import SloRefused
+from trioserve.rpc import messages as rpc_messages
+from trioserve.rpc import trioserve_pb2 as pb
+from trioserve.rpc import trioserve_pb2_grpc as pb_grpc
+from trioserve.web.anthropic_api import error_json
+from trioserve.web.anthropic_messages import MessagesBody
+from trioserve.web.app import app_grpc, create_app
+from trioserve.web.errors import from_exception
+from trioserve.web.openai_responses import ResponsesBody
+from trioserve.web.protocol import ChatCompletionRequest
+from trioserve.web.request_ids import HEADER
+from trioserve.web.tracing import Tracing
+
+from server_fixtures import MODEL, metric_values, server_config, server_in_thread
+
+# A TTFT (or TPOT) target no step can meet (a microsecond): refused whatever the load.
+IMPOSSIBLE_MS = 0.001
+LOOSE_MS = 600_000
+CHAT = [{"role": "user", "content": "Hi"}]
+BAD_TARGETS = [
+    ({"ttft_ms": -5}, "ttft_ms"),
+    ({"tpot_ms": 86_400_001}, "tpot_ms"),
+    ({"slo_mode": "whenever"}, "slo_mode"),
+    ({"slo_allow_shorter": "yes"}, "slo_allow_shorter"),
+    ({"headers": {"x-slo-ttft-ms": "soon"}}, "x-slo-ttft-ms"),
+]
+
+
+@pytest.fixture(scope="module")
+def exporter():
+    return InMemorySpanExporter()
+
+
+def _app(exporter, **engine):
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    config = server_config(engine=engine, grpc_port=0)
+    return create_app(config, loaded=testing.tiny_loaded(), tracing=Tracing(provider))
+
+
+@pytest.fixture(scope="module")
+def slo_server(exporter):
+    with server_in_thread(_app(exporter, scheduling_policy="slo")) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def plain_server(exporter):
+    with server_in_thread(_app(exporter)) as running:
+        yield running
+
+
+def _request_id() -> str:
+    return f"slo-{uuid.uuid4().hex[:12]}"
+
+
+def _metrics(server) -> dict[str, float]:
+    return metric_values(httpx.get(f"{server.url}/metrics", timeout=60).text)
+
+
+def _grew(before: dict[str, float], after: dict[str, float], key: str) -> float:
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def _decisions(server, action) -> dict[str, float]:
+    """How ``action()`` moved the door's counts and the histograms of
+    priority 0: {"refused_ttft": 1.0, "predicted_ttft": 1.0, ...}."""
+    before = _metrics(server)
+    action()
+    after = _metrics(server)
+    moved = {}
+    for decision in ("admitted", "refused_ttft", "refused_tpot", "shortened", "not_enforced"):
+        moved[decision] = _grew(before, after, f"trioserve:slo_requests_total{{decision={decision},priority=0}}")
+    for objective in ("ttft", "tpot"):
+        for outcome in ("met", "missed"):
+            key = f"trioserve:slo_outcomes_total{{objective={objective},outcome={outcome},priority=0}}"
+            moved[f"{objective}_{outcome}"] = _grew(before, after, key)
+        for kind in ("predicted", "measured"):
+            key = f"trioserve:slo_{kind}_{objective}_seconds_count{{priority=0}}"
+            moved[f"{kind}_{objective}"] = _grew(before, after, key)
+    return {name: value for name, value in moved.items() if value}
+
+
+def _slo_events(exporter, request_id: str) -> list[tuple[str, dict]]:
+    """The ``slo.*`` events of the one span of ``request_id`` (the
+    request's id once queued, else the HTTP request's)."""
+    spans = [
+        span
+        for span in exporter.get_finished_spans()
+        if request_id in (span.attributes.get("gen_ai.response.id"), span.attributes.get("trioserve.request_id"))
+    ]
+    assert len(spans) == 1, [s.name for s in spans]
+    return [(e.name, dict(e.attributes)) for e in spans[0].events if e.name.startswith("slo.")]
+
+
+# -- /v1/responses, with the openai client ---------------------------------------
+
+
+def _openai(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _respond(server, request_id: str | None = None, **extra):
+    headers = {HEADER: request_id or _request_id(), **extra.pop("headers", {})}
+    with _openai(server) as client:
+        return client.responses.create(
+            model=MODEL, input="Hi", max_output_tokens=3, extra_body=extra, extra_headers=headers
+        )
+
+
+@pytest.mark.parametrize(("extra", "param"), BAD_TARGETS)
+def test_responses_bad_target_is_a_400_naming_its_field(plain_server, extra, param):
+    with pytest.raises(openai.BadRequestError) as refused:
+        _respond(plain_server, **extra)
+    assert refused.value.body["param"] == param
+
+
+def test_responses_refuses_what_cannot_meet_its_targets(slo_server, exporter):
+    request_id = _request_id()
+
+    def refuse() -> None:
+        with pytest.raises(openai.RateLimitError) as ttft:
+            _respond(slo_server, request_id, ttft_ms=IMPOSSIBLE_MS)
+        assert int(ttft.value.response.headers["retry-after"]) >= 1
+        body = ttft.value.body
+        assert (body["code"], body["param"], body["type"]) == ("slo_unattainable", "ttft_ms", "rate_limit_error")
+        assert "exceeds ttft_ms 0.001 by" in body["message"]
+        # The header's target, the same. A shorter answer is allowed, but
+        # a 3-token request has none of 16 tokens or more: refused for TPOT.
+        with pytest.raises(openai.RateLimitError):
+            _respond(slo_server, headers={"x-slo-ttft-ms": str(IMPOSSIBLE_MS)})
+        with pytest.raises(openai.RateLimitError) as tpot:
+            _respond(slo_server, ttft_ms=LOOSE_MS, tpot_ms=IMPOSSIBLE_MS, slo_allow_shorter=True)
+        assert tpot.value.body["param"] == "tpot_ms"
+
+    assert _decisions(slo_server, refuse) == {"refused_ttft": 2, "refused_tpot": 1}
+    [(name, attributes)] = _slo_events(exporter, request_id)
+    assert name == "slo.refused" and attributes["trioserve.slo.objective"] == "ttft_ms"
+    assert attributes["trioserve.slo.predicted_ms"] > attributes["trioserve.slo.target_ms"] == IMPOSSIBLE_MS
+
+
+def test_responses_best_effort_is_admitted_and_reported_in_usage(slo_server, exporter):
+    request_id = _request_id()
+    replies = []
+
+    def admit() -> None:
+        replies.append(_respond(slo_server, request_id, ttft_ms=IMPOSSIBLE_MS, tpot_ms=LOOSE_MS, slo_mode="best_effort"))
+
+    moved = _decisions(slo_server, admit)
+    assert moved == {
+        "admitted": 1, "ttft_missed": 1, "tpot_met": 1,
+        "predicted_ttft": 1, "measured_ttft": 1, "predicted_tpot": 1, "measured_tpot": 1,
+    }  # fmt: skip
+    slo = replies[0].usage.model_extra["slo"]
+    assert slo["enforced"] is True and slo["slo_mode"] == "best_effort"
+    assert slo["predicted"]["ttft_ms"] > 0 and slo["met"] == {"ttft": False, "tpot": True}
+    [(name, attributes)] = _slo_events(exporter, request_id)
+    assert name == "slo.admitted" and attributes["trioserve.slo.predicted_ttft_ms"] > 0
+    assert attributes["trioserve.slo.ttft_ms"] == IMPOSSIBLE_MS and attributes["trioserve.slo.enforced"] is True
+    # Streamed: the usage of the whole response the last event carries
+    # (incomplete: it ran to max_output_tokens).
+    with _openai(slo_server) as client:
+        events = list(
+            client.responses.create(
+                model=MODEL, input="Hi", max_output_tokens=3, stream=True, extra_body={"ttft_ms": LOOSE_MS}
+            )
+        )
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    assert events[-1].response.usage.model_extra["slo"]["met"]["ttft"] is True
+
+
+def test_responses_targets_without_the_slo_policy_are_reported_not_enforced(plain_server, exporter):
+    request_id = _request_id()
+    reply = _respond(plain_server, request_id, headers={"x-slo-tpot-ms": "500"}, ttft_ms=IMPOSSIBLE_MS)
+    slo = reply.usage.model_extra["slo"]
+    assert slo["enforced"] is False and "not enforced" in slo["reason"] and slo["tpot_ms"] == 500
+    assert _slo_events(exporter, request_id) == [
+        ("slo.not_enforced", {"trioserve.slo.enforced": False, "trioserve.slo.ttft_ms": IMPOSSIBLE_MS, "trioserve.slo.tpot_ms": 500.0})
+    ]
+    assert "slo" not in (_respond(plain_server).usage.model_extra or {})
+
+
+def test_responses_body_passes_the_objectives_to_the_chat_request():
+    body = {"input": "Hi", "max_output_tokens": 40, "ttft_ms": 250, "tpot_ms": 20, "slo_allow_shorter": True}
+    parsed = ChatCompletionRequest.from_json(ResponsesBody.from_json(body).chat)
+    objectives = parsed.request.objectives
+    assert (objectives.ttft, objectives.tpot, objectives.allow_shorter) == (0.25, 0.02, True)
+    # The max_tokens a TPOT refusal may lower is the one max_output_tokens set.
+    assert parsed.request.params.max_tokens == 40
