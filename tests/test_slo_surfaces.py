@@ -210,3 +210,89 @@ def test_responses_body_passes_the_objectives_to_the_chat_request():
     assert (objectives.ttft, objectives.tpot, objectives.allow_shorter) == (0.25, 0.02, True)
     # The max_tokens a TPOT refusal may lower is the one max_output_tokens set.
     assert parsed.request.params.max_tokens == 40
+
+
+# -- /v1/messages, with the anthropic client ---------------------------------------
+
+
+def _anthropic(server) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+
+
+def _message(server, request_id: str | None = None, **extra):
+    headers = {HEADER: request_id or _request_id(), **extra.pop("headers", {})}
+    with _anthropic(server) as client:
+        return client.messages.create(model=MODEL, max_tokens=3, messages=CHAT, extra_body=extra, extra_headers=headers)
+
+
+@pytest.mark.parametrize(("extra", "param"), BAD_TARGETS)
+def test_messages_bad_target_is_anthropics_400_naming_its_field(plain_server, extra, param):
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        _message(plain_server, **extra)
+    error = refused.value.body["error"]
+    assert error["type"] == "invalid_request_error" and param in error["message"]
+
+
+def test_messages_refuses_in_anthropics_shape(slo_server, exporter):
+    request_id = _request_id()
+
+    def refuse() -> None:
+        with pytest.raises(anthropic.RateLimitError) as ttft:
+            _message(slo_server, request_id, ttft_ms=IMPOSSIBLE_MS)
+        assert int(ttft.value.response.headers["retry-after"]) >= 1
+        assert ttft.value.body["type"] == "error"
+        error = ttft.value.body["error"]
+        assert error["type"] == "rate_limit_error" and "exceeds ttft_ms 0.001 by" in error["message"]
+        with pytest.raises(anthropic.RateLimitError) as tpot:
+            _message(slo_server, headers={"x-slo-tpot-ms": str(IMPOSSIBLE_MS)}, slo_allow_shorter=True)
+        assert "tpot_ms" in tpot.value.body["error"]["message"]
+
+    assert _decisions(slo_server, refuse) == {"refused_ttft": 1, "refused_tpot": 1}
+    [(name, attributes)] = _slo_events(exporter, request_id)
+    assert name == "slo.refused" and attributes["trioserve.slo.objective"] == "ttft_ms"
+
+
+def test_messages_best_effort_is_admitted_and_reported_in_usage(slo_server, exporter):
+    request_id = _request_id()
+    replies = []
+
+    def admit() -> None:
+        replies.append(_message(slo_server, request_id, ttft_ms=IMPOSSIBLE_MS, slo_mode="best_effort"))
+
+    # Judged, both predictions are observed against what came; only the
+    # TTFT has a target to count as met or missed.
+    assert _decisions(slo_server, admit) == {
+        "admitted": 1, "ttft_missed": 1,
+        "predicted_ttft": 1, "measured_ttft": 1, "predicted_tpot": 1, "measured_tpot": 1,
+    }  # fmt: skip
+    slo = replies[0].usage.model_extra["slo"]
+    assert slo["enforced"] is True and slo["slo_mode"] == "best_effort" and slo["met"] == {"ttft": False}
+    [(name, attributes)] = _slo_events(exporter, request_id)
+    assert name == "slo.admitted" and attributes["trioserve.slo.predicted_tpot_ms"] > 0
+    # Streamed: the final message_delta's usage.
+    with _anthropic(slo_server) as client:
+        events = list(client.messages.create(model=MODEL, max_tokens=3, messages=CHAT, stream=True, extra_body={"ttft_ms": LOOSE_MS}))
+    [delta] = [event for event in events if event.type == "message_delta"]
+    assert delta.usage.model_extra["slo"]["met"]["ttft"] is True
+
+
+def test_messages_targets_without_the_slo_policy_are_reported_not_enforced(plain_server, exporter):
+    request_id = _request_id()
+    reply = _message(plain_server, request_id, tpot_ms=500)
+    slo = reply.usage.model_extra["slo"]
+    assert slo["enforced"] is False and "not enforced" in slo["reason"] and slo["tpot_ms"] == 500
+    assert [name for name, _ in _slo_events(exporter, request_id)] == ["slo.not_enforced"]
+    assert "slo" not in (_message(plain_server).usage.model_extra or {})
+
+
+def test_messages_body_passes_the_objectives_to_the_chat_request():
+    body = {"max_tokens": 40, "messages": CHAT, "tpot_ms": 20, "slo_mode": "best_effort", "slo_allow_shorter": True}
+    objectives = ChatCompletionRequest.from_json(MessagesBody.from_json(body).chat).request.objectives
+    assert (objectives.tpot, objectives.best_effort, objectives.allow_shorter) == (0.02, True, True)
+
+
+def test_a_refusal_while_degraded_is_each_apis_unavailable():
+    refused = SloRefused(objective="tpot_ms", predicted=0.3, target=0.1, retry_after=2.0, degraded=True)
+    error = from_exception(refused)
+    assert (error.status, error.code, error.headers["Retry-After"]) == (503, "slo_unattainable", "2")
+    assert error_json(error.status, error.message, error.param)["error"]["type"] == "overloaded_error"

@@ -11,6 +11,11 @@ rewritten into Anthropic's shape, ``{"type": "error", "error": {"type",
 "message"}}``, with the field at fault named in the message: the routes
 live in their own blueprint, whose ``after_request`` sees every response
 of its paths.
+
+Latency objectives (body extension fields or ``x-slo-*`` headers) take
+the chat path's door (web/slo_door.py): a refusal is a 429
+``rate_limit_error`` (503 ``overloaded_error`` while the engine runs
+degraded) with ``Retry-After``, and ``usage.slo`` reports them.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from trioserve.engine.errors import InvalidRequestError
 from trioserve.engine.plugins import RequestContext
 from trioserve.engine.text.tokenizer import apply_chat_template
 
-from . import completions, request_ids, tracing
+from . import completions, request_ids, slo_door, tracing
 from .anthropic_messages import MessagesBody, anthropic_names
 from .anthropic_reply import message_body
 from .anthropic_stream import MessageStream, sse_event, sse_events
@@ -121,12 +126,15 @@ async def create_message() -> Response:
         None, parse_timeout_header(request.headers.get(completions.TIMEOUT_HEADER)), host.config.max_request_time
     )
     params = served.engine.sampling_defaults.apply(parsed.params)
+    new = slo_door.objectives(served, parsed.request, request.headers, parsed.model)
     try:
-        new, reading = completions.chat_input(parsed, parsed.request, served, host.config)
+        new, reading = completions.chat_input(parsed, new, served, host.config)
         await served.engine.prepare(new.params)
         stream = request_ids.submit_nowait(served.engine, new, deadline=None if timeout is None else arrival + timeout)
     except Exception as exc:
+        slo_door.refused(served, new.priority, exc)
         raise _renamed(completions.refusal(completions.translate(exc, log_requests=log_requests), True)) from None
+    report = slo_door.admitted(served, new, stream)
     stream = tracing.follow(stream, params, parsed.model, served.name)
     stream = plugins.postprocessed(stream, RequestContext(ENDPOINT, served.name, stream.request_id, body), 1)
     if messages.stream:
@@ -134,8 +142,10 @@ async def create_message() -> Response:
         if served.engine.config.max_queue_time is not None:
             first = await completions.first_output(stream, served, 1, log_requests=log_requests)
         events = MessageStream(served.name, reading, messages.stop_sequences)
+        events.report_slo(report)
         return completions.event_stream(_event_body(stream, events, served, first, log_requests=log_requests))
     accumulator = OutputAccumulator(n=1)
+    accumulator.report_slo(report)
     await completions.gather(stream, accumulator, served, 1, log_requests=log_requests)
     if accumulator.timed_out:
         raise RequestTimeout(timeout, accumulator.num_output_tokens)

@@ -15,8 +15,10 @@ after the ``tool_use`` it answers; an assistant's ``tool_use`` blocks its
 chat path drops past reasoning); ``tools`` are functions whose
 ``input_schema`` is their parameters; ``tool_choice`` ``auto``, ``any``,
 ``tool`` and ``none`` are ``auto``, ``required``, the named function and
-``none``; ``stop_sequences`` is ``stop``. ``metadata`` and the other
-fields an inference server has no use for are ignored.
+``none``; ``stop_sequences`` is ``stop``; the latency objectives' extension fields
+(``ttft_ms``, ``tpot_ms``, ``slo_mode``, ``slo_allow_shorter``: web/slo.py)
+pass through. ``metadata`` and the other fields an inference server has
+no use for are ignored.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import attrs
 
 from .errors import InvalidRequest
 from .fields import boolean
+from .slo import EXTENSION_FIELDS
 
 ROLES = ("user", "assistant")
 # Blocks that only a hosted model reads: refused rather than silently dropped.
@@ -60,7 +63,7 @@ class MessagesBody:
             if body.get("max_tokens") is None:
                 raise InvalidRequest("max_tokens: field required", param="max_tokens")
             chat["max_tokens"] = body["max_tokens"]
-            for name in ("temperature", "top_p", "top_k"):
+            for name in ("temperature", "top_p", "top_k", *EXTENSION_FIELDS):
                 if body.get(name) is not None:
                     chat[name] = body[name]
         stop = _stop_sequences(body.get("stop_sequences"))

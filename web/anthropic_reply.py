@@ -39,10 +39,14 @@ def stop_reason(finish_reason: str | None, matched: Any, stop_sequences: Sequenc
     return _STOP_REASONS.get(finish_reason, finish_reason), None
 
 
-def usage(input_tokens: int, output_tokens: int) -> dict[str, int]:
+def usage(input_tokens: int, output_tokens: int, slo: dict[str, Any] | None = None) -> dict[str, Any]:
     """Anthropic's ``usage``: ``input_tokens`` counts the whole prompt,
-    as ``count_tokens`` does (cached tokens included)."""
-    return {"input_tokens": input_tokens, "output_tokens": output_tokens}
+    as ``count_tokens`` does (cached tokens included); ``slo``: the
+    latency objectives' report (web/slo.py), where the request has one."""
+    used: dict[str, Any] = {"input_tokens": input_tokens, "output_tokens": output_tokens}
+    if slo is not None:
+        used["slo"] = slo
+    return used
 
 
 def tool_input(arguments: str) -> dict[str, Any]:
@@ -72,5 +76,5 @@ def message_body(chat: dict[str, Any], model: str, stop_sequences: Sequence[str]
         "content": content,
         "stop_reason": reason,
         "stop_sequence": sequence,
-        "usage": usage(chat["usage"]["prompt_tokens"], chat["usage"]["completion_tokens"]),
+        "usage": usage(chat["usage"]["prompt_tokens"], chat["usage"]["completion_tokens"], chat["usage"].get("slo")),
     }

@@ -29,6 +29,8 @@ from .output_reader import ChatReading
 if TYPE_CHECKING:
     from trioserve.engine.core.outputs import RequestOutput
 
+    from .slo import SloReport
+
 Event = tuple[str, dict[str, Any]]
 
 
@@ -58,10 +60,15 @@ class MessageStream:
     _kind: str | None = attrs.field(init=False, default=None)  # the open block's kind (a call: "tool_use:N")
     _finish: tuple[str | None, Any] = attrs.field(init=False, default=(None, None))
     _output_tokens: int = attrs.field(init=False, default=0)
+    _slo: dict[str, Any] | None = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
         self._chat = ChatCompletionStream(self.model, include_usage=True)
         self._chat.reading = self.reading
+
+    def report_slo(self, report: SloReport | None) -> None:
+        """Put ``report`` (web/slo.py) in the final ``message_delta``'s usage."""
+        self._chat.report_slo(report)
 
     def events(self, output: RequestOutput) -> list[Event]:
         """What the engine's ``output`` adds to the stream."""
@@ -79,10 +86,13 @@ class MessageStream:
         for chunk in self._chat.final_chunks():
             if chunk.get("usage"):
                 self._output_tokens = chunk["usage"]["completion_tokens"]
+                self._slo = chunk["usage"].get("slo")
         events += self._close()
         reason, sequence = stop_reason(*self._finish, self.stop_sequences)
         delta = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence}}
         delta["usage"] = {"output_tokens": self._output_tokens}
+        if self._slo is not None:
+            delta["usage"]["slo"] = self._slo
         return [*events, ("message_delta", delta), ("message_stop", {"type": "message_stop"})]
 
     def _start(self, input_tokens: int) -> list[Event]:
