@@ -47,16 +47,21 @@ def format_report(document: Mapping) -> str:
             f"{v / GB:.0f} {'GFLOP/s' if d == 'bf16' else 'GOP/s'}" for d in peaks for v in peaks[d].values()) + " |",
         "",
         f"| shape | weights | parameters (active) | GGUF file (MB) | read per token (MB) "
+        f"| weights read per {high}-stream step (MB) "
         f"| floor TPOT, 1 stream (ms) | ceiling, {high} streams (tok/s) | {high}-stream step bound by |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for run in document["runs"]:
         f = run["floors"]
         params = f"{run['parameters'] / GB:.2f}B" + (
             f" ({run['active_parameters'] / GB:.2f}B)" if run["active_parameters"] != run["parameters"] else "")
+        # A mixture's step reads every expert any of its tokens routes to
+        # (roofline.experts_read); results.json files from before lack it.
+        step = f.get("step_weight_bytes") or f["weight_bytes"]
         lines.append(
             f"| {run['shape']} | {run['quant']} | {params} | {run['gguf_bytes'] / 1e6:,.0f} "
-            f"| {f['weight_bytes'] / 1e6:,.0f} | {f['tpot_s'] * 1000:.1f} | {f['throughput']:.1f} | {f['bound']} |"
+            f"| {f['weight_bytes'] / 1e6:,.0f} | {step / 1e6:,.0f} | {f['tpot_s'] * 1000:.1f} "
+            f"| {f['throughput']:.1f} | {f['bound']} |"
         )
     lines += [
         "",

@@ -8,8 +8,11 @@ only the routed experts' share of a mixture, the embedding table whole only
 where it is also the LM head (tied), and the KV cache of the mean context.
 A decode step of N streams reads the weights once and does N tokens'
 arithmetic: it takes at least the longer of the bytes over bandwidth and the
-FLOPs over the GEMM peak at that many rows. The highest throughput of N
-streams adds the prompts' prefill at the peak of 512 rows.
+FLOPs over the GEMM peak at that many rows. A mixture's step reads each
+expert that any of its N tokens routes to, once (``experts_read``): at 32
+streams of 8 experts in 64 nearly all of them, so its floor there is set by
+total parameters, not active ones. The highest throughput of N streams adds
+the prompts' prefill at the peak of 512 rows.
 """
 
 from __future__ import annotations
@@ -61,6 +64,22 @@ def weight_bytes_per_token(tensors: Iterable[TensorBytes], shape: Shape) -> floa
         else:
             total += t.nbytes
     return total
+
+
+def expert_bytes(tensors: Iterable[TensorBytes]) -> float:
+    """Bytes of a mixture's expert tensors (``*_exps``), every expert of every layer."""
+    return float(sum(t.nbytes for t in tensors if "_exps." in t.name))
+
+
+def experts_read(shape: Shape, tokens: int) -> float:
+    """The expected share of a layer's experts that a step of ``tokens``
+    tokens reads, each expert once for all the tokens routed to it: a token
+    takes ``experts_per_token`` distinct experts of ``experts``, so it misses
+    a given one with probability ``1 - k / E``; routings taken as independent
+    and uniform (random weights' routers are). 1 for a dense shape."""
+    if not shape.is_moe:
+        return 1.0
+    return 1.0 - (1.0 - shape.experts_per_token / shape.experts) ** tokens
 
 
 def kv_bytes_per_token(shape: Shape, context: float, kv_bytes: float = 2.0) -> float:
@@ -120,17 +139,30 @@ class Floors:
     streams: int
     throughput: float
     bound: str  # what limits the decode step of ``streams``: "bandwidth" or "compute"
+    expert_bytes: float = 0.0  # a mixture's experts, all of them (``expert_bytes``)
+    step_weight_bytes: float | None = None  # weight bytes a step of ``streams`` reads
+
+
+def step_weight_bytes(shape: Shape, weight_bytes: float, all_expert_bytes: float, tokens: int) -> float:
+    """Weight bytes a decode step of ``tokens`` reads: one token's
+    ``weight_bytes`` (``weight_bytes_per_token``) with its routed share of
+    ``all_expert_bytes`` replaced by the share the step's tokens route to
+    (``experts_read``)."""
+    one = experts_read(shape, 1)
+    return weight_bytes + all_expert_bytes * (experts_read(shape, tokens) - one) if shape.is_moe else weight_bytes
 
 
 def floors(machine: Machine, shape: Shape, weight_bytes: float, *, input_len: int, output_len: int,
-           streams: int) -> Floors:  # fmt: skip
+           streams: int, all_expert_bytes: float = 0.0) -> Floors:  # fmt: skip
     """The floors of serving ``shape`` (``weight_bytes`` a token, from
-    ``weight_bytes_per_token``) with prompts of ``input_len`` and
+    ``weight_bytes_per_token``; a mixture's experts ``all_expert_bytes`` in
+    all, from ``expert_bytes``) with prompts of ``input_len`` and
     ``output_len`` tokens out, at one stream and at ``streams``."""
     context = input_len + output_len / 2  # the mean over the decode steps
 
     def step(n: int) -> tuple[float, str]:
-        reading = (weight_bytes + n * kv_bytes_per_token(shape, context)) / machine.bandwidth
+        weights = step_weight_bytes(shape, weight_bytes, all_expert_bytes, n)
+        reading = (weights + n * kv_bytes_per_token(shape, context)) / machine.bandwidth
         computing = n * flops_per_token(shape, context) / machine.peak(n)
         return max(reading, computing), "bandwidth" if reading >= computing else "compute"
 
@@ -138,7 +170,8 @@ def floors(machine: Machine, shape: Shape, weight_bytes: float, *, input_len: in
     many, bound = step(streams)
     prefill = streams * input_len * flops_per_token(shape, input_len / 2) / machine.peak(streams * input_len)
     throughput = streams * output_len / (prefill + output_len * many)
-    return Floors(weight_bytes, one, streams, throughput, bound)
+    step_bytes = step_weight_bytes(shape, weight_bytes, all_expert_bytes, streams)
+    return Floors(weight_bytes, one, streams, throughput, bound, all_expert_bytes, step_bytes)
 
 
 def _best_seconds(work, repeats: int) -> float:

@@ -34,6 +34,8 @@ from trioserve.bench.real_size_report import format_report, fractions, plot_repo
 from trioserve.bench.roofline import (
     Machine,
     TensorBytes,
+    expert_bytes,
+    experts_read,
     floors,
     flops_per_token,
     kv_bytes_per_token,
@@ -180,6 +182,28 @@ def test_bytes_per_token_count_routed_experts_only():
     assert weight_bytes_per_token([experts, head], moe) == experts.nbytes * 8 / 64 + head.nbytes
 
 
+def test_a_step_of_many_streams_reads_every_expert_routed_to_once():
+    moe = SHAPES["qwen3-moe-7b-a1b"]
+    assert experts_read(moe, 1) == 8 / 64 and experts_read(LLAMA_1B, 32) == 1.0
+    # 32 tokens of 8 in 64 miss an expert with probability (56/64)^32: 1.4%.
+    assert experts_read(moe, 32) == pytest.approx(1 - (56 / 64) ** 32) and experts_read(moe, 32) > 0.98
+    exps = [TensorBytes(f"blk.{i}.ffn_{p}_exps.weight", 64 * 1024 * 2048, 64 * 1024 * 2048 * 144 // 256)
+            for i in range(16) for p in ("gate", "up", "down")]  # fmt: skip
+    head = TensorBytes("output.weight", 49152 * 2048, 49152 * 2048 * 210 // 256)
+    routed, every = weight_bytes_per_token([*exps, head], moe), expert_bytes([*exps, head])
+    assert every == sum(t.nbytes for t in exps)
+    machine = Machine(bandwidth=40e9, peaks={"bf16": {32: 200e9, 512: 400e9}, "int8": {32: 300e9, 512: 800e9}})
+    f = floors(machine, moe, routed, input_len=128, output_len=128, streams=32, all_expert_bytes=every)
+    assert f.step_weight_bytes == pytest.approx(head.nbytes + every * experts_read(moe, 32))
+    assert f.tpot_s == pytest.approx((routed + kv_bytes_per_token(moe, 192)) / 40e9)  # one stream: routed only
+    # The step of 32 reads nearly every expert: 3.6 GB, nearly 64 / 8 times one token's share.
+    assert f.step_weight_bytes - head.nbytes > 7.8 * (routed - head.nbytes)
+    step = max((f.step_weight_bytes + 32 * kv_bytes_per_token(moe, 192)) / 40e9,
+               32 * flops_per_token(moe, 192) / 300e9)  # fmt: skip
+    prefill = 32 * 128 * flops_per_token(moe, 64) / 800e9
+    assert f.throughput == pytest.approx(32 * 128 / (prefill + 128 * step))
+
+
 def test_flops_and_kv_bytes_of_the_1b_shape():
     matmuls = 16 * (2 * 2048 * 2048 + 2 * 2048 * 512 + 3 * 2048 * 8192) + 49152 * 2048
     assert flops_per_token(LLAMA_1B, 0) == 2 * matmuls
@@ -295,7 +319,7 @@ def test_the_report_from_a_recorded_run():
     assert ("| read bandwidth | bf16 GEMM, 32 rows | bf16 GEMM, 512 rows | int8 GEMM, 32 rows | int8 GEMM, 512 rows "
             "| int8-trioserve GEMM, 32 rows | int8-trioserve GEMM, 512 rows |") in text
     assert "| 34.0 GB/s | 206 GFLOP/s | 384 GFLOP/s | 400 GOP/s | 760 GOP/s | 350 GOP/s | 500 GOP/s |" in text
-    assert "| llama-3.2-1b | Q4_K_M | 1.07B | 669 | 668 | 20.0 | 120.0 | compute |" in text
+    assert "| llama-3.2-1b | Q4_K_M | 1.07B | 669 | 668 | 668 | 20.0 | 120.0 | compute |" in text
     assert ("| llama-3.2-1b | Q4_K_M | trioserve auto | 43.8 | 0.46 | 986 | 73.4 | 0.61 | 29,800 | 1,618 |"
             in text)  # fmt: skip
     assert "| llama-3.2-1b | Q4_K_M | llama-server Q4_K_M | 26.4 | 0.76 | 1,027 | 59.2 | 0.49 | 28,600 | 1,739 |" in text

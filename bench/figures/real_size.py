@@ -60,7 +60,7 @@ from ..real_size import (
     write_checkpoint,
 )
 from ..real_size_report import format_report, plot_report
-from ..roofline import Machine, floors, measure_machine, read_gguf_tensors, weight_bytes_per_token
+from ..roofline import Machine, expert_bytes, floors, measure_machine, read_gguf_tensors, weight_bytes_per_token
 from ..vs_llama import Contender
 from . import vs_llama
 
@@ -269,16 +269,17 @@ def run(args: argparse.Namespace) -> int:
     machine = machine.best(measure_machine(args.threads))
     document["machine"] = machine.to_json()
     for run in document["runs"]:
-        run["floors"] = run_floors(args, machine, SHAPES[run["shape"]], run["floors"]["weight_bytes"])
+        run["floors"] = run_floors(args, machine, SHAPES[run["shape"]], run["floors"]["weight_bytes"],
+                                   run["floors"].get("expert_bytes", 0.0))  # fmt: skip
     write_outputs(document, args.out, args.plot)
     print(format_report(document))
     failed = any(r.get("error") or any(s.get("error") for s in r["comparison"]["servers"]) for r in document["runs"])
     return 1 if failed else 0
 
 
-def run_floors(args: argparse.Namespace, machine: Machine, shape, weight_bytes: float) -> dict:
+def run_floors(args: argparse.Namespace, machine: Machine, shape, weight_bytes: float, all_expert_bytes: float) -> dict:
     return attrs.asdict(floors(machine, shape, weight_bytes, input_len=args.input_len, output_len=args.output_len,
-                               streams=max(args.concurrency)))  # fmt: skip
+                               streams=max(args.concurrency), all_expert_bytes=all_expert_bytes))  # fmt: skip
 
 
 def compare_one(args, entry: CacheEntry, quant: str, machine: Machine, llama_version, progress: Progress) -> dict:
@@ -286,7 +287,8 @@ def compare_one(args, entry: CacheEntry, quant: str, machine: Machine, llama_ver
     gguf, shape = entry.gguf(quant), entry.shape
     run = {"shape": shape.name, "quant": quant, "gguf": str(gguf), "gguf_bytes": gguf.stat().st_size,
            "parameters": parameter_count(shape), "active_parameters": active_parameter_count(shape)}  # fmt: skip
-    run["floors"] = run_floors(args, machine, shape, weight_bytes_per_token(read_gguf_tensors(gguf), shape))
+    tensors = read_gguf_tensors(gguf)
+    run["floors"] = run_floors(args, machine, shape, weight_bytes_per_token(tensors, shape), expert_bytes(tensors))
     sub = copy.copy(args)
     sub.out, sub.model, sub.plot = args.out / f"{shape.name}-{quant}", str(gguf), None
     sub.out.mkdir(parents=True, exist_ok=True)
