@@ -11,7 +11,8 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from trioserve.actors import Engine
-from trioserve.engine.core.outputs import RequestOutput
+from trioserve.engine.core.new_request import RequestInput
+from trioserve.engine.core.outputs import RequestOutput, RequestTimes
 from trioserve.engine.plugins import RequestContext
 
 
@@ -68,6 +69,34 @@ class Host(Protocol):
     async def wait_draining(self) -> None: ...
 
     async def wait_stopped(self) -> None: ...
+
+
+class SloReport(Protocol):
+    """What became of a request's latency objectives (web/slo.py's)."""
+
+    def usage(self, times: RequestTimes | None, num_output_tokens: int) -> Mapping[str, Any]:
+        """The report as the HTTP API's ``usage.slo`` states it."""
+
+
+class Objectives(Protocol):
+    """Latency objectives at the door, as the HTTP API takes them
+    (web/slo_door.py's ``GrpcObjectives``): one validator, one set of
+    defaults, one count of decisions for every API."""
+
+    def given(self, new: RequestInput, fields: Mapping[str, Any]) -> RequestInput:
+        """``new`` with the objectives ``fields`` state (the HTTP body's
+        names: ``ttft_ms``, ``tpot_ms``, ``slo_mode``, ``slo_allow_shorter``);
+        a bad value raises the 400 naming it."""
+
+    def complete(self, served: ServedModel, new: RequestInput, metadata: Mapping[str, str]) -> RequestInput:
+        """``new`` with the targets it leaves unset taken from the call's
+        ``x-slo-*`` metadata, then the server's defaults."""
+
+    def refused(self, served: ServedModel, priority: int, exc: BaseException) -> None:
+        """Count a request the door refused (``exc``: any refusal)."""
+
+    def admitted(self, served: ServedModel, new: RequestInput, stream: Any) -> SloReport | None:
+        """The report of a queued request (None: no objectives), counted."""
 
 
 class Plugins(Protocol):

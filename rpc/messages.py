@@ -5,22 +5,26 @@
 ``InvalidRequestError`` naming the field, as over HTTP); fields left unset
 keep the engine's defaults. ``status_of`` maps an error as the HTTP API
 states it (``host.ClientError``: the server's ``ApiError``) to a gRPC
-status code.
+status code. The latency objectives' fields go to the server's door
+(host.py's ``Objectives``) by the HTTP body's names, and its report comes
+back as ``Usage.slo``.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 import grpc
 
+from trioserve.actors.slo_admission import SloRefused
 from trioserve.engine.errors import InvalidRequestError
 from trioserve.engine.core.new_request import RequestInput
 from trioserve.engine.core.outputs import RequestOutput
 from trioserve.engine.sampling.sampling_params import SamplingParams
 from . import trioserve_pb2 as pb
-from .host import ClientError
+from .host import ClientError, SloReport
 
 # SamplingParameters' fields that are `optional` scalars: unset keeps the default.
 _OPTIONAL_FIELDS = (
@@ -39,6 +43,10 @@ _OPTIONAL_FIELDS = (
     "ignore_eos",
     "skip_special_tokens",
 )
+
+# SloMode's values by the HTTP body's slo_mode, and back.
+_SLO_MODE_VALUES = {"enforced": pb.SLO_MODE_ENFORCED, "best_effort": pb.SLO_MODE_BEST_EFFORT}
+_SLO_MODES = {value: name for name, value in _SLO_MODE_VALUES.items()}
 
 # The gRPC code for each HTTP status the server's errors carry.
 _CODES = {
@@ -86,8 +94,36 @@ def request_input(request: pb.GenerateRequest) -> RequestInput:
     return RequestInput(prompt, sampling_params(request.params), request.priority)
 
 
-def response(output: RequestOutput) -> pb.GenerateResponse:
-    """One delta as a ``GenerateResponse``; the last of a completion carries its usage."""
+def objective_fields(request: pb.GenerateRequest) -> dict[str, Any]:
+    """The latency objectives the request sets, by the HTTP body's names
+    (``slo_mode`` an unknown enum value as its number: refused there)."""
+    fields: dict[str, Any] = {name: getattr(request, name) for name in ("ttft_ms", "tpot_ms") if request.HasField(name)}
+    if request.slo_mode != pb.SLO_MODE_UNSPECIFIED:
+        fields["slo_mode"] = _SLO_MODES.get(request.slo_mode, request.slo_mode)
+    if request.slo_allow_shorter:
+        fields["slo_allow_shorter"] = True
+    return fields
+
+
+def slo_report(usage: Mapping[str, Any]) -> pb.SloReport:
+    """The ``usage.slo`` report of the HTTP API (web/slo.py) as its message."""
+    report = pb.SloReport(enforced=usage["enforced"], slo_mode=_SLO_MODE_VALUES[usage["slo_mode"]])
+    for name in ("ttft_ms", "tpot_ms", "max_tokens_lowered_to", "reason"):
+        if usage.get(name) is not None:
+            setattr(report, name, usage[name])
+    for kind in ("predicted", "measured"):
+        for name, value in (usage.get(kind) or {}).items():
+            if value is not None:
+                setattr(report, f"{kind}_{name}", value)
+    for name, met in usage["met"].items():
+        if met is not None:
+            setattr(report, f"{name}_met", met)
+    return report
+
+
+def response(output: RequestOutput, slo: SloReport | None = None) -> pb.GenerateResponse:
+    """One delta as a ``GenerateResponse``; the last of a completion carries
+    its usage, and the first completion's its objectives' ``slo`` report."""
     message = pb.GenerateResponse(
         request_id=output.request_id,
         index=output.index,
@@ -105,6 +141,8 @@ def response(output: RequestOutput) -> pb.GenerateResponse:
                 cached_tokens=output.num_cached_tokens,
             )
         )
+        if slo is not None and output.index == 0:
+            message.usage.slo.CopyFrom(slo_report(slo.usage(output.times, output.num_output_tokens)))
     return message
 
 
@@ -126,3 +164,17 @@ def trailing_metadata(error: ClientError) -> tuple[tuple[str, str], ...]:
     if "Retry-After" in error.headers:
         metadata.append(("retry-after", error.headers["Retry-After"]))
     return tuple(metadata)
+
+
+def refusal_metadata(exc: BaseException) -> tuple[tuple[str, str], ...]:
+    """For a request refused for a latency objective, which one and by how
+    much, in ms (the message says it in words): ``trioserve-slo-objective``
+    (``ttft_ms`` / ``tpot_ms``), ``-predicted-ms``, ``-target-ms``, ``-over-ms``."""
+    if not isinstance(exc, SloRefused):
+        return ()
+    return (
+        ("trioserve-slo-objective", exc.objective),
+        ("trioserve-slo-predicted-ms", f"{exc.predicted * 1000:.1f}"),
+        ("trioserve-slo-target-ms", f"{exc.target * 1000:g}"),
+        ("trioserve-slo-over-ms", f"{(exc.predicted - exc.target) * 1000:.1f}"),
+    )

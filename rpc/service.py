@@ -29,7 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from . import trioserve_pb2 as pb
 from . import trioserve_pb2_grpc as pb_grpc
-from .host import Host, NoPlugins, Plugins, Translate
+from .host import Host, NoPlugins, Objectives, Plugins, Translate
 from .portal import TrioPortal
 from .servicer import GenerationServicer
 
@@ -61,13 +61,14 @@ def bind_address(host: str, port: int) -> str:
 class GrpcService:
     """The gRPC server for ``host``'s models, listening on ``address``
     (``host:port``; port 0 picks a free one, then ``port`` tells which).
-    ``translate``, ``plugins`` and ``max_request_time`` are the server's
+    ``translate``, ``objectives``, ``plugins`` and ``max_request_time`` are the server's
     (``GenerationServicer``)."""
 
     host: Host
     address: str
     grace: float = DEFAULT_GRACE
     translate: Translate = attrs.field(kw_only=True)
+    objectives: Objectives = attrs.field(kw_only=True)
     plugins: Plugins = attrs.field(factory=NoPlugins, kw_only=True)
     max_request_time: float | None = attrs.field(default=None, kw_only=True)
     port: int | None = attrs.field(default=None, init=False)
@@ -136,7 +137,12 @@ class GrpcService:
             for name in ("", SERVICE_NAME):
                 await health.set(name, _NOT_SERVING)
             servicer = GenerationServicer(
-                self.host, portal, translate=self.translate, plugins=self.plugins, max_request_time=self.max_request_time
+                self.host,
+                portal,
+                translate=self.translate,
+                objectives=self.objectives,
+                plugins=self.plugins,
+                max_request_time=self.max_request_time,
             )
             pb_grpc.add_GenerationServicer_to_server(servicer, server)
             health_pb2_grpc.add_HealthServicer_to_server(health, server)

@@ -11,11 +11,17 @@ client. When the call is cancelled, or its deadline passes on the client's
 side first, grpcio cancels the handler; the portal cancels the trio task,
 whose ``finally`` closes the request's stream: the engine aborts it at its
 next step boundary and frees its KV blocks.
+
+Latency objectives come as the request's fields (``ttft_ms``, ...) or the
+call's ``x-slo-ttft-ms`` / ``x-slo-tpot-ms`` metadata and go through the
+server's door (``objectives``: the HTTP API's validator, defaults and
+counts); a refusal ends the call with RESOURCE_EXHAUSTED (UNAVAILABLE while
+degraded) and ``messages.refusal_metadata``; ``Usage.slo`` reports them.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import grpc
@@ -26,7 +32,7 @@ from trioserve.engine.plugins import RequestContext
 from . import messages
 from . import trioserve_pb2 as pb
 from . import trioserve_pb2_grpc as pb_grpc
-from .host import Host, NoPlugins, Plugins, Translate
+from .host import Host, NoPlugins, Objectives, Plugins, Translate
 from .portal import Emit, PortalClosed, TrioPortal
 
 # Seconds taken off a call's deadline for the engine's, so that a request
@@ -39,7 +45,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     The output post-processors of ``plugins`` apply to ``Generate``'s
     deltas as over HTTP (the request pre-processors see HTTP bodies only).
     ``translate`` says what a failed call tells its client (a status and
-    trailing metadata, ``messages.status_of``); ``max_request_time``
+    trailing metadata, ``messages.status_of``); ``objectives`` is the
+    server's door for latency objectives; ``max_request_time``
     (seconds; None: none) caps every request's deadline."""
 
     def __init__(
@@ -48,20 +55,23 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         portal: TrioPortal,
         *,
         translate: Translate,
+        objectives: Objectives,
         plugins: Plugins | None = None,
         max_request_time: float | None = None,
     ) -> None:
         self.host = host
         self.portal = portal
         self.translate = translate
+        self.objectives = objectives
         self.plugins = plugins or NoPlugins()
         self.max_request_time = max_request_time
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         remaining = context.time_remaining()
+        metadata = {key: value for key, value in context.invocation_metadata() or () if isinstance(value, str)}
         try:
-            async for output in self.portal.iterate(self._generate, request, remaining):
-                yield messages.response(output)
+            async for response in self.portal.iterate(self._generate, request, remaining, metadata):
+                yield response
         except Exception as exc:
             await self._fail(context, exc)
 
@@ -85,24 +95,32 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     # -- in trio -------------------------------------------------------------------
 
-    async def _generate(self, emit: Emit, request: pb.GenerateRequest, remaining: float | None) -> None:
+    async def _generate(
+        self, emit: Emit, request: pb.GenerateRequest, remaining: float | None, metadata: Mapping[str, str]
+    ) -> None:
         arrival = trio.current_time()
         served = self.host.get(request.model or None)
-        new = messages.request_input(request)
+        new = self.objectives.given(messages.request_input(request), messages.objective_fields(request))
+        new = self.objectives.complete(served, new, metadata)
         timeout = self.max_request_time
         if remaining is not None:
             remaining = max(remaining - DEADLINE_MARGIN, 0.0)
             timeout = remaining if timeout is None else min(timeout, remaining)
-        stream = served.engine.submit_nowait(
-            new, request_id=request.request_id or None, deadline=None if timeout is None else arrival + timeout
-        )
+        try:
+            stream = served.engine.submit_nowait(
+                new, request_id=request.request_id or None, deadline=None if timeout is None else arrival + timeout
+            )
+        except Exception as exc:
+            self.objectives.refused(served, new.priority, exc)
+            raise
+        report = self.objectives.admitted(served, new, stream)
         n = new.params.n
         context = RequestContext("grpc.generate", served.name, stream.request_id)
         stream = self.plugins.postprocessed(stream, context, n)
         try:
             async for output in stream:
                 served.observe(output, n)
-                await emit(output)
+                await emit(messages.response(output, report))
         finally:
             stream.close()
             served.metrics.forget(stream.request_id)
@@ -136,5 +154,6 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         if isinstance(exc, PortalClosed):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         error = self.translate(exc)
-        await context.abort(messages.status_of(error), error.message, messages.trailing_metadata(error))
+        metadata = messages.trailing_metadata(error) + messages.refusal_metadata(exc)
+        await context.abort(messages.status_of(error), error.message, metadata)
 

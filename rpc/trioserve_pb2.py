@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dtrioserve/rpc/trioserve.proto\x12\x0ctrioserve.v1\"\xbd\x06\n\x12SamplingParameters\x12\x0e\n\x01n\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x17\n\nmax_tokens\x18\n \x01(\x05H\t\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0b \x01(\x05H\n\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\x05\x12\'\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08H\x0b\x88\x01\x01\x12\x17\n\nignore_eos\x18\x0f \x01(\x08H\x0c\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\r\x88\x01\x01\x12\x43\n\nlogit_bias\x18\x11 \x03(\x0b\x32/.trioserve.v1.SamplingParameters.LogitBiasEntry\x12\x38\n\x11logits_processors\x18\x12 \x03(\x0b\x32\x1d.trioserve.v1.LogitsProcessor\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x1d\n\x1b_include_stop_str_in_outputB\r\n\x0b_ignore_eosB\x16\n\x14_skip_special_tokens\"2\n\x0fLogitsProcessor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\targs_json\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xbf\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x16.trioserve.v1.TokenIdsH\x00\x12\x30\n\x06params\x18\x05 \x01(\x0b\x32 .trioserve.v1.SamplingParameters\x12\x10\n\x08priority\x18\x06 \x01(\x05\x42\x08\n\x06prompt\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xa6\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12\"\n\x05usage\x18\x07 \x01(\x0b\x32\x13.trioserve.v1.Usage\"1\n\x0c\x41\x62ortRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"J\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\"\x13\n\x11ListModelsRequest\"U\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x0f\n\x07\x63reated\x18\x04 \x01(\x03\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.trioserve.v1.ModelInfo2\xb7\x02\n\nGeneration\x12K\n\x08Generate\x12\x1d.trioserve.v1.GenerateRequest\x1a\x1e.trioserve.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.trioserve.v1.AbortRequest\x1a\x1b.trioserve.v1.AbortResponse\x12I\n\x08Tokenize\x12\x1d.trioserve.v1.TokenizeRequest\x1a\x1e.trioserve.v1.TokenizeResponse\x12O\n\nListModels\x12\x1f.trioserve.v1.ListModelsRequest\x1a .trioserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dtrioserve/rpc/trioserve.proto\x12\x0ctrioserve.v1\"\xbd\x06\n\x12SamplingParameters\x12\x0e\n\x01n\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x17\n\nmax_tokens\x18\n \x01(\x05H\t\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0b \x01(\x05H\n\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\x05\x12\'\n\x1ainclude_stop_str_in_output\x18\x0e \x01(\x08H\x0b\x88\x01\x01\x12\x17\n\nignore_eos\x18\x0f \x01(\x08H\x0c\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x10 \x01(\x08H\r\x88\x01\x01\x12\x43\n\nlogit_bias\x18\x11 \x03(\x0b\x32/.trioserve.v1.SamplingParameters.LogitBiasEntry\x12\x38\n\x11logits_processors\x18\x12 \x03(\x0b\x32\x1d.trioserve.v1.LogitsProcessor\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x1d\n\x1b_include_stop_str_in_outputB\r\n\x0b_ignore_eosB\x16\n\x14_skip_special_tokens\"2\n\x0fLogitsProcessor\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\targs_json\x18\x02 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xc7\x02\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x16.trioserve.v1.TokenIdsH\x00\x12\x30\n\x06params\x18\x05 \x01(\x0b\x32 .trioserve.v1.SamplingParameters\x12\x10\n\x08priority\x18\x06 \x01(\x05\x12\x14\n\x07ttft_ms\x18\x07 \x01(\x01H\x01\x88\x01\x01\x12\x14\n\x07tpot_ms\x18\x08 \x01(\x01H\x02\x88\x01\x01\x12\'\n\x08slo_mode\x18\t \x01(\x0e\x32\x15.trioserve.v1.SloMode\x12\x19\n\x11slo_allow_shorter\x18\n \x01(\x08\x42\x08\n\x06promptB\n\n\x08_ttft_msB\n\n\x08_tpot_ms\"\xf4\x03\n\tSloReport\x12\x10\n\x08\x65nforced\x18\x01 \x01(\x08\x12\'\n\x08slo_mode\x18\x02 \x01(\x0e\x32\x15.trioserve.v1.SloMode\x12\x14\n\x07ttft_ms\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\x14\n\x07tpot_ms\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x1e\n\x11predicted_ttft_ms\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x1e\n\x11predicted_tpot_ms\x18\x06 \x01(\x01H\x03\x88\x01\x01\x12\x1d\n\x10measured_ttft_ms\x18\x07 \x01(\x01H\x04\x88\x01\x01\x12\x1d\n\x10measured_tpot_ms\x18\x08 \x01(\x01H\x05\x88\x01\x01\x12\x15\n\x08ttft_met\x18\t \x01(\x08H\x06\x88\x01\x01\x12\x15\n\x08tpot_met\x18\n \x01(\x08H\x07\x88\x01\x01\x12\"\n\x15max_tokens_lowered_to\x18\x0b \x01(\x05H\x08\x88\x01\x01\x12\x0e\n\x06reason\x18\x0c \x01(\tB\n\n\x08_ttft_msB\n\n\x08_tpot_msB\x14\n\x12_predicted_ttft_msB\x14\n\x12_predicted_tpot_msB\x13\n\x11_measured_ttft_msB\x13\n\x11_measured_tpot_msB\x0b\n\t_ttft_metB\x0b\n\t_tpot_metB\x18\n\x16_max_tokens_lowered_to\"v\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12$\n\x03slo\x18\x04 \x01(\x0b\x32\x17.trioserve.v1.SloReport\"\xa6\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12\"\n\x05usage\x18\x07 \x01(\x0b\x32\x13.trioserve.v1.Usage\"1\n\x0c\x41\x62ortRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\" \n\rAbortResponse\x12\x0f\n\x07\x61\x62orted\x18\x01 \x01(\x08\"J\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\"\x13\n\x11ListModelsRequest\"U\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x0f\n\x07\x63reated\x18\x04 \x01(\x03\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.trioserve.v1.ModelInfo*T\n\x07SloMode\x12\x18\n\x14SLO_MODE_UNSPECIFIED\x10\x00\x12\x15\n\x11SLO_MODE_ENFORCED\x10\x01\x12\x18\n\x14SLO_MODE_BEST_EFFORT\x10\x02\x32\xb7\x02\n\nGeneration\x12K\n\x08Generate\x12\x1d.trioserve.v1.GenerateRequest\x1a\x1e.trioserve.v1.GenerateResponse0\x01\x12@\n\x05\x41\x62ort\x12\x1a.trioserve.v1.AbortRequest\x1a\x1b.trioserve.v1.AbortResponse\x12I\n\x08Tokenize\x12\x1d.trioserve.v1.TokenizeRequest\x1a\x1e.trioserve.v1.TokenizeResponse\x12O\n\nListModels\x12\x1f.trioserve.v1.ListModelsRequest\x1a .trioserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,6 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_SLOMODE']._serialized_start=2472
+  _globals['_SLOMODE']._serialized_end=2556
   _globals['_SAMPLINGPARAMETERS']._serialized_start=48
   _globals['_SAMPLINGPARAMETERS']._serialized_end=877
   _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_start=602
@@ -42,25 +44,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=931
   _globals['_TOKENIDS']._serialized_end=954
   _globals['_GENERATEREQUEST']._serialized_start=957
-  _globals['_GENERATEREQUEST']._serialized_end=1148
-  _globals['_USAGE']._serialized_start=1150
-  _globals['_USAGE']._serialized_end=1230
-  _globals['_GENERATERESPONSE']._serialized_start=1233
-  _globals['_GENERATERESPONSE']._serialized_end=1399
-  _globals['_ABORTREQUEST']._serialized_start=1401
-  _globals['_ABORTREQUEST']._serialized_end=1450
-  _globals['_ABORTRESPONSE']._serialized_start=1452
-  _globals['_ABORTRESPONSE']._serialized_end=1484
-  _globals['_TOKENIZEREQUEST']._serialized_start=1486
-  _globals['_TOKENIZEREQUEST']._serialized_end=1560
-  _globals['_TOKENIZERESPONSE']._serialized_start=1562
-  _globals['_TOKENIZERESPONSE']._serialized_end=1622
-  _globals['_LISTMODELSREQUEST']._serialized_start=1624
-  _globals['_LISTMODELSREQUEST']._serialized_end=1643
-  _globals['_MODELINFO']._serialized_start=1645
-  _globals['_MODELINFO']._serialized_end=1730
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1732
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1793
-  _globals['_GENERATION']._serialized_start=1796
-  _globals['_GENERATION']._serialized_end=2107
+  _globals['_GENERATEREQUEST']._serialized_end=1284
+  _globals['_SLOREPORT']._serialized_start=1287
+  _globals['_SLOREPORT']._serialized_end=1787
+  _globals['_USAGE']._serialized_start=1789
+  _globals['_USAGE']._serialized_end=1907
+  _globals['_GENERATERESPONSE']._serialized_start=1910
+  _globals['_GENERATERESPONSE']._serialized_end=2076
+  _globals['_ABORTREQUEST']._serialized_start=2078
+  _globals['_ABORTREQUEST']._serialized_end=2127
+  _globals['_ABORTRESPONSE']._serialized_start=2129
+  _globals['_ABORTRESPONSE']._serialized_end=2161
+  _globals['_TOKENIZEREQUEST']._serialized_start=2163
+  _globals['_TOKENIZEREQUEST']._serialized_end=2237
+  _globals['_TOKENIZERESPONSE']._serialized_start=2239
+  _globals['_TOKENIZERESPONSE']._serialized_end=2299
+  _globals['_LISTMODELSREQUEST']._serialized_start=2301
+  _globals['_LISTMODELSREQUEST']._serialized_end=2320
+  _globals['_MODELINFO']._serialized_start=2322
+  _globals['_MODELINFO']._serialized_end=2407
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2409
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2470
+  _globals['_GENERATION']._serialized_start=2559
+  _globals['_GENERATION']._serialized_end=2870
 # @@protoc_insertion_point(module_scope)

@@ -1,10 +1,20 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class SloMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SLO_MODE_UNSPECIFIED: _ClassVar[SloMode]
+    SLO_MODE_ENFORCED: _ClassVar[SloMode]
+    SLO_MODE_BEST_EFFORT: _ClassVar[SloMode]
+SLO_MODE_UNSPECIFIED: SloMode
+SLO_MODE_ENFORCED: SloMode
+SLO_MODE_BEST_EFFORT: SloMode
 
 class SamplingParameters(_message.Message):
     __slots__ = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "max_tokens", "min_tokens", "stop", "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "logit_bias", "logits_processors")
@@ -68,30 +78,68 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("model", "request_id", "text", "token_ids", "params", "priority")
+    __slots__ = ("model", "request_id", "text", "token_ids", "params", "priority", "ttft_ms", "tpot_ms", "slo_mode", "slo_allow_shorter")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    TPOT_MS_FIELD_NUMBER: _ClassVar[int]
+    SLO_MODE_FIELD_NUMBER: _ClassVar[int]
+    SLO_ALLOW_SHORTER_FIELD_NUMBER: _ClassVar[int]
     model: str
     request_id: str
     text: str
     token_ids: TokenIds
     params: SamplingParameters
     priority: int
-    def __init__(self, model: _Optional[str] = ..., request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., params: _Optional[_Union[SamplingParameters, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
+    ttft_ms: float
+    tpot_ms: float
+    slo_mode: SloMode
+    slo_allow_shorter: bool
+    def __init__(self, model: _Optional[str] = ..., request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., params: _Optional[_Union[SamplingParameters, _Mapping]] = ..., priority: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., tpot_ms: _Optional[float] = ..., slo_mode: _Optional[_Union[SloMode, str]] = ..., slo_allow_shorter: _Optional[bool] = ...) -> None: ...
+
+class SloReport(_message.Message):
+    __slots__ = ("enforced", "slo_mode", "ttft_ms", "tpot_ms", "predicted_ttft_ms", "predicted_tpot_ms", "measured_ttft_ms", "measured_tpot_ms", "ttft_met", "tpot_met", "max_tokens_lowered_to", "reason")
+    ENFORCED_FIELD_NUMBER: _ClassVar[int]
+    SLO_MODE_FIELD_NUMBER: _ClassVar[int]
+    TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    TPOT_MS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TPOT_MS_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_TPOT_MS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_MET_FIELD_NUMBER: _ClassVar[int]
+    TPOT_MET_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_LOWERED_TO_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    enforced: bool
+    slo_mode: SloMode
+    ttft_ms: float
+    tpot_ms: float
+    predicted_ttft_ms: float
+    predicted_tpot_ms: float
+    measured_ttft_ms: float
+    measured_tpot_ms: float
+    ttft_met: bool
+    tpot_met: bool
+    max_tokens_lowered_to: int
+    reason: str
+    def __init__(self, enforced: _Optional[bool] = ..., slo_mode: _Optional[_Union[SloMode, str]] = ..., ttft_ms: _Optional[float] = ..., tpot_ms: _Optional[float] = ..., predicted_ttft_ms: _Optional[float] = ..., predicted_tpot_ms: _Optional[float] = ..., measured_ttft_ms: _Optional[float] = ..., measured_tpot_ms: _Optional[float] = ..., ttft_met: _Optional[bool] = ..., tpot_met: _Optional[bool] = ..., max_tokens_lowered_to: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "slo")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SLO_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    slo: SloReport
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., slo: _Optional[_Union[SloReport, _Mapping]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "index", "text", "token_ids", "finish_reason", "stop_reason", "usage")

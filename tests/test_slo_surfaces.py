@@ -296,3 +296,84 @@ def test_a_refusal_while_degraded_is_each_apis_unavailable():
     error = from_exception(refused)
     assert (error.status, error.code, error.headers["Retry-After"]) == (503, "slo_unattainable", "2")
     assert error_json(error.status, error.message, error.param)["error"]["type"] == "overloaded_error"
+
+
+# -- gRPC's Generate, over a real channel --------------------------------------------
+
+
+def _generate(server, metadata=(), **fields) -> list[pb.GenerateResponse]:
+    params = pb.SamplingParameters(max_tokens=3)
+    with grpc.insecure_channel(f"127.0.0.1:{app_grpc(server.app).port}") as channel:
+        request = pb.GenerateRequest(model=MODEL, text="Hi", params=params, **fields)
+        return list(pb_grpc.GenerationStub(channel).Generate(request, metadata=metadata, timeout=120))
+
+
+@pytest.mark.parametrize(
+    ("fields", "metadata", "param"),
+    [
+        ({"ttft_ms": -5}, (), "ttft_ms"),
+        ({"tpot_ms": 86_400_001}, (), "tpot_ms"),
+        ({"slo_mode": 7}, (), "slo_mode"),  # no such SloMode
+        ({}, (("x-slo-ttft-ms", "soon"),), "x-slo-ttft-ms"),
+    ],
+)
+def test_grpc_bad_target_is_invalid_argument_naming_its_field(plain_server, fields, metadata, param):
+    with pytest.raises(grpc.RpcError) as refused:
+        _generate(plain_server, metadata, **fields)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert dict(refused.value.trailing_metadata())["trioserve-param"] == param
+
+
+def test_grpc_refuses_with_resource_exhausted_and_the_details(slo_server):
+    def refuse() -> None:
+        with pytest.raises(grpc.RpcError) as ttft:
+            _generate(slo_server, ttft_ms=IMPOSSIBLE_MS)
+        assert ttft.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "exceeds ttft_ms 0.001 by" in ttft.value.details()
+        trailing = dict(ttft.value.trailing_metadata())
+        assert (trailing["trioserve-code"], trailing["trioserve-param"]) == ("slo_unattainable", "ttft_ms")
+        assert (trailing["trioserve-slo-objective"], trailing["trioserve-slo-target-ms"]) == ("ttft_ms", "0.001")
+        assert float(trailing["trioserve-slo-over-ms"]) > 0 and int(trailing["retry-after"]) >= 1
+        # The call's metadata states a target as the HTTP headers do.
+        with pytest.raises(grpc.RpcError) as tpot:
+            _generate(slo_server, [("x-slo-tpot-ms", str(IMPOSSIBLE_MS))], slo_allow_shorter=True)
+        assert dict(tpot.value.trailing_metadata())["trioserve-slo-objective"] == "tpot_ms"
+
+    assert _decisions(slo_server, refuse) == {"refused_ttft": 1, "refused_tpot": 1}
+
+
+def test_grpc_best_effort_is_admitted_and_reported_in_usage(slo_server):
+    responses: list[pb.GenerateResponse] = []
+
+    def admit() -> None:
+        responses.extend(
+            _generate(slo_server, ttft_ms=IMPOSSIBLE_MS, tpot_ms=LOOSE_MS, slo_mode=pb.SLO_MODE_BEST_EFFORT)
+        )
+
+    assert _decisions(slo_server, admit) == {
+        "admitted": 1, "ttft_missed": 1, "tpot_met": 1,
+        "predicted_ttft": 1, "measured_ttft": 1, "predicted_tpot": 1, "measured_tpot": 1,
+    }  # fmt: skip
+    slo = responses[-1].usage.slo
+    assert slo.enforced and slo.slo_mode == pb.SLO_MODE_BEST_EFFORT
+    assert slo.HasField("ttft_ms") and slo.tpot_ms == LOOSE_MS  # usage.slo's ms, to 0.1
+    assert slo.predicted_ttft_ms > 0 and slo.measured_ttft_ms > 0 and slo.measured_tpot_ms > 0
+    assert (slo.ttft_met, slo.tpot_met) == (False, True) and not slo.HasField("max_tokens_lowered_to")
+
+
+def test_grpc_targets_without_the_slo_policy_are_reported_not_enforced(plain_server):
+    last = _generate(plain_server, [("x-slo-ttft-ms", "250")])[-1]
+    assert last.usage.HasField("slo") and not last.usage.slo.enforced
+    assert last.usage.slo.ttft_ms == 250 and "not enforced" in last.usage.slo.reason
+    assert not _generate(plain_server)[-1].usage.HasField("slo")
+
+
+def test_a_grpc_refusal_while_degraded_is_unavailable():
+    refused = SloRefused(objective="ttft_ms", predicted=2.5, target=0.5, retry_after=2.0, degraded=True)
+    assert rpc_messages.status_of(from_exception(refused)) == grpc.StatusCode.UNAVAILABLE
+    assert dict(rpc_messages.refusal_metadata(refused)) == {
+        "trioserve-slo-objective": "ttft_ms",
+        "trioserve-slo-predicted-ms": "2500.0",
+        "trioserve-slo-target-ms": "500",
+        "trioserve-slo-over-ms": "2000.0",
+    }

@@ -26,6 +26,7 @@ from .host import EXTENSION, ModelHost
 from .plugins import PLUGINS_EXTENSION, ServerPlugins
 from .serve_options import server_config_from_env
 from .settings import ServerConfig
+from .slo_door import GrpcObjectives
 from .tracing import Tracing
 from .tracing import register as register_tracing
 
@@ -107,6 +108,7 @@ def _grpc_service(app: QuartTrio, host: ModelHost) -> GrpcService | None:
         host,
         bind_address(config.grpc_host, config.grpc_port),
         translate=functools.partial(translate, log_requests=config.log_requests),
+        objectives=GrpcObjectives(),
         plugins=app.extensions[PLUGINS_EXTENSION],
         max_request_time=config.max_request_time,
     )

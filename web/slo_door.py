@@ -1,11 +1,12 @@
 """Latency objectives at every API's door (issue #44): the one sequence
-that ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses`` and
-``/v1/messages`` take, so that no surface keeps a copy of it.
+that ``/v1/completions``, ``/v1/chat/completions``, ``/v1/responses``,
+``/v1/messages`` and gRPC's ``Generate`` (``GrpcObjectives``) take, so
+that no surface keeps a copy of it.
 
 Before the request is queued, its objectives are completed: the body's
 own (checked by web/slo.py's ``body_objectives``: a bad value is a 400
-naming the field), then the headers', then the server's defaults
-(``objectives``). Queueing it runs the decision
+naming the field), then the headers' (gRPC: the call's metadata), then
+the server's defaults (``objectives``). Queueing it runs the decision
 (actors/slo_admission.py): a refusal raises ``SloRefused``, which
 web/errors.py's ``from_exception`` answers (429, or 503 while degraded,
 with ``Retry-After``, the objective in ``param`` and by how much in the
@@ -20,12 +21,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import attrs
+
 from trioserve.actors.slo_admission import SloRefused
 from trioserve.engine.core.new_request import RequestInput
 
 from . import tracing
 from .served import ServedModel
-from .slo import SloReport, slo_report, with_objectives
+from .slo import SloReport, body_objectives, slo_report, with_objectives
 
 
 def objectives(served: ServedModel, new: RequestInput, headers: Mapping[str, str], model: str | None) -> RequestInput:
@@ -56,3 +59,24 @@ def admitted(served: ServedModel, new: RequestInput, stream: Any, *, traced: boo
             tracing.slo_decided(report)
     return report
 
+
+@attrs.frozen
+class GrpcObjectives:
+    """The door for gRPC (rpc/host.py's ``Objectives``): rpc/ sits below
+    web/ and imports nothing of it, so the server hands it this, as it
+    hands ``translate``. No span: gRPC calls are not traced."""
+
+    def given(self, new: RequestInput, fields: Mapping[str, Any]) -> RequestInput:
+        """``new`` with the objectives the request's ``fields`` state (by
+        their body names, unset ones left out): checked as a body's."""
+        stated = body_objectives(fields)
+        return new if stated is new.objectives else attrs.evolve(new, objectives=stated)
+
+    def complete(self, served: Any, new: RequestInput, metadata: Mapping[str, str]) -> RequestInput:
+        return objectives(served, new, metadata, None)
+
+    def refused(self, served: Any, priority: int, exc: BaseException) -> None:
+        refused(served, priority, exc, traced=False)
+
+    def admitted(self, served: Any, new: RequestInput, stream: Any) -> SloReport | None:
+        return admitted(served, new, stream, traced=False)
