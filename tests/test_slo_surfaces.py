@@ -179,7 +179,7 @@ def test_responses_best_effort_is_admitted_and_reported_in_usage(slo_server, exp
     assert slo["predicted"]["ttft_ms"] > 0 and slo["met"] == {"ttft": False, "tpot": True}
     [(name, attributes)] = _slo_events(exporter, request_id)
     assert name == "slo.admitted" and attributes["trioserve.slo.predicted_ttft_ms"] > 0
-    assert attributes["trioserve.slo.ttft_ms"] == IMPOSSIBLE_MS and attributes["trioserve.slo.enforced"] is True
+    assert attributes["trioserve.slo.ttft_ms"] == IMPOSSIBLE_MS and attributes["trioserve.slo.mode"] == "best_effort"
     # Streamed: the usage of the whole response the last event carries
     # (incomplete: it ran to max_output_tokens).
     with _openai(slo_server) as client:
@@ -197,9 +197,14 @@ def test_responses_targets_without_the_slo_policy_are_reported_not_enforced(plai
     reply = _respond(plain_server, request_id, headers={"x-slo-tpot-ms": "500"}, ttft_ms=IMPOSSIBLE_MS)
     slo = reply.usage.model_extra["slo"]
     assert slo["enforced"] is False and "not enforced" in slo["reason"] and slo["tpot_ms"] == 500
-    assert _slo_events(exporter, request_id) == [
-        ("slo.not_enforced", {"trioserve.slo.enforced": False, "trioserve.slo.ttft_ms": IMPOSSIBLE_MS, "trioserve.slo.tpot_ms": 500.0})
-    ]
+    [(name, attributes)] = _slo_events(exporter, request_id)
+    assert name == "slo.not_enforced" and attributes == {
+        "trioserve.slo.enforced": False,
+        "trioserve.slo.decision": "not_enforced",
+        "trioserve.slo.mode": "enforced",
+        "trioserve.slo.ttft_ms": IMPOSSIBLE_MS,
+        "trioserve.slo.tpot_ms": 500.0,
+    }
     assert "slo" not in (_respond(plain_server).usage.model_extra or {})
 
 
@@ -210,6 +215,29 @@ def test_responses_body_passes_the_objectives_to_the_chat_request():
     assert (objectives.ttft, objectives.tpot, objectives.allow_shorter) == (0.25, 0.02, True)
     # The max_tokens a TPOT refusal may lower is the one max_output_tokens set.
     assert parsed.request.params.max_tokens == 40
+
+
+# -- /v1/chat/completions and /v1/completions: the door's events on the span -------
+
+
+def test_chat_and_completions_spans_mark_the_prediction_and_the_decision(slo_server, exporter):
+    admitted_id, refused_id = _request_id(), _request_id()
+    with httpx.Client(base_url=slo_server.url, timeout=120) as http:
+        body = {"model": MODEL, "messages": CHAT, "max_tokens": 3, "ttft_ms": LOOSE_MS, "tpot_ms": LOOSE_MS}
+        assert http.post("/v1/chat/completions", json=body, headers={HEADER: admitted_id}).status_code == 200
+        plain = {"model": MODEL, "prompt": "Hi", "max_tokens": 3}
+        headers = {HEADER: refused_id, "x-slo-ttft-ms": str(IMPOSSIBLE_MS)}
+        assert http.post("/v1/completions", json=plain, headers=headers).status_code == 429
+    [(name, admitted)] = _slo_events(exporter, admitted_id)
+    assert name == "slo.admitted" and admitted["trioserve.slo.enforced"] is True
+    assert (admitted["trioserve.slo.decision"], admitted["trioserve.slo.mode"]) == ("admitted", "enforced")
+    assert admitted["trioserve.slo.predicted_ttft_ms"] > 0 and admitted["trioserve.slo.predicted_tpot_ms"] > 0
+    assert "trioserve.slo.max_tokens_lowered_to" not in admitted
+    [(name, refusal)] = _slo_events(exporter, refused_id)
+    assert name == "slo.refused" and refusal["trioserve.slo.decision"] == "refused_ttft"
+    assert refusal["trioserve.slo.objective"] == "ttft_ms" and refusal["trioserve.slo.degraded"] is False
+    over = refusal["trioserve.slo.predicted_ms"] - refusal["trioserve.slo.target_ms"]
+    assert refusal["trioserve.slo.over_ms"] == pytest.approx(over) and over > 0
 
 
 # -- /v1/messages, with the anthropic client ---------------------------------------

@@ -110,6 +110,15 @@ class SloReport:
     enforced: bool
     decision: SloDecision | None = None
 
+    @property
+    def verdict(self) -> str:
+        """What the door decided, as the metrics and traces name it:
+        ``admitted``, ``shortened`` (at a lower ``max_tokens``) or
+        ``not_enforced``."""
+        if not self.enforced:
+            return "not_enforced"
+        return "shortened" if self.decision is not None and self.decision.max_tokens is not None else "admitted"
+
     def measured(self, times: RequestTimes | None, num_output_tokens: int) -> tuple[float | None, float | None]:
         """The measured TTFT and TPOT, in seconds (None: not known yet)."""
         if times is None or times.first_token is None:

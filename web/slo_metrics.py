@@ -76,11 +76,7 @@ class SloMetrics:
     def track(self, request_id: str, model: str, priority: int, report: SloReport) -> None:
         """A request with objectives was accepted: count its decision, and
         observe its outcome when its first completion finishes."""
-        decision = "not_enforced"
-        if report.enforced:
-            shortened = report.decision is not None and report.decision.max_tokens is not None
-            decision = "shortened" if shortened else "admitted"
-        self.requests.labels(model, str(priority), decision).inc()
+        self.requests.labels(model, str(priority), report.verdict).inc()
         self._tracked[request_id] = _Judged(model, str(priority), report)
 
     def observe_output(self, output: RequestOutput) -> None:

@@ -346,7 +346,12 @@ def slo_decided(report: Any) -> None:
     trace: RequestTrace | None = g.get("trace")
     if trace is None:
         return
-    attributes: dict[str, Any] = {"trioserve.slo.enforced": report.enforced}
+    attributes: dict[str, Any] = {
+        "trioserve.slo.enforced": report.enforced,
+        # As the trioserve:slo_requests_total counter labels it.
+        "trioserve.slo.decision": report.verdict,
+        "trioserve.slo.mode": "best_effort" if report.objectives.best_effort else "enforced",
+    }
     for name, value in (("ttft_ms", report.objectives.ttft), ("tpot_ms", report.objectives.tpot)):
         if value is not None:
             attributes[f"trioserve.slo.{name}"] = value * 1000
@@ -368,8 +373,11 @@ def slo_refused(exc: Any) -> None:
     trace.span.add_event(
         "slo.refused",
         {
+            "trioserve.slo.decision": f"refused_{exc.reason}",
             "trioserve.slo.objective": exc.objective,
             "trioserve.slo.predicted_ms": exc.predicted * 1000,
             "trioserve.slo.target_ms": exc.target * 1000,
+            "trioserve.slo.over_ms": (exc.predicted - exc.target) * 1000,
+            "trioserve.slo.degraded": exc.degraded,
         },
     )
