@@ -19,9 +19,11 @@ import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client import CollectorRegistry
 
 from trioserve import testing
-from trioserve.actors.slo_admission import SloRefused
+from trioserve.actors.slo_admission import SloDecision, SloPrediction, SloRefused
+from trioserve.engine.latency_objectives import LatencyObjectives
 from trioserve.rpc import messages as rpc_messages
 from trioserve.rpc import trioserve_pb2 as pb
 from trioserve.rpc import trioserve_pb2_grpc as pb_grpc
@@ -32,6 +34,8 @@ from trioserve.web.errors import from_exception
 from trioserve.web.openai_responses import ResponsesBody
 from trioserve.web.protocol import ChatCompletionRequest
 from trioserve.web.request_ids import HEADER
+from trioserve.web.slo import SloReport
+from trioserve.web.slo_metrics import SloMetrics
 from trioserve.web.tracing import Tracing
 
 from server_fixtures import MODEL, metric_values, server_config, server_in_thread
@@ -85,23 +89,33 @@ def _grew(before: dict[str, float], after: dict[str, float], key: str) -> float:
     return after.get(key, 0.0) - before.get(key, 0.0)
 
 
-def _decisions(server, action) -> dict[str, float]:
-    """How ``action()`` moved the door's counts and the histograms of
-    priority 0: {"refused_ttft": 1.0, "predicted_ttft": 1.0, ...}."""
+def _decisions(server, action, priority: int = 0) -> dict[str, float]:
+    """How ``action()`` moved the door's counts and the histograms of the
+    ``priority`` class: {"refused_ttft": 1.0, "predicted_ttft": 1.0, ...}."""
     before = _metrics(server)
     action()
     after = _metrics(server)
     moved = {}
     for decision in ("admitted", "refused_ttft", "refused_tpot", "shortened", "not_enforced"):
-        moved[decision] = _grew(before, after, f"trioserve:slo_requests_total{{decision={decision},priority=0}}")
+        key = f"trioserve:slo_requests_total{{decision={decision},priority={priority}}}"
+        moved[decision] = _grew(before, after, key)
     for objective in ("ttft", "tpot"):
         for outcome in ("met", "missed"):
-            key = f"trioserve:slo_outcomes_total{{objective={objective},outcome={outcome},priority=0}}"
+            key = f"trioserve:slo_outcomes_total{{objective={objective},outcome={outcome},priority={priority}}}"
             moved[f"{objective}_{outcome}"] = _grew(before, after, key)
         for kind in ("predicted", "measured"):
-            key = f"trioserve:slo_{kind}_{objective}_seconds_count{{priority=0}}"
+            key = f"trioserve:slo_{kind}_{objective}_seconds_count{{priority={priority}}}"
             moved[f"{kind}_{objective}"] = _grew(before, after, key)
+        key = f"trioserve:slo_{objective}_relative_error_count{{priority={priority}}}"
+        moved[f"{objective}_error"] = _grew(before, after, key)
     return {name: value for name, value in moved.items() if value}
+
+
+# What one judged request that ran moves: each prediction against what came.
+OBSERVED = {
+    "predicted_ttft": 1, "measured_ttft": 1, "ttft_error": 1,
+    "predicted_tpot": 1, "measured_tpot": 1, "tpot_error": 1,
+}  # fmt: skip
 
 
 def _slo_events(exporter, request_id: str) -> list[tuple[str, dict]]:
@@ -167,13 +181,11 @@ def test_responses_best_effort_is_admitted_and_reported_in_usage(slo_server, exp
     replies = []
 
     def admit() -> None:
-        replies.append(_respond(slo_server, request_id, ttft_ms=IMPOSSIBLE_MS, tpot_ms=LOOSE_MS, slo_mode="best_effort"))
+        extra = {"ttft_ms": IMPOSSIBLE_MS, "tpot_ms": LOOSE_MS, "slo_mode": "best_effort", "priority": 1}
+        replies.append(_respond(slo_server, request_id, **extra))
 
-    moved = _decisions(slo_server, admit)
-    assert moved == {
-        "admitted": 1, "ttft_missed": 1, "tpot_met": 1,
-        "predicted_ttft": 1, "measured_ttft": 1, "predicted_tpot": 1, "measured_tpot": 1,
-    }  # fmt: skip
+    # Counted in its own priority class.
+    assert _decisions(slo_server, admit, priority=1) == {"admitted": 1, "ttft_missed": 1, "tpot_met": 1, **OBSERVED}
     slo = replies[0].usage.model_extra["slo"]
     assert slo["enforced"] is True and slo["slo_mode"] == "best_effort"
     assert slo["predicted"]["ttft_ms"] > 0 and slo["met"] == {"ttft": False, "tpot": True}
@@ -194,8 +206,14 @@ def test_responses_best_effort_is_admitted_and_reported_in_usage(slo_server, exp
 
 def test_responses_targets_without_the_slo_policy_are_reported_not_enforced(plain_server, exporter):
     request_id = _request_id()
-    reply = _respond(plain_server, request_id, headers={"x-slo-tpot-ms": "500"}, ttft_ms=IMPOSSIBLE_MS)
-    slo = reply.usage.model_extra["slo"]
+    replies = []
+
+    def carry() -> None:
+        replies.append(_respond(plain_server, request_id, headers={"x-slo-tpot-ms": "500"}, ttft_ms=IMPOSSIBLE_MS))
+
+    # Met or missed is counted; nothing was predicted.
+    assert _decisions(plain_server, carry) == {"not_enforced": 1, "ttft_missed": 1, "tpot_met": 1}
+    slo = replies[0].usage.model_extra["slo"]
     assert slo["enforced"] is False and "not enforced" in slo["reason"] and slo["tpot_ms"] == 500
     [(name, attributes)] = _slo_events(exporter, request_id)
     assert name == "slo.not_enforced" and attributes == {
@@ -287,12 +305,8 @@ def test_messages_best_effort_is_admitted_and_reported_in_usage(slo_server, expo
     def admit() -> None:
         replies.append(_message(slo_server, request_id, ttft_ms=IMPOSSIBLE_MS, slo_mode="best_effort"))
 
-    # Judged, both predictions are observed against what came; only the
-    # TTFT has a target to count as met or missed.
-    assert _decisions(slo_server, admit) == {
-        "admitted": 1, "ttft_missed": 1,
-        "predicted_ttft": 1, "measured_ttft": 1, "predicted_tpot": 1, "measured_tpot": 1,
-    }  # fmt: skip
+    # Both predictions are observed; only the TTFT has a target to count.
+    assert _decisions(slo_server, admit) == {"admitted": 1, "ttft_missed": 1, **OBSERVED}
     slo = replies[0].usage.model_extra["slo"]
     assert slo["enforced"] is True and slo["slo_mode"] == "best_effort" and slo["met"] == {"ttft": False}
     [(name, attributes)] = _slo_events(exporter, request_id)
@@ -374,14 +388,10 @@ def test_grpc_best_effort_is_admitted_and_reported_in_usage(slo_server):
     responses: list[pb.GenerateResponse] = []
 
     def admit() -> None:
-        responses.extend(
-            _generate(slo_server, ttft_ms=IMPOSSIBLE_MS, tpot_ms=LOOSE_MS, slo_mode=pb.SLO_MODE_BEST_EFFORT)
-        )
+        mode = pb.SLO_MODE_BEST_EFFORT
+        responses.extend(_generate(slo_server, ttft_ms=IMPOSSIBLE_MS, tpot_ms=LOOSE_MS, slo_mode=mode, priority=2))
 
-    assert _decisions(slo_server, admit) == {
-        "admitted": 1, "ttft_missed": 1, "tpot_met": 1,
-        "predicted_ttft": 1, "measured_ttft": 1, "predicted_tpot": 1, "measured_tpot": 1,
-    }  # fmt: skip
+    assert _decisions(slo_server, admit, priority=2) == {"admitted": 1, "ttft_missed": 1, "tpot_met": 1, **OBSERVED}
     slo = responses[-1].usage.slo
     assert slo.enforced and slo.slo_mode == pb.SLO_MODE_BEST_EFFORT
     assert slo.HasField("ttft_ms") and slo.tpot_ms == LOOSE_MS  # usage.slo's ms, to 0.1
@@ -405,3 +415,17 @@ def test_a_grpc_refusal_while_degraded_is_unavailable():
         "trioserve-slo-target-ms": "500",
         "trioserve-slo-over-ms": "2000.0",
     }
+
+
+def test_a_shortened_admission_is_counted_and_reported_as_on_every_surface():
+    # Which max_tokens fits a TPOT target depends on the live load: the
+    # decision is made here, and what each surface reports of it checked.
+    objectives = LatencyObjectives(ttft=0.5, tpot=0.01, allow_shorter=True)
+    report = SloReport(objectives, enforced=True, decision=SloDecision(SloPrediction(ttft=0.2, tpot=0.05), max_tokens=20))
+    registry = CollectorRegistry()
+    SloMetrics(registry).track("r1", MODEL, 0, report)
+    labels = {"model_name": MODEL, "priority": "0", "decision": "shortened"}
+    assert registry.get_sample_value("trioserve:slo_requests_total", labels) == 1
+    usage = report.usage(None, 0)
+    assert usage["max_tokens_lowered_to"] == 20 and "slo_allow_shorter" in usage["reason"]
+    assert rpc_messages.slo_report(usage).max_tokens_lowered_to == 20
