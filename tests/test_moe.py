@@ -17,7 +17,8 @@ from safetensors.torch import load_file
 from trioserve.engine.errors import ModelLoadError
 from trioserve.engine.kernels import mxfp4
 from trioserve.engine.kernels.choose import KERNELS, KernelChoice, choose_kernel
-from trioserve.engine.kernels.rtn import quantize_int4
+from trioserve.engine.kernels.q8_lanes import Q8Lanes
+from trioserve.engine.kernels.rtn import quantize_int4, quantize_int8_groups, regroup_int8
 from trioserve.engine.models.moe import SparseMoeBlock, gpt_oss_activation
 from trioserve.engine.models.moe_weights import (
     ExpertCollector,
@@ -281,6 +282,38 @@ def test_compressed_experts_are_batch_invariant_on_row_invariant_kernels(saved, 
     run = block.experts(pack=True)  # the float router on oneDNN
     x, row = _x(tokens, row), row % tokens
     assert torch.equal(run(x)[row], run(x[row : row + 1])[0])
+
+
+@pytest.mark.cpu_paths
+def test_int8_group_experts_stream_as_lanes_blocks_on_vnni(saved, isas):
+    # A Q4_K_M file's Q6_K experts (int8 groups of 16, rounded into 32s) on
+    # avx512vnni are held as its kernels read them fastest, and compute the
+    # groups' values.
+    if "avx512vnni" not in isas:
+        pytest.skip("no avx512vnni here")
+    _, tensors, hf = saved["qwen3_moe"]
+    choice = KernelChoice(next(k for k in KERNELS if k.name == "quant_int4_native_avx512vnni"), "auto", 32)
+    block = _block("qwen3_moe", hf, float_experts=False)
+    collector = ExpertCollector(block, LAYER, choice)
+    rest = {}
+    for name, t in tensors.items():
+        if collector.accepts(name):
+            collector.add(name, quantize_int8_groups(t, 16))
+        else:
+            rest[name] = t
+    copy_weights(weight_targets(block, LAYER), rest.items(), _config_stub("qwen3_moe"))
+    block.set_compressed(collector.build())
+    run = block.experts(pack=False)
+    assert all(isinstance(lin.weight, Q8Lanes) for e in run.experts for lin in (e.gate_up, e.down))
+    reference, _ = _loaded("qwen3_moe", saved)
+    with torch.no_grad():
+        for e in range(EXPERTS):
+            for held in (reference.gate_up, reference.down):
+                held[e] = regroup_int8(quantize_int8_groups(held[e], 16), 32).dequantize()
+    x = _x(9, 4)
+    want = reference(x)
+    # int8 activations in groups of 32: about 1% of a product.
+    assert float((run(x) - want).pow(2).mean().sqrt()) < 0.02 * float(want.pow(2).mean().sqrt())
 
 
 def _random_mxfp4(experts: int, out: int, inp: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

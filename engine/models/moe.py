@@ -103,6 +103,8 @@ class GroupedExperts:
         tokens, k = index.shape
         if tokens == 0:
             return torch.zeros_like(x)
+        if tokens == 1:
+            return self._one_token(x, weights, index)
         pairs = index.reshape(-1)
         # Sorted by expert, and within an expert by token (stable): each
         # expert's rows are one slice of the gathered tokens.
@@ -123,6 +125,19 @@ class GroupedExperts:
         out = by_token[:, 0] * w[:, 0:1]
         for j in range(1, k):
             out.add_(by_token[:, j] * w[:, j : j + 1])
+        return out
+
+    def _one_token(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """``combine`` of one token (a one-stream decode step): its k experts
+        straight on its row, without the sort, gather and scatter, summed in
+        the same rank order with the same products, so the bits are
+        ``combine``'s."""
+        w = weights.to(x.dtype)
+        out = None
+        for j, expert in enumerate(index[0].tolist()):
+            y = self._expert(self.experts[expert], x).mul_(w[:, j : j + 1])
+            out = y if out is None else out.add_(y)
+        assert out is not None
         return out
 
     def _expert(self, expert: ExpertLinears, rows: torch.Tensor) -> torch.Tensor:

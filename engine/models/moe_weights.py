@@ -113,7 +113,9 @@ def stack_rows(parts: list[Weight]) -> Weight:
 def expert_linear(choice: KernelChoice, weight: Weight, bias: torch.Tensor | None, *, batch_invariant: bool) -> Linear:
     """One expert matrix on ``choice``'s kernel. Int8 groups (GGUF's Q8_0,
     Q6_K, Q5_0; MXFP4) run as they are on the native group kernel of the
-    choice's variant (Q6_K's groups of 16 rounded into groups of 32), any
+    choice's variant (Q6_K's groups of 16 rounded into groups of 32), held
+    as Q8_0 lanes blocks where ``in_lanes`` says (avx512vnni: the layout its
+    kernels stream fastest, as the dense layers' wider projections), any
     other weight as ``choice.make`` holds it. With ``batch_invariant``, a
     native linear of ``choose.ROW_INVARIANT_ISAS`` runs its int8 kernels at
     every row count, so an expert's row gets the same bits however many
@@ -123,6 +125,7 @@ def expert_linear(choice: KernelChoice, weight: Weight, bias: torch.Tensor | Non
         if weight.group_size != int8_native.GROUP:
             weight = regroup_int8(weight, int8_native.GROUP)
         linear: Linear = int8_native.Int8GroupNativeLinear.over(weight, isa, bias, choice.gemm_from_rows)
+        linear = linear.in_lanes(head=False)
     else:
         linear = choice.make(weight, bias)
     if batch_invariant and isa in ROW_INVARIANT_ISAS and isinstance(linear, Int4NativeLinear | int8_native.Int8GroupNativeLinear):
