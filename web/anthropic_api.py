@@ -32,7 +32,7 @@ from trioserve.engine.errors import InvalidRequestError
 from trioserve.engine.plugins import RequestContext
 from trioserve.engine.text.tokenizer import apply_chat_template
 
-from . import completions, request_ids, slo_door, tracing
+from . import completions, tracing
 from .anthropic_messages import MessagesBody, anthropic_names
 from .anthropic_reply import message_body
 from .anthropic_stream import MessageStream, sse_event, sse_events
@@ -108,9 +108,9 @@ def _renamed(error: ApiError) -> ApiError:
 
 async def create_message() -> Response:
     """Answer a message as the chat path answers its chat completion:
-    the same steps, through ``completions``' own helpers (``chat_input``,
-    ``refusal``, ``first_output``), so that a change there reaches both
-    APIs; only the shapes in and out are Anthropic's."""
+    the same steps, through ``completions``' own helpers (``submit_chat``,
+    ``first_output``), so that a change there reaches both APIs; only the
+    shapes in and out are Anthropic's."""
     arrival = trio.current_time()
     host = current_host()
     plugins = current_plugins()
@@ -126,15 +126,11 @@ async def create_message() -> Response:
         None, parse_timeout_header(request.headers.get(completions.TIMEOUT_HEADER)), host.config.max_request_time
     )
     params = served.engine.sampling_defaults.apply(parsed.params)
-    new = slo_door.objectives(served, parsed.request, request.headers, parsed.model)
     try:
-        new, reading = completions.chat_input(parsed, new, served, host.config)
-        await served.engine.prepare(new.params)
-        stream = request_ids.submit_nowait(served.engine, new, deadline=None if timeout is None else arrival + timeout)
-    except Exception as exc:
-        slo_door.refused(served, new.priority, exc)
-        raise _renamed(completions.refusal(completions.translate(exc, log_requests=log_requests), True)) from None
-    report = slo_door.admitted(served, new, stream)
+        queued = await completions.submit_chat(parsed, served, host.config, None if timeout is None else arrival + timeout)
+    except ApiError as error:
+        raise _renamed(error) from None
+    stream, reading, report = queued.stream, queued.reading, queued.slo
     stream = tracing.follow(stream, params, parsed.model, served.name)
     stream = plugins.postprocessed(stream, RequestContext(ENDPOINT, served.name, stream.request_id, body), 1)
     if messages.stream:

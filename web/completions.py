@@ -52,6 +52,7 @@ from .output_reader import ChatReading
 from .parsers import OutputParsers
 from .reasoning import prompt_opens_thinking
 from .settings import ServerConfig
+from .slo import SloReport
 from .structured import ModelTokens, chat_constraint
 from .tools import render_prompt
 
@@ -267,6 +268,35 @@ def chat_input(
         new = attrs.evolve(new, params=attrs.evolve(new.params, structured_output=constraint))
     reading = ChatReading(parsers.reasoning, starts_inside, parsed.tools, parsers.tools)
     return new, reading
+
+
+@attrs.frozen
+class QueuedChat:
+    """A chat request ``submit_chat`` queued: its input, how its output is
+    read, its stream and its latency objectives' report (None: none)."""
+
+    new: RequestInput
+    reading: ChatReading
+    stream: RequestStream
+    slo: SloReport | None
+
+
+async def submit_chat(
+    parsed: ChatCompletionRequest, served: ServedModel, config: ServerConfig, deadline: float | None
+) -> QueuedChat:
+    """Queue one chat request as the chat path does, through the latency
+    objectives' door (web/slo_door.py): what /v1/responses and
+    /v1/messages do with the chat request their body became. A refusal
+    raises its ``ApiError``, fields named as the chat API names them."""
+    new = slo_door.objectives(served, parsed.request, request.headers, parsed.model)
+    try:
+        new, reading = chat_input(parsed, new, served, config)
+        await served.engine.prepare(new.params)
+        stream = request_ids.submit_nowait(served.engine, new, deadline=deadline)
+    except Exception as exc:
+        slo_door.refused(served, new.priority, exc)
+        raise refusal(translate(exc, log_requests=config.log_requests), True) from None
+    return QueuedChat(new, reading, stream, slo_door.admitted(served, new, stream))
 
 
 def refusal(error: ApiError, chat: bool) -> ApiError:

@@ -3,10 +3,10 @@
 
 A request is translated into the chat completions body
 (web/openai_responses.py) and parsed, prepared and queued as the chat
-path does it (web/completions.py's ``chat_input``, ``refusal`` and
-``first_output``, as web/anthropic_api.py uses them); the chat answer is
-then told as a ``response`` object (web/openai_responses_output.py) or
-its typed events (web/openai_responses_stream.py). Errors keep the app's
+path does it (web/completions.py's ``submit_chat`` and ``first_output``,
+as web/anthropic_api.py uses them); the chat answer is then told as a
+``response`` object (web/openai_responses_output.py) or its typed events
+(web/openai_responses_stream.py). Errors keep the app's
 OpenAI shape, the field at fault named as the Responses body names it.
 
 A response is kept unless the request sent ``store: false``
@@ -34,7 +34,7 @@ from trioserve.actors import RequestStream
 from trioserve.engine.core.outputs import RequestOutput
 from trioserve.engine.plugins import RequestContext
 
-from . import completions, request_ids, slo_door, tracing
+from . import completions, tracing
 from .body import request_json
 from .completion_bodies import OutputAccumulator
 from .errors import ApiError, InvalidRequest, NotFoundError, RequestTimeout
@@ -126,15 +126,11 @@ async def create_response() -> Response:
     )
     params = served.engine.sampling_defaults.apply(parsed.params)
     shape = ResponseShape(new_id("resp"), served.name, responses, params.temperature, params.top_p)
-    new = slo_door.objectives(served, parsed.request, request.headers, parsed.model)
     try:
-        new, reading = completions.chat_input(parsed, new, served, host.config)
-        await served.engine.prepare(new.params)
-        stream = request_ids.submit_nowait(served.engine, new, deadline=None if timeout is None else arrival + timeout)
-    except Exception as exc:
-        slo_door.refused(served, new.priority, exc)
-        raise _renamed(completions.refusal(completions.translate(exc, log_requests=log_requests), True)) from None
-    report = slo_door.admitted(served, new, stream)
+        queued = await completions.submit_chat(parsed, served, host.config, None if timeout is None else arrival + timeout)
+    except ApiError as error:
+        raise _renamed(error) from None
+    stream, reading, report = queued.stream, queued.reading, queued.slo
     stream = tracing.follow(stream, params, parsed.model, served.name)
     stream = plugins.postprocessed(stream, RequestContext(ENDPOINT, served.name, stream.request_id, body), 1)
     tokenizer = served.engine.tokenizer
