@@ -139,6 +139,7 @@ def _openai(server) -> openai.OpenAI:
 
 def _respond(server, request_id: str | None = None, **extra):
     headers = {HEADER: request_id or _request_id(), **extra.pop("headers", {})}
+    extra.setdefault("ignore_eos", True)  # two tokens or more: a TPOT is measured
     with _openai(server) as client:
         return client.responses.create(
             model=MODEL, input="Hi", max_output_tokens=3, extra_body=extra, extra_headers=headers
@@ -344,7 +345,7 @@ def test_a_refusal_while_degraded_is_each_apis_unavailable():
 
 
 def _generate(server, metadata=(), **fields) -> list[pb.GenerateResponse]:
-    params = pb.SamplingParameters(max_tokens=3)
+    params = pb.SamplingParameters(max_tokens=3, ignore_eos=True)
     with grpc.insecure_channel(f"127.0.0.1:{app_grpc(server.app).port}") as channel:
         request = pb.GenerateRequest(model=MODEL, text="Hi", params=params, **fields)
         return list(pb_grpc.GenerationStub(channel).Generate(request, metadata=metadata, timeout=120))
