@@ -37,7 +37,7 @@ from .allocator import AllocatorActor
 from .degradation import Degradation
 from .errors import DuplicateRequestError, EngineClosed, EngineOverloaded
 from .executor import Executor
-from .slo_admission import SloDecision, SloRefused, decide, predict, requests_ahead, running_load
+from .slo_admission import SloDecision, SloRefused, decide, predict_on
 from .messages import AbortAll, AddRequest, LoadLora, UnloadLora
 from .request import RequestActor
 from .stream import RequestStream
@@ -383,23 +383,14 @@ class Engine:
         predictions = []
         for scheduler, queue in self._slo_views():
             queued = queue.queued()
-            core = scheduler.core.scheduler
-            ahead = requests_ahead(
-                new,
-                now,
-                core.waiting_requests,
-                [m.request for m in queued],
-                [m.arrival_time for m in queued],
-                max_model_len=core.max_model_len,
-            )
-            running = running_load(core.running_requests, max_model_len=core.max_model_len)
-            prediction = predict(
+            core = scheduler.core
+            prediction = predict_on(
+                core.scheduler,
                 scheduler.latency,
                 new,
-                ahead,
-                running,
-                token_budget=core.max_num_batched_tokens,
-                max_num_seqs=core.running_limit,
+                now,
+                [m.request for m in queued],
+                [m.arrival_time for m in queued],
             )
             predictions.append(prediction)
         best = min(predictions, key=lambda prediction: prediction.ttft)

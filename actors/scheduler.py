@@ -126,8 +126,10 @@ class SchedulerActor:
         self._nursery: trio.Nursery | None = None
         self._num_worker_recoveries = 0  # steps failed with WorkerLost: all running requests recomputed
         # This engine's step-cost law, learned from its own steps (issue #44):
-        # SLO admission predicts with it (actors/slo_admission.py).
-        self.latency = LatencyModel()
+        # SLO admission predicts with it (actors/slo_admission.py), and the
+        # slo policy schedules with the same one (engine/core/slo_policy.py).
+        policy_model = getattr(core.scheduler.policy, "latency", None)
+        self.latency = policy_model if isinstance(policy_model, LatencyModel) else LatencyModel()
         self._cycle_start = now  # when the step being run began to be planned
 
     # -- the actor --------------------------------------------------------------

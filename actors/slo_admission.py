@@ -5,8 +5,10 @@ gets a predicted TTFT and TPOT from the engine's latency model
 (engine/core/latency_model.py), the prefill queued ahead of it (the
 admission queue and the core's waiting requests that the policy runs
 first: a lower priority value, or the same with a first-token deadline no
-later than its own) and the running batch. One that cannot meet an
-objective, with ``margin``, is refused at once (``SloRefused``: 429, or
+later than its own) and the running batch. Behind a batch that
+holds every slot it is predicted as the policy will run it: with a running
+request of slack preempted for its slot (``predict_on``). One that cannot
+meet an objective, with ``margin``, is refused at once (``SloRefused``: 429, or
 503 while the engine is degraded) before any compute, unless it asked for
 best effort, or, refused for its TPOT only, it allows a shorter answer
 and a lower ``max_tokens`` fits (``SloDecision.max_tokens``).
@@ -15,15 +17,16 @@ and a lower ``max_tokens`` fits (``SloDecision.max_tokens``).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import attrs
 
 from trioserve.engine.core.latency_model import LatencyModel
-from trioserve.engine.latency_objectives import LatencyObjectives
 from trioserve.engine.core.new_request import NewRequest
+from trioserve.engine.core.scheduler import Scheduler
 from trioserve.engine.core.sequence import Request
-from trioserve.engine.core.slo_policy import next_token_deadline
+from trioserve.engine.core.slo_policy import next_token_deadline, output_left, running_load
+from trioserve.engine.latency_objectives import LatencyObjectives
 
 from .errors import EngineOverloaded
 
@@ -46,6 +49,9 @@ class SloPrediction:
     tpot: float
     # The prefill queued ahead of it, in tokens (for Retry-After and traces).
     tokens_ahead: int = 0
+    # Running requests the slo policy is predicted to preempt for a slot
+    # (for it and the requests ahead of it).
+    preempts: int = 0
 
 
 @attrs.frozen
@@ -119,26 +125,12 @@ def requests_ahead(
     ahead = []
     for request in waiting:
         if _runs_before(request.priority, next_token_deadline(request), new.priority, own):
-            output = _output_left(request.sampling_params.max_tokens, request.num_output_tokens, max_model_len - request.num_tokens)
-            ahead.append((request.num_tokens - request.num_computed_tokens, output))
+            ahead.append((request.num_tokens - request.num_computed_tokens, output_left(request, max_model_len)))
     for other, arrival in zip(queued, queued_arrivals, strict=True):
         if _runs_before(other.priority, other.objectives.first_token_deadline(arrival), new.priority, own):
             output = _output_left(other.params.max_tokens, 0, max_model_len - other.num_tokens)
             ahead.extend([(other.num_tokens, output)] * other.params.n)
     return ahead
-
-
-def running_load(running: Iterable[Request], *, max_model_len: int) -> list[tuple[int, int, int]]:
-    """The running requests as ``(context, prefill left, output left)``:
-    the tokens computed, the known tokens not yet computed but the one a
-    decode step computes, and the tokens they may still generate."""
-    load = []
-    for request in running:
-        left = request.num_tokens - request.num_computed_tokens
-        prefill = left - 1 if request.num_output_tokens > 0 else left
-        output = _output_left(request.sampling_params.max_tokens, request.num_output_tokens, max_model_len - request.num_tokens)
-        load.append((request.num_computed_tokens, max(0, prefill), output))
-    return load
 
 
 def predict(
@@ -149,12 +141,19 @@ def predict(
     *,
     token_budget: int,
     max_num_seqs: int,
+    cached_tokens: int = 0,
 ) -> SloPrediction:
     """``new``'s predicted TTFT (``LatencyModel.predict_ttft`` over the
-    ``running`` load and the requests ``ahead``) and TPOT (a decode step of
-    the batch it joins, at the context halfway through its answer)."""
+    ``running`` load and the requests ``ahead``, its prompt's
+    ``cached_tokens`` at a cached prefix's cost: none) and TPOT (a decode
+    step of the batch it joins, at the context halfway through its answer)."""
     ttft = model.predict_ttft(
-        new.num_tokens, ahead=ahead, running=running, token_budget=token_budget, max_num_seqs=max_num_seqs
+        new.num_tokens,
+        cached_tokens=cached_tokens,
+        ahead=ahead,
+        running=running,
+        token_budget=token_budget,
+        max_num_seqs=max_num_seqs,
     )
     members = len(running) + len(ahead) + 1
     batch = min(max_num_seqs, len(running) + len(ahead) + new.params.n)
@@ -163,6 +162,61 @@ def predict(
     mean_context = context / members + (new.params.max_tokens or 0) / 2
     tpot = model.predict_tpot(batch, int(batch * mean_context))
     return SloPrediction(ttft, tpot, sum(p for p, _ in ahead))
+
+
+def predict_on(
+    scheduler: Scheduler,
+    model: LatencyModel,
+    new: NewRequest,
+    now: float,
+    queued: Sequence[NewRequest] = (),
+    queued_arrivals: Sequence[float] = (),
+    *,
+    cached_tokens: int = 0,
+) -> SloPrediction:
+    """``new``'s prediction on one engine: behind its core's waiting
+    requests that run first, the admission queue's (``queued``) and the
+    running batch. When the batch holds every slot and ``new`` would miss
+    its TTFT target waiting, the slo policy preempts a running request with
+    slack for its slot (``Scheduler.slot_victims``): it is then predicted
+    with that request gone, and so is each request ahead of it, one victim
+    each while they last (``SloPrediction.preempts``)."""
+    limit = scheduler.running_limit
+    ahead = requests_ahead(
+        new, now, scheduler.waiting_requests, queued, queued_arrivals, max_model_len=scheduler.max_context_len
+    )
+    running = scheduler.running_requests
+
+    def on(load: Sequence[Request]) -> SloPrediction:
+        return predict(
+            model,
+            new,
+            ahead,
+            running_load(load, max_context_len=scheduler.max_context_len),
+            token_budget=scheduler.max_num_batched_tokens,
+            max_num_seqs=limit,
+            cached_tokens=cached_tokens,
+        )
+
+    prediction = on(running)
+    target = new.objectives.ttft
+    if target is None or prediction.ttft <= target or len(running) < limit:
+        return prediction
+    own = Request(
+        request_id=new.request_id,
+        prompt_token_ids=list(new.prompt_token_ids),
+        sampling_params=new.params,
+        priority=new.priority,
+        arrival_time=now,
+        objectives=new.objectives,
+    )
+    victims = scheduler.slot_victims(own)[: 1 + len(ahead)]
+    if not victims:
+        return prediction
+    preempting = on([r for r in running if all(r is not v for v in victims)])
+    if preempting.ttft >= prediction.ttft:
+        return prediction
+    return attrs.evolve(preempting, preempts=len(victims))
 
 
 def retry_after(prediction: SloPrediction, target: float) -> float:

@@ -43,6 +43,14 @@ NUM_FEATURES = len(_SCALE)
 DEFAULT_PRIOR = (0.005, 0.005, 0.0, 0.001, 0.0)
 # The shortest step it predicts: a fit can go below zero where it has no data.
 MIN_STEP_SECONDS = 1e-4
+# The prior's variance per coefficient, times ``prior_variance``: the
+# second-order terms (attention pairs, decode context) start held near
+# zero. In most steps they move with the first-order ones (a batch's
+# context grows with its size), and a fit free in both splits one effect
+# between them at random, extrapolating to a longer context with a
+# negative slope; held, they take only what the first-order terms cannot
+# explain.
+PRIOR_SHAPE = np.array([1.0, 1.0, 0.01, 1.0, 0.01])
 # Steps simulated at most for one TTFT prediction (a bound on its cost).
 MAX_SIMULATED_STEPS = 10_000
 
@@ -125,7 +133,7 @@ class LatencyModel:
         if len(self.prior) != NUM_FEATURES:
             raise ValueError(f"prior must have {NUM_FEATURES} coefficients, got {len(self.prior)}")
         self._theta = np.array(self.prior, dtype=float)
-        self._covariance = np.eye(NUM_FEATURES) * self.prior_variance
+        self._covariance = np.diag(PRIOR_SHAPE) * self.prior_variance
         self._errors = deque(maxlen=self.window)
 
     # -- a saved fit ------------------------------------------------------------
@@ -169,11 +177,20 @@ class LatencyModel:
         """``observe`` a step given as the plan the runner ran."""
         self.observe(StepShape.of_plan(plan), seconds)
 
+    @property
+    def num_steps(self) -> int:
+        """The steps it has learned from."""
+        return self._num_steps
+
     # -- predictions --------------------------------------------------------------
 
     def step_seconds(self, shape: StepShape) -> float:
-        """A step of ``shape``'s predicted duration."""
-        return max(MIN_STEP_SECONDS, float(shape.features() @ self._theta))
+        """A step of ``shape``'s predicted duration. A slope the fit has
+        below zero (noise, where it has little data) counts as zero: more
+        work never makes a step shorter."""
+        slopes = np.maximum(self._theta[1:], 0.0)
+        features = shape.features()
+        return max(MIN_STEP_SECONDS, float(features[0] * self._theta[0] + features[1:] @ slopes))
 
     def predict_ttft(
         self,

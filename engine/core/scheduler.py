@@ -33,10 +33,14 @@ there), and admission refuses a prompt beyond that cap. So the
 highest-priority running request always fits once every other is preempted,
 and when nothing runs the head waiting request fits the empty pool.
 
-A policy may also cut a step's token budget (``token_budget``) and learn
+A policy may also cut a step's token budget (``token_budget``), learn
 from each step's time (``observe_step``, measured by ``clock`` from the
-plan to the sampled tokens): the ``slo`` policy (slo_policy.py) does, so
-that chunked prefill stays within running requests' TPOT targets.
+plan to the sampled tokens) and, with every sequence slot taken, name a
+running request to preempt for the head waiting request's slot
+(``slot_victim``). The ``slo`` policy (slo_policy.py) cuts the budget so
+that chunked prefill stays within running requests' TPOT targets, and
+preempts for a slot a request whose deadline would be missed waiting; it
+learns from its latency model, which its driver feeds (the scheduler actor).
 
 Finished and aborted requests release their blocks in the next batch;
 ``free_finished(block_manager)`` releases them at once in process.
@@ -58,6 +62,7 @@ from trioserve.engine.core.kv_ledger import KVLedger
 from trioserve.engine.core.request_queues import RequestQueues
 from trioserve.engine.core.scheduler_output import SchedulerOutput, SchedulerStatistics
 from trioserve.engine.core.sequence import FinishReason, Request, RequestStatus
+from trioserve.engine.core.slo_policy import StepLimits
 from trioserve.engine.core.step_planner import StepPlanner
 from trioserve.engine.errors import InvalidRequestError, RequestTooLongError
 from trioserve.engine.plugins import PriorityPolicy, SchedulingPolicy
@@ -255,6 +260,7 @@ class Scheduler:
             self.max_context_len,
             tokens=self._token_budget(),
             free_blocks=self._kv.budget.num_free_blocks + num_freed,
+            slot_victim=self._slot_victim if hasattr(self.policy, "slot_victim") else None,
         )
         step.plan_running()
         admissions = [] if step.preempted else step.plan_admissions(self.running_limit)
@@ -378,6 +384,32 @@ class Scheduler:
             return self.max_num_batched_tokens
         budget = token_budget(self._queues.running, self.max_num_batched_tokens, self.clock())
         return max(1, min(self.max_num_batched_tokens, budget))
+
+    def _slot_limits(self) -> StepLimits:
+        return StepLimits(self.max_num_batched_tokens, self.running_limit, self.max_context_len)
+
+    def _slot_victim(self, request: Request, admitted: Sequence[Request]) -> Request | None:
+        """The policy's ``slot_victim`` for ``request``, among the running
+        requests it is not outranked by (the step's admissions hold slots too)."""
+        key = self._key(request)
+        candidates = [r for r in self._queues.running if not self.policy.outranks(self._key(r), key)]
+        if not candidates:
+            return None
+        running = [*self._queues.running, *admitted]
+        return self.policy.slot_victim(request, candidates, running=running, now=self.clock(), limits=self._slot_limits())
+
+    def slot_victims(self, request: Request) -> list[Request]:
+        """The running requests the policy would let ``request`` (not yet
+        added) preempt for a sequence slot, most slack first (``victims``
+        of the slo policy); none with another policy. SLO admission asks,
+        to predict the TTFT of a request that a full batch would delay."""
+        victims = getattr(self.policy, "victims", None)
+        if victims is None:
+            return []
+        key = self._key(request)
+        candidates = [r for r in self._queues.running if not self.policy.outranks(self._key(r), key)]
+        running = list(self._queues.running)
+        return victims(request, candidates, running=running, now=self.clock(), limits=self._slot_limits())
 
     def _observe_step(self) -> None:
         """Tell a policy that learns step costs (``observe_step``) how long

@@ -24,6 +24,11 @@ requests (or the running limit) and ``max_num_batched_tokens`` tokens:
    strictly lower (effective) priority, lowest first, when preempting them
    all would make room for it (its cost estimated without its prefix hit).
    Equal priorities never preempt each other, so arrival order holds.
+5. With every sequence slot taken, the policy may give the head waiting
+   request a slot by preempting a running one it does not outrank
+   (``slot_victim``: the ``slo`` policy does, for a request that would
+   miss its deadline waiting), when the victim's blocks and tokens make
+   room for it.
 
 The free blocks planned from are the pool's after the previous batch plus
 those the frees of this batch release, exact since the scheduler mirrors
@@ -33,7 +38,7 @@ every block table (kv_ledger.py): a running request is never refused.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import attrs
 
@@ -63,6 +68,9 @@ class StepPlanner:
     tokens: int  # left of max_num_batched_tokens
     free_blocks: int  # left of the pool's
     planned: dict[str, tuple[int, int]] = attrs.field(factory=dict)  # running id -> (tokens, new blocks)
+    # (waiting request, requests admitted before it this step) -> a running
+    # request to preempt for its sequence slot, or None (item 5 above).
+    slot_victim: Callable[[Request, Sequence[Request]], Request | None] | None = None
     preempted: list[str] = attrs.field(factory=list)
 
     def plan_running(self) -> None:
@@ -106,9 +114,14 @@ class StepPlanner:
         """Admit waiting requests in order while the budgets last, fewer
         than ``running_limit`` running (items 3 and 4)."""
         admissions: list[KVAllocation] = []
+        admitted: list[Request] = []
         num_seqs = len(self.queues.running)
         for request in list(self.queues.waiting):  # a snapshot: preemption below inserts
-            if num_seqs >= running_limit or self.tokens == 0:
+            if num_seqs >= running_limit:
+                if not self._preempt_for_slot(request, admitted):
+                    break
+                num_seqs -= 1
+            if self.tokens == 0:
                 break
             num_tokens = min(request.num_tokens, self.tokens)
             needed = self._blocks_for(num_tokens)
@@ -136,12 +149,27 @@ class StepPlanner:
             lookup = request.all_token_ids if request.sampling_params.prompt_logprobs is None and not pools_all else ()
             root = 0 if request.lora is None else request.lora.root_hash  # blocks per adapter
             admissions.append(KVAllocation(request.request_id, 0, num_tokens, lookup, root))
+            admitted.append(request)
             num_seqs += 1
             self.tokens -= num_tokens
             self.free_blocks -= self._blocks_for(num_tokens)
             if self.free_blocks < 0:
                 break  # the pool decides whether its prefix hit makes it fit
         return admissions
+
+    def _preempt_for_slot(self, request: Request, admitted: Sequence[Request]) -> bool:
+        """Preempt the running request ``slot_victim`` names for
+        ``request``'s slot, if its blocks and planned tokens make room for
+        ``request``'s first chunk; whether it did."""
+        victim = None if self.slot_victim is None else self.slot_victim(request, admitted)
+        if victim is None:
+            return False
+        tokens, blocks = self.planned.get(victim.request_id, (0, 0))
+        room = self.free_blocks + blocks + self.kv.tables.sole_blocks(victim.request_id)
+        if self.tokens + tokens == 0 or self._blocks_for(min(request.num_tokens, self.tokens + tokens)) > room:
+            return False
+        self._preempt(victim)
+        return True
 
     def _preempt(self, victim: Request) -> None:
         """Preempt ``victim`` while planning: give back what was planned for
