@@ -16,7 +16,8 @@ from trioserve.engine.core.block_manager import BlockManager
 from trioserve.engine.latency_objectives import LatencyObjectives
 from trioserve.engine.core.scheduler import Scheduler
 from trioserve.engine.core.scheduling_policy import scheduling_policy
-from trioserve.engine.core.slo_policy import SloPolicy, StepCost, next_token_deadline
+from trioserve.engine.core.latency_model import LatencyModel, StepShape
+from trioserve.engine.core.slo_policy import SloPolicy, next_token_deadline
 from trioserve.engine.plugins import Plugins, PriorityPolicy
 
 from factories import FakeRunner, make_request
@@ -106,22 +107,18 @@ def test_the_victim_is_the_running_request_with_the_most_slack():
     assert scheduler.get_request("tight").status.name == "RUNNING"
 
 
-def test_step_cost_fits_the_line_of_the_steps_it_saw():
-    cost = StepCost()
-    assert cost.tokens_within(1.0) is None
-    for tokens in [1, 5, 20, 64, 3, 128, 8, 40, 2, 90]:
-        cost.observe(tokens, 0.01 + 0.001 * tokens)
-    fixed, per_token = cost.line()
-    assert math.isclose(fixed, 0.01, rel_tol=1e-6) and math.isclose(per_token, 0.001, rel_tol=1e-6)
-    assert cost.tokens_within(0.05) == 40
-    assert cost.tokens_within(0.005) == 0
+def learned(fixed: float = 0.01, per_token: float = 0.001) -> LatencyModel:
+    """A latency model that has seen steps of ``fixed + per_token x tokens``
+    (prefill and decode tokens alike), as the scheduler actor feeds it."""
+    model = LatencyModel(forgetting=1.0)
+    for prefill, decodes in [(1, 0), (8, 1), (32, 2), (64, 0), (2, 3), (16, 1), (48, 4), (4, 2), (100, 0), (0, 6)] * 3:
+        model.observe(StepShape(prefill, 0, decodes, 0), fixed + per_token * (prefill + decodes))
+    return model
 
 
 def test_a_tight_tpot_target_cuts_the_prefill_chunk():
     clock = FakeClock()
-    policy = SloPolicy(min_chunk=4)
-    for tokens in [1, 8, 32, 64, 2, 16, 48, 4]:
-        policy.observe_step(tokens, 0.01 + 0.001 * tokens)  # as the engine measured them
+    policy = SloPolicy(min_chunk=4, latency=learned())
     scheduler, pool = scheduler_for(policy, clock, max_num_batched_tokens=128, num_blocks=256)
     runner = FakeRunner(block_size=4)
     # Late already (it waited 10 s): its next token is due within one TPOT target.
@@ -143,16 +140,14 @@ def test_a_tight_tpot_target_cuts_the_prefill_chunk():
     assert sum(c.num_tokens for c in output.chunks) > 20
 
 
-def test_the_scheduler_learns_step_costs_from_its_clock():
+def test_before_enough_steps_no_chunk_is_cut():
     clock = FakeClock()
-    policy = SloPolicy()
-    scheduler, pool = scheduler_for(policy, clock)
+    scheduler, pool = scheduler_for(SloPolicy(min_chunk=4), clock, max_num_batched_tokens=128, num_blocks=256)
     runner = FakeRunner(block_size=4)
-    for i in range(10):  # one arrival a step: steps of different sizes
-        scheduler.add_request(slo_request(f"r{i}", prompt_len=4 + 5 * i, max_tokens=3))
-        timed_step(scheduler, pool, runner, clock, fixed=0.02, per_token=0.002)
-    fixed, per_token = policy.cost.line()
-    assert math.isclose(fixed, 0.02, rel_tol=1e-6) and math.isclose(per_token, 0.002, rel_tol=1e-6)
+    scheduler.add_request(slo_request("chat", arrival=-10.0, ttft=1.0, tpot=0.03, prompt_len=4, max_tokens=50))
+    timed_step(scheduler, pool, runner, clock)
+    scheduler.add_request(slo_request("long", ttft=10.0, prompt_len=200, max_tokens=2))
+    assert sum(c.num_tokens for c in timed_step(scheduler, pool, runner, clock).chunks) == 128
 
 
 def first_token_deadlines_met(policy) -> int:

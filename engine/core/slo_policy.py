@@ -26,14 +26,13 @@ objectives (engine/latency_objectives.py).
   so two requests cannot take a slot from each other for ever.
 - **Chunked prefill.** ``token_budget`` shrinks a step's token budget while
   a running request decodes under a TPOT target, so that the step's
-  predicted time stays within the least time such a request may wait for
-  its next token (its TPOT budget's slack, at least one TPOT target): a
-  long prompt is then chunked finer instead of stalling those decodes. The prediction is
-  ``StepCost``, a line (seconds = fixed + per token x tokens) fitted online
-  to the engine's own step times, which the scheduler reports through
-  ``observe_step``. Before it has seen enough steps the budget is not cut.
-  A step keeps its decodes and at least ``min_chunk`` prompt tokens, so a
-  prompt always progresses.
+  predicted time (the latency model's, for the step's decodes and prefill)
+  stays within the least time such a request may wait for its next token
+  (its TPOT budget's slack, at least one TPOT target): a long prompt is
+  then chunked finer instead of stalling those decodes. Before the model
+  has seen ``min_steps`` steps the budget is not cut. A step keeps its
+  decodes and at least ``min_chunk`` prompt tokens, so a prompt always
+  progresses.
 
 The latency model (``latency``, engine/core/latency_model.py) is the one
 SLO admission predicts with: the scheduler actor feeds it every step's
@@ -53,7 +52,7 @@ from typing import Any
 
 import attrs
 
-from trioserve.engine.core.latency_model import LatencyModel
+from trioserve.engine.core.latency_model import LatencyModel, StepShape
 from trioserve.engine.latency_objectives import LatencyObjectives
 
 # A request preempted this many times is not preempted for a slot again.
@@ -99,64 +98,6 @@ def running_load(running: Sequence[Any], *, max_context_len: int) -> list[tuple[
     return load
 
 
-@attrs.define
-class StepCost:
-    """A step's time as a line in its tokens, fitted online by least
-    squares over the recent steps (each weighs ``decay`` times the one
-    after it), so it follows the machine's load. ``tokens_within(seconds)``
-    is the most tokens a step may take to last at most ``seconds``."""
-
-    decay: float = 0.95
-    min_steps: int = 8
-    _n: float = 0.0  # weighted sums: count, x, y, x^2, xy
-    _sx: float = 0.0
-    _sy: float = 0.0
-    _sxx: float = 0.0
-    _sxy: float = 0.0
-    _steps: int = 0
-
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        """A step of ``num_tokens`` tokens took ``seconds``."""
-        if num_tokens <= 0 or not seconds >= 0:
-            return
-        d = self.decay
-        self._n = self._n * d + 1.0
-        self._sx = self._sx * d + num_tokens
-        self._sy = self._sy * d + seconds
-        self._sxx = self._sxx * d + num_tokens * num_tokens
-        self._sxy = self._sxy * d + num_tokens * seconds
-        self._steps += 1
-
-    def line(self) -> tuple[float, float] | None:
-        """(fixed seconds, seconds per token), or None before ``min_steps``
-        steps. Steps all of one size cannot separate the two: the time is
-        then taken as all per token (fixed 0), which overestimates longer
-        steps' cost less than it underestimates none."""
-        if self._steps < self.min_steps:
-            return None
-        mean_x, mean_y = self._sx / self._n, self._sy / self._n
-        var_x = self._sxx / self._n - mean_x * mean_x
-        if var_x > 1e-9 * max(1.0, mean_x * mean_x):
-            slope = (self._sxy / self._n - mean_x * mean_y) / var_x
-            if slope > 0:
-                return max(0.0, mean_y - slope * mean_x), slope
-        return 0.0, mean_y / mean_x
-
-    def predict(self, num_tokens: int) -> float | None:
-        """Seconds a step of ``num_tokens`` tokens should take; None before ``min_steps`` steps."""
-        line = self.line()
-        return None if line is None else line[0] + line[1] * num_tokens
-
-    def tokens_within(self, seconds: float) -> int | None:
-        """The most tokens a step may hold to take at most ``seconds``
-        (0 if even the fixed cost exceeds it); None before ``min_steps`` steps."""
-        line = self.line()
-        if line is None:
-            return None
-        fixed, per_token = line
-        return max(0, math.floor((seconds - fixed) / per_token))
-
-
 @attrs.frozen
 class StepLimits:
     """The scheduler's bounds a prediction simulates under."""
@@ -174,8 +115,9 @@ class SloPolicy:
 
     aging_interval: int | None = None
     min_chunk: int = 16
-    cost: StepCost = attrs.field(factory=StepCost)
     latency: LatencyModel = attrs.field(factory=LatencyModel)
+    # Before this many steps the model is the prior: it cuts no chunk.
+    min_steps: int = 8
     max_preemptions: int = DEFAULT_MAX_PREEMPTIONS
     margin: float = DEFAULT_MARGIN
 
@@ -196,23 +138,36 @@ class SloPolicy:
         decodes under a TPOT target may wait for its next token at ``now``
         (the slack of its TPOT budget, at least one TPOT target: the mean is
         what is promised, so a request ahead of it may take a longer step),
-        but never below the decodes plus ``min_chunk``."""
+        but never below the decodes plus ``min_chunk``. The step's time is
+        the latency model's for its decodes (their number and context) and
+        a prefill chunk starting where the first running prompt stands."""
         decodes = [r for r in running if r.num_output_tokens > 0 and r.num_tokens - r.num_computed_tokens == 1]
         tightest = min(
             (max(r.objectives.tpot, next_token_deadline(r) - now) for r in decodes if r.objectives.tpot is not None),
             default=None,
         )
-        if tightest is None:
+        if tightest is None or self.latency.num_steps < self.min_steps:
             return tokens
-        allowed = self.cost.tokens_within(tightest)
-        if allowed is None:
-            return tokens
-        return min(tokens, max(allowed, len(decodes) + self.min_chunk))
+        context = sum(r.num_computed_tokens + 1 for r in decodes)
+        start = next((r.num_computed_tokens for r in running if r.num_tokens - r.num_computed_tokens > 1), 0)
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """The scheduler's report of a step it planned: its tokens and how
-        long it took from its plan to its sampled tokens."""
-        self.cost.observe(num_tokens, seconds)
+        def seconds(prefill: int) -> float:
+            pairs = prefill * (start + (prefill + 1) // 2)
+            return self.latency.step_seconds(StepShape(prefill, pairs, len(decodes), context))
+
+        # The most prefill tokens within ``tightest``: the law grows with
+        # them (a fit may not, where it has no data: then nothing is cut).
+        most = max(0, tokens - len(decodes))
+        if seconds(most) <= tightest or seconds(most) <= seconds(0):
+            return tokens
+        low, high = 0, most  # seconds(low) may exceed it too: the floor below applies
+        while low < high:
+            mid = (low + high + 1) // 2
+            if seconds(mid) <= tightest:
+                low = mid
+            else:
+                high = mid - 1
+        return min(tokens, len(decodes) + max(low, self.min_chunk))
 
     # -- preemption for a sequence slot ------------------------------------------------
 
