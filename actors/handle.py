@@ -37,7 +37,7 @@ from .allocator import AllocatorActor
 from .degradation import Degradation
 from .errors import DuplicateRequestError, EngineClosed, EngineOverloaded
 from .executor import Executor
-from .slo_admission import SloDecision, SloRefused, decide, predict_on
+from .slo_admission import SloDecision, SloRefused, cached_prefix, decide, predict_on
 from .messages import AbortAll, AddRequest, LoadLora, UnloadLora
 from .request import RequestActor
 from .stream import RequestStream
@@ -344,12 +344,12 @@ class Engine:
             new = attrs.evolve(new, params=capped)
         if request.objectives is not new.objectives:
             new = attrs.evolve(new, objectives=request.objectives)
-        decision = self._judge(new)  # raises SloRefused: refused at the door
-        if decision is not None and decision.max_tokens is not None:
-            new = attrs.evolve(new, params=attrs.evolve(new.params, max_tokens=decision.max_tokens))
         if request.lora is not None:
             # The adapter the request names (its model field: web/lora_api.py).
             new = attrs.evolve(new, lora=self.core.lora_ref(request.lora))
+        decision = self._judge(new)  # raises SloRefused: refused at the door
+        if decision is not None and decision.max_tokens is not None:
+            new = attrs.evolve(new, params=attrs.evolve(new.params, max_tokens=decision.max_tokens))
         if timeout is not None:
             after = trio.current_time() + timeout
             deadline = after if deadline is None else min(deadline, after)
@@ -391,6 +391,7 @@ class Engine:
                 now,
                 [m.request for m in queued],
                 [m.arrival_time for m in queued],
+                cached_tokens=cached_prefix(core.block_manager, new),
             )
             predictions.append(prediction)
         best = min(predictions, key=lambda prediction: prediction.ttft)

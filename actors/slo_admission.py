@@ -5,7 +5,8 @@ gets a predicted TTFT and TPOT from the engine's latency model
 (engine/core/latency_model.py), the prefill queued ahead of it (the
 admission queue and the core's waiting requests that the policy runs
 first: a lower priority value, or the same with a first-token deadline no
-later than its own) and the running batch. Behind a batch that
+later than its own) and the running batch, its prompt's prefix-cache hit
+counted at a cached prefix's cost (``cached_prefix``). Behind a batch that
 holds every slot it is predicted as the policy will run it: with a running
 request of slack preempted for its slot (``predict_on``). One that cannot
 meet an objective, with ``margin``, is refused at once (``SloRefused``: 429, or
@@ -21,6 +22,7 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
+from trioserve.engine.core.block_manager import BlockManager
 from trioserve.engine.core.latency_model import LatencyModel
 from trioserve.engine.core.new_request import NewRequest
 from trioserve.engine.core.scheduler import Scheduler
@@ -162,6 +164,18 @@ def predict(
     mean_context = context / members + (new.params.max_tokens or 0) / 2
     tpot = model.predict_tpot(batch, int(batch * mean_context))
     return SloPrediction(ttft, tpot, sum(p for p, _ in ahead))
+
+
+def cached_prefix(pool: BlockManager, new: NewRequest) -> int:
+    """The tokens of ``new``'s prompt the prefix cache holds now, as its
+    admission would find them (none where the whole prompt is computed:
+    prompt logprobs, or pooling every position). A LoRA request's blocks
+    hash from its adapter: it is predicted without a hit."""
+    if new.params.prompt_logprobs is not None or new.lora is not None:
+        return 0
+    if new.pooling is not None and new.pooling.method.needs_every_position:
+        return 0
+    return pool.cached_prefix_len(new.prompt_token_ids)
 
 
 def predict_on(

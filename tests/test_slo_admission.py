@@ -146,3 +146,24 @@ async def test_a_request_refused_for_tpot_may_run_shorter(autojump_clock):
         outputs = [out async for out in stream]
         assert outputs[-1].num_output_tokens == lowered
         assert outputs[-1].finish_reason is FinishReason.LENGTH
+
+
+async def test_a_cached_prefix_is_predicted_at_its_cost(autojump_clock):
+    async with slo_engine() as engine:
+        await _learn(engine)
+        long = [t + 5000 for t in PROMPT]
+        [out async for out in engine.generate_nowait(long, params(2))]  # its blocks stay in the prefix cache
+        target = LatencyObjectives(ttft=100.0)
+        predicted = {}
+        # One at a time, each judged on an idle engine.
+        for name, prompt, p in [
+            ("cached", [*long, 1], params(2)),
+            ("fresh", [t + 7000 for t in [*PROMPT, 1]], params(2)),
+            # Prompt logprobs compute the whole prompt: no hit is counted for them.
+            ("logprobs", [*long, 2], attrs.evolve(params(2), prompt_logprobs=1)),
+        ]:
+            stream = engine.generate_nowait(prompt, p, objectives=target)
+            predicted[name] = stream.slo.prediction.ttft
+            [out async for out in stream]
+        assert predicted["cached"] < 0.5 * predicted["fresh"]
+        assert predicted["logprobs"] > 2 * predicted["cached"]
