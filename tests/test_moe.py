@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+import attrs
 import numpy as np
 import pytest
 import torch
@@ -19,7 +20,7 @@ from trioserve.engine.kernels import mxfp4
 from trioserve.engine.kernels.choose import KERNELS, KernelChoice, choose_kernel
 from trioserve.engine.kernels.q8_lanes import Q8Lanes
 from trioserve.engine.kernels.rtn import quantize_int4, quantize_int8_groups, regroup_int8
-from trioserve.engine.models.moe import SparseMoeBlock, gpt_oss_activation
+from trioserve.engine.models.moe import ExpertLinears, SparseMoeBlock, gpt_oss_activation
 from trioserve.engine.models.moe_weights import (
     ExpertCollector,
     moe_fields,
@@ -185,6 +186,36 @@ def test_an_expert_without_tokens_and_the_grouping(saved, family):
     for t in range(5):  # each token alone through its two experts, summed
         want = sum(weights[t, j] * run._expert(run.experts[int(index[t, j])], x[t : t + 1])[0] for j in range(TOP_K))
         torch.testing.assert_close(got[t], want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@SETTINGS
+@given(tokens=st.integers(1, 40), seed=st.integers(0, 2**16))
+def test_a_step_reads_each_routed_expert_once_and_no_other(saved, family, tokens, seed):
+    # What a step reads: an expert's matrices once for all the tokens routed
+    # to it (one call each, over all its rows), and nothing of the experts
+    # no token routes to (a one-stream step: k experts of them).
+    block, _ = _loaded(family, saved)
+    run = block.experts(pack=False)
+    calls: list[tuple[int, str, int]] = []
+
+    def counted(e: int, part: str, linear):
+        def call(x: torch.Tensor) -> torch.Tensor:
+            calls.append((e, part, x.shape[0]))
+            return linear(x)
+
+        return call
+
+    counting = attrs.evolve(run, experts=tuple(
+        ExpertLinears(counted(e, "gate_up", ex.gate_up), counted(e, "down", ex.down)) for e, ex in enumerate(run.experts)
+    ))  # fmt: skip
+    x = _x(tokens, seed)
+    _, index = run.route(x)
+    routed = torch.bincount(index.reshape(-1), minlength=EXPERTS).tolist()
+    torch.testing.assert_close(counting(x), run(x), rtol=0, atol=0)
+    want = sorted((e, part, n) for e, n in enumerate(routed) if n for part in ("gate_up", "down"))
+    assert sorted(calls) == want
+    assert tokens > 1 or len(calls) == 2 * TOP_K
 
 
 @pytest.mark.parametrize("family", FAMILIES)
