@@ -55,7 +55,8 @@ class TensorInfo:
 
 class GGUFFile:
     """The header of the GGUF at ``path`` (``fields``: each key's value, a
-    string array as ``None`` unless ``want_strings(key)``), its tensors'
+    string array as ``None`` unless ``want_strings(key)``; ``kinds``: each
+    key's GGUF value type, an array's as ``(9, item type, length)``; ``version``), its tensors'
     ``TensorInfo`` in the file's order, and ``data(info)`` for a tensor's
     values as a read-only view of the mapped file (a view holds the map:
     it stays valid after this object is dropped)."""
@@ -73,6 +74,7 @@ class GGUFFile:
         self._sizes = {t.name: gguf.GGML_QUANT_SIZES[t] for t in gguf.GGMLQuantizationType}
         self._type_names = {int(t): t.name for t in gguf.GGMLQuantizationType}
         try:
+            self.kinds: dict[str, tuple[int, ...]] = {}
             self.fields, self.tensors = self._parse(want_strings)
         except (struct.error, UnicodeDecodeError, IndexError, KeyError, ValueError) as exc:
             raise ModelLoadError(f"{self.path}: not a readable GGUF model: {type(exc).__name__}: {exc}") from None
@@ -84,6 +86,7 @@ class GGUFFile:
         (version,) = struct.unpack_from("<I", data, 4)
         if version not in (2, 3):
             raise ValueError(f"version {version} (or a big-endian file): only little-endian versions 2 and 3 are read")
+        self.version = version
         num_tensors, num_kv = struct.unpack_from("<QQ", data, 8)
         at = 24
 
@@ -128,6 +131,7 @@ class GGUFFile:
         for _ in range(num_kv):
             key, at = string(at)
             (kind,) = struct.unpack_from("<I", data, at)
+            self.kinds[key] = (kind, *struct.unpack_from("<IQ", data, at + 4)) if kind == _ARRAY else (kind,)
             fields[key], at = value(kind, at + 4, key)
         infos = []
         for _ in range(num_tensors):
