@@ -268,14 +268,22 @@ enum Part : int64_t {
 bool is_q8_lanes(const torch::Tensor& w) {
   return w.dim() == 3 && w.scalar_type() == at::kByte && w.size(2) == kQ8LanesBlockBytes;
 }
+// Q6_K lanes blocks (q6k_lanes_vnni.h: avx512vnni holds a file's Q6_K
+// projections so) are uint8 [out / 16, in / 256, 3328], their float16 d
+// [out / 16, in / 256, 16] as the scale.
+bool is_q6k_lanes(const torch::Tensor& w) {
+  return w.dim() == 3 && w.scalar_type() == at::kByte && w.size(2) == kQ6kLanesBytes;
+}
 int64_t out_channels(const torch::Tensor& w) {
-  return is_q8_lanes(w) ? w.size(0) * kLanesChannels : w.dim() == 3 ? q4_out(w) : w.size(0);
+  return is_q8_lanes(w) || is_q6k_lanes(w) ? w.size(0) * kLanesChannels : w.dim() == 3 ? q4_out(w) : w.size(0);
 }
 
 struct Linear {
   // uint8 [out, in / 32, 20] 4-bit blocks (or [out / 16, in / 32, 320]
   // lanes blocks: lanes_avx2.h, lanes_vnni.h), or Q8_0 lanes blocks
-  // [out / 16, in / 32, 576] (their steps inside), or int8 [out, in] with a float32
+  // [out / 16, in / 32, 576] (their steps inside), or Q6_K lanes blocks
+  // [out / 16, in / 256, 3328] with their float16 d [out / 16, in / 256, 16]
+  // as the scale, or int8 [out, in] with a float32
   // scale per channel ([out]) or per group of 32 inputs ([out, in / 32]:
   // GGUF's Q8_0, what a file's wider matrices are held in)
   const torch::Tensor& weight;
@@ -286,6 +294,9 @@ struct Linear {
 
   void operator()(const float* x, int64_t rows, int64_t k, float* y, int64_t isa) const {
     if (is_q8_lanes(weight)) q8g_lanes_by_isa(x, rows, k, weight.data_ptr<uint8_t>(), out(), y, isa);
+    else if (is_q6k_lanes(weight))
+      q6k_lanes_by_isa(x, rows, k, weight.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>()),
+                       out(), y, isa);
     else if (weight.dim() == 3) q4_blocks_matmul(x, rows, k, weight, y, isa);
     else if (scale.dim() == 2) q8g_matmul(x, rows, k, weight.data_ptr<int8_t>(), scale.data_ptr<float>(), out(), y, isa);
     else q8_matmul(x, rows, k, weight.data_ptr<int8_t>(), scale.data_ptr<float>(), out(), y, isa);
@@ -301,6 +312,11 @@ void check_linear(const torch::Tensor& w, const torch::Tensor& scale, const torc
   if (is_q8_lanes(w)) {
     TORCH_CHECK(w.size(1) * kGroup == in && scale.numel() == 0, what, ": Q8_0 lanes blocks must be uint8 [out / 16, ",
                 in / kGroup, ", 576], without a scale");
+  } else if (is_q6k_lanes(w)) {
+    TORCH_CHECK(w.size(1) * kQ6kSuper == in && scale.scalar_type() == at::kHalf && scale.dim() == 3 &&
+                    scale.size(0) == w.size(0) && scale.size(1) == w.size(1) && scale.size(2) == kLanesChannels,
+                what, ": Q6_K lanes blocks must be uint8 [out / 16, ", in / kQ6kSuper, ", 3328] with their d float16 [out / 16, ",
+                in / kQ6kSuper, ", 16] as the scale");
   } else if (w.dim() == 3) {
     TORCH_CHECK(is_q4_blocks(w) && w.size(1) * kGroup == in, what, ": 4-bit blocks must be uint8 [out, ",
                 in / kGroup, ", 20] or lanes blocks [out / 16, ", in / kGroup, ", 320]");

@@ -600,3 +600,4 @@ inline void q8g_matmul(const float* x, int64_t rows, int64_t k, const int8_t* w,
 #include "lanes_avx2.h"
 #include "q8_lanes_avx2.h"
 #include "lanes_vnni.h"
+#include "q6k_lanes_vnni.h"

@@ -11,6 +11,9 @@
 //   trioserve::q4_dequantize(blocks)            4-bit groups to a float32 matrix (q4_dequantize_bf16: bfloat16)
 //   trioserve::q8g_dequantize_bf16(q, scale)    int8 groups of 32 to a bfloat16 matrix
 //   trioserve::q8g_lanes_rows(lanes, ids)       rows of Q8_0 lanes blocks to float32 (embeddings)
+//   trioserve::q6k_linear(x, lanes, d, isa)     GGUF's Q6_K at its own width, w = (u - 32) sc d, as Q6_K lanes
+//                                               blocks (q6k_lanes_vnni.h)
+//   trioserve::q6k_dequantize_bf16(lanes, d)    Q6_K lanes blocks to a bfloat16 matrix
 //   trioserve::isas()                           bit i set: ISA i runs on this CPU
 //
 // Why native: ATen's packed 4-bit and int8 kernels stream their weights at
@@ -124,6 +127,52 @@ torch::Tensor q8g_lanes_rows(const torch::Tensor& lanes_in, const torch::Tensor&
   return y;
 }
 
+void check_q6k(const torch::Tensor& lanes, const torch::Tensor& d, const char* what) {
+  TORCH_CHECK(lanes.scalar_type() == at::kByte && lanes.dim() == 3 && lanes.size(2) == kQ6kLanesBytes, what,
+              ": lanes must be uint8 [out / ", kLanesChannels, ", in / ", kQ6kSuper, ", ", kQ6kLanesBytes, "]");
+  TORCH_CHECK(d.scalar_type() == at::kHalf && d.dim() == 3 && d.size(0) == lanes.size(0) &&
+                  d.size(1) == lanes.size(1) && d.size(2) == kLanesChannels,
+              what, ": d must be float16 [out / ", kLanesChannels, ", in / ", kQ6kSuper, ", ", kLanesChannels, "]");
+}
+
+// GGUF's Q6_K rows held as Q6_K lanes blocks (engine/kernels/q6k_lanes.py),
+// their d apart: y = x @ W.T on ``isa`` (q6k_lanes_vnni.h).
+torch::Tensor q6k_linear(const torch::Tensor& x_in, const torch::Tensor& lanes_in, const torch::Tensor& d_in,
+                         int64_t isa) {
+  check_isa(isa);
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2, "q6k_linear: x must be float32 [rows, in]");
+  check_q6k(lanes_in, d_in, "q6k_linear");
+  TORCH_CHECK(x_in.size(1) == lanes_in.size(1) * kQ6kSuper, "q6k_linear: x has ", x_in.size(1),
+              " inputs, the weight ", lanes_in.size(1) * kQ6kSuper);
+  const torch::Tensor x = x_in.contiguous(), lanes = lanes_in.contiguous(), d = d_in.contiguous();
+  const int64_t out = lanes.size(0) * kLanesChannels;
+  torch::Tensor y = torch::empty({x.size(0), out}, x.options());
+  q6k_lanes_by_isa(x.data_ptr<float>(), x.size(0), x.size(1), lanes.data_ptr<uint8_t>(),
+                   reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>()), out, y.data_ptr<float>(), isa);
+  return y;
+}
+
+// The bfloat16 weight [out, k] of Q6_K lanes blocks (each weight (u - 32)
+// (d sc) in float32, rounded to nearest even): a prompt's rows on torch's
+// bfloat16 GEMM, as q8g_dequantize_bf16. Needs AVX512_BF16.
+torch::Tensor q6k_dequantize_bf16(const torch::Tensor& lanes_in, const torch::Tensor& d_in) {
+  check_isa(kAvx512Bf16);
+  check_q6k(lanes_in, d_in, "q6k_dequantize_bf16");
+  const torch::Tensor lanes = lanes_in.contiguous(), d = d_in.contiguous();
+  const int64_t supers = lanes.size(1), out = lanes.size(0) * kLanesChannels, k = supers * kQ6kSuper;
+  torch::Tensor w = torch::empty({out, k}, torch::dtype(torch::kBFloat16));
+  const uint8_t* src = lanes.data_ptr<uint8_t>();
+  const uint16_t* ds = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(w.data_ptr<at::BFloat16>());
+  at::parallel_for(0, out, 16, [&](int64_t begin, int64_t end) {
+    // k is a multiple of 256, so a channel's bfloat16 row has no padding.
+    for (int64_t n = begin; n < end; ++n)
+      q6k_lanes_channel_bf16(src + n / kLanesChannels * supers * kQ6kLanesBytes, ds + n / kLanesChannels * supers * kLanesChannels,
+                             supers, n % kLanesChannels, dst + n * k);
+  });
+  return w;
+}
+
 // The float32 weight [out, k] of 4-bit blocks: for many rows, where a GEMM
 // over the plain weight beats the GEMV-shaped kernel, one matrix at a time.
 torch::Tensor q4_dequantize(const torch::Tensor& blocks_in) {
@@ -198,6 +247,8 @@ TORCH_LIBRARY(trioserve, m) {
   m.def("q8g_linear(Tensor x, Tensor q, Tensor scale, int isa) -> Tensor");
   m.def("q8g_dequantize_bf16(Tensor q, Tensor scale) -> Tensor");
   m.def("q8g_lanes_rows(Tensor lanes, Tensor ids) -> Tensor");
+  m.def("q6k_linear(Tensor x, Tensor lanes, Tensor d, int isa) -> Tensor");
+  m.def("q6k_dequantize_bf16(Tensor lanes, Tensor d) -> Tensor");
   m.def("decode_attention(Tensor qkv, Tensor key_cache, Tensor value_cache, Tensor cos, Tensor sin, Tensor slots, Tensor block_tables, Tensor context_lens, int num_heads, float scale, int isa) -> Tensor");
   m.def("decode_layers(Tensor hidden, Tensor[] weights, Tensor key_cache, Tensor value_cache, Tensor cos, Tensor sin, Tensor slots, Tensor block_tables, Tensor context_lens, int num_heads, int num_kv_heads, float eps, float scale, int isa) -> Tensor");
 }
@@ -210,4 +261,6 @@ TORCH_LIBRARY_IMPL(trioserve, CPU, m) {
   m.impl("q8g_linear", &q8g_linear);
   m.impl("q8g_dequantize_bf16", &q8g_dequantize_bf16);
   m.impl("q8g_lanes_rows", &q8g_lanes_rows);
+  m.impl("q6k_linear", &q6k_linear);
+  m.impl("q6k_dequantize_bf16", &q6k_dequantize_bf16);
 }

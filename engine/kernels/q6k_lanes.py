@@ -1,0 +1,146 @@
+"""GGUF's Q6_K matrices held at the file's own width ("Q6_K lanes blocks",
+csrc/q6k_lanes_vnni.h, whose header says the layout): how avx512vnni holds
+a projection every part of which a file stores as Q6_K (a Q4_K_M file's
+ffn_down and some attn_v), read by one zmm kernel at every row count.
+
+Before, such a matrix was rounded into Q8_0 groups of 32 at load (one more
+rounding: ~94% of its values moved, by up to half a Q8_0 step) and held as
+Q8_0 lanes blocks, 8.5 bits a weight. Here the file's 6-bit values, int8
+sub-block scales and float16 d run as they are: 6.5625 bits a weight (a
+matrix's bytes down 27%), and a product closer to W x over the file's values.
+
+The layout is the file's bytes rearranged (``to_lanes``): numpy on the
+calling thread, a few panels at a time, every step on uint32 words (the
+values are below 64, so no bits cross a byte).
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+import torch
+
+from trioserve.engine.kernels.rtn import Int8GroupWeight
+
+CHANNELS = 16  # a panel: csrc's kLanesChannels
+SUPER = 256  # inputs a super-block
+BLOCK = 210  # GGUF's bytes a row and super-block: 128 low nibbles, 64 high bit pairs, 16 scales, d
+LANES_BYTES = 3328  # csrc's kQ6kLanesBytes: a panel and super-block, without its d
+PAIR_BYTES = LANES_BYTES // 4  # two groups of 32 inputs: csrc's kQ6kPairBytes
+# The file's bytes laid out at once by to_lanes: the temporaries stay in a core's cache.
+_CHUNK_BYTES = 1 << 19
+
+
+def fits(out: int, k: int) -> bool:
+    """Whether a ``[out, k]`` Q6_K matrix can be laid out in lanes: whole panels of 16 channels."""
+    return out % CHANNELS == 0 and k % SUPER == 0
+
+
+@attrs.frozen(eq=False)
+class Q6KGroups(Int8GroupWeight):
+    """A GGUF Q6_K tensor as ``gguf_weights.decode_q6_k`` gives it (int8 in
+    groups of 16, ``(u - 32) d sc``), with the file's rows ``blocks``
+    (uint8 ``[out, in / 256 * 210]``, a view of the mapped file) kept, so a
+    kernel that reads Q6_K itself lays out the file's own bytes. Anything
+    that takes int8 groups takes it as one."""
+
+    blocks: np.ndarray
+
+
+def to_lanes(data: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q6_K rows (``[out, supers * 210]`` uint8, ``fits``) as lanes blocks
+    ``[out / 16, supers, 3328]`` (uint8) and d ``[out / 16, supers, 16]``
+    (float16): the file's bytes, rearranged, a few panels at a time."""
+    out = data.shape[0]
+    n = data.shape[1] // BLOCK
+    assert fits(out, n * SUPER) and data.shape[1] == n * BLOCK, data.shape
+    panels = out // CHANNELS
+    lanes = np.empty((panels, n, LANES_BYTES), dtype=np.uint8)
+    d = np.empty((panels, n, CHANNELS), dtype=np.float16)
+    step = max(1, _CHUNK_BYTES // (CHANNELS * n * BLOCK))
+    for p0 in range(0, panels, step):
+        p1 = min(panels, p0 + step)
+        _panels_into(data[p0 * CHANNELS : p1 * CHANNELS].reshape(-1, n, BLOCK), lanes[p0:p1], d[p0:p1])
+    return torch.from_numpy(lanes), torch.from_numpy(d)
+
+
+def _panels_into(blocks: np.ndarray, lanes: np.ndarray, d_out: np.ndarray) -> None:
+    """A few panels' blocks ``[16 p, n, 210]`` into their lanes and d, on
+    uint32 words, 4 bytes a lane: a quarter of numpy's elements."""
+    panels, n = lanes.shape[:2]
+    rows = blocks.shape[0]
+    ql = np.ascontiguousarray(blocks[..., :128]).view(np.uint32).reshape(rows, n, 2, 16)  # [.., half, 64 bytes]
+    qh = np.ascontiguousarray(blocks[..., 128:192]).view(np.uint32).reshape(rows, n, 2, 8)  # [.., half, 32 bytes]
+    nibble = np.uint32(0x0F0F0F0F)
+    # u's low 4 bits, [row, s, half, low/high nibble (values 0..63 / 64..127 of the half), 16 words]
+    low = np.empty((rows, n, 2, 2, 16), dtype=np.uint32)
+    np.bitwise_and(ql, nibble, out=low[:, :, :, 0])
+    np.right_shift(ql, 4, out=low[:, :, :, 1])
+    low[:, :, :, 1] &= nibble
+    # input j = 32 g + 16 h + 4 q + b: word (g, h, q) of the 64 words a row and super-block
+    low = low.reshape(rows, n, 8, 2, 4)  # [row, s, g, h, q]
+    # u's high 2 bits as words: value 128 half + 32 m + i from qh word (half, i // 4), bits 2m
+    three = np.uint32(0x03030303)
+    high = np.empty((rows, n, 2, 4, 8), dtype=np.uint32)  # [row, s, half, m, word]
+    for m in range(4):
+        np.right_shift(qh, 2 * m, out=high[:, :, :, m])
+        high[:, :, :, m] &= three
+    u = low | (high.reshape(rows, n, 8, 2, 4) << 4)  # [row, s, g, h, q]: the 6-bit values, 4 a word
+    w3 = u[..., 3]
+    kept = np.empty((rows, n, 8, 2, 3), dtype=np.uint32)  # A, B, C: W[3] in their top two bits
+    np.bitwise_or(u[..., 0], (w3 & np.uint32(0x30303030)) << 2, out=kept[..., 0])
+    np.bitwise_or(u[..., 1], (w3 & np.uint32(0x0C0C0C0C)) << 4, out=kept[..., 1])
+    np.bitwise_or(u[..., 2], (w3 & three) << 6, out=kept[..., 2])
+    pairs = lanes.reshape(panels, n, 4, PAIR_BYTES)  # groups 2P and 2P + 1 of a super-block: 832 bytes
+    pairs[..., :768].view(np.uint32).reshape(panels, n, 4, 2, 2, 3, CHANNELS)[...] = (
+        kept.reshape(panels, CHANNELS, n, 4, 2, 2, 3).transpose(0, 2, 3, 4, 5, 6, 1)
+    )
+    sc = blocks[..., 192:208].reshape(panels, CHANNELS, n, 4, 2, 2)  # [p, c, s, P, e, sub]
+    pairs[..., 768:].reshape(panels, n, 4, 2, 2, CHANNELS)[...] = sc.transpose(0, 2, 3, 4, 5, 1)
+    d_out[...] = np.ascontiguousarray(blocks[..., 208:210]).view(np.float16).reshape(panels, CHANNELS, n).transpose(0, 2, 1)
+
+
+@attrs.frozen
+class Q6KLanes:
+    """A ``[out, in]`` Q6_K matrix as lanes blocks ``lanes`` ``[out / 16,
+    in / 256, 3328]`` (uint8) and their d ``[out / 16, in / 256, 16]``
+    (float16). ``q`` and ``scale`` name them as csrc/decode.cpp's fused
+    step takes a weight and its scale (native_decode)."""
+
+    lanes: torch.Tensor
+    d: torch.Tensor
+    ops: object  # torch.ops.trioserve, loaded
+
+    @classmethod
+    def of(cls, blocks: np.ndarray, ops: object) -> Q6KLanes:
+        """The Q6_K rows ``blocks`` (``[out, in / 256 * 210]`` uint8, ``fits``) laid out in lanes."""
+        return cls(*to_lanes(blocks), ops)
+
+    @property
+    def q(self) -> torch.Tensor:
+        return self.lanes
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return self.d
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The matrix's ``(out, in)``."""
+        panels, supers, _ = self.lanes.shape
+        return panels * CHANNELS, supers * SUPER
+
+    @property
+    def nbytes(self) -> int:
+        return self.lanes.numel() + self.d.nbytes
+
+    def linear(self, x: torch.Tensor, isa: int) -> torch.Tensor:
+        """``x @ W.T`` (float32 ``[rows, in]``) on variant ``isa``:
+        avx512vnni's int8 activations at any row count with a row's bits
+        the same at every row count, or float32 activations in bfloat16
+        (avx512bf16) or float32 (avx512) panels."""
+        return self.ops.q6k_linear(x, self.lanes, self.d, isa)  # type: ignore[attr-defined]
+
+    def dequantize_bf16(self) -> torch.Tensor:
+        """The matrix in bfloat16 (each weight in float32, then rounded to nearest even)."""
+        return self.ops.q6k_dequantize_bf16(self.lanes, self.d)  # type: ignore[attr-defined]
