@@ -1,8 +1,10 @@
 """Seconds from a server's start to its /health answering 200, on loopback.
 
-    python scripts/startup_time.py [--runs N] -- COMMAND ... {port}
+    python scripts/startup_time.py [--runs N] [--fresh-cache] -- COMMAND ... {port}
 
-runs COMMAND (``{port}`` replaced by a free port) ``--runs`` times, polls
+runs COMMAND (``{port}`` replaced by a free port) ``--runs`` times (with
+``--fresh-cache``, each with ``TRIOSERVE_CACHE`` an empty temporary
+folder, removed after: every run a first start), polls
 ``http://127.0.0.1:PORT/health`` every 20 ms until it answers 200, then
 stops the server (SIGTERM, SIGKILL after 10 s) and prints one JSON line a
 run: the seconds to ready, and the server's peak RSS and CPU seconds
@@ -19,6 +21,7 @@ import os
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -30,12 +33,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def one_run(command: list[str], timeout: float) -> dict[str, object]:
+def one_run(command: list[str], timeout: float, env: dict[str, str] | None = None) -> dict[str, object]:
     port = free_port()
     argv = [part.replace("{port}", str(port)) for part in command]
     load = os.getloadavg()[0]
     start = time.perf_counter()
-    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    process = subprocess.Popen(
+        argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env
+    )
     ready, usage = None, None
 
     def reaped() -> bool:
@@ -74,10 +79,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--fresh-cache", action="store_true", help="each run with an empty TRIOSERVE_CACHE")
     parser.add_argument("command", nargs="+")
     args = parser.parse_args()
     for _ in range(args.runs):
-        print(json.dumps(one_run(args.command, args.timeout)), flush=True)
+        if not args.fresh_cache:
+            print(json.dumps(one_run(args.command, args.timeout)), flush=True)
+            continue
+        with tempfile.TemporaryDirectory(prefix="startup-cache-") as cache:
+            result = one_run(args.command, args.timeout, {**os.environ, "TRIOSERVE_CACHE": cache})
+        print(json.dumps({**result, "fresh_cache": True}), flush=True)
 
 
 if __name__ == "__main__":
