@@ -22,6 +22,7 @@ from trioserve.engine.kernels.choose import KERNELS, KernelChoice, candidates
 from trioserve.engine.kernels.int4_native import Int4NativeLinear
 from trioserve.engine.kernels.int8_native import Int8GroupNativeLinear
 from trioserve.engine.loading.compressed import load_gguf_quantized, quantization_choice
+from trioserve.engine.kernels.q6k_lanes import Q6KLanes
 from trioserve.engine.kernels.q8_lanes import Q8Lanes
 from trioserve.engine.kernels.rtn import Int4Weight, Int8GroupWeight, quantize_int8_groups, regroup_int8
 from trioserve.testing.quality import prompt_logits
@@ -248,8 +249,9 @@ def test_a_q4_k_m_style_file_loads_compressed_with_its_wider_matrices_in_int8(cp
     """With "auto" on the best 4-bit kernel here (the one it takes wherever a
     4-bit kernel is within reach of the fastest), the projections stored in
     4 bits run on it; one with a Q6_K, Q5_0 or Q5_K matrix runs int8 (in
-    groups of 32 on the native kernels) rather than being rounded to 4
-    bits; the Q6_K embeddings become one int8 table in groups of 32 shared
+    groups of 32 on the native kernels; on avx512vnni one all Q6_K at the
+    file's width, as the test after the next says) rather than being
+    rounded to 4 bits; the Q6_K embeddings become one int8 table in groups of 32 shared
     with the LM head; and where the native kernels run, a decode step still
     runs all layers in one call."""
     path, dense = mixed_gguf
@@ -359,3 +361,49 @@ def test_the_writers_k_quants_are_the_format_gguf_reads(kind, group):
     decode = gguf_weights.decode_q4_k if kind == "Q4_K" else gguf_weights.decode_q6_k
     ours = decode(blocks.reshape(15, -1)).dequantize().numpy()
     assert np.abs(ours - y.reshape(15, -1)).max() <= 1e-6 * np.abs(y).max()
+
+
+
+@pytest.mark.cpu_paths
+def test_on_avx512vnni_a_mixed_files_q6_k_projection_runs_the_files_values(cpu_paths, mixed_gguf):
+    """The rule above on avx512vnni, where a projection whose every matrix
+    is Q6_K is held at the file's width (q6k_lanes): what the file holds is
+    what runs. Layer 0's Q6_K down projection holds the file's values
+    exactly (decoded back through float32 panels against the identity);
+    its qkv, fusing Q4_K q and k with a Q6_K v, holds them rounded to int8
+    groups of 32 as before. Against a float model over the file's values
+    with only those other roundings, a prompt's logits and a fused decode
+    step's agree to the int8 activations' rounding (a few percent of the
+    largest logit on this random model; the Q6_K rounding the down
+    projection no longer takes moves them under 1%)."""
+    path, dense = mixed_gguf
+    kernel = candidates(cpu_paths, "int4")[0]
+    if kernel.isa != "avx512vnni":
+        pytest.skip(f"the 4-bit kernel here is {kernel.name}, not avx512vnni's")
+    model = load_gguf_quantized(path, _CONFIG, KernelChoice(kernel, "auto", 32), cpu_paths)
+    made = model._projections()
+    assert made.decode is not None
+    layer0, layer1 = made.layers
+    down = layer0.down_linear.weight
+    assert isinstance(down, Q6KLanes)
+    assert torch.equal(down.linear(torch.eye(_CONFIG.intermediate_size), native.ISAS["avx512"]).T,
+                       dense["model.layers.0.mlp.down_proj.weight"])  # fmt: skip
+    qkv = torch.cat([dense[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
+    assert isinstance(layer0.qkv_linear.weight, Q8Lanes)
+    assert torch.equal(layer0.qkv_linear.weight.dequantize(), quantize_int8_groups(qkv, 32).dequantize())
+    kinds = {gguf_weights.hf_name(f"blk.{i}.{part}.weight"): kind for i, layer in enumerate(_LAYERS) for part, kind in layer.items()}
+
+    def rounded(name: str, value: torch.Tensor) -> torch.Tensor:
+        projection = name.removesuffix(".weight")
+        exact = projection == "model.layers.0.mlp.down_proj" or kinds.get(name) in ("Q5_0", "Q8_0")
+        if name == "model.embed_tokens.weight" or (projection in _WIDE and not exact):
+            return quantize_int8_groups(value, 32).dequantize()
+        return value
+
+    reference = LlamaForCausalLM(_CONFIG, dtype=torch.float32, device="cpu", cpu_paths=cpu_paths)
+    reference.load_weights([(name, rounded(name, value)) for name, value in dense.items()])
+    prompt = [int(t) for t in np.random.default_rng(4).integers(3, _CONFIG.vocab_size, 24)]
+    got, want = prompt_logits(model, prompt), prompt_logits(reference, prompt)
+    assert (got - want).abs().max() <= 5e-2 * want.abs().max()
+    got, want = _decode_step(model, prompt, 7), _decode_step(reference, prompt, 7)
+    assert (got - want).abs().max() <= 2e-2 * want.abs().max()

@@ -2,19 +2,32 @@
 csrc/q6k_lanes_vnni.h): the lanes hold the file's values; a row's result
 has the same bits at every row count and batch composition, the bits of a
 numpy emulation of the kernel's operations, and is close to float64 W x
-over the file's values."""
+over the file's values; a Q4_K_M-style file's Q6_K projections load so,
+and an engine over it answers a request alike alone and in a batch."""
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 import pytest
 import torch
 
+from trioserve.engine.config import EngineConfig
+from trioserve.engine.core.engine_core import EngineCore
 from trioserve.engine.kernels import native, q6k_lanes
-from trioserve.engine.kernels.q6k_lanes import Q6KLanes
+from trioserve.engine.kernels.choose import KernelChoice
+from trioserve.engine.kernels.int4_native import bf16_gemm
+from trioserve.engine.kernels.int8_native import Int8GroupNativeLinear
+from trioserve.engine.kernels.q6k_lanes import Q6KGroups, Q6KLanes
+from trioserve.engine.kernels.q8_lanes import Q8Lanes
 from trioserve.engine.loading import gguf_weights
+from trioserve.engine.loading.compressed import load_gguf_quantized, quantization_choice
+from trioserve.engine.loading.loader import LoadedModel
+from trioserve.engine.sampling.sampling_params import SamplingParams
+from trioserve.engine.text.fast_tokenizer import FastTokenizer
+from trioserve.testing.tiny_model import write_word_tokenizer
 
-from test_gguf_kquants import _random_blocks, _reference
+from test_gguf_kquants import _CONFIG, _random_blocks, _reference, _shape, _write
 
 VNNI, BF16, AVX512 = native.ISAS["avx512vnni"], native.ISAS["avx512bf16"], native.ISAS["avx512"]
 ROWS = (1, 2, 5, 17, 40)
@@ -100,6 +113,113 @@ def test_the_kernel_computes_its_documented_operations_and_is_close_to_w_x(ops):
         assert (got.double() - exact).abs().max() <= 1e-2 * exact.abs().max()
 
 
+def test_the_linear_takes_int8_activations_only_where_asked(ops):
+    """Decode steps (``int8_panels``, as native_decode.decode_head asks; the
+    fused step calls the kernel itself) run the int8 kernel; a prompt's rows
+    float activations in bfloat16 panels, or from ``gemm_from_rows`` torch's
+    bfloat16 GEMM over the matrix dequantized; the bias added after."""
+    out, k = 48, 768
+    lanes = Q6KLanes.of(_matrix(out, k, 9), ops)
+    bias = torch.randn(out, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(20, k, generator=torch.Generator().manual_seed(3))
+    linear = Int8GroupNativeLinear.q6k(lanes, "avx512vnni", bias, gemm_from_rows=16)
+    assert torch.equal(attrs.evolve(linear, int8_panels=True)(x), lanes.linear(x, VNNI) + bias)
+    assert torch.equal(linear(x[:9]), lanes.linear(x[:9], BF16) + bias)
+    assert torch.equal(linear(x), bf16_gemm(x, lanes.dequantize_bf16()) + bias)
+
+
 def test_shapes_without_whole_panels_do_not_fit():
     assert q6k_lanes.fits(16, 256) and q6k_lanes.fits(512, 8192)
     assert not q6k_lanes.fits(24, 256) and not q6k_lanes.fits(16, 288)
+
+
+# Layer 0 as llama.cpp's Q4_K_M stores it (a Q6_K v fused with Q4_K q and
+# k, a Q6_K down); layer 1 with q, k and v all Q6_K.
+_LAYERS = (
+    {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q4_K", "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K"},
+    {"attn_q": "Q6_K", "attn_k": "Q6_K", "attn_v": "Q6_K", "attn_output": "Q4_K", "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q4_K"},
+)
+
+
+@pytest.fixture(scope="module")
+def q6k_file(tmp_path_factory):
+    rng = np.random.default_rng(5)
+    c = _CONFIG
+    tensors = {
+        "token_embd.weight": ("Q6_K", _random_blocks("Q6_K", c.vocab_size, c.hidden_size, rng)),
+        "output_norm.weight": ("F32", (1 + 0.1 * rng.standard_normal(c.hidden_size)).astype(np.float32)),
+    }
+    for i, kinds in enumerate(_LAYERS):
+        for part in ("attn_norm", "ffn_norm"):
+            tensors[f"blk.{i}.{part}.weight"] = ("F32", (1 + 0.1 * rng.standard_normal(c.hidden_size)).astype(np.float32))
+        for part, kind in kinds.items():
+            tensors[f"blk.{i}.{part}.weight"] = (kind, _random_blocks(kind, *_shape(part), rng))
+    folder = tmp_path_factory.mktemp("q6k")
+    _write(folder / "q6k.gguf", tensors)
+    write_word_tokenizer(folder, c.vocab_size)
+    return folder, tensors
+
+
+@pytest.mark.cpu_paths
+def test_a_files_q6_k_projections_load_as_q6_k_lanes_on_avx512vnni(cpu_paths, q6k_file):
+    """Every Q6_K projection of whole panels (layer 0's down, layer 1's
+    fused q, k and v, its q and k rows put back in Hugging Face's order) is
+    held as Q6_K lanes of the file's values; a qkv fusing Q4_K with Q6_K
+    keeps Q8_0 lanes; the fused decode step takes every layer."""
+    folder, tensors = q6k_file
+    choice = quantization_choice(cpu_paths, torch.device("cpu"), torch.float32, "auto", _CONFIG, 32)
+    if choice.kernel.isa != "avx512vnni":
+        pytest.skip(f"the 4-bit kernel here is {choice.kernel.name}, not avx512vnni's")
+    model = load_gguf_quantized(folder / "q6k.gguf", _CONFIG, choice, cpu_paths)
+    made = model._projections()
+    layer0, layer1 = made.layers
+    assert isinstance(layer0.qkv_linear.weight, Q8Lanes)
+    for linear in (layer0.down_linear, layer1.qkv_linear):
+        assert isinstance(linear, Int8GroupNativeLinear) and isinstance(linear.weight, Q6KLanes)
+    assert made.decode is not None and made.decode.isa == VNNI
+    down = layer0.down_linear.weight.linear(torch.eye(_CONFIG.intermediate_size), AVX512).T
+    assert torch.equal(down, _reference("Q6_K", tensors["blk.0.ffn_down.weight"][1]))
+    qkv = layer1.qkv_linear.weight.linear(torch.eye(_CONFIG.hidden_size), AVX512).T
+    heads = {"attn_q": _CONFIG.num_attention_heads, "attn_k": _CONFIG.num_key_value_heads, "attn_v": None}
+    parts = [_reference("Q6_K", tensors[f"blk.1.{p}.weight"][1]) for p in heads]
+    parts = [w if h is None else gguf_weights._unpermute(w, h) for w, h in zip(parts, heads.values())]
+    assert torch.equal(qkv, torch.cat(parts))
+
+
+def test_q6_k_tensors_keep_the_files_rows(q6k_file):
+    folder, tensors = q6k_file
+    got = dict(gguf_weights.read_tensors(folder / "q6k.gguf", num_heads=4, num_kv_heads=2))
+    down = got["model.layers.0.mlp.down_proj.weight"]
+    assert isinstance(down, Q6KGroups) and np.array_equal(down.blocks, tensors["blk.0.ffn_down.weight"][1])
+    assert isinstance(got["model.layers.1.self_attn.k_proj.weight"], Q6KGroups)
+
+
+def _generate(core: EngineCore, prompts: dict[str, list[int]]) -> dict[str, tuple[list[int], list[object]]]:
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
+    for rid, prompt in prompts.items():
+        core.add_request(rid, prompt, params)
+    results: dict[str, tuple[list[int], list[object]]] = {rid: ([], []) for rid in prompts}
+    while core.has_unfinished():
+        for out in core.step():
+            results[out.request_id][0].extend(out.new_token_ids)
+            results[out.request_id][1].extend(out.logprobs or [])
+    return results
+
+
+@pytest.mark.cpu_paths
+def test_an_engine_over_q6_k_lanes_answers_alike_alone_and_in_a_batch(cpu_paths, q6k_file):
+    """Batch invariance with the Q6_K projections in lanes: greedy tokens and
+    their logprobs of each request alone equal those in a batch of three."""
+    folder, _ = q6k_file
+    choice = quantization_choice(cpu_paths, torch.device("cpu"), torch.float32, "auto", _CONFIG, 32)
+    model = load_gguf_quantized(folder / "q6k.gguf", _CONFIG, choice, cpu_paths)
+    loaded = LoadedModel(model=model, model_config=_CONFIG, tokenizer=FastTokenizer.from_folder(folder), name="q6k",
+                         path=folder, dtype=torch.float32, device=torch.device("cpu"))  # fmt: skip
+    config = dict(block_size=16, max_model_len=128, max_num_seqs=4, kv_cache_memory=4 << 20, kv_cache_dtype="float32",
+                  warm_up=False)  # fmt: skip
+    rng = np.random.default_rng(6)
+    prompts = {f"r{i}": [int(t) for t in rng.integers(3, _CONFIG.vocab_size, n)] for i, n in enumerate((5, 19, 33))}
+    together = _generate(EngineCore(loaded, EngineConfig(**config)), prompts)
+    for rid, prompt in prompts.items():
+        alone = _generate(EngineCore(loaded, EngineConfig(**config)), {rid: prompt})
+        assert alone[rid] == together[rid], rid

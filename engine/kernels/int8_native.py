@@ -18,6 +18,7 @@ from trioserve.engine.kernels import native
 from trioserve.engine.kernels import q8_lanes
 from trioserve.engine.kernels.int4_native import bf16_gemm, call_isa, dequantizes
 from trioserve.engine.kernels.q8_lanes import Q8Lanes
+from trioserve.engine.kernels.q6k_lanes import Q6KLanes
 from trioserve.engine.kernels.rtn import Int8GroupWeight, Int8Weight, quantize_int8
 
 GROUP = 32
@@ -69,9 +70,10 @@ class Int8GroupNativeLinear:
     """``x @ W.T + bias`` with ``W = q * scale`` per group of 32, over
     ``weight``'s own tensors (shared, not copied: a tied LM head and the
     embeddings are one table). An avx2int8 LM head, and any avx512vnni
-    table, is held as Q8_0 lanes blocks (``in_lanes``)."""
+    table, is held as Q8_0 lanes blocks (``in_lanes``); on avx512vnni a
+    file's Q6_K projection as Q6_K lanes blocks (``q6k``), at its width."""
 
-    weight: Int8GroupWeight | Q8Lanes
+    weight: Int8GroupWeight | Q8Lanes | Q6KLanes
     isa: int
     ops: object  # torch.ops.trioserve, loaded
     int8_panels: bool = False  # as Int4NativeLinear's
@@ -85,6 +87,14 @@ class Int8GroupNativeLinear:
         if weight.group_size != GROUP:
             raise ValueError(f"int8 group size {weight.group_size}: the native kernel runs groups of {GROUP}")
         return cls(weight, native.ISAS[isa], native.ops(), bias=bias, gemm_from_rows=gemm_from_rows)
+
+    @classmethod
+    def q6k(
+        cls, weight: Q6KLanes, isa: str, bias: torch.Tensor | None = None, gemm_from_rows: int | None = None
+    ) -> Int8GroupNativeLinear:
+        """Over a Q6_K matrix in lanes blocks (avx512vnni's; its decode steps
+        and batch-invariant prompts run csrc/q6k_lanes_vnni.h)."""
+        return cls(weight, native.ISAS[isa], weight.ops, bias=bias, gemm_from_rows=gemm_from_rows)
 
     def in_lanes(self, head: bool = True) -> Int8GroupNativeLinear:
         """This linear over its table as Q8_0 lanes blocks where the table
@@ -106,6 +116,8 @@ class Int8GroupNativeLinear:
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
+        if isinstance(w, Q6KLanes):
+            return self._q6k_product(w, x)
         if isinstance(w, Q8Lanes) and self.isa == _AVX2_INT8:
             # int16 activations at any row count: a decode step's bits, and as
             # wide as a prompt's 4-bit calls on AVX2 (int4_native.call_isa).
@@ -130,6 +142,17 @@ class Int8GroupNativeLinear:
         if isinstance(w, Q8Lanes):  # avx512vnni's (csrc/lanes_vnni.h), on isa as for the groups
             return self.ops.q8g_linear(x, w.blocks, _NO_STEPS, isa)  # type: ignore[attr-defined]
         return self.ops.q8g_linear(x, w.q, w.scale, isa)  # type: ignore[attr-defined]
+
+    def _q6k_product(self, w: Q6KLanes, x: torch.Tensor) -> torch.Tensor:
+        """As the Q8_0 lanes blocks run: int8 activations where asked
+        (``int8_panels``: decode steps, batch-invariant prompts), torch's
+        bfloat16 GEMM from ``gemm_from_rows``, else avx512bf16's bfloat16
+        panels at any row count (a prompt's float activations)."""
+        if self.int8_panels or self.isa != _VNNI:
+            return w.linear(x, self.isa)
+        if self.gemm_from_rows is not None and x.shape[0] >= self.gemm_from_rows:
+            return bf16_gemm(x, w.dequantize_bf16())
+        return w.linear(x, _BF16)
 
 
 def trial(isa: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

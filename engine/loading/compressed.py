@@ -36,6 +36,7 @@ from trioserve.engine.loading import gguf_weights
 from trioserve.engine.kernels import int4_pack
 from trioserve.engine.kernels import int8_native
 from trioserve.engine.kernels import native
+from trioserve.engine.kernels import q6k_lanes
 from trioserve.engine.loading import rtn_cache
 from trioserve.engine.loading.sources import find_shards
 from trioserve.engine.kernels.choose import KERNELS, Kernel, KernelChoice, Linear, candidates, choose_kernel
@@ -145,7 +146,9 @@ class _Wide:
         Q8_0 or Q5_0 matrix exactly; the fused decode step takes the layer;
         a prompt's rows on the bfloat16 GEMM from where the 4-bit kernel's
         do; held as Q8_0 lanes blocks where ``in_lanes`` says: on
-        avx512vnni), else int8 per channel on the int8 kernel here."""
+        avx512vnni; there a projection whose every matrix the file stores
+        as Q6_K is held as Q6_K lanes blocks instead, at the file's width:
+        ``_q6k_lanes``), else int8 per channel on the int8 kernel here."""
         if choice.scheme != "auto" or choice.kernel.bits != 4:
             return None
         kernel = _eight_bit_kernel(cpu_paths, choice.kernel)
@@ -154,10 +157,27 @@ class _Wide:
             rows = choice.gemm_from_rows
 
             def native_groups(parts: list[Tensor], bias: torch.Tensor | None) -> Linear:
+                held = _q6k_lanes(parts) if isa == "avx512vnni" else None
+                if held is not None:
+                    return int8_native.Int8GroupNativeLinear.q6k(held, isa, bias, rows)
                 return int8_native.Int8GroupNativeLinear.over(_int8_groups(parts), isa, bias, rows).in_lanes(head=False)
 
             return cls(native_groups, f"int8 in groups of 32, native kernel ({isa})")
         return cls(lambda parts, bias: kernel.make(_cat(parts), bias, choice.group_size), kernel.what)
+
+
+def _q6k_lanes(parts: list[Tensor]) -> q6k_lanes.Q6KLanes | None:
+    """Matrices stacked by rows as Q6_K lanes blocks where every one is the
+    file's Q6_K (a fused qkv mixing Q4_K q and k with a Q6_K v is not) and
+    they make whole panels; else None. Their values as the file has them,
+    not rounded once more into Q8_0 groups."""
+    if not all(isinstance(p, q6k_lanes.Q6KGroups) for p in parts):
+        return None
+    out, k = sum(p.q.shape[0] for p in parts), parts[0].q.shape[1]
+    if not q6k_lanes.fits(out, k):
+        return None
+    blocks = parts[0].blocks if len(parts) == 1 else np.concatenate([p.blocks for p in parts])  # type: ignore[union-attr]
+    return q6k_lanes.Q6KLanes.of(blocks, native.ops())
 
 
 # Values requantized at once by _int8_groups and _in_native_groups: a

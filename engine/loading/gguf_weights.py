@@ -5,7 +5,8 @@ the file's values: Q4_0 is ``(q - 8) d``, Q4_1 is ``q d + m = (q - 8) d + (m + 8
 and Q4_K's sub-blocks of 32 are Q4_1's form with ``d = d_super * sc`` and
 ``m = -dmin * min``). Q8_0, Q5_0 and Q6_K as ``Int8GroupWeight``, exactly
 (Q8_0 ``q d`` and Q5_0 ``(q - 16) d`` in groups of 32, Q6_K ``(q - 32) d sc``
-in sub-blocks of 16); Q5_1 and Q5_K, whose 5-bit values carry an offset an
+in sub-blocks of 16, a ``q6k_lanes.Q6KGroups`` that keeps the file's rows for
+the kernels that read Q6_K itself); Q5_1 and Q5_K, whose 5-bit values carry an offset an
 int8 group has no room for, rounded to int8 in groups of 32 (the largest
 value of a group to 127, as Q8_0 is made: one rounding, a quarter of their
 own step or less). MXFP4 (gpt-oss's experts) as ``Int8GroupWeight``
@@ -43,6 +44,7 @@ import torch
 
 from trioserve.engine.errors import ModelLoadError
 from trioserve.engine.kernels import mxfp4
+from trioserve.engine.kernels.q6k_lanes import Q6KGroups
 from trioserve.engine.loading.gguf_file import GGUFFile
 from trioserve.engine.kernels.rtn import Int4Weight, Int8GroupWeight, quantize_int8_groups
 
@@ -311,17 +313,21 @@ _DECODERS = {"Q4_K": decode_q4_k, "Q5_0": decode_q5_0, "Q6_K": decode_q6_k, "Q8_
 def _unpermute(weight: torch.Tensor | Compressed, heads: int) -> torch.Tensor | Compressed:
     """Undo llama.cpp's rotary row order for a q or k weight of ``heads`` heads."""
 
-    def rows(t: torch.Tensor) -> torch.Tensor:
-        n = t.shape[0]
+    def put_back(a: np.ndarray) -> np.ndarray:
+        n = a.shape[0]
         # llama.cpp stores each head's rows (2, half) as (half, 2): read the
         # stored rows as (half, 2) and put them back as (2, half). (numpy's
         # copy, on this thread: see _CHUNK_BYTES.)
-        a = t.numpy()
         swapped = a.reshape(heads, n // heads // 2, 2, *a.shape[1:]).swapaxes(1, 2)
-        return torch.from_numpy(np.ascontiguousarray(swapped).reshape(a.shape))
+        return np.ascontiguousarray(swapped).reshape(a.shape)
+
+    def rows(t: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(put_back(t.numpy()))
 
     if isinstance(weight, Int4Weight):
         return Int4Weight(rows(weight.q), rows(weight.scale), rows(weight.zero), weight.group_size)
+    if isinstance(weight, Q6KGroups):
+        return Q6KGroups(rows(weight.q), rows(weight.scale), weight.group_size, put_back(weight.blocks))
     if isinstance(weight, Int8GroupWeight):
         return Int8GroupWeight(rows(weight.q), rows(weight.scale), weight.group_size)
     return rows(weight)
@@ -365,6 +371,8 @@ def _decoded(path: Path, name: str, kind: str, data: np.ndarray) -> torch.Tensor
         value: torch.Tensor | Compressed = by_rows(lambda rows: rows_of(kind, rows), data)
     elif kind in _DECODERS:
         value = by_rows(_DECODERS[kind], data)
+        if kind == "Q6_K":  # the file's rows kept: avx512vnni runs them at their width (q6k_lanes)
+            value = Q6KGroups(value.q, value.scale, value.group_size, data)
     elif kind == "MXFP4":
         value = by_rows(lambda rows: mxfp4.decode_gguf(rows, name), data)
     elif kind == "BF16":
