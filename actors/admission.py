@@ -121,6 +121,12 @@ class AdmissionQueue(BoundedSenders):
         # closing): the replicated queue in front of several (replicas.py)
         # wakes its own waiting senders with it.
         self._on_room = on_room
+        # The order the receiver takes requests in: None, first come first
+        # served; else the least ``order(message)`` first, the earliest among
+        # equals. The slo policy's scheduler sets it to its own order
+        # (actors/slo_admission.py), so a tight deadline is not stuck behind
+        # loose ones before the core even sees it.
+        self.order: Callable[[AddRequest], tuple[float, ...]] | None = None
 
     def _check_open(self) -> None:
         super()._check_open()
@@ -173,16 +179,23 @@ class AdmissionQueue(BoundedSenders):
             if self._closed:
                 raise trio.EndOfChannel
             await self._items.park()
-        return self._take(self._queue.popleft())
+        return self._take(self._pop())
 
     def receive_nowait(self) -> AddRequest:
         if self._queue:
-            return self._take(self._queue.popleft())
+            return self._take(self._pop())
         if self._receiver_closed:
             raise trio.ClosedResourceError("the admission queue's receiver is closed")
         if self._closed:
             raise trio.EndOfChannel
         raise trio.WouldBlock
+
+    def _pop(self) -> AddRequest:
+        if self.order is None:
+            return self._queue.popleft()
+        best = min(self._queue, key=self.order)  # the first of equals
+        self._queue.remove(best)
+        return best
 
     def remove_expired(self, now: float) -> list[AddRequest]:
         """Take out every queued request whose ``queue_deadline`` has passed;

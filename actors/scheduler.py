@@ -42,6 +42,7 @@ from trioserve.engine.core.latency_model import LatencyModel
 from trioserve.engine.core.outputs import RequestOutput
 from trioserve.engine.core.scheduler import SchedulerOutput
 from trioserve.engine.core.sequence import FinishReason
+from trioserve.engine.core.slo_policy import SloPolicy
 from trioserve.engine.runtime.model_runner import RunnerOutput
 from trioserve.engine.sampling.grammar import MaskFill
 
@@ -54,6 +55,7 @@ from .errors import WorkerLost
 from .failures import output_failure, step_failure
 from .messages import Abort, AddRequest, Allocate, RunStep, StepDone, StepFailed, StepMask
 from .quarantine import Quarantine
+from .slo_admission import admission_order
 from .statistics import RateMeter, SchedulerActorStatistics, estimate_retry_after
 
 __all__ = ["SchedulerActor"]
@@ -130,6 +132,8 @@ class SchedulerActor:
         # slo policy schedules with the same one (engine/core/slo_policy.py).
         policy_model = getattr(core.scheduler.policy, "latency", None)
         self.latency = policy_model if isinstance(policy_model, LatencyModel) else LatencyModel()
+        if isinstance(core.scheduler.policy, SloPolicy):
+            admission.order = admission_order  # the queue hands over by deadline too
         self._cycle_start = now  # when the step being run began to be planned
 
     # -- the actor --------------------------------------------------------------

@@ -31,6 +31,7 @@ from trioserve.engine.core.slo_policy import next_token_deadline, output_left, r
 from trioserve.engine.latency_objectives import LatencyObjectives
 
 from .errors import EngineOverloaded
+from .messages import AddRequest
 
 # A prediction is refused only when it exceeds the target by more than
 # this fraction: the model's own error (docs/reliability.md) should not
@@ -94,6 +95,14 @@ class SloRefused(EngineOverloaded):
     def reason(self) -> str:
         """``ttft`` or ``tpot``: the metrics' label."""
         return self.objective.removesuffix("_ms")
+
+
+def admission_order(message: AddRequest) -> tuple[float, ...]:
+    """The order the slo policy's admission queue hands requests to the
+    scheduler (``AdmissionQueue.order``): its key without aging, (priority,
+    first token's deadline). ``requests_ahead`` predicts by it."""
+    request = message.request
+    return (request.priority, request.objectives.first_token_deadline(message.arrival_time))
 
 
 def _runs_before(priority: int, deadline: float, own_priority: int, own_deadline: float) -> bool:
@@ -207,7 +216,7 @@ def predict_on(
             new,
             ahead,
             running_load(load, max_context_len=scheduler.max_context_len),
-            token_budget=scheduler.max_num_batched_tokens,
+            token_budget=scheduler.token_budget,  # cut for the TPOT targets decoding now
             max_num_seqs=limit,
             cached_tokens=cached_tokens,
         )

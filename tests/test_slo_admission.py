@@ -11,8 +11,13 @@ import trio
 import trio.testing
 
 import actor_fixtures
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from trioserve.actors.admission import AdmissionQueue
+from trioserve.actors.messages import AddRequest
 from trioserve.actors.router import ReplicaRouter
-from trioserve.actors.slo_admission import SloPrediction, SloRefused, decide
+from trioserve.actors.slo_admission import SloPrediction, SloRefused, admission_order, decide
+from trioserve.engine.core.new_request import NewRequest
 from trioserve.engine.latency_objectives import LatencyObjectives
 from trioserve.engine.core.sequence import FinishReason
 from trioserve.engine.sampling.sampling_params import SamplingParams
@@ -167,3 +172,27 @@ async def test_a_cached_prefix_is_predicted_at_its_cost(autojump_clock):
             [out async for out in stream]
         assert predicted["cached"] < 0.5 * predicted["fresh"]
         assert predicted["logprobs"] > 2 * predicted["cached"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.sampled_from([None, 0.5, 1.0, 20.0]), st.floats(0.0, 10.0)), max_size=12))
+def test_the_admission_queue_hands_over_by_class_then_deadline(specs):
+    queue = AdmissionQueue(64)
+    queue.order = admission_order
+    for i, (priority, ttft, arrival) in enumerate(specs):
+        send, _ = trio.open_memory_channel(1)
+        new = NewRequest(f"r{i}", (1, 2), SamplingParams(), priority, objectives=LatencyObjectives(ttft=ttft))
+        queue.send_nowait(AddRequest(new, deadline=None, arrival_time=arrival, outputs=send))
+    taken = [queue.receive_nowait() for _ in specs]
+    keys = [admission_order(m) for m in taken]
+    assert keys == sorted(keys)
+    for a, b in zip(taken, taken[1:]):
+        if admission_order(a) == admission_order(b):  # equals: first come, first served
+            assert int(a.request_id[1:]) < int(b.request_id[1:])
+
+
+async def test_the_slo_policy_orders_its_admission_queue(autojump_clock):
+    async with slo_engine() as slo, slo_engine("priority") as fcfs:
+        assert slo._scheduler.admission.order is admission_order
+        assert fcfs._scheduler.admission.order is None
+
