@@ -129,7 +129,7 @@ def pack_lanes(weight: Int4Weight) -> torch.Tensor:
         into[..., :nibble_words].reshape(n, groups, 4, LANES_CHANNELS)[...] = words.transpose(0, 2, 3, 1)
         steps = into[..., nibble_words:].view(np.uint16).reshape(n, groups, 2, LANES_CHANNELS)
         for i, step_of in enumerate((d[rows], m[rows])):
-            steps[:, :, i] = step_of.reshape(n, LANES_CHANNELS, groups).transpose(0, 2, 1)
+            steps[:, :, i] = _half(step_of).reshape(n, LANES_CHANNELS, groups).transpose(0, 2, 1)
     return torch.from_numpy(lanes.view(np.uint8))
 
 
@@ -141,17 +141,24 @@ _CHUNK_VALUES = 1 << 18
 
 def _steps(weight: Int4Weight) -> tuple[np.ndarray, np.ndarray]:
     """Each block's ``d`` and ``m`` as the kernel's ``w = q * d + m`` takes
-    them: float16 bits, uint16 ``[out, in // 32]``. Exact for GGUF's float16
-    scales and for quantize_int4's, which it rounds to float16 before
-    choosing the nibbles; out of float16's range, infinite (as torch's
-    ``half``, without numpy's warning)."""
+    them, float32 ``[out, in // 32]`` (``_half`` rounds them for the blocks)."""
     if weight.group_size % GROUP:
         raise ValueError(f"quantization group size {weight.group_size}: the native 4-bit kernel needs a multiple of {GROUP}")
     repeat = weight.group_size // GROUP
-    d = np.repeat(weight.scale.float().numpy(), repeat, axis=1)
+    d, zero = weight.scale.float().numpy(), weight.zero.float().numpy()
+    if repeat > 1:
+        d, zero = np.repeat(d, repeat, axis=1), np.repeat(zero, repeat, axis=1)
     with np.errstate(over="ignore"):
-        m = np.repeat(weight.zero.float().numpy(), repeat, axis=1) - np.float32(8) * d
-        return d.astype(np.float16).view(np.uint16), m.astype(np.float16).view(np.uint16)
+        return d, zero - np.float32(8) * d
+
+
+def _half(steps: np.ndarray) -> np.ndarray:
+    """float32 ``steps`` as float16 bits (uint16). Exact for GGUF's float16
+    scales and for quantize_int4's, which it rounds to float16 before
+    choosing the nibbles; out of float16's range, infinite. torch's
+    conversion (F16C), 4x numpy's; ``pack_lanes`` calls it a chunk at a
+    time, under torch's grain size (32,768), so on this thread alone."""
+    return torch.from_numpy(np.ascontiguousarray(steps)).half().numpy().view(np.uint16)
 
 
 def _blocks(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
@@ -162,7 +169,7 @@ def _blocks(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
     rows, k = q.shape
     blocks = np.empty((rows, k // GROUP, BLOCK_BYTES // 4), dtype=np.uint32)
     halves = blocks[..., 0:1].view(np.uint16)  # [rows, groups, 2]: d, m
-    halves[..., 0], halves[..., 1] = d, m
+    halves[..., 0], halves[..., 1] = _half(d), _half(m)
     blocks[..., 1:] = _nibbles(q)
     return blocks
 
