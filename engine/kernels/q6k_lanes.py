@@ -5,7 +5,7 @@ ffn_down and some attn_v), read by one zmm kernel at every row count.
 
 Before, such a matrix was rounded into Q8_0 groups of 32 at load (one more
 rounding: ~94% of its values moved, by up to half a Q8_0 step) and held as
-Q8_0 lanes blocks, 8.5 bits a weight. Here the file's 6-bit values, int8
+Q8_0 lanes blocks, 9 bits a weight. Here the file's 6-bit values, int8
 sub-block scales and float16 d run as they are: 6.5625 bits a weight (a
 matrix's bytes down 27%), and a product closer to W x over the file's values.
 

@@ -162,7 +162,8 @@ class _Wide:
                     return int8_native.Int8GroupNativeLinear.q6k(held, isa, bias, rows)
                 return int8_native.Int8GroupNativeLinear.over(_int8_groups(parts), isa, bias, rows).in_lanes(head=False)
 
-            return cls(native_groups, f"int8 in groups of 32, native kernel ({isa})")
+            q6k = "; those all Q6_K as Q6_K lanes blocks, the file's values" if isa == "avx512vnni" else ""
+            return cls(native_groups, f"int8 in groups of 32, native kernel ({isa}){q6k}")
         return cls(lambda parts, bias: kernel.make(_cat(parts), bias, choice.group_size), kernel.what)
 
 
