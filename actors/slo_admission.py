@@ -216,7 +216,7 @@ def predict_on(
             new,
             ahead,
             running_load(load, max_context_len=scheduler.max_context_len),
-            token_budget=scheduler.token_budget,  # cut for the TPOT targets decoding now
+            token_budget=scheduler.max_num_batched_tokens,
             max_num_seqs=limit,
             cached_tokens=cached_tokens,
         )

@@ -13,10 +13,8 @@ import trio
 
 import actor_fixtures
 from factories import FakeRunner, make_request
-from trioserve.actors.slo_admission import predict_on
 from trioserve.engine.core.block_manager import BlockManager
 from trioserve.engine.core.latency_model import LatencyModel, StepShape
-from trioserve.engine.core.new_request import NewRequest
 from trioserve.engine.core.scheduler import Scheduler
 from trioserve.engine.core.slo_policy import SloPolicy
 from trioserve.engine.latency_objectives import LatencyObjectives
@@ -217,19 +215,3 @@ async def test_an_interactive_request_behind_a_full_batch_is_admitted_and_served
         assert tokens == expected  # the victim's stream goes on: same tokens, none twice
         assert counts == sorted(set(counts))
 
-
-def test_admission_simulates_the_chunks_a_tpot_target_cuts():
-    clock = FakeClock()
-    sizes = dict(max_num_seqs=8, max_num_batched_tokens=256, max_model_len=512, num_blocks=256, block_size=4)
-    scheduler = Scheduler(**sizes, policy=SloPolicy(latency=learned(), min_chunk=4), clock=clock)
-    pool = BlockManager(256, 4)
-    new = NewRequest("long", tuple(range(1, 201)), SamplingParams(max_tokens=2), 1, objectives=LatencyObjectives(ttft=9.0))
-    alone = predict_on(scheduler, scheduler.policy.latency, new, clock.now).ttft
-    # A request decoding under a 30 ms TPOT target, late already: steps of at most 30 ms.
-    scheduler.add_request(slo_request("chat", arrival=-10.0, ttft=1.0, tpot=0.03, prompt_len=4, max_tokens=50))
-    output = scheduler.schedule(pool)
-    scheduler.update_from_output(output, FakeRunner(block_size=4).execute(output))
-    assert scheduler.token_budget <= 21
-    behind = predict_on(scheduler, scheduler.policy.latency, new, clock.now).ttft
-    assert alone < 0.25  # one step of 200 prompt tokens
-    assert behind > 1.4 * alone  # ten steps of about 30 ms

@@ -386,14 +386,7 @@ class Scheduler:
         return max(1, min(self.max_num_batched_tokens, budget))
 
     def _slot_limits(self) -> StepLimits:
-        return StepLimits(self._token_budget(), self.running_limit, self.max_context_len)
-
-    @property
-    def token_budget(self) -> int:
-        """A step's token budget now: ``max_num_batched_tokens``, or less
-        where the policy cuts it for the running requests' TPOT targets.
-        SLO admission simulates the steps ahead with it."""
-        return self._token_budget()
+        return StepLimits(self.max_num_batched_tokens, self.running_limit, self.max_context_len)
 
     def _slot_victim(self, request: Request, admitted: Sequence[Request]) -> Request | None:
         """The policy's ``slot_victim`` for ``request``, among the running
