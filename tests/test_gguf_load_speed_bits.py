@@ -140,7 +140,9 @@ def _bits(value: object) -> list[torch.Tensor]:
 
 
 def _same(got: object, want: object) -> bool:
-    if type(got) is not type(want) or getattr(got, "group_size", None) != getattr(want, "group_size", None):
+    # A Q6_K tensor comes as Q6KGroups: the same int8 groups, with the file's
+    # rows kept beside them for the Q6_K lanes (engine/kernels/q6k_lanes.py).
+    if not isinstance(got, type(want)) or getattr(got, "group_size", None) != getattr(want, "group_size", None):
         return False
     return all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(_bits(got), _bits(want), strict=True))
 
