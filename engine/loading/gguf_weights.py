@@ -189,20 +189,28 @@ def decode_q4_k(data: np.ndarray) -> Int4Weight:
     its first sub-block, the high ones its second); a value is
     ``q d sc - dmin min``, each sub-block's step ``d sc`` and offset
     ``dmin min`` the float32 products the reference computes."""
+    out, values = data.shape[0], data.shape[1] // 144 * 256
+    q = np.empty((out, values), dtype=np.uint8)
+    scale, zero = (np.empty((out, values // GROUP), dtype=np.float32) for _ in range(2))
+    _q4_k_into(data, (q, scale, zero))
+    return Int4Weight(torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(zero), GROUP)
+
+
+def _q4_k_into(data: np.ndarray, into: tuple[np.ndarray, ...]) -> None:
+    """``decode_q4_k(data)``'s values, steps and offsets written into
+    ``into`` (``q``, ``scale``, ``zero``: ``data``'s rows of the result)."""
     out = data.shape[0]
     blocks = data.reshape(out, -1, 144)
     n = blocks.shape[1]
+    q, scale, zero = (a.reshape(out, n, -1) for a in into)
     sc, mins = _k_scale_min(blocks[..., 4:16])
-    scale = _half(blocks, 0)[..., None] * sc.astype(np.float32)  # [out, n, 8]
-    zero = 8 * scale - _half(blocks, 2)[..., None] * mins.astype(np.float32)
+    np.multiply(_half(blocks, 0)[..., None], sc.astype(np.float32), out=scale)  # [out, n, 8]
+    np.multiply(scale, np.float32(8), out=zero)
+    zero -= _half(blocks, 2)[..., None] * mins.astype(np.float32)
     chunks = blocks[..., 16:].reshape(out, n, 4, 32)
-    q = np.empty((out, n, 4, 2, 32), dtype=np.uint8)  # [out, blocks, chunk, low/high, 32]
+    q = q.reshape(out, n, 4, 2, 32)  # [out, blocks, chunk, low/high, 32]
     np.bitwise_and(chunks, 0x0F, out=q[..., 0, :])
     np.right_shift(chunks, 4, out=q[..., 1, :])
-    return Int4Weight(
-        torch.from_numpy(q.reshape(out, -1)), torch.from_numpy(scale.reshape(out, -1)),
-        torch.from_numpy(zero.reshape(out, -1)), GROUP,
-    )  # fmt: skip
 
 
 def decode_q5_0(data: np.ndarray) -> Int8GroupWeight:
@@ -232,20 +240,29 @@ def decode_q6_k(data: np.ndarray) -> Int8GroupWeight:
     is ``(q - 32) d sc``. Each half of 128 values takes its low bits from 64
     bytes (low nibbles first) and its high bits from 32 (two bits a value,
     lowest first)."""
+    out, values = data.shape[0], data.shape[1] // 210 * 256
+    q = np.empty((out, values), dtype=np.int8)
+    scale = np.empty((out, values // 16), dtype=np.float32)
+    _q6_k_into(data, (q, scale))
+    return Int8GroupWeight(torch.from_numpy(q), torch.from_numpy(scale), 16)
+
+
+def _q6_k_into(data: np.ndarray, into: tuple[np.ndarray, ...]) -> None:
+    """``decode_q6_k(data)``'s values and steps written into ``into``
+    (``q``, ``scale``: ``data``'s rows of the result)."""
     out = data.shape[0]
     blocks = data.reshape(out, -1, 210)
     n = blocks.shape[1]
-    q = np.empty((out, n, 2, 2, 64), dtype=np.uint8)  # [out, n, half, low/high nibble, 64]
+    q = into[0].view(np.uint8).reshape(out, n, 2, 2, 64)  # [out, n, half, low/high nibble, 64]
     np.right_shift(blocks[..., :128].reshape(out, n, 2, 1, 64), _Q6_LOW_SHIFTS, out=q)
     q &= 0x0F
     high = np.right_shift(blocks[..., 128:192].reshape(out, n, 2, 1, 32), _Q6_HIGH_SHIFTS)  # [out, n, half, 4, 32]
     high &= 0x03
     high <<= 4
     q |= high.reshape(q.shape)
-    q -= 32  # 0..63 to -32..31, read as int8 below
-    scale = _half(blocks, 208)[..., None] * blocks[..., 192:208].view(np.int8).astype(np.float32)  # [out, n, 16]
-    q = torch.from_numpy(q.view(np.int8).reshape(out, -1))
-    return Int8GroupWeight(q, torch.from_numpy(scale.reshape(out, -1)), 16)
+    q -= 32  # 0..63 to -32..31, read as int8
+    scale = into[1].reshape(out, n, 16)
+    np.multiply(_half(blocks, 208)[..., None], blocks[..., 192:208].view(np.int8).astype(np.float32), out=scale)
 
 
 def requantize_int8(kind: str, data: np.ndarray) -> Int8GroupWeight:
@@ -280,15 +297,27 @@ def by_rows(decode: Callable[[np.ndarray], Compressed], data: np.ndarray, rows_a
     out = data.shape[0]
     if rows_at_once is None:
         rows_at_once = max(1, _CHUNK_BYTES // max(1, data[:1].nbytes))
+    into = _INTO.get(decode)
+    if into is not None and out > rows_at_once:  # each chunk decoded into its rows of the result: no copy
+        first = decode(data[:1])  # the parts' widths and types
+        whole = [np.empty((out, *p.shape[1:]), dtype=p.dtype) for p in _arrays(first)]
+        for start in range(0, out, rows_at_once):
+            into(data[start : start + rows_at_once], tuple(w[start : start + rows_at_once] for w in whole))
+        return _like(first, whole)
     first = decode(data[:rows_at_once])
     if out <= rows_at_once:
         return first
     whole = [np.empty((out, *p.shape[1:]), dtype=p.dtype) for p in _arrays(first)]
     for start in range(0, out, rows_at_once):
         part = first if start == 0 else decode(data[start : start + rows_at_once])
-        for into, value in zip(whole, _arrays(part)):
-            into[start : start + rows_at_once] = value
-    q, scale, *zero = (torch.from_numpy(w) for w in whole)
+        for rows, value in zip(whole, _arrays(part)):
+            rows[start : start + rows_at_once] = value
+    return _like(first, whole)
+
+
+def _like(first: Compressed, arrays: list[np.ndarray]) -> Compressed:
+    """``arrays`` (``_arrays``' parts) as a weight of ``first``'s kind and group size."""
+    q, scale, *zero = (torch.from_numpy(a) for a in arrays)
     if isinstance(first, Int4Weight):
         return Int4Weight(q, scale, zero[0], first.group_size)
     return Int8GroupWeight(q, scale, first.group_size)
@@ -308,6 +337,12 @@ def decode_q8_0(data: np.ndarray) -> torch.Tensor:
 
 
 _DECODERS = {"Q4_K": decode_q4_k, "Q5_0": decode_q5_0, "Q6_K": decode_q6_k, "Q8_0": decode_q8_0_blocks}
+# The decoders that write a chunk straight into its rows of the whole
+# result (``by_rows``): the K-quants, most of a Q4_K_M file's bytes.
+_INTO: dict[Callable[[np.ndarray], Compressed], Callable[[np.ndarray, tuple[np.ndarray, ...]], None]] = {
+    decode_q4_k: _q4_k_into,
+    decode_q6_k: _q6_k_into,
+}
 
 
 def _unpermute(weight: torch.Tensor | Compressed, heads: int) -> torch.Tensor | Compressed:
