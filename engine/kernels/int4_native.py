@@ -115,11 +115,30 @@ def pack_lanes(weight: Int4Weight) -> torch.Tensor:
     straight from the values a chunk of panels at a time: the chunk's
     nibbles stay in a core's cache until they are laid out, and no matrix
     of blocks is made beside the lanes."""
+    return pack_lanes_of([weight])
+
+
+def pack_lanes_of(parts: list[Int4Weight]) -> torch.Tensor:
+    """``pack_lanes`` of ``parts`` stacked by rows (each a multiple of 16
+    rows, one width), each packed into its own panels: the same bytes, with
+    no stacked copy of the values made first (a fused qkv or gate_up)."""
+    k = parts[0].q.shape[1]
+    panels = sum(part.q.shape[0] for part in parts) // LANES_CHANNELS
+    lanes = np.empty((panels, k // GROUP, LANES_BLOCK_BYTES // 4), dtype=np.uint32)
+    at = 0
+    for part in parts:
+        n = part.q.shape[0] // LANES_CHANNELS
+        _pack_lanes_into(part, lanes[at : at + n])
+        at += n
+    return torch.from_numpy(lanes.view(np.uint8))
+
+
+def _pack_lanes_into(weight: Int4Weight, lanes: np.ndarray) -> None:
+    """``weight``'s lanes blocks into ``lanes`` (uint32 ``[out // 16, in // 32, 80]``)."""
     out, k = weight.q.shape
     d, m = _steps(weight)
     q = weight.q.numpy()
     panels, groups = out // LANES_CHANNELS, k // GROUP
-    lanes = np.empty((panels, groups, LANES_BLOCK_BYTES // 4), dtype=np.uint32)
     nibble_words = LANES_NIBBLE_BYTES // 4
     step = max(1, _CHUNK_VALUES // (LANES_CHANNELS * k))
     for p in range(0, panels, step):
@@ -130,7 +149,6 @@ def pack_lanes(weight: Int4Weight) -> torch.Tensor:
         steps = into[..., nibble_words:].view(np.uint16).reshape(n, groups, 2, LANES_CHANNELS)
         for i, step_of in enumerate((d[rows], m[rows])):
             steps[:, :, i] = _half(step_of).reshape(n, LANES_CHANNELS, groups).transpose(0, 2, 1)
-    return torch.from_numpy(lanes.view(np.uint8))
 
 
 # Values packed at once by pack_lanes: a chunk's values, nibbles and lanes
@@ -260,6 +278,23 @@ class Int4NativeLinear:
         out, k = weight.q.shape
         index = native.ISAS[isa]
         blocks = pack_lanes(weight) if lanes_layout(index, out) else pack_blocks(weight)
+        return cls(blocks, bias, k, out, index, native.ops())
+
+    @classmethod
+    def from_parts(cls, parts: list[Int4Weight], bias: torch.Tensor | None, isa: str) -> Int4NativeLinear:
+        """``from_rtn`` of ``parts`` stacked by rows (one width and group
+        size: a fused qkv or gate_up), each part packed into its own rows
+        of the kernel's blocks: no stacked copy of the values made first."""
+        out, k = sum(part.q.shape[0] for part in parts), parts[0].q.shape[1]
+        index = native.ISAS[isa]
+        if not lanes_layout(index, out):
+            blocks = torch.from_numpy(np.concatenate([pack_blocks(part).numpy() for part in parts]))
+        elif all(part.q.shape[0] % LANES_CHANNELS == 0 for part in parts):
+            blocks = pack_lanes_of(parts)
+        else:  # a panel across two parts: stacked first
+            q, scale, zero = (np.concatenate([getattr(p, n).numpy() for p in parts]) for n in ("q", "scale", "zero"))
+            stacked = Int4Weight(torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(zero), parts[0].group_size)
+            blocks = pack_lanes(stacked)
         return cls(blocks, bias, k, out, index, native.ops())
 
     @property

@@ -33,6 +33,7 @@ from trioserve.engine.models.moe_weights import ExpertCollector
 from trioserve.engine.models.projections import ProjectionChoice
 from trioserve.engine.models.weights import fused_names
 from trioserve.engine.loading import gguf_weights
+from trioserve.engine.kernels import int4_native
 from trioserve.engine.kernels import int4_pack
 from trioserve.engine.kernels import int8_native
 from trioserve.engine.kernels import native
@@ -119,6 +120,18 @@ def _cat(parts: list[Tensor]) -> Tensor:
     if all(isinstance(p, Int8Weight) for p in parts):
         return Int8Weight(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
     return torch.cat([p if isinstance(p, torch.Tensor) else p.dequantize() for p in parts]).float()
+
+
+def _stacked(choice: KernelChoice, parts: list[Tensor], bias: torch.Tensor | None) -> Linear:
+    """``choice.make(_cat(parts), bias)``; on the native 4-bit kernel each
+    part packed into its own rows of the kernel's blocks instead, the same
+    bytes without the stacked copy (a fused qkv's or gate_up's values)."""
+    kernel = choice.kernel
+    same = all(isinstance(p, Int4Weight) and p.group_size == getattr(parts[0], "group_size", 0) for p in parts)
+    if len(parts) == 1 or kernel.family != "native4" or not same:
+        return choice.make(_cat(parts), bias)
+    linear = int4_native.Int4NativeLinear.from_parts(parts, bias, kernel.isa)  # type: ignore[arg-type]
+    return linear if choice.gemm_from_rows is None else attrs.evolve(linear, gemm_from_rows=choice.gemm_from_rows)
 
 
 def _bias(parts: dict[str, Tensor], names: tuple[str, ...], rows: list[int]) -> torch.Tensor | None:
@@ -256,7 +269,7 @@ def _build_layer(
             shape = tuple(w.shape if isinstance(w, torch.Tensor) else w.q.shape)
             if choice.kernel.bits == 4:
                 check_group_size(shape, choice.group_size, f"model.layers.{index}.{n}_proj.weight")
-        return choice.make(_cat(weights), _bias(parts, names, rows))
+        return _stacked(choice, weights, _bias(parts, names, rows))
 
     gate_up, down = (make(("gate", "up")), make(("down",))) if mlp else (None, None)
     made = QuantizedProjections(make(("q", "k", "v")), make(("o",)), gate_up, down)  # type: ignore[arg-type]
