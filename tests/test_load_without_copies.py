@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from trioserve.engine.kernels import int4_native, native
-from trioserve.engine.kernels.rtn import Int4Weight
+from trioserve.engine.kernels.rtn import Int4Weight, Int8GroupWeight, quantize_int8_groups
 from trioserve.engine.loading import compressed
 
 _STEP = st.floats(width=32, allow_nan=False, allow_infinity=False)
@@ -82,3 +82,20 @@ def test_a_fused_projection_is_built_from_its_parts_as_from_the_stacked_matrix()
         expected = choice.make(compressed._cat(parts), bias)
         assert torch.equal(built.blocks, expected.blocks) and built.bias is bias
         assert built.gemm_from_rows == expected.gemm_from_rows == gemm_from_rows
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 4), st.sampled_from([16, 64]), st.sampled_from([1, 64, 1 << 16]), st.data())
+def test_int8_groups_round_as_quantize_int8_groups(out: int, groups: int, group: int, chunk: int, data) -> None:
+    # Q6_K's groups of 16 (or wider ones; groups of 32 are taken as they
+    # are) rounded into groups of 32, a chunk of rows at a time: zero and
+    # negative-zero steps, all-zero groups and float32's extremes included.
+    k = 64 * groups
+    q = data.draw(hnp.arrays(np.int8, (out, k), elements=st.integers(-32, 31)))
+    steps = data.draw(hnp.arrays(np.float32, (out, k // group), elements=_STEP | st.sampled_from([0.0, -0.0])))
+    weight = Int8GroupWeight(torch.from_numpy(q), torch.from_numpy(steps), group)
+    with mock.patch.object(compressed, "_REGROUP_VALUES", chunk):
+        got = compressed._int8_groups([weight])
+    want = quantize_int8_groups(weight.dequantize(), 32)
+    assert torch.equal(got.q, want.q)
+    assert torch.equal(got.scale.view(torch.int32), want.scale.view(torch.int32))
