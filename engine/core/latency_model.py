@@ -116,7 +116,7 @@ class LatencyModel:
     """
 
     prior: Sequence[float] = DEFAULT_PRIOR
-    forgetting: float = attrs.field(default=0.99)
+    forgetting: float = attrs.field(default=0.97)
     prior_variance: float = 1.0
     window: int = 256
     _theta: np.ndarray = attrs.field(init=False)
@@ -185,12 +185,8 @@ class LatencyModel:
     # -- predictions --------------------------------------------------------------
 
     def step_seconds(self, shape: StepShape) -> float:
-        """A step of ``shape``'s predicted duration. A slope the fit has
-        below zero (noise, where it has little data) counts as zero: more
-        work never makes a step shorter."""
-        slopes = np.maximum(self._theta[1:], 0.0)
-        features = shape.features()
-        return max(MIN_STEP_SECONDS, float(features[0] * self._theta[0] + features[1:] @ slopes))
+        """A step of ``shape``'s predicted duration."""
+        return max(MIN_STEP_SECONDS, float(shape.features() @ self._theta))
 
     def predict_ttft(
         self,
