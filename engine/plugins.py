@@ -128,10 +128,16 @@ class SchedulingPolicy(Protocol):
     step for every request, so they must be cheap.
 
     Optional: ``token_budget(running, tokens, now) -> int`` cuts a step's
-    token budget (at most ``tokens``, given the running requests), and
+    token budget (at most ``tokens``, given the running requests);
     ``observe_step(num_tokens, seconds)`` is told each step's tokens and
-    time; the built-in ``slo`` policy (engine/core/slo_policy.py) uses both
-    to keep chunked prefill within its requests' TPOT targets.
+    time; with every sequence slot taken, ``slot_victim(request,
+    candidates, *, running, now, limits)`` names the running request (of
+    ``candidates``, those that do not outrank ``request``) to preempt for the
+    head waiting request's slot, or None; and ``victims(...)``, with the same
+    arguments, lists the candidates it would accept, which SLO admission
+    asks at the door. The built-in ``slo`` policy
+    (engine/core/slo_policy.py) has ``token_budget``, ``slot_victim`` and
+    ``victims``, predicting from its latency model.
     """
 
     def key(self, request: Any, age: int) -> tuple[float, ...]: ...
