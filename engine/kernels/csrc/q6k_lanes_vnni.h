@@ -23,8 +23,9 @@
 // Arithmetic. The unsigned 6-bit values u (0..63; the weight is
 // (u - 32) sc d) meet the rows' int8 activations (quantize_rows_q8, flip 0:
 // the same rounding as every vnni kernel) in VPDPBUSD, one chain a
-// sub-block; the offset is the row's sub-block sum times 32 (shared by all
-// channels, computed once per row). Per group b of 32 inputs, for each row
+// sub-block, which starts at the offset: -32 times the row's sum of the
+// sub-block (shared by all channels, computed once per row and call, so no
+// subtraction per group). Per group b of 32 inputs, for each row
 // and channel, t = sc0 (dot0 - 32 xs0) + sc1 (dot1 - 32 xs1) is an exact
 // int32 (|t| <= 2 x 128 x 32 x 127 x 16 < 2^24, so exact in float too),
 // and the float operations are vnni_lanes_tile's, in its order:
@@ -32,6 +33,19 @@
 // (dx_b the row's step of group b, d the channel's super-block float16 d).
 // Each row's lane runs those operations whatever rows share its tile, so a
 // row's result has the same bits at every row count.
+//
+// Speed (docs/benchmarks.md, scripts/q6k_lanes_bench.py): on the Zen 4 we
+// measured (small loops) zmm operations ran about two a cycle, and VPDPBUSD,
+// VPMULLD, VPERMW, GF2P8AFFINEQB and the float products one a cycle between
+// them. A group of a
+// panel at one row is 8 VPDPBUSD, 18 unpacking operations and about 10 for
+// the scales and the float sum, where the Q8_0 lanes kernel's is 16
+// VPDPBUSD, 8 VPERMW and 4: so in cache they cost about the same a weight
+// (building W[3] alone is 15% of it). Tried without gain on that core: two
+// chains a sub-block (VPDPBUSD's latency is not the limit), the scales as
+// float32 products, W[3] by GF2P8AFFINEQB (a multiply-pipe operation), no
+// prefetch, the g loop unrolled, and the rows' activations packed a group
+// at a time.
 //
 // These are not the bits the Q8_0 lanes blocks gave a Q6_K matrix before
 // (its values rounded into Q8_0 groups of 32 at load, ~94% of them moved by
@@ -55,7 +69,7 @@ constexpr int64_t kQ6kHighBytes = kQ6kSuper * kLanesChannels / 4;      // 1024
 constexpr int64_t kQ6kScaleBytes = kQ6kSuper / 16 * kLanesChannels;    // 256
 constexpr int64_t kQ6kLanesBytes = kQ6kLowBytes + kQ6kHighBytes + kQ6kScaleBytes;  // 3328
 constexpr int64_t kQ6kPairBytes = kQ6kLanesBytes / 4;  // two groups of 32: 832 bytes, 13 lines
-constexpr int kQ6kTileRows = 4;  // two int32 chains a row and panel: 4 rows x 2 panels is 16 + 8 accumulators
+constexpr int kQ6kTileRows = 4;  // 4 rows x 2 panels: 8 int32 chains, 8 t and 8 float32 accumulators
 // Prefetched this far ahead: two super-blocks, the prototype's setting.
 constexpr int64_t kQ6kAheadBytes = 2 * kQ6kLanesBytes;
 
@@ -63,7 +77,7 @@ constexpr int64_t kQ6kAheadBytes = 2 * kQ6kLanesBytes;
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")
 
 // Rows [0, R) of the rounded activations (``qx`` k apart, ``step`` their
-// [R, groups, 2] steps, ``xs32`` 32 times their sums a sub-block [R, k / 16])
+// [R, groups, 2] steps, ``xs32`` -32 times their sums a sub-block [R, k / 16])
 // against C Q6_K lanes panels (``panel``, ``panel_bytes`` apart; their d at
 // ``d``, ``d_stride`` float16 apart): y's channels [0, 16 C) (``live`` stored).
 template <int R, int C>
@@ -85,16 +99,25 @@ inline void q6k_lanes_tile(const int8_t* qx, const float* step, const int32_t* x
     for (int g = 0; g < kQ6kGroups; ++g) {
       const int64_t b = s * kQ6kGroups + g;
       const int64_t at = g / 2 * kQ6kPairBytes + g % 2 * 384, scale_at = g / 2 * kQ6kPairBytes + 768 + g % 2 * 32;
-      __m512i dot[2][R][C];
       for (int c = 0; c < C; ++c) {
         // The run kQ6kAheadBytes on, 7 lines at its first group and 6 at
         // its second (a prefetch never faults, past the weights' end too).
         const char* ahead = reinterpret_cast<const char*>(base[c] + g / 2 * kQ6kPairBytes + kQ6kAheadBytes);
         if constexpr (kQ6kAheadBytes > 0)
           for (int line = g % 2 * 7; line < (g % 2 ? 13 : 7); ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
-        for (int r = 0; r < R; ++r) dot[0][r][c] = dot[1][r][c] = _mm512_setzero_si512();
       }
+      __m512i t[R][C];
       for (int h = 0; h < 2; ++h) {
+        // One sub-block at a time: its chain starts at -32 times the row's
+        // sum of the sub-block (the unsigned values' offset, exact in int32
+        // either way), and its product with sc is added to t before the next
+        // starts, so a row and panel hold 3 sums (t, dot, acc), not 4: at 8
+        // rows the 4 spilled.
+        __m512i dot[R][C];
+        for (int r = 0; r < R; ++r) {
+          const __m512i start = _mm512_set1_epi32(xs32[r * (k / 16) + 2 * b + h]);
+          for (int c = 0; c < C; ++c) dot[r][c] = start;
+        }
         __m512i w[4][C];
         for (int c = 0; c < C; ++c) {
           const uint8_t* v = base[c] + at + 192 * h;
@@ -107,25 +130,23 @@ inline void q6k_lanes_tile(const int8_t* qx, const float* step, const int32_t* x
           const __m512i ab = _mm512_ternarylogic_epi32(_mm512_srli_epi16(a, 2), _mm512_srli_epi16(bb, 4), m30, 0xE4);
           w[3][c] = _mm512_and_si512(_mm512_ternarylogic_epi32(ab, _mm512_srli_epi16(cc, 6), m3c, 0xE4), six);
         }
-        for (int r = 0; r < R; ++r)
-          for (int q = 0; q < 4; ++q) {
+        for (int q = 0; q < 4; ++q)
+          for (int r = 0; r < R; ++r) {
             int32_t four;
             std::memcpy(&four, qx + r * k + b * kGroup + 16 * h + 4 * q, 4);
             const __m512i xv = _mm512_set1_epi32(four);
-            for (int c = 0; c < C; ++c) dot[h][r][c] = _mm512_dpbusd_epi32(dot[h][r][c], w[q][c], xv);  // weights (unsigned) first
+            for (int c = 0; c < C; ++c) dot[r][c] = _mm512_dpbusd_epi32(dot[r][c], w[q][c], xv);  // weights (unsigned) first
           }
-      }
-      for (int c = 0; c < C; ++c) {
-        const uint8_t* sc = base[c] + scale_at;
-        const __m512i sc0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
-        const __m512i sc1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16)));
-        for (int r = 0; r < R; ++r) {
-          const int32_t* xs = xs32 + r * (k / 16) + 2 * b;
-          const __m512i t = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_sub_epi32(dot[0][r][c], _mm512_set1_epi32(xs[0])), sc0),
-                                             _mm512_mullo_epi32(_mm512_sub_epi32(dot[1][r][c], _mm512_set1_epi32(xs[1])), sc1));
-          const __m512 dx = _mm512_set1_ps(step[(r * groups + b) * 2]);
-          acc[r][c] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(t), dx), dv[c], acc[r][c]);  // as vnni_tile
+        for (int c = 0; c < C; ++c) {
+          const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(base[c] + scale_at + 16 * h)));
+          for (int r = 0; r < R; ++r)
+            t[r][c] = h == 0 ? _mm512_mullo_epi32(dot[r][c], sc) : _mm512_add_epi32(t[r][c], _mm512_mullo_epi32(dot[r][c], sc));
         }
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512 dx = _mm512_set1_ps(step[(r * groups + b) * 2]);
+        for (int c = 0; c < C; ++c)
+          acc[r][c] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(t[r][c]), dx), dv[c], acc[r][c]);  // as vnni_tile
       }
     }
   }
@@ -138,14 +159,14 @@ inline void q6k_lanes_tile(const int8_t* qx, const float* step, const int32_t* x
 
 #pragma GCC pop_options
 
-// 32 times each sub-block's sum of a row's rounded activations: [rows, k / 16].
+// -32 times each sub-block's sum of a row's rounded activations: [rows, k / 16].
 inline std::vector<int32_t> q6k_sub_sums(const QuantizedRows& xq, int64_t rows, int64_t k) {
   std::vector<int32_t> sums(rows * (k / 16));
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t j = 0; j < k / 16; ++j) {
       int32_t s = 0;
       for (int64_t i = 0; i < 16; ++i) s += xq.q[r * k + j * 16 + i];
-      sums[r * (k / 16) + j] = 32 * s;
+      sums[r * (k / 16) + j] = -32 * s;
     }
   return sums;
 }
