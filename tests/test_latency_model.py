@@ -105,8 +105,8 @@ def test_a_saved_profile_seeds_the_prior():
     for _ in range(200):
         shape = _random_shape(rng)
         trained.observe(shape, _true_seconds(law, shape))
-    seeded = LatencyModel.from_profile(trained.profile())
+    seeded = LatencyModel.from_profile(trained.to_profile())
     shape = StepShape(256, 256 * 128, 4, 400)
     assert seeded.step_seconds(shape) == pytest.approx(trained.step_seconds(shape))
     with pytest.raises(ValueError, match="coefficients"):
-        LatencyModel.from_profile({"coefficients": [1.0]})
+        LatencyModel.from_profile({**trained.to_profile(), "coefficients": [1.0]})

@@ -12,8 +12,8 @@ one token and ``decode_context`` the tokens those attend over. The
 coefficients are fitted by recursive least squares with forgetting
 (``forgetting`` < 1 weighs recent steps more, so the fit follows a machine
 whose speed drifts: a busy neighbour, a warm cache), from a prior that
-holds until the first steps arrive (``LatencyModel.from_profile`` seeds
-it from a saved fit instead).
+holds until the first steps arrive (``LatencyModel.from_profile``
+restores a saved fit instead, covariance and all).
 
 From the step law it predicts what admission needs: a new request's time
 to first token given the prefill queued ahead of it and the running batch
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -53,6 +54,63 @@ MIN_STEP_SECONDS = 1e-4
 PRIOR_SHAPE = np.array([1.0, 1.0, 0.01, 1.0, 0.01])
 # Steps simulated at most for one TTFT prediction (a bound on its cost).
 MAX_SIMULATED_STEPS = 10_000
+
+
+# A saved fit's format (``LatencyModel.to_profile``); a version this
+# engine does not read is refused rather than guessed at.
+PROFILE_FORMAT = "trioserve-latency-profile"
+PROFILE_VERSION = 1
+
+
+class LatencyProfileError(ValueError):
+    """A saved latency profile that cannot seed a model: ``field`` names
+    what is wrong with it (e.g. ``covariance[2][4]``)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"latency profile field {field!r}: {message}")
+        self.field = field
+
+
+@attrs.frozen
+class _ProfileReader:
+    """Reads a profile's fields, naming the one that fails."""
+
+    data: object
+
+    def get(self, name: str, kind: type) -> Any:
+        if not isinstance(self.data, dict):
+            raise LatencyProfileError("(top level)", f"expected a JSON object, got {type(self.data).__name__}")
+        if name not in self.data:
+            raise LatencyProfileError(name, "missing")
+        value = self.data[name]
+        # bool is an int to Python, not to JSON.
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise LatencyProfileError(name, f"expected {kind.__name__}, got {type(value).__name__}")
+        return value
+
+    def number(self, name: str) -> float:
+        return _finite(name, self.get(name, object))
+
+    def vector(self, name: str, row: int | None = None) -> list[float]:
+        value = self.get(name, list)
+        field = name
+        if row is not None:
+            if len(value) != NUM_FEATURES:
+                raise LatencyProfileError(name, f"expected {NUM_FEATURES} rows, got {len(value)}")
+            value, field = value[row], f"{name}[{row}]"
+            if not isinstance(value, list):
+                raise LatencyProfileError(field, f"expected list, got {type(value).__name__}")
+        if len(value) != NUM_FEATURES:
+            raise LatencyProfileError(field, f"expected {NUM_FEATURES} numbers, got {len(value)}")
+        return [_finite(f"{field}[{i}]", v) for i, v in enumerate(value)]
+
+
+def _finite(field: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise LatencyProfileError(field, f"expected a number, got {type(value).__name__}")
+    if not np.isfinite(value):
+        raise LatencyProfileError(field, f"expected a finite number, got {value!r}")
+    return float(value)
 
 
 @attrs.frozen
@@ -138,19 +196,67 @@ class LatencyModel:
 
     # -- a saved fit ------------------------------------------------------------
 
-    def profile(self) -> dict[str, object]:
-        """The fit as a JSON-able value, to seed a later engine (``from_profile``)."""
-        return {"coefficients": [float(c) for c in self._theta], "num_steps": self._num_steps}
+    def to_profile(self, identity: Mapping[str, object] | None = None) -> dict[str, object]:
+        """The whole fit as a JSON-able value (``from_profile`` makes it a
+        model again, predicting and learning as this one): settings,
+        coefficients, covariance and steps seen, with ``identity``, what it
+        was learned for (model, batch size, threads, kernels), for the
+        caller to compare before seeding."""
+        return {
+            "format": PROFILE_FORMAT,
+            "version": PROFILE_VERSION,
+            "identity": dict(identity or {}),
+            "forgetting": float(self.forgetting),
+            "prior_variance": float(self.prior_variance),
+            "window": self.window,
+            "prior": [float(c) for c in self.prior],
+            "coefficients": [float(c) for c in self._theta],
+            "covariance": [[float(v) for v in row] for row in self._covariance],
+            "num_steps": self._num_steps,
+        }
 
     @classmethod
-    def from_profile(cls, profile: Mapping[str, object], **kwargs) -> LatencyModel:
-        """A model whose prior is a saved fit (``profile``), held with more
-        confidence than the default prior: it still follows the steps."""
-        coefficients = profile.get("coefficients")
-        if not isinstance(coefficients, list | tuple) or len(coefficients) != NUM_FEATURES:
-            raise ValueError(f"a latency profile has {NUM_FEATURES} coefficients, got {coefficients!r}")
-        kwargs.setdefault("prior_variance", 0.01)
-        return cls(prior=tuple(float(c) for c in coefficients), **kwargs)
+    def from_profile(cls, data: object) -> LatencyModel:
+        """The model ``to_profile`` saved; ``LatencyProfileError`` names the
+        field that is missing, of the wrong type, not finite or out of range,
+        or a version this engine does not read."""
+        profile = _ProfileReader(data)
+        if profile.get("format", str) != PROFILE_FORMAT:
+            raise LatencyProfileError("format", f"expected {PROFILE_FORMAT!r}")
+        version = profile.get("version", int)
+        if version != PROFILE_VERSION:
+            raise LatencyProfileError("version", f"version {version} is not read here (expected {PROFILE_VERSION})")
+        profile.get("identity", dict)
+        forgetting = profile.number("forgetting")
+        if not 0.5 < forgetting <= 1.0:
+            raise LatencyProfileError("forgetting", f"must be in (0.5, 1], got {forgetting!r}")
+        prior_variance = profile.number("prior_variance")
+        if not prior_variance > 0:
+            raise LatencyProfileError("prior_variance", f"must be > 0, got {prior_variance!r}")
+        window = profile.get("window", int)
+        if window < 1:
+            raise LatencyProfileError("window", f"must be >= 1, got {window!r}")
+        num_steps = profile.get("num_steps", int)
+        if num_steps < 0:
+            raise LatencyProfileError("num_steps", f"must be >= 0, got {num_steps!r}")
+        model = cls(
+            prior=tuple(profile.vector("prior")), forgetting=forgetting, prior_variance=prior_variance, window=window
+        )
+        model._theta = np.array(profile.vector("coefficients"))
+        model._covariance = np.array([profile.vector("covariance", i) for i in range(NUM_FEATURES)])
+        model._num_steps = num_steps
+        return model
+
+    def adopt(self, other: LatencyModel) -> None:
+        """Take ``other``'s settings and fit in place: a running engine's
+        scheduler and policy share this object, so a saved profile seeds
+        it here rather than by replacing it."""
+        self.prior, self.forgetting, self.prior_variance = other.prior, other.forgetting, other.prior_variance
+        self.window = other.window
+        self._theta = other._theta.copy()
+        self._covariance = other._covariance.copy()
+        self._num_steps = other._num_steps
+        self._errors = deque(maxlen=self.window)
 
     # -- learning ---------------------------------------------------------------
 
