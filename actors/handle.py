@@ -22,6 +22,7 @@ import trio
 
 from trioserve.engine.config import EngineConfig
 from trioserve.engine.core.engine_core import EngineCore
+from trioserve.engine.core.latency_model import LatencyModel
 from trioserve.engine.latency_objectives import NO_OBJECTIVES, LatencyObjectives
 from trioserve.engine.core.new_request import NewRequest, RequestInput
 from trioserve.engine.loading.generation_config import SamplingDefaults
@@ -407,6 +408,12 @@ class Engine:
     def _slo_views(self) -> list[tuple[Any, Any]]:
         """Each replica's scheduler actor and admission queue (one here)."""
         return [(self._scheduler, self._admission)]
+
+    def latency_models(self) -> list[LatencyModel]:
+        """Each replica's latency model, in replica order: the live objects
+        SLO admission and the slo policy predict with (web/slo_profile.py
+        saves and seeds them)."""
+        return [scheduler.latency for scheduler, _ in self._slo_views()]
 
     def _degraded(self) -> bool:
         """A hung step runs or the worker is down (as /health's ``degraded``)."""

@@ -20,6 +20,7 @@ import trio
 from quart import current_app
 
 from trioserve.actors import open_engine
+from trioserve.engine.core.latency_model import LatencyProfileError
 from trioserve.engine.errors import TrioserveError
 from trioserve.engine.loading.loader import LoadedModel
 
@@ -31,6 +32,7 @@ from .responses_store import ResponsesStore
 from .scopes import cancel_after
 from .served import ServedModel
 from .settings import ServerConfig
+from .slo_profile import save_engine, seed_engine
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +166,9 @@ class ModelHost:
                         )
                     )
                     self.models[spec.name] = ServedModel(spec.name, engine, self.metrics)
+                    if self.config.slo_profile is not None:
+                        # Before any request, so admission predicts from it at once.
+                        seed_engine(engine, self.config.slo_profile)
                     log.info(
                         "serving %s (max_model_len %d; %s)",
                         spec.name,
@@ -175,8 +180,12 @@ class ModelHost:
                     self._ready.set()
                     await self._drain_requested.wait()
                 await self._drain()
+                if self.config.slo_profile is not None:
+                    # Drained: every step the engines will take is learned from.
+                    for model in self.models.values():
+                        save_engine(model.engine, self.config.slo_profile)
         except Exception as exc:
-            if isinstance(exc, TrioserveError):  # precise already: no traceback
+            if isinstance(exc, TrioserveError | LatencyProfileError):  # precise already: no traceback
                 log.error("cannot serve: %s", exc)
             else:
                 log.exception("the engines failed")

@@ -28,7 +28,7 @@ from .engine_options import (
     overload_config_from_args,
 )
 from .parsers import REASONING_CHOICES, TOOL_CALL_CHOICES
-from .slo_options import add_slo_options, slo_config_from_args
+from .slo_options import add_slo_options, slo_config_from_args, slo_profile_from_args
 from .option_types import count, recording, seconds, size_in_bytes, watchdog_seconds
 from .settings import (
     DEFAULT_BATCH_MAX_IN_FLIGHT,
@@ -236,6 +236,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
         batch_dir=args.batch_dir,
         max_upload_size=args.max_upload_size,
         batch_max_in_flight=args.batch_max_in_flight,
+        slo_profile=slo_profile_from_args(args),
     )
 
 

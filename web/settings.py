@@ -87,6 +87,19 @@ def _optional_traces_url(instance: object, attribute: attrs.Attribute, value: st
         traces_url(value)  # raises ValueError naming the field
 
 
+def _slo_profile(instance: ServerConfig, attribute: attrs.Attribute, value: str | None) -> None:
+    # The profile is the slo policy's latency model (web/slo_profile.py):
+    # another policy learns none, so the flag would silently do nothing.
+    if value is None:
+        return
+    if instance.engine.scheduling_policy != "slo":
+        raise ValueError("--slo-profile needs --scheduling-policy slo (the latency model it saves is the slo policy's)")
+    if len(instance.models) > 1:
+        raise ValueError("--slo-profile takes one served model (each model learns its own latency model)")
+    if not value:
+        raise ValueError("--slo-profile must be a path, got ''")
+
+
 def _optional_port(instance: object, attribute: attrs.Attribute, value: int | None) -> None:
     if value is not None and not (isinstance(value, int) and 0 <= value <= 65535):
         raise ValueError(f"{attribute.name} must be a port number in [0, 65535], got {value!r}")
@@ -148,6 +161,9 @@ class ServerConfig:
     batch_dir: str | None = None
     max_upload_size: int = attrs.field(default=DEFAULT_MAX_UPLOAD_SIZE, validator=positive)
     batch_max_in_flight: int = attrs.field(default=DEFAULT_BATCH_MAX_IN_FLIGHT, validator=positive)
+    # Where the latency model is kept across restarts (web/slo_profile.py):
+    # seeded from at start, written at stop; None: learned afresh each run.
+    slo_profile: str | None = attrs.field(default=None, validator=_slo_profile)
 
     @property
     def model_names(self) -> tuple[str, ...]:

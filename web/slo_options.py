@@ -16,6 +16,7 @@ from trioserve.engine.latency_objectives import LatencyObjectives, ObjectiveDefa
 from trioserve.engine.errors import InvalidRequestError
 
 from .option_types import recording
+from .slo_profile import check_profiles
 
 
 def milliseconds(text: str) -> float:
@@ -93,7 +94,23 @@ def add_slo_options(parser: argparse.ArgumentParser, group: argparse._ArgumentGr
         metavar="MODEL=TTFT_MS:TPOT_MS,...",
         help="default targets per served model or adapter name, - for none (default: none)",
     )
+    add(
+        "--slo-profile",
+        default=None,
+        metavar="PATH",
+        help="keep the slo policy's latency model across restarts: seed it from PATH at start if there, write it "
+        "there at stop (PATH.i per replica with --data-parallel-size); needs --scheduling-policy slo (default: none)",
+    )
     return actions
+
+
+def slo_profile_from_args(args: argparse.Namespace) -> str | None:
+    """``--slo-profile``, its file checked now: one that is there and is
+    not a valid profile stops the server before the model loads
+    (``ValueError`` naming the field)."""
+    if args.slo_profile is not None and args.scheduling_policy == "slo":
+        check_profiles(args.slo_profile, args.data_parallel_size)
+    return args.slo_profile
 
 
 def slo_config_from_args(args: argparse.Namespace) -> dict:
