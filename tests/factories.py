@@ -19,6 +19,7 @@ from trioserve.engine.core.block_manager import BlockManager
 from trioserve.engine.sampling.sampling_params import SamplingParams
 from trioserve.engine.core.scheduler import Scheduler, SchedulerOutput
 from trioserve.engine.core.sequence import Request
+from trioserve.engine.latency_objectives import LatencyObjectives
 
 
 def make_request(
@@ -45,6 +46,14 @@ def make_request(
         priority=priority,
     )
 
+
+
+def slo_request(rid: str, *, arrival: float = 0.0, ttft: float | None = None, tpot: float | None = None, **kw) -> Request:
+    """``make_request`` arrived at ``arrival`` with TTFT and TPOT targets (seconds)."""
+    request = make_request(rid, **kw)
+    request.arrival_time = arrival
+    request.objectives = LatencyObjectives(ttft=ttft, tpot=tpot)
+    return request
 
 def make_scheduler(
     *,

@@ -13,21 +13,13 @@ from hypothesis import strategies as st
 
 from trioserve.engine.config import EngineConfig
 from trioserve.engine.core.block_manager import BlockManager
-from trioserve.engine.latency_objectives import LatencyObjectives
 from trioserve.engine.core.scheduler import Scheduler
 from trioserve.engine.core.scheduling_policy import scheduling_policy
 from trioserve.engine.core.latency_model import LatencyModel, StepShape
 from trioserve.engine.core.slo_policy import SloPolicy, next_token_deadline
 from trioserve.engine.plugins import Plugins, PriorityPolicy
 
-from factories import FakeRunner, make_request
-
-
-def slo_request(rid: str, *, arrival: float = 0.0, ttft: float | None = None, tpot: float | None = None, **kw):
-    request = make_request(rid, **kw)
-    request.arrival_time = arrival
-    request.objectives = LatencyObjectives(ttft=ttft, tpot=tpot)
-    return request
+from factories import FakeRunner, slo_request
 
 
 @attrs.define

@@ -12,7 +12,7 @@ import pytest
 import trio
 
 import actor_fixtures
-from factories import FakeRunner, make_request
+from factories import FakeRunner, slo_request
 from trioserve.engine.core.block_manager import BlockManager
 from trioserve.engine.core.latency_model import LatencyModel, StepShape
 from trioserve.engine.core.scheduler import Scheduler
@@ -36,13 +36,6 @@ def learned() -> LatencyModel:
     for prefill, decodes in [(1, 0), (8, 1), (32, 2), (64, 0), (2, 3), (16, 1), (48, 4), (4, 2), (100, 0), (0, 6)] * 3:
         model.observe(StepShape(prefill, 0, decodes, 0), 0.01 + 0.001 * (prefill + decodes))
     return model
-
-
-def slo_request(rid: str, *, arrival: float, ttft: float | None, tpot: float | None = None, **kw):
-    request = make_request(rid, **kw)
-    request.arrival_time = arrival
-    request.objectives = LatencyObjectives(ttft=ttft, tpot=tpot)
-    return request
 
 
 @attrs.define
