@@ -213,7 +213,8 @@ def _dense_rows(weight: Tensor, rows: slice) -> np.ndarray:
     if isinstance(weight, Int4Weight):
         groups = (q - 8).reshape(out, -1, weight.group_size) * scale + weight.zero[rows].numpy()[..., None]
     else:
-        groups = q.reshape(out, -1, weight.group_size) * scale
+        with np.errstate(over="ignore"):  # float16 steps near their top overflow as torch's dequantize does
+            groups = q.reshape(out, -1, weight.group_size) * scale
     return groups.reshape(out, k)
 
 
@@ -227,9 +228,12 @@ def _round_into(dense: np.ndarray, q: np.ndarray, scale: np.ndarray) -> None:
     magnitudes = np.ascontiguousarray(np.abs(groups).reshape(-1, int8_native.GROUP).T)
     scale[...] = magnitudes.max(axis=0).reshape(scale.shape) / np.float32(127)
     divisor = np.where(scale > 0, scale, np.float32(1))
-    rounded = np.rint(groups / divisor[..., None])
-    np.clip(rounded, -127, 127, out=rounded)
-    q[...] = rounded.reshape(q.shape)
+    # An infinite group (overflowed above) rounds to NaN and casts as torch's
+    # quantize_int8_groups casts it: the same bits, without numpy's warnings.
+    with np.errstate(invalid="ignore"):
+        rounded = np.rint(groups / divisor[..., None])
+        np.clip(rounded, -127, 127, out=rounded)
+        q[...] = rounded.reshape(q.shape)
 
 
 def _int8_groups(parts: list[Tensor]) -> Int8GroupWeight:
