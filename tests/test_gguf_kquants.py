@@ -199,20 +199,27 @@ def _shape(name: str) -> tuple[int, int]:
     }[name]
 
 
+
+def _random_tensors(layers, rng: np.random.Generator) -> dict[str, tuple[str, np.ndarray]]:
+    """A file's tensors for ``_CONFIG``: a Q6_K embedding table, random norms,
+    and each layer's projections in the kinds ``layers`` names, random bytes."""
+    c = _CONFIG
+    tensors = {
+        "token_embd.weight": ("Q6_K", _random_blocks("Q6_K", c.vocab_size, c.hidden_size, rng)),
+        "output_norm.weight": ("F32", (1 + 0.1 * rng.standard_normal(c.hidden_size)).astype(np.float32)),
+    }
+    for i, kinds in enumerate(layers):
+        for part in ("attn_norm", "ffn_norm"):
+            tensors[f"blk.{i}.{part}.weight"] = ("F32", (1 + 0.1 * rng.standard_normal(c.hidden_size)).astype(np.float32))
+        for part, kind in kinds.items():
+            tensors[f"blk.{i}.{part}.weight"] = (kind, _random_blocks(kind, *_shape(part), rng))
+    return tensors
+
 @pytest.fixture(scope="module")
 def mixed_gguf(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
     """The mixed file, and its tensors dequantized by gguf's reference under
     Hugging Face names (q and k rows put back in their order)."""
-    rng = np.random.default_rng(3)
-    tensors: dict[str, tuple[str, np.ndarray]] = {
-        "token_embd.weight": ("Q6_K", _random_blocks("Q6_K", _CONFIG.vocab_size, _CONFIG.hidden_size, rng)),
-        "output_norm.weight": ("F32", (1 + 0.1 * rng.standard_normal(_CONFIG.hidden_size)).astype(np.float32)),
-    }
-    for i, kinds in enumerate(_LAYERS):
-        for part in ("attn_norm", "ffn_norm"):
-            tensors[f"blk.{i}.{part}.weight"] = ("F32", (1 + 0.1 * rng.standard_normal(_CONFIG.hidden_size)).astype(np.float32))
-        for part, kind in kinds.items():
-            tensors[f"blk.{i}.{part}.weight"] = (kind, _random_blocks(kind, *_shape(part), rng))
+    tensors = _random_tensors(_LAYERS, np.random.default_rng(3))
     path = tmp_path_factory.mktemp("kquants") / "mixed.gguf"
     _write(path, tensors)
     dense = {}

@@ -27,7 +27,7 @@ from trioserve.engine.sampling.sampling_params import SamplingParams
 from trioserve.engine.text.fast_tokenizer import FastTokenizer
 from trioserve.testing.tiny_model import write_word_tokenizer
 
-from test_gguf_kquants import _CONFIG, _random_blocks, _reference, _shape, _write
+from test_gguf_kquants import _CONFIG, _random_blocks, _random_tensors, _reference, _write
 
 VNNI, BF16, AVX512 = native.ISAS["avx512vnni"], native.ISAS["avx512bf16"], native.ISAS["avx512"]
 ROWS = (1, 2, 5, 17, 40)
@@ -143,20 +143,10 @@ _LAYERS = (
 
 @pytest.fixture(scope="module")
 def q6k_file(tmp_path_factory):
-    rng = np.random.default_rng(5)
-    c = _CONFIG
-    tensors = {
-        "token_embd.weight": ("Q6_K", _random_blocks("Q6_K", c.vocab_size, c.hidden_size, rng)),
-        "output_norm.weight": ("F32", (1 + 0.1 * rng.standard_normal(c.hidden_size)).astype(np.float32)),
-    }
-    for i, kinds in enumerate(_LAYERS):
-        for part in ("attn_norm", "ffn_norm"):
-            tensors[f"blk.{i}.{part}.weight"] = ("F32", (1 + 0.1 * rng.standard_normal(c.hidden_size)).astype(np.float32))
-        for part, kind in kinds.items():
-            tensors[f"blk.{i}.{part}.weight"] = (kind, _random_blocks(kind, *_shape(part), rng))
+    tensors = _random_tensors(_LAYERS, np.random.default_rng(5))
     folder = tmp_path_factory.mktemp("q6k")
     _write(folder / "q6k.gguf", tensors)
-    write_word_tokenizer(folder, c.vocab_size)
+    write_word_tokenizer(folder, _CONFIG.vocab_size)
     return folder, tensors
 
 
