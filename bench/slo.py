@@ -185,3 +185,55 @@ def summarize(run: MixRun) -> dict:
         "refused_fraction": total["refused"] / total["requests"] if total["requests"] else 0.0,
         "classes": classes,
     }
+
+
+# The share of requests meeting their targets at which a setup still
+# "serves the load within targets" (DistServe's attainment goal).
+CAPACITY_ATTAINMENT = 0.9
+# The issue's goal: at this multiple of FCFS's capacity, the slo policy
+# keeps at least this multiple of FCFS's goodput.
+GOAL_LOAD = 1.5
+GOAL_GOODPUT = 1.5
+
+
+def capacity_rps(runs: Sequence[dict], attainment: float = CAPACITY_ATTAINMENT) -> float | None:
+    """The highest offered rate up to which every run of ``runs`` (summaries
+    of one setup and arrival shape) met at least ``attainment`` of its
+    requests' targets; None when the lowest rate already fell short."""
+    capacity = None
+    for run in sorted(runs, key=lambda r: r["offered_rps"]):
+        if run["attainment"] < attainment:
+            break
+        capacity = run["offered_rps"]
+    return capacity
+
+
+def goal(fcfs: Sequence[dict], slo: Sequence[dict], attainment: float = CAPACITY_ATTAINMENT) -> dict:
+    """The issue's goodput goal for one arrival shape: FCFS's capacity
+    (``capacity_rps``), the lowest measured rate at or above ``GOAL_LOAD``
+    times it, and there each setup's goodput, their ratio and the slo
+    policy's late admitted requests. ``at_rps`` is None when no rate that
+    high was run (or FCFS met its targets at none)."""
+    capacity = capacity_rps(fcfs, attainment)
+    result: dict = {"attainment": attainment, "fcfs_capacity_rps": capacity, "at_rps": None}
+    if capacity is None:
+        return result
+    by_rate = {r["offered_rps"]: r for r in slo}
+    high = sorted(
+        r["offered_rps"] for r in fcfs if r["offered_rps"] >= GOAL_LOAD * capacity and r["offered_rps"] in by_rate
+    )
+    if not high:
+        return result
+    at = high[0]
+    f = next(r for r in fcfs if r["offered_rps"] == at)
+    s = by_rate[at]
+    ratio = s["goodput_rps"] / f["goodput_rps"] if f["goodput_rps"] else float("inf")
+    result.update(
+        at_rps=at,
+        fcfs_goodput_rps=f["goodput_rps"],
+        slo_goodput_rps=s["goodput_rps"],
+        ratio=ratio,
+        slo_late=s["late"],
+        met=ratio >= GOAL_GOODPUT and s["late"] == 0,
+    )
+    return result

@@ -13,14 +13,25 @@ import json
 import attrs
 import pytest
 import trio
+from hypothesis import given
+from hypothesis import strategies as st
 from hypercorn.config import Config
 from hypercorn.trio import serve
 
 from trioserve.bench.client import Target
-from trioserve.bench.figures.slo import GOODPUT_PNG, REFUSED_PNG, TTFT_CDF_PNG, write_plots
+from trioserve.bench.figures.slo import GOODPUT_PNG, REFUSED_PNG, TTFT_CDF_PNG, requests_for, write_plots
 from trioserve.bench.measurement import RequestMeasurement
 from trioserve.bench.datasets import SampleRequest
-from trioserve.bench.slo import MixedRequest, MixRun, RequestClass, mixed_requests, run_mix, summarize
+from trioserve.bench.slo import (
+    MixedRequest,
+    MixRun,
+    RequestClass,
+    capacity_rps,
+    goal,
+    mixed_requests,
+    run_mix,
+    summarize,
+)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -145,3 +156,42 @@ async def test_the_plots_are_written(fake, autojump_clock, tmp_path):
     paths = write_plots(summary, tmp_path)
     assert {p.name for p in paths} == {GOODPUT_PNG, REFUSED_PNG, TTFT_CDF_PNG}
     assert all(p.read_bytes().startswith(PNG_MAGIC) for p in paths)
+
+
+def _run(rate: float, attainment: float, goodput: float | None = None, late: int = 0) -> dict:
+    return {"offered_rps": rate, "attainment": attainment, "goodput_rps": rate * attainment if goodput is None else goodput,
+            "late": late}  # fmt: skip
+
+
+@given(st.lists(st.tuples(st.integers(1, 60), st.floats(0, 1)), min_size=1, max_size=8, unique_by=lambda t: t[0]))
+def test_fcfs_capacity_is_the_highest_rate_below_which_every_run_met_enough(points):
+    runs = [_run(rate, share) for rate, share in points]
+    capacity = capacity_rps(runs, 0.9)
+    below = sorted(runs, key=lambda r: r["offered_rps"])
+    if capacity is None:
+        assert below[0]["attainment"] < 0.9
+    else:
+        assert all(r["attainment"] >= 0.9 for r in below if r["offered_rps"] <= capacity)
+        higher = [r for r in below if r["offered_rps"] > capacity]
+        assert not higher or higher[0]["attainment"] < 0.9
+
+
+def test_the_goal_compares_goodputs_at_one_and_a_half_times_fcfs_capacity():
+    fcfs = [_run(10, 1.0), _run(15, 0.8), _run(20, 0.5), _run(30, 0.3)]
+    slo = [_run(10, 1.0), _run(15, 1.0), _run(20, 0.9), _run(30, 0.6, late=1)]
+    g = goal(fcfs, slo)
+    # Capacity 10 (15 met only 80%): the goal is read at 15, the lowest rate >= 15.
+    assert (g["fcfs_capacity_rps"], g["at_rps"]) == (10, 15)
+    assert g["ratio"] == pytest.approx(15 / 12) and not g["met"]
+    g = goal(fcfs, [_run(10, 1.0), _run(15, 1.0, goodput=18.0), _run(20, 1.0), _run(30, 1.0)])
+    assert g["met"] and g["ratio"] == pytest.approx(1.5)
+    g = goal(fcfs, [_run(10, 1.0), _run(15, 1.0, goodput=18.0, late=1)])
+    assert not g["met"]  # a late admitted request fails the goal whatever the ratio
+    assert goal(fcfs[:1], slo[:1])["at_rps"] is None  # no rate that high was run
+
+
+def test_a_duration_sends_each_rate_for_as_long():
+    requests = list(range(100))
+    assert requests_for(2.0, requests, 10.0) == requests[:20]
+    assert requests_for(4.5, requests, 10.0) == requests[:45]
+    assert requests_for(4.5, requests, None) == requests

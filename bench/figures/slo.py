@@ -31,6 +31,7 @@ import json
 import math
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
@@ -43,7 +44,17 @@ from ..client import Target
 from ..datasets import load_tokenizer
 from ..plot import require_matplotlib, save_figure
 from ..process import serving_process
-from ..slo import DEFAULT_CLASSES, MixRun, mixed_requests, run_mix, summarize
+from ..slo import (
+    DEFAULT_CLASSES,
+    GOAL_GOODPUT,
+    GOAL_LOAD,
+    MixedRequest,
+    MixRun,
+    goal,
+    mixed_requests,
+    run_mix,
+    summarize,
+)
 
 # Setup -> (the server's --scheduling-policy, whether requests send their priority).
 SETUPS = {"fcfs": ("priority", False), "priority": ("priority", True), "slo": ("slo", True)}
@@ -79,6 +90,9 @@ def add_parser(commands) -> argparse.ArgumentParser:
     load.add_argument("--burstiness", type=float_list, default=[1.0],
                       help="arrival shapes: 1 Poisson, lower burstier (default: 1)")  # fmt: skip
     load.add_argument("--requests", type=positive_int, default=60, help="requests a run (default: 60)")
+    load.add_argument("--duration", type=positive_float, default=None,
+                      help="seconds of arrivals a run: each rate sends rate x duration requests, so every "
+                           "rate holds its load as long (overrides --requests)")  # fmt: skip
     load.add_argument("--client-timeout", type=positive_float, default=120.0,
                       help="seconds a client waits before it hangs up (default: 120)")  # fmt: skip
     load.add_argument("--seed", type=int, default=0, help="seeds prompts, classes and arrivals (default: 0)")
@@ -93,16 +107,32 @@ def add_parser(commands) -> argparse.ArgumentParser:
     return p
 
 
-async def sweep(target: Target, requests, rates, burstinesses, *, with_priority: bool, seed: int) -> list[dict]:
-    """One run of ``requests`` per (burstiness, rate), summarized, after
-    a warm-up of two requests of each class, sent at once and left out."""
+def requests_for(
+    rate: float, requests: Sequence[MixedRequest], duration: float | None
+) -> Sequence[MixedRequest]:
+    """A run's requests at ``rate``: all of ``requests``, or with a
+    ``duration`` the first ``ceil(rate * duration)`` of them."""
+    return requests if duration is None else requests[: math.ceil(rate * duration)]
+
+
+async def sweep(
+    target: Target, requests, rates, burstinesses, *, with_priority: bool, seed: int, duration: float | None = None
+) -> list[dict]:
+    """One run of ``requests`` (``requests_for`` each rate) per (burstiness,
+    rate), summarized, after a warm-up of two requests of each class, sent
+    at once and left out."""
     warmups = [r for c in {r.request_class for r in requests} for r in [x for x in requests if x.request_class == c][:2]]
     await run_mix(target, warmups, request_rate=math.inf, with_priority=with_priority)
     results = []
     for burstiness in burstinesses:
         for rate in rates:
             mix: MixRun = await run_mix(
-                target, requests, request_rate=rate, burstiness=burstiness, with_priority=with_priority, seed=seed
+                target,
+                requests_for(rate, requests, duration),
+                request_rate=rate,
+                burstiness=burstiness,
+                with_priority=with_priority,
+                seed=seed,
             )
             results.append(summarize(mix))
             line = {k: results[-1][k] for k in ("offered_rps", "burstiness", "goodput_rps", "refused", "late")}
@@ -115,7 +145,8 @@ def run(args: argparse.Namespace) -> int:
     common = ["--max-num-seqs", str(args.max_num_seqs)]
     if args.num_threads is not None:
         common += ["--num-threads", str(args.num_threads)]
-    requests = mixed_requests(load_tokenizer(), DEFAULT_CLASSES, args.requests, seed=args.seed)
+    count = args.requests if args.duration is None else math.ceil(max(args.rates) * args.duration)
+    requests = mixed_requests(load_tokenizer(), DEFAULT_CLASSES, count, seed=args.seed)
     summary: dict = {
         "command": " ".join(["trioserve", *sys.argv[1:]]),
         "cpus": os.cpu_count(),
@@ -129,15 +160,49 @@ def run(args: argparse.Namespace) -> int:
             target = Target(base_url=url, model=DEFAULT_MODEL_NAME, ignore_eos=True, request_timeout=args.client_timeout)
             print(f"{name}: --scheduling-policy {policy}, priorities {'sent' if with_priority else 'not sent'}", flush=True)
             summary["setups"][name] = trio.run(
-                lambda: sweep(target, requests, args.rates, args.burstiness, with_priority=with_priority, seed=args.seed)
+                lambda: sweep(
+                    target, requests, args.rates, args.burstiness, with_priority=with_priority, seed=args.seed,
+                    duration=args.duration,
+                )
             )
     summary["load_average_after"] = os.getloadavg()
+    summary["goal"] = goals(summary)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print_table(summary)
+    print_goals(summary)
     if args.plots is not None:
         for path in write_plots(summary, args.plots):
             print(f"wrote {path}")
     return 0
+
+
+def goals(summary: dict) -> list[dict]:
+    """``slo.goal`` per arrival shape, where the sweep ran both fcfs and slo."""
+    setups = summary["setups"]
+    if "fcfs" not in setups or "slo" not in setups:
+        return []
+    shapes = sorted({r["burstiness"] for r in setups["fcfs"]}, reverse=True)
+    return [
+        {"burstiness": shape, **goal([r for r in setups["fcfs"] if r["burstiness"] == shape],
+                                     [r for r in setups["slo"] if r["burstiness"] == shape])}
+        for shape in shapes
+    ]  # fmt: skip
+
+
+def print_goals(summary: dict) -> None:
+    """A line per arrival shape: FCFS's capacity and the goal's figures."""
+    for g in summary.get("goal", []):
+        shape = "Poisson" if g["burstiness"] == 1 else f"gamma {g['burstiness']:g}"
+        if g["fcfs_capacity_rps"] is None:
+            print(f"{shape}: fcfs met {g['attainment']:.0%} of targets at no rate run")
+        elif g["at_rps"] is None:
+            print(f"{shape}: fcfs capacity {g['fcfs_capacity_rps']:g} req/s (>= {g['attainment']:.0%} met); "
+                  f"run a rate of at least {GOAL_LOAD * g['fcfs_capacity_rps']:g} for the goal")  # fmt: skip
+        else:
+            print(f"{shape}: fcfs capacity {g['fcfs_capacity_rps']:g} req/s (>= {g['attainment']:.0%} met); "
+                  f"at {g['at_rps']:g} req/s slo {g['slo_goodput_rps']:.2f} / fcfs {g['fcfs_goodput_rps']:.2f} "
+                  f"= {g['ratio']:.2f}x (goal {GOAL_GOODPUT:g}x), slo late {g['slo_late']}: "
+                  f"{'met' if g['met'] else 'not met'}")  # fmt: skip
 
 
 def print_table(summary: dict) -> None:
