@@ -9,6 +9,7 @@ the door's decision is on the request's span and in /metrics."""
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 
 import anthropic
@@ -23,6 +24,7 @@ from prometheus_client import CollectorRegistry
 
 from trioserve import testing
 from trioserve.actors.slo_admission import SloDecision, SloPrediction, SloRefused
+from trioserve.engine.core.latency_model import LatencyModel, StepShape
 from trioserve.engine.latency_objectives import LatencyObjectives
 from trioserve.rpc import messages as rpc_messages
 from trioserve.rpc import trioserve_pb2 as pb
@@ -430,3 +432,98 @@ def test_a_shortened_admission_is_counted_and_reported_as_on_every_surface():
     usage = report.usage(None, 0)
     assert usage["max_tokens_lowered_to"] == 20 and "slo_allow_shorter" in usage["reason"]
     assert rpc_messages.slo_report(usage).max_tokens_lowered_to == 20
+
+
+# -- what each surface names: the field a shortened answer lowered, the objective a 503 refused --
+
+
+@contextlib.contextmanager
+def _steps_of(server, seconds: float):
+    """The server's latency model fitted to steps of ``seconds`` whatever
+    they compute (so its predictions are known: a TTFT and a TPOT of about
+    that), for the body of the ``with``; then its own fit back. It learns
+    from the steps it sees: the value yielded fits it again."""
+    engine = server.host.models[MODEL].engine
+    [model] = server.run_sync(engine.latency_models)
+    own = server.run_sync(model.to_profile)
+    law = LatencyModel(forgetting=1.0)
+    for prefill, decodes in [(1, 0), (8, 1), (32, 2), (64, 0), (2, 3), (16, 1), (48, 4), (4, 2), (100, 0), (0, 6)] * 10:
+        law.observe(StepShape(prefill, prefill * prefill, decodes, 40 * decodes), seconds)
+
+    def fit() -> None:
+        server.run_sync(model.adopt, law)
+
+    try:
+        yield fit
+    finally:
+        server.run_sync(model.adopt, LatencyModel.from_profile(own))
+
+
+# A TTFT target of 1.5 s at 50 ms a step: an answer of about 29 tokens fits a
+# TPOT target no step can meet; asked for 40, a shorter one is given.
+SHORTER = {"ttft_ms": 1500, "tpot_ms": IMPOSSIBLE_MS, "slo_allow_shorter": True}
+
+
+def test_a_shortened_answer_names_the_field_each_surface_caps_its_output_with(slo_server):
+    with _steps_of(slo_server, 0.05) as fit:
+        fit()
+        with _openai(slo_server) as client:
+            response = client.responses.create(model=MODEL, input="Hi", max_output_tokens=40, extra_body=SHORTER)
+        fit()
+        chat = httpx.post(
+            f"{slo_server.url}/v1/chat/completions",
+            json={"model": MODEL, "messages": CHAT, "max_completion_tokens": 40, **SHORTER},
+            timeout=120,
+        ).json()
+        fit()
+        with _anthropic(slo_server) as client:
+            message = client.messages.create(model=MODEL, max_tokens=40, messages=CHAT, extra_body=SHORTER)
+        fit()
+        params = pb.SamplingParameters(max_tokens=40)
+        with grpc.insecure_channel(f"127.0.0.1:{app_grpc(slo_server.app).port}") as channel:
+            request = pb.GenerateRequest(model=MODEL, text="Hi", params=params, ttft_ms=1500, tpot_ms=IMPOSSIBLE_MS, slo_allow_shorter=True)
+            grpc_slo = list(pb_grpc.GenerationStub(channel).Generate(request, timeout=120))[-1].usage.slo
+    reasons = {
+        "max_output_tokens": response.usage.model_extra["slo"],
+        "max_completion_tokens": chat["usage"]["slo"],
+        "max_tokens": message.usage.model_extra["slo"],
+    }
+    for field, slo in reasons.items():
+        assert 16 <= slo["max_tokens_lowered_to"] < 40, slo
+        assert slo["reason"] == f"predicted to miss tpot_ms at the {field} asked; slo_allow_shorter lowered it"
+    assert 16 <= grpc_slo.max_tokens_lowered_to < 40
+    assert grpc_slo.reason == "predicted to miss tpot_ms at the params.max_tokens asked; slo_allow_shorter lowered it"
+
+
+@pytest.fixture
+def degraded(slo_server, monkeypatch):
+    """The slo server's engine reporting itself degraded (a hung step or a
+    worker down, as /health says) while the test runs."""
+    monkeypatch.setattr(slo_server.host.models[MODEL].engine, "_degraded", lambda: True)
+    return slo_server
+
+
+def test_a_refusal_while_degraded_names_its_objective_in_each_apis_shape(degraded):
+    with pytest.raises(openai.InternalServerError) as responses:
+        _respond(degraded, ttft_ms=IMPOSSIBLE_MS)
+    assert responses.value.status_code == 503 and int(responses.value.response.headers["retry-after"]) >= 1
+    body = responses.value.body
+    assert (body["code"], body["param"], body["type"]) == ("slo_unattainable", "ttft_ms", "service_unavailable_error")
+    completion = httpx.post(
+        f"{degraded.url}/v1/completions",
+        json={"model": MODEL, "prompt": "Hi", "max_tokens": 3, "tpot_ms": IMPOSSIBLE_MS},
+        timeout=120,
+    )
+    assert completion.status_code == 503 and completion.json()["error"]["param"] == "tpot_ms"
+    # Anthropic's error object has a type and a message only (the client
+    # parses it as its OverloadedErrorObject): the message names the field.
+    with pytest.raises(anthropic.ServiceUnavailableError) as messages:
+        _message(degraded, ttft_ms=IMPOSSIBLE_MS)
+    assert int(messages.value.response.headers["retry-after"]) >= 1
+    error = messages.value.body["error"]
+    assert set(error) == {"type", "message"} and error["type"] == "overloaded_error"
+    assert "exceeds ttft_ms 0.001 by" in error["message"]
+    with pytest.raises(grpc.RpcError) as generate:
+        _generate(degraded, ttft_ms=IMPOSSIBLE_MS)
+    assert generate.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert dict(generate.value.trailing_metadata())["trioserve-param"] == "ttft_ms"

@@ -128,7 +128,9 @@ async def _generate(kind: type[CompletionRequest] | type[ChatCompletionRequest],
             raise
         slo_door.refused(served, news[0].priority, exc)
         raise refusal(translate(exc, log_requests=log_requests), chat) from None
-    reports = [slo_door.admitted(served, new, stream) for new, stream in zip(news, streams)]
+    # The output cap a shortened admission lowers, by the body's name for it.
+    cap = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    reports = [slo_door.admitted(served, new, stream, max_tokens_field=cap) for new, stream in zip(news, streams)]
     for i, stream in enumerate(streams):
         stream = tracing.follow(stream, params, parsed.model, served.name)  # itself when tracing is off
         context = RequestContext(endpoint, served.name, stream.request_id, body)
@@ -282,12 +284,19 @@ class QueuedChat:
 
 
 async def submit_chat(
-    parsed: ChatCompletionRequest, served: ServedModel, config: ServerConfig, deadline: float | None
+    parsed: ChatCompletionRequest,
+    served: ServedModel,
+    config: ServerConfig,
+    deadline: float | None,
+    *,
+    max_tokens_field: str = "max_tokens",
 ) -> QueuedChat:
     """Queue one chat request as the chat path does, through the latency
     objectives' door (web/slo_door.py): what /v1/responses and
     /v1/messages do with the chat request their body became. A refusal
-    raises its ``ApiError``, fields named as the chat API names them."""
+    raises its ``ApiError``, fields named as the chat API names them;
+    ``max_tokens_field``: the body's name for its output cap, which the
+    latency objectives' report names if a shortened admission lowers it."""
     new = slo_door.objectives(served, parsed.request, request.headers, parsed.model)
     try:
         new, reading = chat_input(parsed, new, served, config)
@@ -296,7 +305,7 @@ async def submit_chat(
     except Exception as exc:
         slo_door.refused(served, new.priority, exc)
         raise refusal(translate(exc, log_requests=config.log_requests), True) from None
-    return QueuedChat(new, reading, stream, slo_door.admitted(served, new, stream))
+    return QueuedChat(new, reading, stream, slo_door.admitted(served, new, stream, max_tokens_field=max_tokens_field))
 
 
 def refusal(error: ApiError, chat: bool) -> ApiError:

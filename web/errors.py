@@ -136,12 +136,14 @@ class Overloaded(ApiError):
 
 
 class ServiceUnavailable(ApiError):
-    """503: the server is loading its model or draining for shutdown, or a
-    request waited past ``--max-queue-time`` (``queue_timeout``)."""
+    """503: the server is loading its model or draining for shutdown, a
+    request waited past ``--max-queue-time`` (``queue_timeout``), or one was
+    refused for a latency objective while degraded (``slo_unattainable``,
+    ``param`` naming the objective)."""
 
-    def __init__(self, message: str, *, code: str, retry_after: float | None = None) -> None:
+    def __init__(self, message: str, *, code: str, retry_after: float | None = None, param: str | None = None) -> None:
         headers = {"Retry-After": str(max(1, math.ceil(retry_after)))} if retry_after is not None else None
-        super().__init__(503, message, type="service_unavailable_error", code=code, headers=headers)
+        super().__init__(503, message, type="service_unavailable_error", param=param, code=code, headers=headers)
 
     @classmethod
     def draining(cls) -> ServiceUnavailable:
@@ -207,9 +209,10 @@ def from_exception(exc: BaseException) -> ApiError:
         return Overloaded(_retry_after(exc), str(exc), code="request_shed")
     if isinstance(exc, SloRefused):
         # Refused at the door for a latency objective (docs/reliability.md,
-        # "Latency objectives"); 503 while the engine runs degraded.
+        # "Latency objectives"); 503 while the engine runs degraded. Either
+        # way ``param`` names the objective, as a 400 names a bad field.
         if exc.degraded:
-            return ServiceUnavailable(str(exc), code="slo_unattainable", retry_after=_retry_after(exc))
+            return ServiceUnavailable(str(exc), code="slo_unattainable", retry_after=_retry_after(exc), param=exc.objective)
         return Overloaded(_retry_after(exc), str(exc), code="slo_unattainable", param=exc.objective)
     if isinstance(exc, ExpensiveRequestRefused):
         return Overloaded(_retry_after(exc), str(exc), code="expensive_request_refused", param=exc.field)

@@ -127,7 +127,9 @@ async def create_response() -> Response:
     params = served.engine.sampling_defaults.apply(parsed.params)
     shape = ResponseShape(new_id("resp"), served.name, responses, params.temperature, params.top_p)
     try:
-        queued = await completions.submit_chat(parsed, served, host.config, None if timeout is None else arrival + timeout)
+        queued = await completions.submit_chat(
+            parsed, served, host.config, None if timeout is None else arrival + timeout, max_tokens_field="max_output_tokens"
+        )
     except ApiError as error:
         raise _renamed(error) from None
     stream, reading, report = queued.stream, queued.reading, queued.slo

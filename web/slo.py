@@ -104,11 +104,15 @@ class SloReport:
     """What a response's ``usage.slo`` says of its objectives: the targets,
     whether the server enforces them, what admission predicted (``decision``;
     None when not enforced) and, from the request's times, what was measured
-    and whether each target was met."""
+    and whether each target was met. ``max_tokens_field``: what the
+    surface's request calls the output cap that ``slo_allow_shorter`` may
+    lower (``max_output_tokens`` on /v1/responses, ``params.max_tokens``
+    over gRPC), so that the reason names the field the client set."""
 
     objectives: LatencyObjectives
     enforced: bool
     decision: SloDecision | None = None
+    max_tokens_field: str = "max_tokens"
 
     @property
     def verdict(self) -> str:
@@ -154,18 +158,22 @@ class SloReport:
             report["predicted"] = {"ttft_ms": _ms(prediction.ttft), "tpot_ms": _ms(prediction.tpot)}
             if self.decision.max_tokens is not None:
                 report["max_tokens_lowered_to"] = self.decision.max_tokens
-                report["reason"] = "predicted to miss tpot_ms at the max_tokens asked; slo_allow_shorter lowered it"
+                report["reason"] = (
+                    f"predicted to miss tpot_ms at the {self.max_tokens_field} asked; slo_allow_shorter lowered it"
+                )
         report["measured"] = {"ttft_ms": _ms(ttft), "tpot_ms": _ms(tpot)}
         report["met"] = self.met(times, num_output_tokens)
         return report
 
 
-def slo_report(objectives: LatencyObjectives, policy: str, decision: SloDecision | None) -> SloReport | None:
+def slo_report(
+    objectives: LatencyObjectives, policy: str, decision: SloDecision | None, *, max_tokens_field: str = "max_tokens"
+) -> SloReport | None:
     """The report of a request with ``objectives`` on a server running
     ``policy`` (None: it stated none, and the server has no defaults)."""
     if objectives.empty:
         return None
-    return SloReport(objectives, enforced=policy == "slo", decision=decision)
+    return SloReport(objectives, enforced=policy == "slo", decision=decision, max_tokens_field=max_tokens_field)
 
 
 def with_objectives(new: RequestInput, headers: Mapping[str, str], defaults: ObjectiveDefaults, model: str) -> RequestInput:

@@ -30,6 +30,9 @@ from . import tracing
 from .served import ServedModel
 from .slo import SloReport, body_objectives, slo_report, with_objectives
 
+# Where a gRPC GenerateRequest caps its output: SamplingParameters' field.
+GRPC_MAX_TOKENS = "params.max_tokens"
+
 
 def objectives(served: ServedModel, new: RequestInput, headers: Mapping[str, str], model: str | None) -> RequestInput:
     """``new`` with its objectives completed from ``headers`` and the
@@ -48,11 +51,16 @@ def refused(served: ServedModel, priority: int, exc: BaseException, *, traced: b
         tracing.slo_refused(exc)
 
 
-def admitted(served: ServedModel, new: RequestInput, stream: Any, *, traced: bool = True) -> SloReport | None:
+def admitted(
+    served: ServedModel, new: RequestInput, stream: Any, *, traced: bool = True, max_tokens_field: str = "max_tokens"
+) -> SloReport | None:
     """The report of ``new``, queued as ``stream`` (read before any
     wrapper: its ``slo`` is the door's decision), counted and, ``traced``,
-    marked on the request's span; None: it has no objectives."""
-    report = slo_report(new.objectives, served.engine.config.scheduling_policy, stream.slo)
+    marked on the request's span; None: it has no objectives.
+    ``max_tokens_field``: the surface's name for the output cap a
+    shortened admission lowers, which the report's reason names."""
+    policy = served.engine.config.scheduling_policy
+    report = slo_report(new.objectives, policy, stream.slo, max_tokens_field=max_tokens_field)
     if report is not None:
         served.metrics.slo.track(stream.request_id, served.name, new.priority, report)
         if traced:
@@ -79,4 +87,4 @@ class GrpcObjectives:
         refused(served, priority, exc, traced=False)
 
     def admitted(self, served: Any, new: RequestInput, stream: Any) -> SloReport | None:
-        return admitted(served, new, stream, traced=False)
+        return admitted(served, new, stream, traced=False, max_tokens_field=GRPC_MAX_TOKENS)
