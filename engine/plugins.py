@@ -24,7 +24,10 @@ offer. What each group's entry point must be (docs/api.md, "Plugins"):
   thread. The step plan carries only names and arguments.
 - ``trioserve.scheduling_policies``: ``factory(config) ->
   SchedulingPolicy``; at most one may be loaded. The built-in policy is
-  ``PriorityPolicy``.
+  ``PriorityPolicy``. A factory that takes a ``latency`` keyword is called
+  ``factory(config, latency=model)`` with the engine's one latency model
+  (engine/core/latency_model.py), the one its steps teach and
+  ``--slo-profile`` seeds.
 - ``trioserve.metrics``: ``fn(registry)`` registers Prometheus collectors
   on the server's registry (a collector whose ``collect`` raises is left
   out of that scrape, with a log line).

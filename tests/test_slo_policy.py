@@ -179,6 +179,7 @@ def test_earliest_deadline_first_meets_more_first_token_deadlines_than_fcfs():
 
 def test_scheduling_policy_slo_selects_the_slo_policy():
     config = EngineConfig(scheduling_policy="slo", priority_aging_steps=7)
-    policy = scheduling_policy(Plugins(), config)
-    assert isinstance(policy, SloPolicy) and policy.aging_interval == 7
-    assert isinstance(scheduling_policy(Plugins(), EngineConfig()), PriorityPolicy)
+    model = LatencyModel()
+    policy = scheduling_policy(Plugins(), config, model)
+    assert isinstance(policy, SloPolicy) and policy.aging_interval == 7 and policy.latency is model
+    assert isinstance(scheduling_policy(Plugins(), EngineConfig(), model), PriorityPolicy)

@@ -21,6 +21,7 @@ import torch
 from trioserve.engine.config import EngineConfig
 from trioserve.engine.core.input_processor import InputProcessor, Prompt
 from trioserve.engine.core.kv_pool import kv_pool_plan, new_pool
+from trioserve.engine.core.latency_model import LatencyModel
 from trioserve.engine.core.new_request import NewRequest
 from trioserve.engine.core.output_processor import Completion, OutputProcessor
 from trioserve.engine.core.outputs import RequestOutput
@@ -96,6 +97,10 @@ class EngineCore:
         self.block_manager = new_pool(self.num_blocks, config, loaded)
         # Plugins by entry-point name; an unknown one stops here (engine/plugins.py).
         self.plugins = Plugins.load(config.plugins)
+        # This engine's step-cost law (issue #44), the one object that SLO
+        # admission and the scheduling policy (a plugin's too) predict with,
+        # that its driver feeds every step's time and a saved profile seeds.
+        self.latency = LatencyModel()
         self.scheduler = Scheduler(
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -104,7 +109,7 @@ class EngineCore:
             block_size=config.block_size,
             aging_interval=config.priority_aging_steps,
             proposer=speculative_proposer(config),
-            policy=scheduling_policy(self.plugins, config),
+            policy=scheduling_policy(self.plugins, config, self.latency),
         )
         self.runner: ModelRunner | TPRunner | None = None
         if runner:

@@ -4,6 +4,13 @@ one is preempted. The built-in ones, chosen by ``--scheduling-policy``:
 (``SloPolicy``, engine/core/slo_policy.py); a plugin of
 ``trioserve.scheduling_policies`` may replace either.
 
+Every policy of an engine predicts from the engine's one latency model
+(engine/core/latency_model.py), which the caller passes in: the model that
+SLO admission predicts with, that the scheduler actor feeds each step's
+time and that ``--slo-profile`` seeds. A plugin's factory that takes a
+``latency`` keyword gets it (``factory(config, latency=model)``), so its
+predictions learn from the same steps; the built-in fallback has it too.
+
 A plugin's policy runs inside the scheduler, on every step, so it is
 guarded (``GuardedPolicy``): if it raises, or returns a key that is not a
 tuple of numbers, the error is logged once and the scheduler goes on with
@@ -14,37 +21,54 @@ engine.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import numbers
+from collections.abc import Callable
 from typing import Any
 
 import attrs
 
 from trioserve.engine.config import EngineConfig
+from trioserve.engine.core.latency_model import LatencyModel
 from trioserve.engine.core.slo_policy import SloPolicy
 from trioserve.engine.plugins import PluginLoadError, Plugins, PriorityPolicy, SchedulingPolicy
 
 log = logging.getLogger(__name__)
 
 
-def scheduling_policy(plugins: Plugins, config: EngineConfig) -> SchedulingPolicy:
+def scheduling_policy(plugins: Plugins, config: EngineConfig, latency: LatencyModel) -> SchedulingPolicy:
     """The policy ``plugins`` give (guarded), or the built-in one
-    ``config.scheduling_policy`` names."""
+    ``config.scheduling_policy`` names; either predicts with ``latency``,
+    the engine's latency model."""
     builtin: PriorityPolicy | SloPolicy
     if config.scheduling_policy == "slo":
-        builtin = SloPolicy(config.priority_aging_steps)
+        builtin = SloPolicy(config.priority_aging_steps, latency=latency)
     else:
         builtin = PriorityPolicy(config.priority_aging_steps)
     if plugins.scheduling_policy is None:
         return builtin
     name, factory = plugins.scheduling_policy
     try:
-        policy = factory(config)
+        policy = factory(config, latency=latency) if _takes_latency(factory) else factory(config)
     except Exception as exc:
         raise PluginLoadError(f"scheduling policy {name!r} failed to start: {type(exc).__name__}: {exc}") from exc
     if not (callable(getattr(policy, "key", None)) and callable(getattr(policy, "outranks", None))):
         raise PluginLoadError(f"scheduling policy {name!r} has no key and outranks methods")
     return GuardedPolicy(name, policy, builtin)
+
+
+def _takes_latency(factory: Callable[..., Any]) -> bool:
+    """Whether ``factory`` takes a ``latency`` keyword (or any keyword):
+    a factory of ``factory(config)`` alone, as before, still loads."""
+    try:
+        parameters = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):  # a builtin or extension callable without a signature
+        return False
+    return any(
+        (p.name == "latency" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)) or p.kind is p.VAR_KEYWORD
+        for p in parameters
+    )
 
 
 @attrs.define(eq=False)
