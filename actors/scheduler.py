@@ -38,7 +38,7 @@ import trio
 
 from trioserve.engine.core.engine_core import EngineCore
 from trioserve.engine.core.kv_batch import KVResult
-from trioserve.engine.core.latency_model import LatencyModel, StepShape
+from trioserve.engine.core.latency_model import LatencyModel
 from trioserve.engine.core.outputs import RequestOutput
 from trioserve.engine.core.scheduler import SchedulerOutput
 from trioserve.engine.core.sequence import FinishReason
@@ -135,7 +135,6 @@ class SchedulerActor:
         if isinstance(core.scheduler.policy, SloPolicy):
             admission.order = admission_order  # the queue hands over by deadline too
         self._cycle_start = now  # when the step being run began to be planned
-        self._shape_in_flight: StepShape | None = None  # what the step being run computes
 
     # -- the actor --------------------------------------------------------------
 
@@ -243,7 +242,6 @@ class SchedulerActor:
             plan, fill = await self._plan(allocator, kv_results)
             if plan.chunks:
                 self._num_steps += 1
-                self._shape_in_flight = StepShape.of_plan(plan.plan)
                 try:
                     await executor.send(RunStep(self._num_steps, plan.plan))
                     if fill is not None:
@@ -324,18 +322,7 @@ class SchedulerActor:
             self._room.set()
         return plan, fill
 
-    def step_left(self) -> float:
-        """Seconds the step cycle running now still needs, as the latency
-        model predicts it less the time it has run (0 between steps): a
-        request arriving now waits for it before its own first step, so
-        SLO admission adds it to the predicted TTFT."""
-        if self._shape_in_flight is None:
-            return 0.0
-        elapsed = trio.current_time() - self._cycle_start
-        return max(0.0, self.latency.step_seconds(self._shape_in_flight) - elapsed)
-
     def _process(self, plan: SchedulerOutput, reply: StepDone | StepFailed) -> list[RequestOutput]:
-        self._shape_in_flight = None
         if isinstance(reply, StepFailed) and isinstance(reply.error, WorkerLost):
             return self._recompute_all(plan, reply.error)
         if isinstance(reply, StepFailed):
