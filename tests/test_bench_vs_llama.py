@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 
 import pytest
 
@@ -21,6 +22,13 @@ from trioserve.bench.vs_llama import (
     plot_comparison,
     ratio_rows,
     trioserve_command,
+)
+from trioserve.bench.vs_llama import (
+    check_llama_isa,
+    check_trioserve_isa,
+    isa_environment,
+    parse_isas,
+    server_label,
 )
 from trioserve.bench.figures.vs_llama import prompts_at
 from trioserve.web.cli import build_parser
@@ -53,7 +61,9 @@ def test_quantization_lists():
 def test_trioserve_command_is_one_trioserve_accepts():
     contender = Contender.trioserve("int4", ["--dtype", "bfloat16"])
     command = trioserve_command("/venv/bin/trioserve", contender, LAYOUT, 4321)
-    args = build_parser().parse_args(command[1:])
+    binary = command.index("/venv/bin/trioserve")
+    assert command[:binary] == ["env", *isa_environment("native")]
+    args = build_parser().parse_args(command[binary + 1:])
     config = engine_config_from_args(args)
     assert (args.host, args.port, args.quantization, args.dtype) == ("127.0.0.1", 4321, "int4", "bfloat16")
     assert (config.max_num_seqs, config.max_model_len, config.num_threads) == (32, 512, 2)
@@ -192,3 +202,170 @@ def test_plot_needs_a_finished_server(tmp_path):
     failed = {"info": DOCUMENT["info"], "servers": [DOCUMENT["servers"][2]]}
     with pytest.raises(ValueError, match="nothing to plot"):
         plot_comparison(failed, tmp_path / "x.png")
+
+
+# -- instruction set classes (--isa) ------------------------------------------
+
+
+def test_isa_lists_and_the_avx2_binary(capsys):
+    assert parse_isas("native, AVX2") == ("native", "avx2")
+    for bad, message in (("native,avx512", "unknown avx512"), ("avx2,avx2", "twice"), (",", "empty list")):
+        with pytest.raises(ValueError, match=message):
+            parse_isas(bad)
+    args = vs_llama("--isa", "native,avx2", "--llama-server-avx2", "/b2/llama-server")
+    assert args.isas == ("native", "avx2") and args.llama_server_avx2 == "/b2/llama-server"
+    assert vs_llama().isas == ("native",)
+    with pytest.raises(SystemExit):
+        vs_llama("--isa", "sse2")
+    assert "--isa: unknown sse2; choose from native, avx2" in capsys.readouterr().err
+
+
+def test_each_configuration_runs_at_each_class_side_by_side():
+    from trioserve.bench.figures.vs_llama import at_classes
+
+    contenders = at_classes([Contender.trioserve("auto"), Contender.llama_server("/m/x.Q4_K_M.gguf")],
+                            ("native", "avx2"))  # fmt: skip
+    assert [(c.label, c.isa) for c in contenders] == [("trioserve auto", "native"), ("trioserve auto", "avx2"),
+                                                      ("llama-server Q4_K_M", "native"),
+                                                      ("llama-server Q4_K_M", "avx2")]  # fmt: skip
+    assert [c.slug for c in contenders] == ["trioserve-auto", "trioserve-auto-avx2", "llama-server-q4-k-m",
+                                            "llama-server-q4-k-m-avx2"]  # fmt: skip
+
+
+def _child_environment(command: list[str], binary: str) -> dict:
+    """The environment ``command``'s server would get: its ``env`` prefix
+    run here on an interpreter that prints its own."""
+    import subprocess
+    import sys
+
+    prefix = command[: command.index(binary)]
+    shown = [*prefix, sys.executable, "-c", "import json, os; print(json.dumps(dict(os.environ)))"]
+    return json.loads(subprocess.run(shown, capture_output=True, text=True, check=True).stdout)
+
+
+def test_the_trioserve_child_is_held_to_avx2_and_native_is_not(monkeypatch):
+    held = {"TRIOSERVE_CPU_ASSUME": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2",
+            "MKL_ENABLE_INSTRUCTIONS": "AVX2"}  # fmt: skip
+    from trioserve.engine.kernels.capability import held_environment
+
+    assert held_environment("avx2") == held
+    auto = Contender.trioserve("auto")
+    # A bench started held to AVX2 (as CI runs), DNNL's older name too: the
+    # AVX2 row gets the held values alone, the native row none.
+    for name, value in {**held, "DNNL_MAX_CPU_ISA": "AVX2"}.items():
+        monkeypatch.setenv(name, value)
+    avx2 = _child_environment(trioserve_command("/v/trioserve", auto.at("avx2"), LAYOUT, 1), "/v/trioserve")
+    assert {name: avx2.get(name) for name in held} == held and "DNNL_MAX_CPU_ISA" not in avx2
+    native = _child_environment(trioserve_command("/v/trioserve", auto, LAYOUT, 1), "/v/trioserve")
+    assert not set(native) & {*held, "DNNL_MAX_CPU_ISA"}
+    assert native["PATH"] == os.environ["PATH"]
+
+
+def _cpu(assume=None, capability="AVX2", caps=None, available=("quant_int4_native_avx2int8", "matmul_float32")):
+    names = ("quant_int4_native_avx512vnni", "quant_int4_native_avx2int8", "native_attention_avx512",
+             "matmul_float32", "kv_cache_bfloat16")  # fmt: skip
+    return {"capability": capability, "assume": assume, "library_caps": caps or {},
+            "paths": {n: {"available": n in available} for n in names}}  # fmt: skip
+
+
+CAPS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def test_trioserve_is_labelled_avx2_only_where_its_version_shows_nothing_above():
+    held = check_trioserve_isa("avx2", _cpu("avx2", caps=CAPS))
+    assert held.proven and held.found == "torch AVX2, paths up to avx2 (quant_int4_native_avx2int8)"
+    vnni = check_trioserve_isa("avx2", _cpu("avx2", caps=CAPS, available=("quant_int4_native_avx512vnni",)))
+    assert not vnni.proven and "above avx2: quant_int4_native_avx512vnni" in vnni.reason
+    unheld = check_trioserve_isa("avx2", _cpu("avx2", capability="AVX512", caps={}))
+    assert not unheld.proven
+    assert "not held: ONEDNN_MAX_CPU_ISA=None" in unheld.reason and "above avx2: torch" in unheld.reason
+    assert not check_trioserve_isa("avx2", _cpu(None, caps=CAPS)).proven  # the switch unset
+    assert not check_trioserve_isa("avx2", None).proven
+    unknown = {**_cpu("avx2", caps=CAPS), "paths": {"new_path": {"available": True}}}
+    assert not check_trioserve_isa("avx2", unknown).proven
+    native = check_trioserve_isa("native", _cpu(capability="AVX512", available=("quant_int4_native_avx512vnni",)))
+    assert native.proven and native.found == "torch AVX512, paths up to avx512vnni (quant_int4_native_avx512vnni)"
+
+
+# system_info lines of scripts/build_llama_server.sh's builds (native and --isa avx2) on an AVX-512 Xeon.
+NATIVE_INFO = ("n_threads = 2 (n_threads_batch = 2) / 2 | CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 "
+               "| FMA = 1 | BMI2 = 1 | AVX512 = 1 | AVX512_VBMI = 1 | AVX512_VNNI = 1 | AVX512_BF16 = 1 "
+               "| LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 | ")  # fmt: skip
+AVX2_INFO = ("n_threads = 2 (n_threads_batch = 2) / 2 | CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 "
+             "| FMA = 1 | BMI2 = 1 | LLAMAFILE = 1 | OPENMP = 1 | REPACK = 1 | ")  # fmt: skip
+
+
+def test_llama_server_is_labelled_avx2_only_where_its_system_info_shows_nothing_above():
+    held = check_llama_isa("avx2", AVX2_INFO)
+    assert held.proven and held.found == "AVX, AVX2, F16C, FMA"
+    native_binary = check_llama_isa("avx2", NATIVE_INFO)
+    assert not native_binary.proven
+    assert native_binary.reason == "above avx2: AVX512, AVX512_VBMI, AVX512_VNNI, AVX512_BF16"
+    assert not check_llama_isa("avx2", None).proven
+    assert not check_llama_isa("avx2", "CPU : SSE3 = 1 | AVX = 1 | AVX2 = 0 |").proven
+    assert check_llama_isa("native", NATIVE_INFO).proven
+
+
+def _at(server: dict, isa: str, proven: bool) -> dict:
+    return {**server, "isa": isa, "isa_check": {"asked": isa, "proven": proven, "found": "", "reason": ""}}
+
+
+def test_avx2_rows_sit_beside_native_ones_and_take_their_own_reference():
+    trio, llama = DOCUMENT["servers"][1], DOCUMENT["servers"][3]
+    document = copy.deepcopy(DOCUMENT)
+    document["servers"] = [
+        trio, _at(_server("trioserve int4", "trioserve", _run(16.0, 30.0, 1000.0), _run(120.0, 150.0, 8000.0), 900),
+                  "avx2", True),
+        llama, _at(_server("llama-server Q4_1", "llama-server", _run(20.0, 45.0, 200.0), _run(800.0, 50.0, 40000.0),
+                           600), "avx2", True),
+        _at(trio, "avx2", False),
+    ]  # fmt: skip
+    assert [server_label(s) for s in document["servers"]] == [
+        "trioserve int4", "trioserve int4, AVX2", "llama-server Q4_1", "llama-server Q4_1, AVX2",
+        "trioserve int4, AVX2 asked, not proven"]  # fmt: skip
+    ratios = dict(ratio_rows(document))
+    assert set(ratios) == {"trioserve int4", "trioserve int4, AVX2"}  # the unproven row has none
+    assert ratios["trioserve int4"] == pytest.approx([0.8, 4.0, 0.2, 1.5])
+    assert ratios["trioserve int4, AVX2"] == pytest.approx([0.8, 3.0, 0.2, 1.5])  # over llama-server's AVX2 row
+    text = format_tables(document)
+    assert "| trioserve int4, AVX2 | 1 | 16.0 |" in text and "| llama-server Q4_1, AVX2 | 32 | 800.0 |" in text
+    assert "| trioserve int4, AVX2 | 0.80x | 3.00x | 0.20x | 1.50x |" in text
+
+
+# -- end to end, on the default model -------------------------------------------
+
+
+def _llama_server_avx2() -> str:
+    """scripts/build_llama_server.sh --isa avx2's llama-server: $LLAMA_SERVER_AVX2, else where the docs build it."""
+    binary = os.environ.get("LLAMA_SERVER_AVX2") or "/tmp/llama-build-avx2/bin/llama-server"
+    if not os.access(binary, os.X_OK):
+        pytest.skip(f"no llama-server built with --isa avx2 ({binary}): set LLAMA_SERVER_AVX2")
+    return binary
+
+
+@pytest.mark.slow
+def test_a_server_held_to_avx2_proves_it_in_its_own_report(tmp_path):
+    """The part of a comparison's run that starts trioserve at a class and
+    reads its /version (bench serve's runs are vs-llama's as ever)."""
+    from trioserve.bench.figures.vs_llama import trioserve_cpu
+    from trioserve.bench.process import TRIOSERVE, free_port, running
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    layout = Layout(slots=2, ctx_per_slot=64, threads=1)
+    command = trioserve_command(TRIOSERVE, Contender.trioserve("auto").at("avx2"), layout, port)
+    with running(command, url, tmp_path / "avx2.log", 300):
+        cpu = trioserve_cpu(url)
+    check = check_trioserve_isa("avx2", cpu)
+    assert check.proven, check
+    assert cpu["assume"] == "avx2" and cpu["capability"] in ("AVX2", "DEFAULT")
+    (model,) = cpu["models"].values()
+    assert "avx512" not in model["reason"]  # the kernel the load chose says its variant
+
+
+def test_the_avx2_llama_server_says_it_runs_avx2_and_nothing_above(tmp_path):
+    from trioserve.bench.figures.vs_llama import llama_system_info
+
+    info = llama_system_info(_llama_server_avx2(), 1, tmp_path)
+    check = check_llama_isa("avx2", info)
+    assert check.proven, (info, check)

@@ -23,6 +23,13 @@ Build llama-server with scripts/build_llama_server.sh. Flags after
 every trioserve / the llama-server command line unchanged. The parts that
 need no server (command lines, token checks, tables, plot) are
 ``trioserve.bench.vs_llama``.
+
+``--isa native,avx2`` runs each configuration at each class in turn:
+trioserve held to AVX2 by the variables engine/kernels/capability.py names
+(``env`` sets them for the child alone) and the llama-server of
+``--llama-server-avx2``; a row is labelled AVX2 only where the server's own
+report (trioserve's ``/version``, llama-server's system_info line) shows
+nothing above it, and its ratios are to llama-server's row of its class.
 """
 
 from __future__ import annotations
@@ -52,11 +59,15 @@ from ..plot import require_matplotlib
 from ..process import TRIOSERVE, ServerStartError, free_port, running
 from ..vs_llama import (
     LLAMA_SERVER,
+    NATIVE,
     Contender,
     Layout,
+    check_llama_isa,
+    check_trioserve_isa,
     format_tables,
     llama_server_command,
     logprob_token_count,
+    parse_isas,
     parse_quantizations,
     plot_comparison,
     run_summary,
@@ -70,11 +81,27 @@ class ServerFailed(RuntimeError):
     """A server exited, or did not become ready, or a run against it failed."""
 
 
+class IsaNotProven(ServerFailed):
+    """A server's own report shows it did not run at the class it was asked
+    for; ``result`` holds what it showed."""
+
+    def __init__(self, message: str, result: dict) -> None:
+        super().__init__(message)
+        self.result = result
+
+
 def _quantizations(text: str) -> tuple[str, ...]:
     try:
         return parse_quantizations(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc).removeprefix("--trioserve-quantization: ")) from None
+
+
+def _isas(text: str) -> tuple[str, ...]:
+    try:
+        return parse_isas(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--isa: ")) from None
 
 
 def add_parser(commands) -> argparse.ArgumentParser:
@@ -106,7 +133,15 @@ def add_comparison_arguments(p: argparse.ArgumentParser, *, quantizations: tuple
                           f"'' runs none (default: {','.join(quantizations)})")  # fmt: skip
     who.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER") or shutil.which("llama-server"),
                      help="the llama-server binary (default: $LLAMA_SERVER, else llama-server on PATH)")
+    who.add_argument("--llama-server-avx2", default=os.environ.get("LLAMA_SERVER_AVX2"),
+                     help="the llama-server binary of --isa avx2, built by scripts/build_llama_server.sh --isa avx2 "
+                          "(default: $LLAMA_SERVER_AVX2)")  # fmt: skip
     who.add_argument("--no-llama-server", action="store_true", help="run the trioserve configurations only")
+    who.add_argument("--isa", dest="isas", type=_isas, default=(NATIVE,), metavar="native[,avx2]",
+                     help="instruction set classes to run every server at, each beside the other: avx2 holds "
+                          "trioserve to AVX2 (TRIOSERVE_CPU_ASSUME and the library caps, engine/kernels/"
+                          "capability.py) and runs --llama-server-avx2; a row is labelled AVX2 only where the "
+                          "server's own report shows nothing above it (default: native)")  # fmt: skip
     who.add_argument("--trioserve-args", default="", metavar="'FLAGS'",
                      help="more flags for every trioserve serve, one string: --trioserve-args='--dtype bfloat16'")
     who.add_argument("--llama-args", default="", metavar="'FLAGS'",
@@ -182,21 +217,75 @@ def count_tokens(url: str, prompt: str, output_len: int) -> dict:
     }
 
 
+def llama_binary(args: argparse.Namespace, isa: str) -> str | None:
+    """The llama-server binary of class ``isa``."""
+    return args.llama_server if isa == NATIVE else getattr(args, f"llama_server_{isa}")
+
+
+def missing_llama_binaries(args: argparse.Namespace) -> list[str]:
+    """What is wrong with the llama-server binaries of ``args.isas``, one
+    phrase each (empty: each is there and executable)."""
+    missing = []
+    for isa in args.isas:
+        binary = llama_binary(args, isa)
+        if not binary or not os.access(binary, os.X_OK):
+            flag = "--llama-server" if isa == NATIVE else f"--llama-server-{isa}"
+            build = "" if isa == NATIVE else f" --isa {isa}"
+            missing.append(f"no llama-server binary for {isa} ({flag} {binary!r}): build it with "
+                           f"scripts/build_llama_server.sh{build} and pass {flag} PATH")  # fmt: skip
+    return missing
+
+
+def llama_system_info(binary: str | Path, threads: int, folder: Path) -> str | None:
+    """The system_info line llama-server ``binary`` prints on this machine
+    (the CPU features its backend runs); None if it printed none. It prints
+    it only at verbosity 4, so it is read from a start of its own on a
+    model that does not exist, which stops right after it: the timed
+    server keeps its usual logging."""
+    command = [str(binary), "-lv", "4", "-t", str(threads), "--port", "0", "-m", str(folder / "no-such-model.gguf")]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    for line in (done.stdout + done.stderr).splitlines():
+        if "system_info:" in line:
+            return line.partition("system_info:")[2].strip()
+    return None
+
+
+def trioserve_cpu(url: str) -> dict | None:
+    """The ``cpu`` block of a trioserve server's ``/version``: the paths its
+    CPU and class let it choose and what each model chose."""
+    return httpx.get(f"{url}/version", timeout=30).json().get("cpu")
+
+
 def measure(contender: Contender, args: argparse.Namespace, layout: Layout, model: Path, prompt: str) -> dict:
-    """Start one server, run every part against it, stop it."""
+    """Start one server, check that it runs at its class, run every part
+    against it, stop it."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    result: dict = {"label": contender.label, "kind": contender.kind, "quantization": contender.quantization,
+                    "isa": contender.isa}  # fmt: skip
     if contender.kind == LLAMA_SERVER:
-        command = llama_server_command(args.llama_server, model, contender, layout, port)
+        binary = llama_binary(args, contender.isa)
+        command = llama_server_command(binary, model, contender, layout, port)
+        result["system_info"] = system_info = llama_system_info(binary, layout.threads, args.out)
+        check = check_llama_isa(contender.isa, system_info)
     else:
         command = trioserve_command(TRIOSERVE, contender, layout, port)
         if args.model is not None:
             command += ["--model", str(model)]
-    result: dict = {"label": contender.label, "kind": contender.kind, "quantization": contender.quantization,
-                    "command": command, "loadavg_before": os.getloadavg(), "runs": {}}  # fmt: skip
+    result.update(command=command, loadavg_before=os.getloadavg(), runs={})
     started = time.monotonic()
     with running(command, url, args.out / f"{contender.slug}.log", args.ready_timeout) as proc:
         result["ready_s"] = time.monotonic() - started
+        if contender.kind != LLAMA_SERVER:
+            result["cpu"] = cpu = trioserve_cpu(url)
+            check = check_trioserve_isa(contender.isa, cpu)
+        result["isa_check"] = check.to_json()
+        if not check.proven:  # before the runs: minutes spent on a row the report will not label
+            raise IsaNotProven(f"{contender.label} asked to run at {contender.isa}: {check.reason} "
+                               f"(found {check.found})", result)  # fmt: skip
         memory = {"ready": tree_memory(proc.pid).to_json()}
         result["token_count"] = counted = count_tokens(url, prompt, args.output_len)
         if not counted["usage_completion_tokens"] == counted["logprob_tokens"] == args.output_len:
@@ -267,11 +356,12 @@ def run(args: argparse.Namespace) -> int:
     contenders = [Contender.trioserve(q, shlex.split(args.trioserve_args)) for q in args.quantizations]
     llama_version = None
     if not args.no_llama_server:
-        if not args.llama_server or not os.access(args.llama_server, os.X_OK):
-            return usage_error("vs-llama", f"no llama-server binary ({args.llama_server!r}): build it with "
-                               "scripts/build_llama_server.sh and pass --llama-server PATH, or give --no-llama-server")  # fmt: skip
+        missing = missing_llama_binaries(args)
+        if missing:
+            return usage_error("vs-llama", "; ".join(missing) + ", or give --no-llama-server")
         contenders.append(Contender.llama_server(model, shlex.split(args.llama_args)))
-        llama_version = llama_server_version(args.llama_server)
+        llama_version = llama_server_version(args.llama_server or llama_binary(args, args.isas[0]))
+    contenders = at_classes(contenders, args.isas)
     if not contenders:
         return usage_error("vs-llama", "nothing to run")
     # SIGTERM/SIGHUP unwind like Ctrl-C, so the running server is stopped.
@@ -281,6 +371,12 @@ def run(args: argparse.Namespace) -> int:
     write_outputs(document, args.out, args.plot)
     print(format_tables(document))
     return 1 if any(s.get("error") for s in document["servers"]) else 0
+
+
+def at_classes(contenders: list[Contender], isas: tuple[str, ...]) -> list[Contender]:
+    """Each of ``contenders`` at each class of ``isas``, a configuration's
+    classes one after the other (its rows side by side)."""
+    return [contender.at(isa) for contender in contenders for isa in isas]
 
 
 def llama_server_version(binary: str) -> str:
@@ -317,6 +413,7 @@ def compare(args: argparse.Namespace, model: Path, contenders: list[Contender], 
             "seed": args.seed,
             "trioserve_commit": _version(["git", "-C", str(ROOT), "describe", "--always", "--dirty"]),
             "llama_server_version": llama_version,
+            "isas": list(getattr(args, "isas", (NATIVE,))),
             "cpu": _cpu(),
             "cpus": os.cpu_count(),
             "argv": sys.argv,
@@ -324,14 +421,16 @@ def compare(args: argparse.Namespace, model: Path, contenders: list[Contender], 
         "servers": [],
     }
     for contender in contenders:
-        print(f"== {contender.label}", flush=True)
+        print(f"== {contender.label} ({contender.isa})", flush=True)
         if on_server is not None:
             on_server(contender)
         try:
             document["servers"].append(measure(contender, args, layout, model, prompt))
         except (ServerFailed, ServerStartError, OSError, httpx.HTTPError, ValueError, KeyError) as exc:
             print(f"{contender.label}: {exc}", file=sys.stderr, flush=True)
-            document["servers"].append({"label": contender.label, "kind": contender.kind,
-                                        "quantization": contender.quantization, "error": str(exc)})  # fmt: skip
+            shown = exc.result if isinstance(exc, IsaNotProven) else {}
+            document["servers"].append({**shown, "label": contender.label, "kind": contender.kind,
+                                        "quantization": contender.quantization, "isa": contender.isa,
+                                        "error": str(exc)})  # fmt: skip
         write_outputs(document, args.out, None)  # what is done survives a later failure
     return document

@@ -53,6 +53,11 @@ ISA_LEVELS = ("default", "avx2", "avx512", "avx512bf16", "avx512vnni", "amx")
 # Variables that cap what torch's libraries use when set before torch loads:
 # shown with the paths, since they change what the trials find.
 LIBRARY_CAPS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
+# What each LIBRARY_CAPS variable is set to, per level, to hold torch's
+# libraries to it (oneDNN's, ATen's and MKL's own names for the level).
+LIBRARY_CAP_VALUES = {
+    "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+}
 # The dtypes a CPU model may have: each runs where its matmul does.
 CPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # A result may differ from float32 by this fraction of the reference's
@@ -84,6 +89,16 @@ def parse_assume(value: str | None) -> str | None:
     if level not in ISA_LEVELS:
         raise CpuCapabilityError(f"{ASSUME_ENV}={value!r} is not a CPU level; use one of {', '.join(ISA_LEVELS)}")
     return level
+
+
+def held_environment(level: str) -> dict[str, str]:
+    """The variables that hold a trioserve process started with them to
+    ``level`` (a key of ``LIBRARY_CAP_VALUES``): ``TRIOSERVE_CPU_ASSUME``
+    and the library caps, which must be set before torch loads, so they
+    are for a child process's environment, not this one's."""
+    if level not in LIBRARY_CAP_VALUES:
+        raise ValueError(f"no library caps for level {level!r}; known: {', '.join(LIBRARY_CAP_VALUES)}")
+    return {ASSUME_ENV: level, **LIBRARY_CAP_VALUES[level]}
 
 
 @attrs.frozen
