@@ -255,6 +255,7 @@ def test_command_line_defaults_and_choices():
     args = real_size()
     assert args.shapes == list(SHAPES) and args.quants == ["Q4_K_M", "Q4_0", "Q8_0"]
     assert args.quantizations == ("auto",) and args.memory_after == 0 and args.concurrency == [1, 32]
+    assert args.isas == ("native",)
     args = real_size("--shapes", "llama-3.2-1b,qwen3-4b", "--quants", "Q8_0", "--num-prompts", "4,32",
                      "--llama-args=--cache-ram 0", "--prepare-only")  # fmt: skip
     assert args.shapes == ["llama-3.2-1b", "qwen3-4b"] and args.quants == ["Q8_0"] and args.prepare_only
@@ -271,12 +272,30 @@ def test_steps_count_what_is_cached(tmp_path):
     assert steps_of(args) == 4 + 2 + 4
     args.prepare_only = True
     assert steps_of(args) == 4
+    # Every server at each class: 2 servers x 2 classes on each of 2 files.
+    args = real_size("--shapes", "llama-3.2-1b", "--quants", "Q4_K_M,Q8_0", "--cache-dir", str(tmp_path),
+                     "--isa", "native,avx2", "--llama-server-avx2", "/b2/llama-server")  # fmt: skip
+    assert args.isas == ("native", "avx2") and args.llama_server_avx2 == "/b2/llama-server"
+    assert steps_of(args) == 4 + 2 + 8
 
 
 def test_without_llama_server_the_command_says_how_to_build_it(tmp_path, capsys):
     args = real_size("--shapes", "llama-3.2-1b", "--llama-server", str(tmp_path / "none"), "--cache-dir", str(tmp_path))
     assert args.func(args) == 2
     assert "build_llama_server.sh" in capsys.readouterr().err
+
+
+def test_without_the_avx2_llama_server_the_command_says_how_to_build_it(tmp_path, capsys):
+    native = tmp_path / "llama-server"
+    native.write_text("#!/bin/sh\n")
+    native.chmod(0o755)
+    args = real_size("--shapes", "llama-3.2-1b", "--llama-server", str(native), "--isa", "native,avx2",
+                     "--llama-server-avx2", str(tmp_path / "none"), "--cache-dir", str(tmp_path))  # fmt: skip
+    assert args.func(args) == 2
+    err = capsys.readouterr().err
+    assert "no llama-server binary for avx2 (--llama-server-avx2" in err
+    assert "scripts/build_llama_server.sh --isa avx2 and pass --llama-server-avx2 PATH" in err
+    assert "for native" not in err
 
 
 # -- the report ---------------------------------------------------------------
@@ -411,3 +430,66 @@ def test_memory_read_right_after_the_runs_is_labelled_so():
     assert "| RSS after the runs (MiB) |" in format_tables(document)
     document["info"]["memory_after_requests"] = 500
     assert "| RSS after 500 requests (MiB) |" in format_tables(document)
+
+
+# -- AVX2 beside native (--isa native,avx2) -----------------------------------
+
+
+def _held(server: dict, proven: bool, reason: str = "") -> dict:
+    found = "torch AVX2, paths up to avx2 (quant_int4_native_avx2int8)"
+    return {**server, "isa": "avx2", "isa_check": {"asked": "avx2", "proven": proven, "found": found, "reason": reason}}
+
+
+def _recorded_at_avx2() -> dict:
+    """RECORDED's 1B run at native and AVX2: AVX2's own peaks (bf16 and
+    int8 lower, no int8-trioserve figure), floors and rows, one not proven."""
+    document = copy.deepcopy(RECORDED)
+    document["runs"] = document["runs"][:1]
+    document["machines"] = {"native": document["machine"],
+                            "avx2": {"bandwidth": 33e9, "peaks": {"bf16": {"32": 20e9, "512": 25e9},
+                                                                  "int8": {"32": 100e9, "512": 300e9}}}}  # fmt: skip
+    run = document["runs"][0]
+    run["floors_by_isa"] = {"avx2": {"weight_bytes": 668e6, "tpot_s": 0.0205, "streams": 32, "throughput": 80.0,
+                                     "bound": "compute"}}  # fmt: skip
+    ours, theirs = run["comparison"]["servers"]
+    run["comparison"]["servers"] = [
+        ours, _held({**ours, "runs": {"1": {"median_tpot_ms": 41.0, "median_ttft_ms": 1500.0},
+                                      "32": {"output_throughput": 40.0, "p99_ttft_ms": 50000.0}}}, True),
+        theirs, _held({**theirs, "runs": {"1": {"median_tpot_ms": 32.8, "median_ttft_ms": 2000.0},
+                                          "32": {"output_throughput": 32.0, "p99_ttft_ms": 60000.0}}}, True),
+        _held({"label": "trioserve int8", "kind": "trioserve", "runs": ours["runs"]}, False,
+              "above avx2: quant_int8_native_avx512vnni"),
+    ]  # fmt: skip
+    return document
+
+
+def test_the_report_shows_avx2_rows_beside_native_ones():
+    text = format_report(_recorded_at_avx2())
+    assert "| CPU class | read bandwidth | bf16 GEMM, 32 rows |" in text
+    assert "| native | 34.0 GB/s | 206 GFLOP/s | 384 GFLOP/s | 400 GOP/s | 760 GOP/s | 350 GOP/s | 500 GOP/s |" in text
+    assert "| avx2 | 33.0 GB/s | 20 GFLOP/s | 25 GFLOP/s | 100 GOP/s | 300 GOP/s | n/a | n/a |" in text
+    assert "| llama-3.2-1b | Q4_K_M | native | 1.07B | 669 | 668 | 668 | 20.0 | 120.0 | compute |" in text
+    assert "| llama-3.2-1b | Q4_K_M | avx2 | 1.07B | 669 | 668 | 668 | 20.5 | 80.0 | compute |" in text
+    rows = [line for line in text.splitlines() if line.startswith("| llama-3.2-1b | Q4_K_M | trioserve")
+            or line.startswith("| llama-3.2-1b | Q4_K_M | llama-server")]  # fmt: skip
+    # Each server's AVX2 row right below its native one, its fraction of AVX2's floors.
+    assert [row.split(" | ")[2] for row in rows] == [
+        "trioserve auto", "trioserve auto, AVX2", "llama-server Q4_K_M", "llama-server Q4_K_M, AVX2",
+        "trioserve int8, AVX2 asked, not proven: above avx2: quant_int8_native_avx512vnni"]  # fmt: skip
+    assert "| trioserve auto, AVX2 | 41.0 | 0.50 | 1,500 | 40.0 | 0.50 | 50,000 | 1,618 |" in text
+    # trioserve at AVX2 over llama-server at AVX2; the unproven row gets no ratio.
+    assert "| llama-3.2-1b Q4_K_M, trioserve auto, AVX2 | 1.25x | 1.25x | 0.83x | 0.93x |" in text
+    assert "| llama-3.2-1b Q4_K_M, trioserve auto | 1.66x |" in text
+    assert "trioserve int8, AVX2" not in text.split("| trioserve over llama-server |")[1]
+
+
+def test_an_unproven_avx2_row_is_left_out_of_the_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    document = _recorded_at_avx2()
+    assert plot_report(document, tmp_path / "p.png").stat().st_size > 10_000
+    for server in document["runs"][0]["comparison"]["servers"]:
+        if server.get("isa") == "avx2":
+            server["isa_check"]["proven"] = False
+    del document["runs"][0]["comparison"]["servers"][::2]  # the native rows
+    with pytest.raises(ValueError, match="nothing to plot"):
+        plot_report(document, tmp_path / "q.png")

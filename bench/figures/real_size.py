@@ -25,6 +25,18 @@ the converter is taken from the llama.cpp sources it extracted (the build
 folder's sibling llama.cpp-src), else from ``--llama-cpp-src``, else
 extracted from llama-cpp-python's source distribution (downloaded with pip)
 into the cache. The converter needs ``sentencepiece``.
+
+``--isa native,avx2`` runs every server at each class, its AVX2 row beside
+its native one: trioserve held to AVX2 (``TRIOSERVE_CPU_ASSUME`` and the
+library caps of engine/kernels/capability.py, in the child's environment)
+and the llama-server of ``--llama-server-avx2`` (scripts/build_llama_server.sh
+--isa avx2). A row is labelled AVX2 only where the server's own report shows
+nothing above it (trioserve's ``/version`` paths and torch capability,
+llama-server's system_info line, both kept in results.json); else the run
+stops before its benchmarks and its row says why. The roofline is measured
+at each class too, AVX2's in a child held to it (the same bandwidth; torch's
+GEMMs as the caps leave them, and trioserve's int8 kernel at the variant a
+load held to AVX2 chooses); each row's fractions are of its class's floors.
 """
 
 from __future__ import annotations
@@ -61,7 +73,7 @@ from ..real_size import (
 )
 from ..real_size_report import format_report, plot_report
 from ..roofline import Machine, expert_bytes, floors, measure_machine, read_gguf_tensors, weight_bytes_per_token
-from ..vs_llama import Contender
+from ..vs_llama import NATIVE, Contender, isa_environment
 from . import vs_llama
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # scripts/build_llama_server.sh's
@@ -201,7 +213,7 @@ def prepare(entry: CacheEntry, quants: list[str], *, converter, quantize_binary,
 
 def steps_of(args: argparse.Namespace) -> int:
     """How many steps the progress bar counts: the files still to make, then one per comparison server."""
-    servers = len(args.quantizations) + (not args.no_llama_server)
+    servers = (len(args.quantizations) + (not args.no_llama_server)) * len(args.isas)
     made = sum(len(list(CacheEntry(args.cache_dir, SHAPES[name], args.weights_seed).missing(tuple(args.quants))))
                for name in args.shapes)  # fmt: skip
     return made + (0 if args.prepare_only else 2 + servers * len(args.shapes) * len(args.quants))
@@ -224,10 +236,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.num_prompts and len(args.num_prompts) not in (1, len(args.concurrency)):
         return usage_error("real-size", "--num-prompts takes one value or one per --concurrency value")
-    if not args.prepare_only and not args.no_llama_server and not (
-            args.llama_server and os.access(args.llama_server, os.X_OK)):
-        return usage_error("real-size", f"no llama-server binary ({args.llama_server!r}): build it with "
-                           "scripts/build_llama_server.sh and pass --llama-server PATH, or give --no-llama-server")  # fmt: skip
+    missing = [] if args.prepare_only or args.no_llama_server else vs_llama.missing_llama_binaries(args)
+    if missing:
+        return usage_error("real-size", "; ".join(missing) + ", or give --no-llama-server")
     if args.plot is not None:
         from ..plot import require_matplotlib
 
@@ -258,19 +269,21 @@ def run(args: argparse.Namespace) -> int:
         return 0
 
     progress.step("measuring the machine's read bandwidth and GEMM peaks")
-    machine = measure_machine(args.threads)
-    llama_version = None if args.no_llama_server else vs_llama.llama_server_version(args.llama_server)
-    document = {"info": _info(args, llama_version), "machine": machine.to_json(), "runs": []}
+    machines = measure_machines(args.isas, args.threads)
+    binary = args.llama_server or vs_llama.llama_binary(args, args.isas[0])
+    llama_version = None if args.no_llama_server else vs_llama.llama_server_version(binary)
+    document = {"info": _info(args, llama_version), **machines_json(machines), "runs": []}
     for entry in entries:
         for quant in args.quants:
-            document["runs"].append(compare_one(args, entry, quant, machine, llama_version, progress))
+            document["runs"].append(compare_one(args, entry, quant, machines, llama_version, progress))
             write_outputs(document, args.out, None)
     progress.step("measuring the machine again: the floors take each figure's best")
-    machine = machine.best(measure_machine(args.threads))
-    document["machine"] = machine.to_json()
+    again = measure_machines(args.isas, args.threads)
+    machines = {isa: machine.best(again[isa]) for isa, machine in machines.items()}
+    document.update(machines_json(machines))
     for run in document["runs"]:
-        run["floors"] = run_floors(args, machine, SHAPES[run["shape"]], run["floors"]["weight_bytes"],
-                                   run["floors"].get("expert_bytes", 0.0))  # fmt: skip
+        run.update(floors_by_class(args, machines, SHAPES[run["shape"]], run["floors"]["weight_bytes"],
+                                   run["floors"].get("expert_bytes", 0.0)))  # fmt: skip
     write_outputs(document, args.out, args.plot)
     print(format_report(document))
     failed = any(r.get("error") or any(s.get("error") for s in r["comparison"]["servers"]) for r in document["runs"])
@@ -282,21 +295,85 @@ def run_floors(args: argparse.Namespace, machine: Machine, shape, weight_bytes: 
                                streams=max(args.concurrency), all_expert_bytes=all_expert_bytes))  # fmt: skip
 
 
-def compare_one(args, entry: CacheEntry, quant: str, machine: Machine, llama_version, progress: Progress) -> dict:
-    """vs-llama's comparison on one cached file, with its floors."""
+def floors_by_class(args: argparse.Namespace, machines: dict[str, Machine], shape, weight_bytes: float,
+                    all_expert_bytes: float) -> dict:  # fmt: skip
+    """A run's ``floors`` (native's, or its only class's) and, for each other
+    class measured, ``floors_by_isa``: the same bytes, that class's peaks."""
+    by_isa = {isa: run_floors(args, m, shape, weight_bytes, all_expert_bytes) for isa, m in machines.items()}
+    first = NATIVE if NATIVE in by_isa else next(iter(by_isa))
+    others = {isa: f for isa, f in by_isa.items() if isa != first}
+    return {"floors": by_isa[first], **({"floors_by_isa": others} if others else {})}
+
+
+def measure_machines(isas, threads: int) -> dict[str, Machine]:
+    """The roofline's figures at each class: native's in this process,
+    another's in a child held to it (``isa_environment``), since the
+    libraries' caps take effect only before torch loads
+    (``print_held_machine``)."""
+    machines = {}
+    for isa in isas:
+        if isa == NATIVE:
+            machines[isa] = measure_machine(threads)
+            continue
+        code = f"from trioserve.bench.figures.real_size import print_held_machine; print_held_machine({threads})"
+        done = subprocess.run(["env", *isa_environment(isa), sys.executable, "-c", code], capture_output=True,
+                              text=True, check=True)  # fmt: skip
+        machines[isa] = Machine.from_json(json.loads(done.stdout.strip().splitlines()[-1]))
+    return machines
+
+
+def print_held_machine(threads: int) -> None:
+    """Print the JSON of this process's roofline figures (``measure_machines``'
+    child, started held to a class): the bandwidth, torch's GEMMs as its
+    libraries' caps leave them, and trioserve's int8 kernel at the variant
+    a model load here would choose (roofline.measure_gemm's takes the CPU's
+    best, whatever ``TRIOSERVE_CPU_ASSUME`` says)."""
+    import torch
+
+    from trioserve.engine.kernels import int8_native, native, rtn
+    from trioserve.engine.kernels.capability import CpuPaths
+
+    from ..roofline import GEMM_K, GEMM_N, PEAK_ROWS, _best_seconds, measure_bandwidth, measure_gemm
+
+    peaks = {dtype: {rows: measure_gemm(dtype, rows, threads) for rows in PEAK_ROWS} for dtype in ("bf16", "int8")}
+    paths = CpuPaths.from_environment()
+    isa = next((isa for isa in native.LINEAR_ISA_ORDER if paths.works(f"quant_int8_native_{isa}")), None)
+    if isa is not None:
+        generator = torch.Generator().manual_seed(0)
+        w = torch.randn(GEMM_N, GEMM_K, generator=generator) * 0.05
+        linear = int8_native.Int8NativeLinear.from_rtn(rtn.quantize_int8(w), None, isa)
+        peaks["int8-trioserve"] = {}
+        for rows in PEAK_ROWS:
+            x = torch.randn(rows, GEMM_K, generator=generator)
+            with torch.inference_mode():
+                peaks["int8-trioserve"][rows] = 2.0 * rows * GEMM_K * GEMM_N / _best_seconds(lambda x=x: linear(x), 5)
+    print(json.dumps(Machine(measure_bandwidth(threads), peaks).to_json()))
+
+
+def machines_json(machines: dict[str, Machine]) -> dict:
+    """results.json's ``machine`` (native's, or the only class's) and
+    ``machines``, every class's by name."""
+    first = NATIVE if NATIVE in machines else next(iter(machines))
+    return {"machine": machines[first].to_json(), "machines": {isa: m.to_json() for isa, m in machines.items()}}
+
+
+def compare_one(args, entry: CacheEntry, quant: str, machines: dict[str, Machine], llama_version,
+                progress: Progress) -> dict:  # fmt: skip
+    """vs-llama's comparison on one cached file at each class, with its floors."""
     gguf, shape = entry.gguf(quant), entry.shape
     run = {"shape": shape.name, "quant": quant, "gguf": str(gguf), "gguf_bytes": gguf.stat().st_size,
            "parameters": parameter_count(shape), "active_parameters": active_parameter_count(shape)}  # fmt: skip
     tensors = read_gguf_tensors(gguf)
-    run["floors"] = run_floors(args, machine, shape, weight_bytes_per_token(tensors, shape), expert_bytes(tensors))
+    run.update(floors_by_class(args, machines, shape, weight_bytes_per_token(tensors, shape), expert_bytes(tensors)))
     sub = copy.copy(args)
     sub.out, sub.model, sub.plot = args.out / f"{shape.name}-{quant}", str(gguf), None
     sub.out.mkdir(parents=True, exist_ok=True)
     contenders = [Contender.trioserve(q, shlex.split(args.trioserve_args)) for q in args.quantizations]
     if not args.no_llama_server:
         contenders.append(Contender.llama_server(gguf, shlex.split(args.llama_args)))
-    run["comparison"] = vs_llama.compare(sub, gguf, contenders, llama_version,
-                                         on_server=lambda c: progress.step(f"{shape.name} {quant}: {c.label}"))  # fmt: skip
+    contenders = vs_llama.at_classes(contenders, args.isas)
+    run["comparison"] = vs_llama.compare(sub, gguf, contenders, llama_version, on_server=lambda c: progress.step(
+        f"{shape.name} {quant}: {c.label}" + ("" if c.isa == NATIVE else f" at {c.isa}")))  # fmt: skip
     return run
 
 
@@ -312,6 +389,7 @@ def _info(args: argparse.Namespace, llama_version: str | None) -> dict:
         "num_prompts": args.num_prompts,
         "threads": args.threads,
         "ctx_per_slot": args.ctx_per_slot,
+        "isas": list(args.isas),
         "trioserve_commit": vs_llama._version(["git", "-C", str(vs_llama.ROOT), "describe", "--always", "--dirty"]),
         "llama_server_version": llama_version,
         "cpu": vs_llama._cpu(),
