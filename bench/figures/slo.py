@@ -13,13 +13,19 @@ Every setup gets the same requests: a mix of classes (bench/slo.py:
 interactive, TTFT 1 s and TPOT 200 ms at priority 0; batch, TTFT 20 s and
 TPOT 1 s at priority 1), each sending its ``ttft_ms`` / ``tpot_ms``, at each
 rate of ``--rates`` and each arrival shape of ``--burstiness`` (1: Poisson;
-lower: burstier), ``--requests`` requests a run.
+lower: burstier), ``--requests`` requests a run, or with ``--duration``
+rate x duration requests, so every rate holds its load for as long (a
+short burst never lets a queue grow past a loose target).
 
 Reported per run: goodput (requests that met both targets per second of
 offered load), the share refused at the door, and per class the admitted
 requests whose TTFT overran its target by more than 20%. With
 ``--plots``: goodput against offered load, the TTFT CDF per class at the
-highest rate, and the refused share against load. Clients give up after
+highest rate, and the refused share against load. Where fcfs and slo
+both ran, the issue's goal is read off: FCFS's capacity (the highest rate
+up to which it met 90% of targets) and, at the lowest rate run of at least
+1.5 times that, the two goodputs, their ratio (goal 1.5x) and the slo
+policy's late admitted requests (goal none). Clients give up after
 ``--client-timeout`` seconds. Speeds depend on the machine and on what else
 runs on it.
 """
