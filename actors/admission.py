@@ -127,6 +127,10 @@ class AdmissionQueue(BoundedSenders):
         # (actors/slo_admission.py), so a tight deadline is not stuck behind
         # loose ones before the core even sees it.
         self.order: Callable[[AddRequest], tuple[float, ...]] | None = None
+        # Called after every message queued: the slo policy's scheduler,
+        # holding its bound of requests, looks then whether the queue's head
+        # is one to take past it (actors/scheduler.py, ``max_urgent``).
+        self.on_put: Callable[[], None] | None = None
 
     def _check_open(self) -> None:
         super()._check_open()
@@ -168,6 +172,8 @@ class AdmissionQueue(BoundedSenders):
         self._queue.append(message)
         self._tokens += message.num_tokens
         self._items.unpark_all()
+        if self.on_put is not None:
+            self.on_put()
 
     # -- the receiver -------------------------------------------------------------
 
@@ -190,10 +196,19 @@ class AdmissionQueue(BoundedSenders):
             raise trio.EndOfChannel
         raise trio.WouldBlock
 
+    def peek(self) -> AddRequest | None:
+        """The message ``receive`` would hand over next (None: none queued)."""
+        if not self._queue:
+            return None
+        if self.order is None:
+            return self._queue[0]
+        return min(self._queue, key=self.order)  # the first of equals
+
     def _pop(self) -> AddRequest:
+        best = self.peek()
+        assert best is not None
         if self.order is None:
             return self._queue.popleft()
-        best = min(self._queue, key=self.order)  # the first of equals
         self._queue.remove(best)
         return best
 

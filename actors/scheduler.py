@@ -41,8 +41,8 @@ from trioserve.engine.core.kv_batch import KVResult
 from trioserve.engine.core.latency_model import LatencyModel
 from trioserve.engine.core.outputs import RequestOutput
 from trioserve.engine.core.scheduler import SchedulerOutput
-from trioserve.engine.core.sequence import FinishReason
-from trioserve.engine.core.slo_policy import SloPolicy
+from trioserve.engine.core.sequence import FinishReason, Request
+from trioserve.engine.core.slo_policy import SloPolicy, next_token_deadline
 from trioserve.engine.runtime.model_runner import RunnerOutput
 from trioserve.engine.sampling.grammar import MaskFill
 
@@ -72,6 +72,9 @@ class SchedulerActor:
     ``max_ready``: waiting requests the core holds before admission stops
     pulling (default ``max_num_seqs``). ``max_live``: requests it holds at
     all, paused ones included (default ``2 * max_num_seqs``).
+    ``max_urgent``: with the slo policy, how many more than both it may
+    take for requests whose first token is at risk behind them (default
+    ``max_num_seqs``; 0 with another policy): ``_take_urgent``.
     ``concurrency``: the adaptive running limit, if on. A reader may fall
     ``core.config.max_buffered_outputs`` outputs behind before its sequence
     is paused.
@@ -94,6 +97,7 @@ class SchedulerActor:
         *,
         max_ready: int | None = None,
         max_live: int | None = None,
+        max_urgent: int | None = None,
         rate_window: float = 10.0,
         concurrency: AdaptiveConcurrency | None = None,
     ) -> None:
@@ -103,10 +107,12 @@ class SchedulerActor:
         num_seqs = core.scheduler.max_num_seqs
         self.max_ready = max_ready or num_seqs
         self.max_live = max_live or 2 * num_seqs
+        slo = isinstance(core.scheduler.policy, SloPolicy)
+        self.max_urgent = (num_seqs if max_urgent is None else max_urgent) if slo else 0
         # Each request sends at most one Abort, and one Resume per Paused,
         # and only while this actor holds it (queued or live): see
         # docs/architecture.md. Twice that leaves room for stale messages.
-        self.control_capacity = 4 * (admission.max_requests + self.max_live) + 16
+        self.control_capacity = 4 * (admission.max_requests + self.max_live + self.max_urgent) + 16
         now = trio.current_time()
         self._deadlines = Deadlines()
         self._delivery = Delivery(
@@ -132,8 +138,9 @@ class SchedulerActor:
         # policy, built-in or a plugin's, schedules with the same one
         # (engine/core/scheduling_policy.py): the core's, fed here.
         self.latency: LatencyModel = core.latency
-        if isinstance(core.scheduler.policy, SloPolicy):
+        if slo:
             admission.order = admission_order  # the queue hands over by deadline too
+            admission.on_put = self._made_room  # a request to take past the bound, maybe
         self._cycle_start = now  # when the step being run began to be planned
 
     # -- the actor --------------------------------------------------------------
@@ -184,6 +191,8 @@ class SchedulerActor:
     async def _admission_loop(self) -> None:
         while True:
             while not self._has_room():
+                if self._take_urgent():
+                    continue
                 await self._room.wait()
                 self._room = trio.Event()
             self._boundary.receiving = True
@@ -214,8 +223,44 @@ class SchedulerActor:
         return self.core.scheduler.num_waiting < self.max_ready and len(self._routes) < self.max_live
 
     def _made_room(self) -> None:
-        """A route closed: the admission loop may take one more."""
+        """A route closed (or, with the slo policy, a request was queued):
+        the admission loop may take one more."""
         self._room.set()
+
+    def _take_urgent(self) -> bool:
+        """With the slo policy and the bound reached, take the admission
+        queue's head (the earliest first-token deadline of the best class)
+        into the core when its first token is at risk: it would run before
+        the requests the core holds waiting, and the policy would preempt a
+        running request with slack for its slot (``slot_victim``), which it
+        cannot do for a request it does not see. At most ``max_urgent``
+        past ``max_ready`` and ``max_live``, so the queue's bound still
+        holds the backlog back. Asked when a request is queued or a route
+        closes. True if one was taken."""
+        if not self.max_urgent or not self.admission.num_queued:
+            return False
+        scheduler = self.core.scheduler
+        if scheduler.num_waiting >= self.max_ready + self.max_urgent or len(self._routes) >= self.max_live + self.max_urgent:
+            return False
+        head = self.admission.peek()
+        assert head is not None
+        key = admission_order(head)
+        if math.isinf(key[-1]):
+            return False  # no TTFT target: nothing is at risk
+        if any((r.priority, next_token_deadline(r)) <= key for r in scheduler.waiting_requests):
+            return False  # the policy would run a held request first: that one preempts, if any
+        own = Request(
+            request_id=head.request_id,
+            prompt_token_ids=list(head.prompt_token_ids),
+            sampling_params=head.params,
+            priority=head.priority,
+            arrival_time=head.arrival_time,
+            objectives=head.request.objectives,
+        )
+        if scheduler.slot_victim_for(own) is None:
+            return False
+        self._admit(self.admission.receive_nowait())
+        return True
 
     async def _step_loop(
         self,

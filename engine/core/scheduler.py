@@ -398,6 +398,16 @@ class Scheduler:
         running = [*self._queues.running, *admitted]
         return self.policy.slot_victim(request, candidates, running=running, now=self.clock(), limits=self._slot_limits())
 
+    def slot_victim_for(self, request: Request) -> Request | None:
+        """The running request the policy would preempt this step so that
+        ``request`` (not yet added; ahead of every waiting one) gets a
+        sequence slot, or None: slots are free, no victim would save its
+        deadline, or the policy has no ``slot_victim``. The scheduler actor
+        asks it of a request that its bound keeps out of the core."""
+        if not hasattr(self.policy, "slot_victim") or len(self._queues.running) < self.running_limit:
+            return None
+        return self._slot_victim(request, ())
+
     def slot_victims(self, request: Request) -> list[Request]:
         """The running requests the policy would let ``request`` (not yet
         added) preempt for a sequence slot, most slack first (``victims``
