@@ -32,6 +32,8 @@ from pathlib import Path
 import attrs
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from trioserve.engine.config import SUPPORTED_ARCHITECTURES, SUPPORTED_ROPE_TYPES, ModelConfig
 from trioserve.engine.kernels import choose, native_decode
@@ -40,6 +42,8 @@ from trioserve.engine.kernels.rtn import quantize_int8_groups
 from trioserve.engine.layers.forward_batch import ForwardBatch, SeqChunk
 from trioserve.engine.layers.kv_cache import KVCache
 from trioserve.engine.loading.compressed import build_quantized
+from trioserve.engine.models.llama import ExpertProjections
+from trioserve.engine.models.moe import ExpertLinears
 
 transformers = pytest.importorskip("transformers")
 
@@ -71,6 +75,19 @@ VARIANTS: dict[str, dict[str, object]] = {
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
     ),  # fmt: skip
 }
+# The mixtures' sizes: 8 experts of 64, 2 a token (so a decode step of 3
+# rows leaves experts without rows), the top 2 renormalised (Qwen3-MoE's
+# norm_topk_prob; Mixtral always renormalises).
+MOE = dict(num_experts=8, num_local_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)
+# The variants tried on the families that joined later (each case is a
+# second or two on this project's busy 2-core machines): the widths each
+# attention kernel takes, a tied head, GQA against MQA.
+FEW_VARIANTS = {
+    "Qwen3ForCausalLM": ("gqa", "mqa-head64", "head24", "head12", "tied"),
+    "Qwen3MoeForCausalLM": ("gqa", "gqa3-head64"),
+    "MixtralForCausalLM": ("gqa",),
+}
+
 # The weight formats a layer's linears come in: 4-bit blocks (lanes blocks
 # on avx2int8), int8 per channel, and int8 in groups of 32 (a GGUF's Q8_0
 # matrices beside 4-bit ones).
@@ -102,6 +119,8 @@ def _fields(architecture: str, variant: dict[str, object]) -> dict[str, object]:
     """The variant's config fields for the family: a head width where its
     config has no head_dim (Qwen2's) set by the hidden size."""
     fields = {**BASE, **variant}
+    if "Moe" in architecture or "Mixtral" in architecture:
+        fields.update({k: v for k, v in MOE.items() if k in _parameters(architecture)})
     if "head_dim" not in _parameters(architecture):
         fields["hidden_size"] = int(fields["num_attention_heads"]) * int(fields.pop("head_dim"))  # type: ignore[call-overload]
     return fields
@@ -111,7 +130,7 @@ CASES = [
     pytest.param(arch, name, id=f"{_model_type(arch)}-{name}")
     for arch in sorted(native_decode.ARCHITECTURES)
     for name, fields in VARIANTS.items()
-    if _takes(arch, fields)
+    if _takes(arch, fields) and name in FEW_VARIANTS.get(arch, VARIANTS)
 ]
 
 
@@ -153,9 +172,34 @@ def tiny_checkpoint(architecture: str, fields: dict[str, object]) -> tuple[Model
         elif "embed_tokens" in name:
             value = torch.randn(tensor.shape, generator=gen)
         else:
-            value = torch.randn(tensor.shape, generator=gen) * tensor.shape[1] ** -0.5
-        tensors.append((name, value))
+            value = torch.randn(tensor.shape, generator=gen) * tensor.shape[-1] ** -0.5
+        tensors += _per_expert(name, value, config.moe_routing)
     return config, tensors
+
+
+# The Hub's names of an expert's gate, up and down, and of a layer's block.
+HUB_EXPERTS = {
+    "qwen3_moe": ("gate_proj", "up_proj", "down_proj", "mlp."),
+    "mixtral": ("w1", "w3", "w2", "block_sparse_moe."),
+}
+
+
+def _per_expert(name: str, value: torch.Tensor, routing: str | None) -> list[tuple[str, torch.Tensor]]:
+    """transformers' fused experts (``mlp.experts.gate_up_proj`` [experts,
+    2 * inter, hidden], gate's rows first; ``down_proj``) and router under
+    the Hub's names a checkpoint gives, one matrix an expert; any other
+    tensor as it is."""
+    if routing is None or ".mlp." not in name:
+        return [(name, value)]
+    gate, up, down, block = HUB_EXPERTS[routing]
+    name = name.replace("mlp.", block)
+    prefix, _, part = name.rpartition("experts.")
+    if part == "gate_up_proj":
+        halves = ((e, p, h) for e, w in enumerate(value) for p, h in zip((gate, up), w.chunk(2)))
+        return [(f"{prefix}experts.{e}.{p}.weight", h) for e, p, h in halves]
+    if part == "down_proj":
+        return [(f"{prefix}experts.{e}.{down}.weight", w) for e, w in enumerate(value)]
+    return [(name, value)]
 
 
 def quantized_model(config, tensors, scheme: str, isa: str, cpu_paths: CpuPaths):
@@ -172,7 +216,18 @@ def _as_the_step_calls(linear: object) -> object:
     """``linear`` calling its kernel with its own variant at every row count,
     as the fused step does (a prompt's calls from the layers would take
     wider activations: int4_native.call_isa)."""
-    return attrs.evolve(linear, int8_panels=True) if "int8_panels" in attrs.fields_dict(type(linear)) else linear
+    takes = attrs.has(type(linear)) and "int8_panels" in attrs.fields_dict(type(linear))
+    return attrs.evolve(linear, int8_panels=True) if takes else linear
+
+
+def _layer_as_the_step_calls(projections: object) -> object:
+    """A layer's linears (a mixture's attention and experts) as the step calls them."""
+    if isinstance(projections, ExpertProjections):
+        experts = projections.experts
+        made = tuple(ExpertLinears(_as_the_step_calls(e.gate_up), _as_the_step_calls(e.down)) for e in experts.experts)
+        return ExpertProjections(_layer_as_the_step_calls(projections.attention), attrs.evolve(experts, experts=made))
+    parts = ("qkv_linear", "o_linear", "gate_up_linear", "down_linear")
+    return attrs.evolve(projections, **{f: _as_the_step_calls(getattr(projections, f)) for f in parts})
 
 
 @contextlib.contextmanager
@@ -181,8 +236,7 @@ def in_torch(model):
     attention in torch (not the native attention op, which shares the
     step's code)."""
     made, attention = model._quantized, model.native_attention
-    parts = ("qkv_linear", "o_linear", "gate_up_linear", "down_linear")
-    layers = [attrs.evolve(p, **{f: _as_the_step_calls(getattr(p, f)) for f in parts}) for p in made.layers]
+    layers = [_layer_as_the_step_calls(p) for p in made.layers]
     model._quantized = attrs.evolve(made, layers=layers, decode=None, head=made.decode_head or made.head)
     model.native_attention = None
     try:
@@ -318,13 +372,12 @@ def test_a_model_with_a_feature_the_step_lacks_runs_its_layers(isas, cpu_paths):
     ("architecture", "fields", "reason"),
     [
         ("MistralForCausalLM", {"sliding_window": 64}, "sliding_window"),
-        ("Qwen3ForCausalLM", {}, "qk_norm"),
         ("Gemma2ForCausalLM", {}, "sandwich_norms"),
-        ("Gemma3ForCausalLM", {}, "qk_norm"),
+        ("Gemma3ForCausalLM", {}, "sandwich_norms"),
         ("SmolLM3ForCausalLM", {"num_hidden_layers": 4}, "rope_layers"),
         ("Phi3ForCausalLM", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
         ("GptOssForCausalLM", {}, "attention_sinks"),
-        ("GptOssForCausalLM", {}, "moe_layers"),
+        ("GptOssForCausalLM", {}, "moe_routing"),
     ],
 )
 def test_a_layer_the_step_does_not_compute_is_refused_by_field(architecture, fields, reason):
@@ -335,3 +388,52 @@ def test_a_layer_the_step_does_not_compute_is_refused_by_field(architecture, fie
     )
     config = ModelConfig.from_hf_config(hf.to_dict())
     assert any(line.startswith(f"{reason}=") for line in native_decode.unsupported(config))
+
+
+@pytest.fixture(scope="module")
+def built() -> dict[tuple[str, str, str], object]:
+    """Models made once per (family, scheme, variant) for this module's hypothesis tests."""
+    return {}
+
+
+@pytest.mark.parametrize("architecture", ["Qwen3ForCausalLM", "Qwen3MoeForCausalLM"])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    lengths=st.lists(st.integers(1, 12), min_size=2, max_size=5),
+    row=st.integers(0, 4),
+    scheme=st.sampled_from(("int4", "q8_0")),  # int8 per channel runs avx512bf16's panels from 10 rows
+    seed=st.integers(0, 2**16),
+)
+def test_a_rows_bits_do_not_depend_on_what_shares_its_step(
+    isas, cpu_paths, built, architecture, lengths, row, scheme, seed
+):
+    """On each variant whose kernels give a row the same bits at every row
+    count (``choose.ROW_INVARIANT_ISAS``), a sequence's prompt and its next
+    decode step in the fused step, its q and k heads normed and (Qwen3-MoE)
+    its tokens routed to experts shared with the other rows, give it the
+    very logits it gets alone."""
+    invariant = [isa for isa in isas if isa in choose.ROW_INVARIANT_ISAS]
+    if not invariant:
+        pytest.skip("no row-invariant native variant on this CPU")
+    row %= len(lengths)
+    rng = random.Random(seed)
+    for isa in invariant:
+        key = (architecture, scheme, isa)
+        if key not in built:
+            built[key] = quantized_model(*tiny_checkpoint(architecture, {}), scheme, isa, cpu_paths)
+        model = built[key]
+        assert model._projections().decode is not None
+        prompts = [[rng.randrange(3, model.config.vocab_size) for _ in range(n)] for n in lengths]
+        tables = [list(range(1 + 4 * i, 5 + 4 * i)) for i in range(len(lengths))]
+        caches = [
+            KVCache.allocate(model.config, num_blocks=24, block_size=BLOCK_SIZE, dtype=torch.float32, device="cpu")
+            for _ in range(2)
+        ]
+        together = _step(model, caches[0], [SeqChunk(p, 0, t) for p, t in zip(prompts, tables)])
+        alone = _step(model, caches[1], [SeqChunk(prompts[row], 0, tables[row])])
+        assert torch.equal(together[row], alone[0]), (isa, scheme)
+        tokens = together.argmax(-1).tolist()
+        steps = [SeqChunk([t], len(p), table) for t, p, table in zip(tokens, prompts, tables)]
+        together = _step(model, caches[0], steps)
+        alone = _step(model, caches[1], [steps[row]])
+        assert torch.equal(together[row], alone[0]), (isa, scheme)

@@ -40,7 +40,7 @@ SOURCES = ("linear.cpp", "decode.cpp")
 HEADERS = (
     "kernels.h", "isa.h", "vexp.h", "panel.h", "panel_vnni.h", "rows_vnni.h", "panel_avx2.h", "panel_avx2_int16.h",
     "rows_avx2.h", "lanes_avx2.h", "q8_lanes_avx2.h", "lanes_vnni.h", "q6k_lanes_vnni.h", "attend.h", "attend64.h",
-    "rows.h",
+    "rows.h", "moe_router.h", "moe_step.h",
 )
 LIBRARY_NAME = "trioserve_native"
 SWITCH_ENV = "TRIOSERVE_NATIVE_KERNELS"

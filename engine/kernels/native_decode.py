@@ -44,10 +44,19 @@ from trioserve.engine.kernels.native_attention import CACHE_DTYPES, MAX_QUERY_TO
 NativeLinear = Int4NativeLinear | Int8NativeLinear | Int8GroupNativeLinear
 
 # The families whose decoder layer csrc/decode.cpp computes: pre-norm
-# RMSNorm, fused q/k/v (a bias or none), rotate-half rotary on the model's
-# own cos/sin tables, attention over the whole context, o (a bias or none)
-# plus the residual, RMSNorm, SwiGLU, down plus the residual.
-ARCHITECTURES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
+# RMSNorm, fused q/k/v (a bias or none), each q and k head's RMSNorm (Qwen3's)
+# or none, rotate-half rotary on the model's own cos/sin tables, attention
+# over the whole context, o (a bias or none) plus the residual, RMSNorm,
+# SwiGLU or routed experts (csrc/moe_step.h), down plus the residual.
+ARCHITECTURES = frozenset(
+    {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+     "MixtralForCausalLM"}
+)  # fmt: skip
+# The mixtures' routings the step computes (engine/models/moe.py's ROUTINGS):
+# softmax over every expert, top k, renormalised where the config says.
+# gpt-oss's (the top k of biased logits, then their softmax; biased experts
+# with gate and up interleaved and a clamped SwiGLU) runs in torch.
+MOE_ROUTINGS = frozenset({"qwen3_moe", "mixtral"})
 # The rotary scalings checked: each only changes the tables the model
 # computes (engine/layers/rotary.py) and passes in.
 ROPE_TYPES = frozenset({"default", "linear", "llama3"})
@@ -85,7 +94,7 @@ REQUIREMENTS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "partial_rotary_factor": (lambda v: v == 1.0, "rotary over the whole head"),
     "hidden_act": (lambda v: v == "silu", "SwiGLU's SiLU"),
     "o_bias": (_any, "o's bias is added to the linear's output, as the layer does"),
-    "qk_norm": (lambda v: not v, "no norm of q and k heads"),
+    "qk_norm": (_any, "each q and k head's RMSNorm before rotary (Qwen3's), or none, as the layer does"),
     "norm_weight_offset": (_any, "folded into the norms' weights at load"),
     "embedding_multiplier": (_any, "outside the layers"),
     "sandwich_norms": (lambda v: not v, "pre-norm blocks only"),
@@ -93,14 +102,17 @@ REQUIREMENTS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "attn_logit_softcapping": (lambda v: v is None, "no soft-capping of attention scores"),
     "final_logit_softcapping": (_any, "outside the layers"),
     "attention_sinks": (lambda v: not v, "no attention sinks (gpt-oss's per-head extra softmax logit)"),
-    "moe_routing": (lambda v: v is None, "a dense MLP in every layer"),
-    "num_experts": (_any, "only with moe_layers, which has its own rule"),
-    "num_experts_per_tok": (_any, "only with moe_layers, which has its own rule"),
-    "moe_intermediate_size": (_any, "only with moe_layers, which has its own rule"),
-    "norm_topk_prob": (_any, "only with moe_layers, which has its own rule"),
-    "swiglu_alpha": (_any, "only with moe_layers, which has its own rule"),
-    "swiglu_limit": (_any, "only with moe_layers, which has its own rule"),
-    "moe_layers": (lambda v: v == (), "a dense MLP in every layer"),
+    "moe_routing": (
+        lambda v: v is None or v in MOE_ROUTINGS,
+        f"a dense MLP, or experts routed as {', '.join(sorted(MOE_ROUTINGS))} route them (gpt-oss's runs in torch)",
+    ),
+    "num_experts": (_any, "a size"),
+    "num_experts_per_tok": (_any, "a size"),
+    "moe_intermediate_size": (_any, "a size"),
+    "norm_topk_prob": (_any, "the top k's weights renormalised or not, as the layer does"),
+    "swiglu_alpha": (_any, "gpt-oss's only, whose routing has its own rule"),
+    "swiglu_limit": (_any, "gpt-oss's only, whose routing has its own rule"),
+    "moe_layers": (_any, "which layers' MLP is experts: each layer's own weights say"),
 }
 
 
@@ -143,11 +155,35 @@ def _parts(linear: NativeLinear) -> tuple[torch.Tensor, torch.Tensor]:
     return linear.q, linear.scale
 
 
+def _experts(experts: Any) -> tuple[list[torch.Tensor], set[int]] | None:
+    """A mixture's layer's MLP in csrc/decode.cpp's terms (its float router,
+    routing, and each expert's native linears: csrc/moe_step.h) and the
+    experts' variants; None where its routing is not one the step computes,
+    its router is not a plain float matrix, or an expert has no native
+    kernel or carries a bias. ``experts`` is engine/models/moe.py's
+    ``GroupedExperts`` (by its fields: the kernels import no model)."""
+    router = getattr(experts.router, "weight", None)
+    if experts.routing not in MOE_ROUTINGS or router is None or experts.router.bias is not None:
+        return None
+    renormalise = experts.routing == "mixtral" or experts.norm_topk_prob
+    weights = [_EMPTY] * 4 + [
+        router.detach().float().contiguous(), torch.tensor([experts.top_k, int(renormalise)], dtype=torch.int64)
+    ]
+    isas = set()
+    for expert in experts.experts:
+        found = [_native(expert.gate_up), _native(expert.down)]
+        if any(f is None or f.bias is not None for f in found):
+            return None
+        isas |= {f.isa for f in found}  # type: ignore[union-attr]
+        weights += [*_parts(found[0]), *_parts(found[1])]  # type: ignore[arg-type]
+    return weights, isas
+
+
 @attrs.frozen
 class NativeDecode:
     """All decoder layers of a batch of decode rows (and, batch-invariant, prompts), natively."""
 
-    weights: tuple[torch.Tensor, ...]  # csrc/decode.cpp's 12 per layer
+    weights: tuple[torch.Tensor, ...]  # csrc/decode.cpp's 16 per layer, and a mixture's experts' after them
     num_heads: int
     num_kv_heads: int
     eps: float
@@ -167,22 +203,40 @@ class NativeDecode:
         head_dim: int,
         eps: float,
         config: ModelConfig | None = None,
+        head_norms: Sequence[tuple[torch.Tensor, torch.Tensor] | None] | None = None,
     ) -> NativeDecode | None:
         """The fused step over these layers, or None where a projection has
         no native kernel, an MLP projection has a bias, or ``config`` (the
-        model's) has a layer feature the step lacks (``unsupported``)."""
+        model's) has a layer feature the step lacks (``unsupported``).
+        ``head_norms``: each layer's q and k head norm weights (Qwen3's), or
+        None for a layer without. A mixture's layer (llama.py's
+        ``ExpertProjections``: its ``attention`` and ``experts``) runs its
+        routed experts in the step where ``_experts`` takes them."""
         if config is not None and unsupported(config):
             return None
         weights: list[torch.Tensor] = []
         isas = set()
-        for layer, input_norm, post_norm in zip(projections, input_norms, post_norms, strict=True):
-            found = [_native(getattr(layer, f"{part}_linear")) for part in ("qkv", "o", "gate_up", "down")]
+        norms = [None] * len(projections) if head_norms is None else head_norms
+        for layer, input_norm, post_norm, qk in zip(projections, input_norms, post_norms, norms, strict=True):
+            experts = getattr(layer, "experts", None)
+            parts = ("qkv", "o") if experts is not None else ("qkv", "o", "gate_up", "down")
+            attention = getattr(layer, "attention", layer)
+            found = [_native(getattr(attention, f"{part}_linear")) for part in parts]
             if any(f is None for f in found) or any(f.bias is not None for f in found[2:]):  # type: ignore[union-attr]
                 return None
-            qkv, o, gate_up, down = found
+            qkv, o = found[:2]
             isas |= {f.isa for f in found}  # type: ignore[union-attr]
-            weights += [input_norm.detach().float().contiguous(), *_parts(qkv), _bias(qkv)]
-            weights += [*_parts(o), _bias(o), post_norm.detach().float().contiguous(), *_parts(gate_up), *_parts(down)]
+            q_norm, k_norm = (_EMPTY, _EMPTY) if qk is None else (_float(qk[0]), _float(qk[1]))
+            weights += [_float(input_norm), *_parts(qkv), _bias(qkv), q_norm, k_norm]
+            weights += [*_parts(o), _bias(o), _float(post_norm)]
+            if experts is None:
+                weights += [*_parts(found[2]), *_parts(found[3]), _EMPTY, _EMPTY]  # type: ignore[arg-type]
+                continue
+            mixture = _experts(experts)
+            if mixture is None:
+                return None
+            weights += mixture[0]
+            isas |= mixture[1]
         if len(isas) != 1:
             return None
         return cls(
@@ -233,6 +287,10 @@ class NativeDecode:
             self.scale,
             self.isa,
         )
+
+
+def _float(weight: torch.Tensor) -> torch.Tensor:
+    return weight.detach().float().contiguous()
 
 
 def _bias(linear: NativeLinear) -> torch.Tensor:

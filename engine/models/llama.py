@@ -493,8 +493,8 @@ class LlamaForCausalLM(nn.Module):
         """Run on compressed projections (one per layer: a mixture's layer
         wraps its compressed attention and experts) and, when ``head``
         is given, a compressed LM head; else the LM head is ``F.linear``.
-        Where the projections run on the native kernels at few rows, decode
-        batches of that many rows run all layers in one native call. With
+        Where the projections (and a mixture's experts) run on the native
+        kernels, decode batches run all layers in one native call. With
         ``embedding`` (``quant.embedding``; it needs ``head`` when the
         embeddings are tied) token ids look up their rows there, and the
         float table is dropped (``embed_tokens`` keeps no rows)."""
@@ -518,6 +518,7 @@ class LlamaForCausalLM(nn.Module):
             head_dim=c.head_dim,
             eps=c.rms_norm_eps,
             config=c,  # a config with a feature the step was not checked for runs the layers
+            head_norms=[None if l.q_norm is None else (l.q_norm, l.k_norm) for l in self.layers],  # type: ignore[misc]
         )
         self._quantized = _Made(list(layers), self.lm_head, False, where, head, decode, decode_head(head))
 

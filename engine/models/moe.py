@@ -59,6 +59,18 @@ def silu_activation(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @attrs.frozen
+class FloatLinear:
+    """``F.linear`` over a float weight and bias, kept where a fused step can
+    read them (engine/kernels/native_decode.py takes a router so)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+@attrs.frozen
 class ExpertLinears:
     """One expert's two linears: ``gate_up`` (``[rows, hidden] -> [rows, 2 *
     inter]``, its bias inside) and ``down`` (``[rows, inter] -> [rows, hidden]``)."""
@@ -230,18 +242,15 @@ class SparseMoeBlock(nn.Module):
         the row count; the copies cost as much memory again), else
         ``F.linear`` over the parameters. Compressed experts (``set_compressed``)
         are taken as they are; their router runs as ``pack`` says."""
+        router: Linear = FloatLinear(self.router, self.router_bias)  # a fused decode step reads its weight
         if pack:
             router_weight = onednn.pack(self.router)
             router_bias = self.router_bias
 
-            def router(x: torch.Tensor) -> torch.Tensor:
+            def packed(x: torch.Tensor) -> torch.Tensor:
                 return onednn.linear(x, router_weight, router_bias, "none")
 
-        else:
-            router_weight, router_bias = self.router, self.router_bias
-
-            def router(x: torch.Tensor) -> torch.Tensor:
-                return F.linear(x, router_weight, router_bias)
+            router = packed
 
         if self._compressed is not None:
             return self._grouped(router, self._compressed)

@@ -10,10 +10,12 @@
 // token come here (engine/kernels/native_decode.py); prefill stays in torch.
 //
 // The math is the model's (engine/models/llama.py DecoderLayer.forward): RMSNorm,
-// fused q/k/v, rotary with the rotate-half tables the model passes in, the
+// fused q/k/v, each q and k head's own RMSNorm where the layer has one
+// (Qwen3), rotary with the rotate-half tables the model passes in, the
 // new key and value stored into the cache first (rounded as the cache's
 // dtype rounds them, float16 saturating), attention over the cache, o plus
-// residual, RMSNorm, SwiGLU, down plus residual. tests/test_native_decode_families.py
+// residual, RMSNorm, SwiGLU, down plus residual; a mixture-of-experts layer's
+// MLP is its routed experts instead (moe_step.h). tests/test_native_decode_families.py
 // holds the two to one definition for every family the engine loads, and
 // engine/kernels/native_decode.py refuses a layer this does not compute.
 //
@@ -85,11 +87,13 @@ struct FetchAhead {
 
 namespace scalar_isa {
 #include "attend.h"
+#include "moe_router.h"
 }  // namespace scalar_isa
 
 TRIOSERVE_ISA_BEGIN_AVX2
 namespace avx2_isa {
 #include "attend.h"
+#include "moe_router.h"
 
 constexpr int kHeadsAtOnce = 3;  // 12 value accumulators, 3 weights and a value of 16 registers
 constexpr int64_t kTokensAtOnce = 8;  // sums8
@@ -168,6 +172,7 @@ TRIOSERVE_ISA_END
 TRIOSERVE_ISA_BEGIN_AVX512
 namespace avx512_isa {
 #include "attend.h"
+#include "moe_router.h"
 
 // ---- attention for 64-wide heads, a few query heads at a time ---------------
 // attend() above reduces every (token, query head) dot product across its
@@ -256,10 +261,15 @@ namespace {
 using namespace trioserve_native;
 
 // The weights of one layer, in this order, in the flat list the op takes;
-// an empty tensor is "none" (a bias), or "not int8" (a scale).
+// an empty tensor is "none" (a bias, a q or k norm), or "not int8" (a
+// scale). A dense layer has no router: an empty kRouter and kRouting. A
+// mixture-of-experts layer has empty kGateUp to kDownScale, its float32
+// router [experts, dim] and int64 routing [2] (top k, renormalise), and
+// after its kParts each expert's kExpertParts (moe_step.h): its layers
+// take more of the list than a dense one's.
 enum Part : int64_t {
-  kInputNorm, kQkv, kQkvScale, kQkvBias, kO, kOScale, kOBias, kPostNorm, kGateUp, kGateUpScale, kDown, kDownScale,
-  kParts
+  kInputNorm, kQkv, kQkvScale, kQkvBias, kQNorm, kKNorm, kO, kOScale, kOBias, kPostNorm, kGateUp, kGateUpScale,
+  kDown, kDownScale, kRouter, kRouting, kParts
 };
 
 // A linear weight's output channels, in either 4-bit layout or int8.
@@ -342,6 +352,26 @@ void over_rows_of(int64_t rows, int64_t grain, const F& f) {
   });
 }
 
+#include "moe_step.h"
+
+// Each layer's first weight in the op's list (moe_step.h: a mixture's layer
+// takes its experts' weights too), and the list's end last.
+std::vector<int64_t> layer_starts(const std::vector<torch::Tensor>& weights, int64_t layers) {
+  std::vector<int64_t> starts{0};
+  for (int64_t l = 0; l < layers; ++l) {
+    const int64_t at = starts.back();
+    TORCH_CHECK(at + kParts <= int64_t(weights.size()), "decode_layers: ", kParts, " weights per layer expected");
+    const torch::Tensor& router = weights[at + kRouter];
+    starts.push_back(at + kParts + (router.numel() == 0 ? 0 : router.size(0) * kExpertParts));
+  }
+  return starts;
+}
+
+// The weight of a layer's q or k head norm, or none.
+const float* head_norm(const torch::Tensor& w) { return w.numel() == 0 ? nullptr : w.data_ptr<float>(); }
+
+// (Each head of q and k first normed by its own RMSNorm where the layer
+// has ``q_norm`` and ``k_norm``: Qwen3.)
 // Rotary on each row's q and k heads (in place in ``qkv``), the new key and
 // value stored at the row's slot, then attention over the row's context:
 // ``out`` [rows, heads * head_dim]. ``key``/``value`` are one layer's pools.
@@ -351,13 +381,17 @@ template <typename T>
 void attention_step(float* qkv, T* key, T* value, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
                     int64_t block_size, const float* cos, const float* sin, const int64_t* slots,
                     const int64_t* tables, int64_t table_stride, const int64_t* context_lens, float scale,
-                    int64_t isa, float* out) {
+                    int64_t isa, float* out, const float* q_norm = nullptr, const float* k_norm = nullptr,
+                    float eps = 0.f) {
   const int64_t group = heads / kv_heads, q_width = heads * head_dim, kv_width = kv_heads * head_dim;
   const int64_t qkv_out = q_width + 2 * kv_width, token_stride = kv_width;
   constexpr int64_t kRotaryGrain = 8;  // rows: a row's rotary and store are some 200 ns
   over_rows_of(rows, kRotaryGrain, [&](int64_t r) {
     float* row = qkv + r * qkv_out;
     const float *c = cos + r * head_dim, *s = sin + r * head_dim;
+    for (int64_t h = 0; h < heads + kv_heads && q_norm != nullptr; ++h)  // in place: a row's sum comes first
+      TRIOSERVE_BY_ISA(isa, rms_norm_row(row + h * head_dim, h < heads ? q_norm : k_norm, head_dim, eps,
+                                         row + h * head_dim));
     for (int64_t h = 0; h < heads + kv_heads; ++h)
       TRIOSERVE_BY_ISA(isa, rotate_half(row + h * head_dim, c, s, head_dim));
     TRIOSERVE_BY_ISA(isa, store_cache<T>(key + slots[r] * kv_width, row + q_width, kv_width));
@@ -400,7 +434,11 @@ torch::Tensor decode_impl(const torch::Tensor& hidden, const std::vector<torch::
   const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim;
   const int64_t qkv_out = q_width + 2 * kv_width;
   const int64_t layer_stride = key_cache.stride(0);
-  const int64_t inter = out_channels(weights[kGateUp]) / 2;
+  const std::vector<int64_t> starts = layer_starts(weights, layers);
+  int64_t inter = 0;  // the widest dense MLP's
+  for (int64_t l = 0; l < layers; ++l)
+    if (weights[starts[l] + kRouter].numel() == 0)
+      inter = std::max(inter, out_channels(weights[starts[l] + kGateUp]) / 2);
 
   torch::Tensor residual = hidden.clone();
   auto buffer = [&](int64_t n) { return torch::empty({rows, n}, hidden.options()); };
@@ -419,24 +457,32 @@ torch::Tensor decode_impl(const torch::Tensor& hidden, const std::vector<torch::
     TRIOSERVE_BY_ISA(isa, rms_norm_row(res + r * dim, weights[kInputNorm].data_ptr<float>(), dim, eps, xp + r * dim));
   });
   for (int64_t l = 0; l < layers; ++l) {
-    const torch::Tensor* w = weights.data() + l * kParts;
+    const torch::Tensor* w = weights.data() + starts[l];
     Linear{w[kQkv], w[kQkvScale], w[kQkvBias]}(xp, rows, dim, qkvp, isa);
     attention_step<T>(qkvp, key_cache.data_ptr<T>() + l * layer_stride, value_cache.data_ptr<T>() + l * layer_stride,
                       rows, heads, kv_heads, head_dim, block_size, cosp, sinp, slotp, tables.data_ptr<int64_t>(),
-                      tables.size(1), context_lens.data_ptr<int64_t>(), scale, isa, attnp);
+                      tables.size(1), context_lens.data_ptr<int64_t>(), scale, isa, attnp, head_norm(w[kQNorm]),
+                      head_norm(w[kKNorm]), eps);
     Linear{w[kO], w[kOScale], w[kOBias]}(attnp, rows, q_width, projp, isa);
     over_rows_of(rows, kNormGrain, [&](int64_t r) {  // the residual, then the post-attention norm
       float* rr = res + r * dim;
       for (int64_t i = 0; i < dim; ++i) rr[i] += projp[r * dim + i];
       TRIOSERVE_BY_ISA(isa, rms_norm_row(rr, w[kPostNorm].data_ptr<float>(), dim, eps, xp + r * dim));
     });
-    Linear{w[kGateUp], w[kGateUpScale], torch::Tensor()}(xp, rows, dim, gup, isa);
-    over_rows_of(rows, kSiluGrain, [&](int64_t r) {
-      const float* g = gup + r * 2 * inter;
-      TRIOSERVE_BY_ISA(isa, silu_mul(g, g + inter, actp + r * inter, inter));
-    });
-    Linear{w[kDown], w[kDownScale], torch::Tensor()}(actp, rows, inter, projp, isa);
-    const float* next_norm = l + 1 < layers ? w[kParts + kInputNorm].data_ptr<float>() : nullptr;
+    if (w[kRouter].numel() != 0) {
+      const int64_t* routing = w[kRouting].data_ptr<int64_t>();
+      const Routing how{w[kRouter].data_ptr<float>(), w[kRouter].size(0), routing[0], routing[1] != 0};
+      moe_mlp(xp, rows, dim, how, w + kParts, isa, projp);
+    } else {
+      const int64_t width = out_channels(w[kGateUp]) / 2;
+      Linear{w[kGateUp], w[kGateUpScale], torch::Tensor()}(xp, rows, dim, gup, isa);
+      over_rows_of(rows, kSiluGrain, [&](int64_t r) {
+        const float* g = gup + r * 2 * width;
+        TRIOSERVE_BY_ISA(isa, silu_mul(g, g + width, actp + r * width, width));
+      });
+      Linear{w[kDown], w[kDownScale], torch::Tensor()}(actp, rows, width, projp, isa);
+    }
+    const float* next_norm = l + 1 < layers ? weights[starts[l + 1] + kInputNorm].data_ptr<float>() : nullptr;
     over_rows_of(rows, kNormGrain, [&](int64_t r) {  // the residual, then the next layer's input norm
       float* rr = res + r * dim;
       for (int64_t i = 0; i < dim; ++i) rr[i] += projp[r * dim + i];
@@ -486,23 +532,49 @@ torch::Tensor decode_layers(const torch::Tensor& hidden, std::vector<torch::Tens
   const int64_t layers = key_cache.size(0), head_dim = key_cache.size(4);
   TORCH_CHECK(key_cache.size(3) == num_kv_heads && num_heads % num_kv_heads == 0 && head_dim % 2 == 0,
               "decode_layers: heads do not match the cache");
-  TORCH_CHECK(int64_t(weights.size()) == layers * kParts, "decode_layers: ", kParts, " weights per layer expected");
+  const std::vector<int64_t> starts = layer_starts(weights, layers);
+  TORCH_CHECK(starts.back() == int64_t(weights.size()), "decode_layers: ", kParts,
+              " weights per layer expected, and a mixture's experts' after them");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && cos.numel() == rows * head_dim &&
                   sin.scalar_type() == at::kFloat && sin.is_contiguous() && sin.numel() == rows * head_dim,
               "decode_layers: cos and sin must be contiguous float32 [rows, head_dim]");
   check_rows(key_cache.size(1), key_cache.size(2), rows, slots, block_tables, context_lens);
   const int64_t q_width = num_heads * head_dim, kv_width = num_kv_heads * head_dim;
   for (int64_t l = 0; l < layers; ++l) {
-    const torch::Tensor* w = weights.data() + l * kParts;
+    const torch::Tensor* w = weights.data() + starts[l];
     TORCH_CHECK(w[kInputNorm].numel() == dim && w[kPostNorm].numel() == dim, "decode_layers: norm weights");
+    for (const Part norm : {kQNorm, kKNorm})
+      TORCH_CHECK((w[norm].numel() == 0 || (w[norm].numel() == head_dim && w[norm].scalar_type() == at::kFloat &&
+                                            w[norm].is_contiguous())) &&
+                      (w[norm].numel() == 0) == (w[kQNorm].numel() == 0),
+                  "decode_layers: q and k norms must both be float32 [head_dim], or both none");
     check_linear(w[kQkv], w[kQkvScale], w[kQkvBias], dim, "decode_layers qkv");
     TORCH_CHECK(out_channels(w[kQkv]) == q_width + 2 * kv_width, "decode_layers: qkv rows");
     check_linear(w[kO], w[kOScale], w[kOBias], q_width, "decode_layers o");
-    check_linear(w[kGateUp], w[kGateUpScale], torch::Tensor(), dim, "decode_layers gate_up");
-    check_linear(w[kDown], w[kDownScale], torch::Tensor(), out_channels(w[kGateUp]) / 2, "decode_layers down");
-    TORCH_CHECK(out_channels(w[kO]) == dim && out_channels(w[kDown]) == dim &&
-                    out_channels(w[kGateUp]) == out_channels(weights[kGateUp]),
-                "decode_layers: layer ", l, " shapes");
+    TORCH_CHECK(out_channels(w[kO]) == dim, "decode_layers: layer ", l, " shapes");
+    if (w[kRouter].numel() == 0) {
+      check_linear(w[kGateUp], w[kGateUpScale], torch::Tensor(), dim, "decode_layers gate_up");
+      check_linear(w[kDown], w[kDownScale], torch::Tensor(), out_channels(w[kGateUp]) / 2, "decode_layers down");
+      TORCH_CHECK(out_channels(w[kDown]) == dim && out_channels(w[kGateUp]) % 2 == 0, "decode_layers: layer ", l,
+                  " shapes");
+      continue;
+    }
+    const torch::Tensor &router = w[kRouter], &routing = w[kRouting];
+    TORCH_CHECK(router.scalar_type() == at::kFloat && router.dim() == 2 && router.size(1) == dim &&
+                    router.is_contiguous(),
+                "decode_layers: a router must be contiguous float32 [experts, hidden]");
+    TORCH_CHECK(routing.scalar_type() == at::kLong && routing.numel() == 2 && routing.is_contiguous() &&
+                    routing.data_ptr<int64_t>()[0] >= 1 && routing.data_ptr<int64_t>()[0] <= router.size(0),
+                "decode_layers: routing must be int64 [top k in 1..experts, renormalise]");
+    const torch::Tensor* experts = w + kParts;
+    const int64_t inter = out_channels(experts[0]) / 2;
+    for (int64_t e = 0; e < router.size(0); ++e) {
+      const torch::Tensor* x = experts + e * kExpertParts;
+      check_linear(x[0], x[1], torch::Tensor(), dim, "decode_layers expert gate_up");
+      check_linear(x[2], x[3], torch::Tensor(), inter, "decode_layers expert down");
+      TORCH_CHECK(out_channels(x[0]) == 2 * inter && out_channels(x[2]) == dim, "decode_layers: layer ", l,
+                  " expert ", e, " shapes");
+    }
   }
   switch (key_cache.scalar_type()) {
     case at::kFloat:
