@@ -30,6 +30,7 @@ class PredictedShortestFirst:
 
     def __init__(self, config: EngineConfig, *, latency: LatencyModel | None = None) -> None:
         self.latency = latency
+        self.steps_seen = 0
 
     def key(self, request, age: int) -> tuple[float, ...]:
         assert self.latency is not None, "the factory was not given the engine's latency model"
@@ -37,6 +38,9 @@ class PredictedShortestFirst:
 
     def outranks(self, key_a: tuple[float, ...], key_b: tuple[float, ...]) -> bool:
         return False
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        self.steps_seen += 1
 
 
 class ShortestPromptFirst:
@@ -87,6 +91,7 @@ async def test_a_plugin_policy_predicts_from_the_engine_s_one_latency_model(inst
         assert not guarded.failed
         learned = model.num_steps
         assert learned > 0  # what the plugin predicts with has learned from the steps
+        assert guarded.policy.steps_seen > 0  # and its own optional hook was told of them
         # A saved profile seeds what the plugin predicts with.
         law = LatencyModel(forgetting=1.0)
         for prefill in (1, 8, 32, 64, 128) * 4:
@@ -103,3 +108,18 @@ def test_a_factory_of_the_config_alone_still_loads(installed):
     model = LatencyModel()
     guarded = scheduling_policy(Plugins.load(config.plugins), config, model)
     assert isinstance(guarded.policy, ShortestPromptFirst) and guarded.fallback.latency is model
+
+
+class BrokenBudget(ShortestPromptFirst):
+    def token_budget(self, running, tokens: int, now: float) -> int:
+        raise RuntimeError("broken budget")
+
+
+def test_a_plugin_hook_that_fails_hands_over_to_the_builtin_policy(caplog):
+    model = LatencyModel()
+    guarded = scheduling_policy(Plugins(scheduling_policy=("broken", BrokenBudget)), engine_config(scheduling_policy="slo"), model)
+    assert guarded.token_budget([], 256, 0.0) == 256  # the slo policy's: nothing runs, nothing is cut
+    assert guarded.failed and "'broken' failed" in caplog.text
+    # A plugin without the optional hooks cuts nothing and preempts nothing for a slot.
+    plain = scheduling_policy(Plugins(scheduling_policy=("plain", ShortestPromptFirst)), engine_config(), model)
+    assert plain.token_budget([], 256, 0.0) == 256 and plain.slot_victim(None, [], running=[], now=0.0, limits=None) is None

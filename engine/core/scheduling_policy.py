@@ -24,7 +24,7 @@ from __future__ import annotations
 import inspect
 import logging
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -73,7 +73,13 @@ def _takes_latency(factory: Callable[..., Any]) -> bool:
 
 @attrs.define(eq=False)
 class GuardedPolicy:
-    """A plugin's policy, replaced by ``fallback`` from its first failure on."""
+    """A plugin's policy, replaced by ``fallback`` from its first failure on.
+
+    The optional hooks (``token_budget``, ``observe_step``, ``slot_victim``,
+    ``victims``: engine/plugins.py's ``SchedulingPolicy``) are the plugin's
+    where it has them, guarded the same way; where it has none, nothing is
+    cut, learned or preempted for a slot, as the plugin asked; after a
+    failure, the fallback's."""
 
     name: str
     policy: Any
@@ -99,10 +105,62 @@ class GuardedPolicy:
                 self._fail(exc)
         return self.fallback.outranks(key_a, key_b)
 
+    def token_budget(self, running: Sequence[Any], tokens: int, now: float) -> int:
+        hook = self._hook("token_budget")
+        if hook is None:
+            return tokens
+        try:
+            budget = hook(running, tokens, now)
+            if isinstance(budget, numbers.Integral) and not isinstance(budget, bool):
+                return int(budget)
+            raise TypeError(f"token_budget must return an int, got {budget!r}")
+        except Exception as exc:
+            self._fail(exc)
+        return self.token_budget(running, tokens, now)
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        hook = self._hook("observe_step")
+        if hook is None:
+            return
+        try:
+            hook(num_tokens, seconds)
+        except Exception as exc:
+            self._fail(exc)
+
+    def slot_victim(self, request: Any, candidates: Sequence[Any], **context: Any) -> Any | None:
+        hook = self._hook("slot_victim")
+        if hook is None:
+            return None
+        try:
+            victim = hook(request, candidates, **context)
+            if victim is None or any(victim is c for c in candidates):
+                return victim
+            raise TypeError(f"slot_victim must return one of the candidates or None, got {victim!r}")
+        except Exception as exc:
+            self._fail(exc)
+        return self.slot_victim(request, candidates, **context)
+
+    def victims(self, request: Any, candidates: Sequence[Any], **context: Any) -> list[Any]:
+        hook = self._hook("victims")
+        if hook is None:
+            return []
+        try:
+            chosen = list(hook(request, candidates, **context))
+            if all(any(v is c for c in candidates) for v in chosen):
+                return chosen
+            raise TypeError("victims must return some of the candidates")
+        except Exception as exc:
+            self._fail(exc)
+        return self.victims(request, candidates, **context)
+
+    def _hook(self, name: str) -> Callable[..., Any] | None:
+        """The plugin's optional hook ``name`` (the fallback's once it has failed), or None."""
+        return getattr(self.fallback if self.failed else self.policy, name, None)
+
     def _fail(self, exc: Exception) -> None:
         self.failed = True
         log.error(
-            "scheduling policy %r failed (%s: %s); the built-in priority policy schedules from now on",
+            "scheduling policy %r failed (%s: %s); the built-in policy schedules from now on",
             self.name,
             type(exc).__name__,
             exc,
