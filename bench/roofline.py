@@ -192,19 +192,20 @@ def measure_bandwidth(threads: int, *, nbytes: int = 2**30, repeats: int = 5) ->
     return buffer.numel() * 4 / _best_seconds(lambda: buffer.sum(), repeats)
 
 
-def measure_gemm(dtype: str, rows: int, threads: int, *, repeats: int = 5) -> float:
+def measure_gemm(dtype: str, rows: int, threads: int, *, repeats: int = 5, isa: str | None = None) -> float:
     """FLOP/s of one [rows, 2048] x [2048, 8192] product on ``threads``
     threads: torch's bfloat16 linear (``bf16``), torch's int8 matmul
     (``torch._int_mm``, int32 sums: ``int8``), or trioserve's native int8
-    kernel on this CPU's best variant (``int8-trioserve``: per-channel int8
-    weights, float32 activations quantized inside, as the engine runs it;
-    ``NativeUnavailable`` where the kernels are not built)."""
+    kernel (``int8-trioserve``: per-channel int8 weights, float32
+    activations quantized inside, as the engine runs it) on variant ``isa``,
+    by default this CPU's best (``NativeUnavailable`` where the kernels are
+    not built)."""
     torch.set_num_threads(threads)
     generator = torch.Generator().manual_seed(0)
     if dtype == "int8-trioserve":
         from trioserve.engine.kernels import int8_native, native, rtn
 
-        isa = native.cpu_isas()[-1]
+        isa = native.cpu_isas()[-1] if isa is None else isa
         w = torch.randn(GEMM_N, GEMM_K, generator=generator) * 0.05
         linear = int8_native.Int8NativeLinear.from_rtn(rtn.quantize_int8(w), None, isa)
         x = torch.randn(rows, GEMM_K, generator=generator)

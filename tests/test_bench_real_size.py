@@ -493,3 +493,18 @@ def test_an_unproven_avx2_row_is_left_out_of_the_plot(tmp_path):
     del document["runs"][0]["comparison"]["servers"][::2]  # the native rows
     with pytest.raises(ValueError, match="nothing to plot"):
         plot_report(document, tmp_path / "q.png")
+
+
+def test_the_int8_kernels_peak_is_measured_at_the_variant_asked():
+    from trioserve.engine.kernels import native
+
+    try:
+        isas = native.cpu_isas()
+    except native.NativeUnavailable as exc:
+        pytest.skip(str(exc))
+    if "avx2int8" not in isas:
+        pytest.skip("no AVX2 int8 kernel on this CPU")
+    # The AVX2 class's figure is taken on its own variant, not the CPU's best.
+    assert measure_gemm("int8-trioserve", 32, 1, repeats=1, isa="avx2int8") > 1e8
+    with pytest.raises(KeyError):
+        measure_gemm("int8-trioserve", 32, 1, repeats=1, isa="avx9")

@@ -326,27 +326,18 @@ def print_held_machine(threads: int) -> None:
     """Print the JSON of this process's roofline figures (``measure_machines``'
     child, started held to a class): the bandwidth, torch's GEMMs as its
     libraries' caps leave them, and trioserve's int8 kernel at the variant
-    a model load here would choose (roofline.measure_gemm's takes the CPU's
-    best, whatever ``TRIOSERVE_CPU_ASSUME`` says)."""
-    import torch
-
-    from trioserve.engine.kernels import int8_native, native, rtn
+    a model load here would choose (roofline.measure_gemm's default is the
+    CPU's best, whatever ``TRIOSERVE_CPU_ASSUME`` says)."""
+    from trioserve.engine.kernels import native
     from trioserve.engine.kernels.capability import CpuPaths
 
-    from ..roofline import GEMM_K, GEMM_N, PEAK_ROWS, _best_seconds, measure_bandwidth, measure_gemm
+    from ..roofline import PEAK_ROWS, measure_bandwidth, measure_gemm
 
     peaks = {dtype: {rows: measure_gemm(dtype, rows, threads) for rows in PEAK_ROWS} for dtype in ("bf16", "int8")}
     paths = CpuPaths.from_environment()
     isa = next((isa for isa in native.LINEAR_ISA_ORDER if paths.works(f"quant_int8_native_{isa}")), None)
     if isa is not None:
-        generator = torch.Generator().manual_seed(0)
-        w = torch.randn(GEMM_N, GEMM_K, generator=generator) * 0.05
-        linear = int8_native.Int8NativeLinear.from_rtn(rtn.quantize_int8(w), None, isa)
-        peaks["int8-trioserve"] = {}
-        for rows in PEAK_ROWS:
-            x = torch.randn(rows, GEMM_K, generator=generator)
-            with torch.inference_mode():
-                peaks["int8-trioserve"][rows] = 2.0 * rows * GEMM_K * GEMM_N / _best_seconds(lambda x=x: linear(x), 5)
+        peaks["int8-trioserve"] = {rows: measure_gemm("int8-trioserve", rows, threads, isa=isa) for rows in PEAK_ROWS}
     print(json.dumps(Machine(measure_bandwidth(threads), peaks).to_json()))
 
 
