@@ -110,3 +110,56 @@ def test_a_saved_profile_seeds_the_prior():
     assert seeded.step_seconds(shape) == pytest.approx(trained.step_seconds(shape))
     with pytest.raises(ValueError, match="coefficients"):
         LatencyModel.from_profile({**trained.to_profile(), "coefficients": [1.0]})
+
+
+loads = st.lists(st.tuples(st.integers(0, 2000), st.integers(0, 300), st.integers(1, 64)), max_size=12)
+queues = st.lists(st.tuples(st.integers(1, 600), st.integers(1, 64)), max_size=12)
+streams = st.lists(st.tuples(st.floats(0.0, 50.0), st.integers(1, 600), st.integers(1, 64)), max_size=3)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    running=loads,
+    ahead=queues,
+    arrivals=streams,
+    horizon=st.floats(0.0, 100.0),
+    prompt=st.integers(1, 600),
+    seqs=st.integers(1, 8),
+)
+def test_the_ttft_parts_add_up_and_arrivals_only_delay_it(running, ahead, arrivals, horizon, prompt, seqs):
+    """The TTFT is the wait before its prompt's first step plus its own
+    steps; requests of a higher class arriving while it waits never make
+    it sooner."""
+    model = LatencyModel(prior=(0.005, 0.005, 0.0, 0.001, 0.0))
+    kwargs = dict(ahead=ahead, running=running, token_budget=512, max_num_seqs=seqs)
+    parts = model.predict_ttft_parts(prompt, arrivals=arrivals, arrivals_for=horizon, **kwargs)
+    assert parts.before >= 0 and parts.own > 0
+    assert parts.total == pytest.approx(model.predict_ttft(prompt, arrivals=arrivals, arrivals_for=horizon, **kwargs))
+    without = model.predict_ttft(prompt, **kwargs)
+    assert parts.total >= without - 1e-12
+
+
+def test_arrivals_of_a_higher_class_are_queued_ahead_while_it_waits():
+    """A full batch of two for 40 decode steps of 7 ms: 10 arrivals a
+    second, each 100 tokens and 20 out, come ahead of it while it waits;
+    with a free slot they never do."""
+    model = LatencyModel(prior=(0.005, 0.005, 0.0, 0.001, 0.0))  # a decode step of two: 7 ms
+    full = dict(running=[(50, 0, 40), (50, 0, 40)], max_num_seqs=2)
+    alone = model.predict_ttft_parts(100, **full)
+    passed = model.predict_ttft_parts(100, arrivals=[(10.0, 100, 20)], **full)
+    # In the 0.28 s before the slots free, two arrive: they take both, and
+    # it waits for one of them to end (20 decode steps).
+    assert passed.total > alone.total + 20 * model.predict_tpot(2, 200)
+    # Arrivals expected for 0.1 s only: one of them, which shares its step.
+    brief = model.predict_ttft_parts(100, arrivals=[(10.0, 100, 20)], arrivals_for=0.1, **full)
+    assert alone.total < brief.total < passed.total
+    free = dict(running=[(50, 0, 40)], max_num_seqs=2)
+    assert model.predict_ttft(100, arrivals=[(10.0, 100, 20)], **free) == model.predict_ttft(100, **free)
+
+
+def test_arrivals_that_fill_the_engine_are_bounded():
+    """Classes ahead arriving faster than the engine serves them: the
+    prediction is long, and finite."""
+    model = LatencyModel(prior=(0.005, 0.005, 0.0, 0.001, 0.0))
+    ttft = model.predict_ttft(100, running=[(50, 0, 40)], arrivals=[(1000.0, 500, 100)], max_num_seqs=1)
+    assert 1.0 < ttft < float("inf")

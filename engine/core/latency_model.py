@@ -25,6 +25,7 @@ replica and per worker process.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -54,6 +55,9 @@ MIN_STEP_SECONDS = 1e-4
 PRIOR_SHAPE = np.array([1.0, 1.0, 0.01, 1.0, 0.01])
 # Steps simulated at most for one TTFT prediction (a bound on its cost).
 MAX_SIMULATED_STEPS = 10_000
+# Requests yet to arrive simulated at most for one TTFT prediction: the
+# bound on its cost when the classes ahead alone fill the engine.
+MAX_SIMULATED_ARRIVALS = 256
 
 
 # A saved fit's format (``LatencyModel.to_profile``); a version this
@@ -149,6 +153,21 @@ class _Simulated:
     output: int  # tokens still to generate
     context: int  # tokens computed
     own: bool = False
+
+
+@attrs.frozen
+class TtftParts:
+    """A simulated time to first token, in seconds, in its parts:
+    ``before`` the first step that computes the request's own prompt (the
+    steps of the load ahead of it), and ``own`` from that step to its first
+    token (its prompt's steps, shared with the others' tokens)."""
+
+    before: float
+    own: float
+
+    @property
+    def total(self) -> float:
+        return self.before + self.own
 
 
 @attrs.frozen
@@ -301,9 +320,35 @@ class LatencyModel:
         cached_tokens: int = 0,
         ahead: Iterable[tuple[int, int]] = (),
         running: Iterable[tuple[int, int, int]] = (),
+        arrivals: Iterable[tuple[float, int, int]] = (),
+        arrivals_for: float = math.inf,
         token_budget: int = 2048,
         max_num_seqs: int = 256,
     ) -> float:
+        """Seconds until a new request's first token (``predict_ttft_parts``'s total)."""
+        return self.predict_ttft_parts(
+            prompt_tokens,
+            cached_tokens=cached_tokens,
+            ahead=ahead,
+            running=running,
+            arrivals=arrivals,
+            arrivals_for=arrivals_for,
+            token_budget=token_budget,
+            max_num_seqs=max_num_seqs,
+        ).total
+
+    def predict_ttft_parts(
+        self,
+        prompt_tokens: int,
+        *,
+        cached_tokens: int = 0,
+        ahead: Iterable[tuple[int, int]] = (),
+        running: Iterable[tuple[int, int, int]] = (),
+        arrivals: Iterable[tuple[float, int, int]] = (),
+        arrivals_for: float = math.inf,
+        token_budget: int = 2048,
+        max_num_seqs: int = 256,
+    ) -> TtftParts:
         """Seconds until a new request's first token, simulated step by step
         as the scheduler would run the load it meets:
 
@@ -312,7 +357,13 @@ class LatencyModel:
           to generate (at most);
         - ``ahead``: the waiting requests the policy runs before it, in
           that order, each ``(prefill, output)``;
-        - then its own ``prompt_tokens - cached_tokens``.
+        - then its own ``prompt_tokens - cached_tokens``;
+        - ``arrivals``: requests yet to come that the policy will run
+          before it (a higher class), each stream ``(rate, prefill,
+          output)``: per second, and each request's tokens. While it waits
+          for a slot, each simulated second of the first ``arrivals_for``
+          brings ``rate`` of them into the queue just ahead of it (at most
+          ``MAX_SIMULATED_ARRIVALS``).
 
         A waiting request starts when fewer than ``max_num_seqs`` run; each
         step gives every decoding request one token and the rest of
@@ -324,7 +375,26 @@ class LatencyModel:
         active = [_Simulated(max(0, prefill), max(1, output), max(0, context)) for context, prefill, output in running]
         queue = deque(_Simulated(max(1, prefill), max(1, output), 0) for prefill, output in ahead)
         queue.append(own)
+        streams = [(rate, max(1, prefill), max(1, output)) for rate, prefill, output in arrivals if rate > 0]
+        credit = [0.0] * len(streams)  # each stream's arrivals due, in requests
+        num_arrived = 0
         total = 0.0
+        before: float | None = None  # the time when its own prompt's first step starts
+
+        def arrive(seconds: float) -> None:
+            # The requests arriving in the ``seconds`` up to ``total``, while
+            # it is still queued, go just ahead of it.
+            nonlocal num_arrived
+            if not queue or queue[-1] is not own:
+                return
+            seconds = max(0.0, min(total, arrivals_for) - (total - seconds))
+            for k, (rate, prefill, output) in enumerate(streams):
+                credit[k] += rate * seconds
+                while credit[k] >= 1.0 and num_arrived < MAX_SIMULATED_ARRIVALS:
+                    credit[k] -= 1.0
+                    num_arrived += 1
+                    queue.insert(len(queue) - 1, _Simulated(prefill, output, 0))
+
         for _ in range(MAX_SIMULATED_STEPS):
             while queue and len(active) < max_num_seqs:
                 active.append(queue.popleft())
@@ -333,11 +403,13 @@ class LatencyModel:
             context = sum(a.context for a in decoding)
             if not prefilling:
                 if not decoding:
-                    return total
+                    return TtftParts(total, 0.0)
                 # Decode only until the first of them finishes and frees a slot.
                 steps = min(a.output for a in decoding)
                 mid = context + len(decoding) * (steps - 1) / 2
-                total += steps * self.step_seconds(StepShape(decodes=len(decoding), decode_context=int(mid)))
+                stretch = steps * self.step_seconds(StepShape(decodes=len(decoding), decode_context=int(mid)))
+                total += stretch
+                arrive(stretch)
                 for a in decoding:
                     a.output -= steps
                     a.context += steps
@@ -347,6 +419,8 @@ class LatencyModel:
             prefill = pairs = 0
             for a in prefilling:
                 take = min(room, a.prefill)
+                if a is own and before is None:
+                    before = total
                 prefill += take
                 pairs += take * (a.context + (take + 1) // 2)
                 a.prefill -= take
@@ -354,16 +428,19 @@ class LatencyModel:
                 room -= take
                 if room == 0:
                     break
-            total += self.step_seconds(StepShape(prefill, pairs, len(decoding), context))
+            step = self.step_seconds(StepShape(prefill, pairs, len(decoding), context))
+            total += step
+            arrive(step)
             if own.prefill == 0:
-                return total
+                start = total if before is None else before
+                return TtftParts(start, total - start)
             # This step sampled a token for the decodes and the finished prefills.
             for a in active:
                 if a.prefill == 0:
                     a.output -= 1
                     a.context += 1
             active = [a for a in active if a.output > 0]
-        return total
+        return TtftParts(total, 0.0)
 
     def predict_tpot(self, batch_size: int, context_tokens: int) -> float:
         """Seconds per output token of a sequence decoding in a batch of
