@@ -38,7 +38,8 @@ from .allocator import AllocatorActor
 from .degradation import Degradation
 from .errors import DuplicateRequestError, EngineClosed, EngineOverloaded
 from .executor import Executor
-from .slo_admission import SloDecision, SloRefused, cached_prefix, decide, predict_on
+from .slo_admission import SloDecision, SloRefused, cached_prefix, decide, output_budget, predict_on
+from .slo_arrivals import RecentArrivals
 from .messages import AbortAll, AddRequest, LoadLora, UnloadLora
 from .request import RequestActor
 from .stream import RequestStream
@@ -81,6 +82,7 @@ class Engine:
         self._token = trio.lowlevel.current_trio_token()  # for the finalizers of dropped streams
         self._ids = RequestIds()
         self._num_refused = 0
+        self._arrivals = RecentArrivals()  # SLO admission's: the classes that will pass a waiting request
         self._num_deadline_unqueued = 0
         self._num_cancelled_unqueued = 0
         self._num_queue_timeouts_unqueued = 0
@@ -378,11 +380,20 @@ class Engine:
         request with objectives gets its prediction on the replica that
         would serve it soonest, and is admitted or refused (``SloRefused``)."""
         config = self.core.config
-        if config.scheduling_policy != "slo" or new.objectives.empty:
+        if config.scheduling_policy != "slo":
             return None
         now = time.monotonic()
+        # The higher classes' recent arrivals: those arriving while it waits
+        # run first, expected for as long as they have been coming. With
+        # replicas each gets its share of them.
+        views = self._slo_views()
+        arrivals = [(rate / len(views), p, o) for rate, p, o in self._arrivals.ahead_of(new.priority, now)]
+        output = output_budget(new, self.core.scheduler.max_context_len)
+        if new.objectives.empty:
+            self._arrivals.record(now, new.priority, new.num_tokens, output)
+            return None
         predictions = []
-        for scheduler, queue in self._slo_views():
+        for scheduler, queue in views:
             queued = queue.queued()
             core = scheduler.core
             prediction = predict_on(
@@ -393,6 +404,9 @@ class Engine:
                 [m.request for m in queued],
                 [m.arrival_time for m in queued],
                 cached_tokens=cached_prefix(core.block_manager, new),
+                in_flight=scheduler.step_in_flight(),
+                arrivals=arrivals,
+                arrivals_for=self._arrivals.horizon(now),
             )
             predictions.append(prediction)
         best = min(predictions, key=lambda prediction: prediction.ttft)
@@ -401,6 +415,8 @@ class Engine:
         except SloRefused:
             self._num_refused += 1
             raise
+        # Admitted: it runs, and its like may pass a later request.
+        self._arrivals.record(now, new.priority, new.num_tokens, output)
         if len(predictions) > 1:
             decision = attrs.evolve(decision, replica_ttfts=tuple(p.ttft for p in predictions))
         return decision

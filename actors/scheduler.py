@@ -38,7 +38,8 @@ import trio
 
 from trioserve.engine.core.engine_core import EngineCore
 from trioserve.engine.core.kv_batch import KVResult
-from trioserve.engine.core.latency_model import LatencyModel
+from trioserve.engine.core.latency_model import LatencyModel, StepShape
+from trioserve.engine.runtime.step_plan import StepPlan
 from trioserve.engine.core.outputs import RequestOutput
 from trioserve.engine.core.scheduler import SchedulerOutput
 from trioserve.engine.core.sequence import FinishReason, Request
@@ -55,7 +56,7 @@ from .errors import WorkerLost
 from .failures import output_failure, step_failure
 from .messages import Abort, AddRequest, Allocate, RunStep, StepDone, StepFailed, StepMask
 from .quarantine import Quarantine
-from .slo_admission import admission_order
+from .slo_admission import StepInFlight, admission_order
 from .statistics import RateMeter, SchedulerActorStatistics, estimate_retry_after
 
 __all__ = ["SchedulerActor"]
@@ -142,6 +143,7 @@ class SchedulerActor:
             admission.order = admission_order  # the queue hands over by deadline too
             admission.on_put = self._made_room  # a request to take past the bound, maybe
         self._cycle_start = now  # when the step being run began to be planned
+        self._plan_in_flight: StepPlan | None = None  # the step being run
 
     # -- the actor --------------------------------------------------------------
 
@@ -287,6 +289,7 @@ class SchedulerActor:
             plan, fill = await self._plan(allocator, kv_results)
             if plan.chunks:
                 self._num_steps += 1
+                self._plan_in_flight = plan.plan
                 try:
                     await executor.send(RunStep(self._num_steps, plan.plan))
                     if fill is not None:
@@ -367,7 +370,20 @@ class SchedulerActor:
             self._room.set()
         return plan, fill
 
+    def step_in_flight(self) -> StepInFlight:
+        """The step cycle running now (none between steps): the seconds it
+        still needs, as the latency model predicts it less the time it has
+        run, and the tokens it computes per request. A request arriving now
+        starts after it, on the state it leaves: SLO admission predicts so."""
+        plan = self._plan_in_flight
+        if plan is None:
+            return StepInFlight()
+        elapsed = trio.current_time() - self._cycle_start
+        left = max(0.0, self.latency.step_seconds(StepShape.of_plan(plan)) - elapsed)
+        return StepInFlight(left, {chunk.request_id: chunk.num_tokens for chunk in plan.chunks})
+
     def _process(self, plan: SchedulerOutput, reply: StepDone | StepFailed) -> list[RequestOutput]:
+        self._plan_in_flight = None
         if isinstance(reply, StepFailed) and isinstance(reply.error, WorkerLost):
             return self._recompute_all(plan, reply.error)
         if isinstance(reply, StepFailed):

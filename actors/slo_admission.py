@@ -18,7 +18,7 @@ and a lower ``max_tokens`` fits (``SloDecision.max_tokens``).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
 
@@ -55,6 +55,16 @@ class SloPrediction:
     # Running requests the slo policy is predicted to preempt for a slot
     # (for it and the requests ahead of it).
     preempts: int = 0
+
+
+@attrs.frozen
+class StepInFlight:
+    """The step running when a request arrives (``SchedulerActor.step_in_flight``):
+    the seconds it still needs, and the tokens it computes per request (the
+    running load's state once it ends)."""
+
+    left: float = 0.0
+    tokens: Mapping[str, int] = attrs.field(factory=dict)
 
 
 @attrs.frozen
@@ -116,6 +126,12 @@ def _output_left(params_max_tokens: int | None, num_output: int, room: int) -> i
     return max(1, left)
 
 
+def output_budget(new: NewRequest, max_model_len: int) -> int:
+    """Tokens ``new`` may generate, each of its ``n`` answers: up to its
+    ``max_tokens``, else to the context's end."""
+    return _output_left(new.params.max_tokens, 0, max_model_len - new.num_tokens)
+
+
 def requests_ahead(
     new: NewRequest,
     now: float,
@@ -153,16 +169,24 @@ def predict(
     token_budget: int,
     max_num_seqs: int,
     cached_tokens: int = 0,
+    step_left: float = 0.0,
+    arrivals: Sequence[tuple[float, int, int]] = (),
+    arrivals_for: float = math.inf,
 ) -> SloPrediction:
     """``new``'s predicted TTFT (``LatencyModel.predict_ttft`` over the
-    ``running`` load and the requests ``ahead``, its prompt's
-    ``cached_tokens`` at a cached prefix's cost: none) and TPOT (a decode
+    ``running`` load, the requests ``ahead`` and those of higher classes
+    yet to arrive in the next ``arrivals_for`` seconds, ``arrivals``
+    (``RecentArrivals``), its prompt's
+    ``cached_tokens`` at a cached prefix's cost: none, after the
+    ``step_left`` seconds the step in flight still runs) and TPOT (a decode
     step of the batch it joins, at the context halfway through its answer)."""
-    ttft = model.predict_ttft(
+    ttft = step_left + model.predict_ttft(
         new.num_tokens,
         cached_tokens=cached_tokens,
         ahead=ahead,
         running=running,
+        arrivals=arrivals,
+        arrivals_for=arrivals_for,
         token_budget=token_budget,
         max_num_seqs=max_num_seqs,
     )
@@ -196,14 +220,21 @@ def predict_on(
     queued_arrivals: Sequence[float] = (),
     *,
     cached_tokens: int = 0,
+    in_flight: StepInFlight = StepInFlight(),
+    arrivals: Sequence[tuple[float, int, int]] = (),
+    arrivals_for: float = math.inf,
 ) -> SloPrediction:
-    """``new``'s prediction on one engine: behind its core's waiting
-    requests that run first, the admission queue's (``queued``) and the
-    running batch. When the batch holds every slot and ``new`` would miss
-    its TTFT target waiting, the slo policy preempts a running request with
-    slack for its slot (``Scheduler.slot_victims``): it is then predicted
-    with that request gone, and so is each request ahead of it, one victim
-    each while they last (``SloPrediction.preempts``)."""
+    """``new``'s prediction on one engine: after the step ``in_flight``
+    (what is left of it; the running load as it leaves it), behind its
+    core's waiting requests that run first, the admission queue's
+    (``queued``), the running batch and the higher classes' ``arrivals``
+    while it waits (for ``arrivals_for`` seconds at most). When the batch holds every slot and
+    ``new`` would miss its TTFT target waiting, the slo policy preempts a
+    running request with slack for its slot (``Scheduler.slot_victims``)
+    if a slot then meets the target within the policy's margin
+    (``SloPolicy.slot_victim``): it is then predicted with that request
+    gone, and so is each request ahead of it, one victim each while they
+    last (``SloPrediction.preempts``)."""
     limit = scheduler.running_limit
     ahead = requests_ahead(
         new, now, scheduler.waiting_requests, queued, queued_arrivals, max_model_len=scheduler.max_context_len
@@ -215,10 +246,13 @@ def predict_on(
             model,
             new,
             ahead,
-            running_load(load, max_context_len=scheduler.max_context_len),
+            running_load(load, max_context_len=scheduler.max_context_len, in_flight=in_flight.tokens),
             token_budget=scheduler.max_num_batched_tokens,
             max_num_seqs=limit,
             cached_tokens=cached_tokens,
+            step_left=in_flight.left,
+            arrivals=arrivals,
+            arrivals_for=arrivals_for,
         )
 
     prediction = on(running)
@@ -237,7 +271,10 @@ def predict_on(
     if not victims:
         return prediction
     preempting = on([r for r in running if all(r is not v for v in victims)])
-    if preempting.ttft >= prediction.ttft:
+    # The policy preempts only for a first token that a slot makes on time,
+    # within its margin; a request late anyway waits, and is predicted so.
+    margin = getattr(scheduler.policy, "margin", 0.0)
+    if preempting.ttft >= prediction.ttft or preempting.ttft > target * (1 + margin):
         return prediction
     return attrs.evolve(preempting, preempts=len(victims))
 

@@ -17,6 +17,7 @@ from trioserve.actors.admission import AdmissionQueue
 from trioserve.actors.messages import AddRequest
 from trioserve.actors.router import ReplicaRouter
 from trioserve.actors.slo_admission import SloPrediction, SloRefused, admission_order, decide
+from trioserve.engine.core.latency_model import LatencyModel, StepShape
 from trioserve.engine.core.new_request import NewRequest
 from trioserve.engine.latency_objectives import LatencyObjectives
 from trioserve.engine.core.sequence import FinishReason
@@ -196,3 +197,29 @@ async def test_the_slo_policy_orders_its_admission_queue(autojump_clock):
         assert slo._scheduler.admission.order is admission_order
         assert fcfs._scheduler.admission.order is None
 
+
+
+async def test_a_request_judged_during_a_step_waits_for_its_end(autojump_clock):
+    """A request arriving 0.1 s into a 0.21 s prefill step starts after it,
+    on the state it leaves: the door adds what is left of that step
+    (``SchedulerActor.step_in_flight``) and counts its prompt as computed,
+    not to compute again. With the fake executor's law learned exactly,
+    the prediction is the measured TTFT."""
+    exact = LatencyModel(forgetting=1.0)
+    for prefill, decodes in [(1, 0), (8, 1), (32, 2), (64, 0), (2, 3), (16, 1), (48, 4), (200, 0), (0, 6)] * 40:
+        exact.observe(StepShape(prefill, 0, decodes, 0), 0.01 + 0.001 * (prefill + decodes))
+    async with slo_engine() as engine:
+        engine.latency_models()[0].adopt(exact)
+        long = engine.generate_nowait([t + 3000 for t in PROMPT], params(2), priority=-1)
+        await trio.testing.wait_all_tasks_blocked()  # its prefill step is running
+        await trio.sleep(0.1)  # virtual time: into the step
+        start = trio.current_time()
+        stream = engine.generate_nowait([t + 4000 for t in PROMPT[:20]], params(2), objectives=LatencyObjectives(ttft=100.0))
+        first = None
+        async for out in stream:
+            if first is None and out.new_token_ids:
+                first = trio.current_time() - start
+        [out async for out in long]
+        # 0.11 s left of the long prompt's step, then its own with the long one's decode.
+        assert first == pytest.approx(0.11 + 0.031)
+        assert stream.slo.prediction.ttft == pytest.approx(first, rel=0.05)

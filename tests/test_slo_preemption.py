@@ -208,3 +208,31 @@ async def test_an_interactive_request_behind_a_full_batch_is_admitted_and_served
         assert tokens == expected  # the victim's stream goes on: same tokens, none twice
         assert counts == sorted(set(counts))
 
+
+
+async def test_a_request_late_even_with_a_slot_is_predicted_waiting_for_one(autojump_clock):
+    """Behind the same full batch, a first token due in 5 ms cannot be on
+    time even with a slot (a prefill step alone takes ~30 ms): the policy
+    preempts nobody for it, so the door predicts the wait for a slot, not
+    the preemption, and the prediction holds."""
+    async with actor_fixtures.fake_engine(
+        step_time=0.01, token_time=0.001, scheduling_policy="slo", max_num_seqs=4
+    ) as engine:
+        streams = [engine.generate_nowait(p, params(200), priority=1, objectives=BATCH) for p in PROMPTS]
+        started = [trio.Event() for _ in streams]
+        async with trio.open_nursery() as nursery:
+            for stream, event in zip(streams, started, strict=True):
+                nursery.start_soon(_collect, stream, event)
+            for event in started:
+                await event.wait()
+            start = trio.current_time()
+            late = LatencyObjectives(ttft=0.005, best_effort=True)
+            chat = engine.generate_nowait([900 + i for i in range(20)], params(4), objectives=late)
+            assert chat.slo.prediction.preempts == 0
+            first = None
+            async for out in chat:
+                if first is None and out.new_token_ids:
+                    first = trio.current_time() - start
+            assert first is not None and first > 1.0
+            assert chat.slo.prediction.ttft == pytest.approx(first, rel=0.2)
+        assert engine.core.scheduler.statistics().num_preemptions == 0

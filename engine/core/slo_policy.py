@@ -47,7 +47,7 @@ enter the key.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -85,16 +85,28 @@ def output_left(request: Any, max_context_len: int) -> int:
     return max(1, left)
 
 
-def running_load(running: Sequence[Any], *, max_context_len: int) -> list[tuple[int, int, int]]:
+def running_load(
+    running: Sequence[Any], *, max_context_len: int, in_flight: Mapping[str, int] | None = None
+) -> list[tuple[int, int, int]]:
     """Requests holding a slot, as ``LatencyModel.predict_ttft`` takes them:
     ``(context, prefill left, output left)``, the tokens computed, the known
     tokens not yet computed but the one a decode step computes, and the
-    tokens they may still generate."""
+    tokens they may still generate. ``in_flight``: the tokens the step
+    running now computes, per request: counted as computed, and a request
+    it completes as having its next token."""
     load = []
     for request in running:
-        left = request.num_tokens - request.num_computed_tokens
+        computed = request.num_computed_tokens
+        left = request.num_tokens - computed
         prefill = left - 1 if request.num_output_tokens > 0 else left
-        load.append((request.num_computed_tokens, max(0, prefill), output_left(request, max_context_len)))
+        output = output_left(request, max_context_len)
+        running_now = 0 if in_flight is None else in_flight.get(request.request_id, 0)
+        if running_now:
+            computed += running_now
+            prefill -= running_now
+            if prefill <= 0:  # the step samples its next token
+                prefill, output = 0, max(1, output - 1)
+        load.append((computed, max(0, prefill), output))
     return load
 
 

@@ -1,0 +1,82 @@
+"""The recent arrivals at SLO admission's door, as streams of requests
+yet to come (issue #44).
+
+A request's wait is not only the load it meets at the door: under the
+``slo`` policy a request of a higher class (a lower priority value) that
+arrives while it waits runs before it. The door cannot see those, but it
+has seen their like arrive: ``RecentArrivals`` keeps the last ``size``
+judged requests, and ``ahead_of`` gives, per class that outranks a new
+request, the rate those arrive at and their mean prompt and answer, for
+``LatencyModel.predict_ttft``'s ``arrivals``, for as long as they have
+been seen to arrive (``horizon``: the time since the oldest kept; a burst
+that has lasted a second is not assumed to last a minute). Only a
+strictly higher class
+counts: within a class a later arrival with the same TTFT target has a
+later deadline and runs after (one with a tighter target may pass; not
+modelled).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import attrs
+
+# The fewest arrivals of a class, in the window, that make a rate: fewer
+# are too few to tell a rate from chance.
+MIN_ARRIVALS = 3
+
+
+@attrs.frozen
+class _Arrival:
+    time: float
+    priority: int
+    prefill: int
+    output: int
+
+
+@attrs.define
+class RecentArrivals:
+    """The last ``size`` requests judged at the door (``record``), for the
+    rates of the classes that outrank a new one (``ahead_of``). The rate of
+    a class is its arrivals over the time since the oldest one kept: when
+    arrivals stop, it falls as the window ages."""
+
+    size: int = 64
+    _arrivals: deque[_Arrival] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        if self.size < 1:
+            raise ValueError(f"size must be >= 1, got {self.size!r}")
+        self._arrivals = deque(maxlen=self.size)
+
+    def record(self, now: float, priority: int, prefill: int, output: int) -> None:
+        """A request of class ``priority`` with ``prefill`` prompt tokens to
+        compute and up to ``output`` to generate arrived at ``now``."""
+        self._arrivals.append(_Arrival(now, priority, prefill, output))
+
+    def horizon(self, now: float) -> float:
+        """How long the arrivals kept have been coming: the time since the
+        oldest (0 with none)."""
+        return max(0.0, now - self._arrivals[0].time) if self._arrivals else 0.0
+
+    def ahead_of(self, priority: int, now: float) -> list[tuple[float, int, int]]:
+        """For each class that outranks ``priority``: ``(rate per second,
+        mean prefill tokens, mean output tokens)`` of its recent arrivals
+        (none before ``MIN_ARRIVALS`` of it, or while no time has passed)."""
+        if not self._arrivals:
+            return []
+        span = now - self._arrivals[0].time
+        if not span > 0:
+            return []
+        by_class: dict[int, list[_Arrival]] = {}
+        for arrival in self._arrivals:
+            if arrival.priority < priority:
+                by_class.setdefault(arrival.priority, []).append(arrival)
+        streams = []
+        for arrivals in by_class.values():
+            if len(arrivals) >= MIN_ARRIVALS:
+                prefill = sum(a.prefill for a in arrivals) / len(arrivals)
+                output = sum(a.output for a in arrivals) / len(arrivals)
+                streams.append((len(arrivals) / span, round(prefill), round(output)))
+        return streams

@@ -1,0 +1,53 @@
+"""The door's recent arrivals (actors/slo_arrivals.py): the rates of the
+classes that will pass a waiting request."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trioserve.actors.slo_arrivals import MIN_ARRIVALS, RecentArrivals
+
+arrivals = st.lists(
+    st.tuples(st.floats(0.0, 10.0), st.integers(-2, 2), st.integers(1, 500), st.integers(1, 100)), max_size=80
+)
+
+
+@settings(max_examples=50, deadline=None)
+@given(arrivals=arrivals, priority=st.integers(-2, 3), size=st.integers(1, 64))
+def test_only_classes_that_outrank_it_at_their_recent_rate(arrivals, priority, size):
+    recent = RecentArrivals(size)
+    times = sorted(t for t, *_ in arrivals)
+    for time, (_, p, prefill, output) in zip(times, arrivals):
+        recent.record(time, p, prefill, output)
+    now = 11.0
+    kept = [(time, a) for time, a in zip(times, arrivals)][-size:]
+    streams = recent.ahead_of(priority, now)
+    expected = {}
+    for _, (_, p, prefill, output) in kept:
+        if p < priority:
+            expected.setdefault(p, []).append((prefill, output))
+    expected = {p: a for p, a in expected.items() if len(a) >= MIN_ARRIVALS}
+    assert len(streams) == len(expected)
+    span = now - kept[0][0] if kept else None
+    for rate, prefill, output in streams:
+        matches = [a for a in expected.values() if rate == pytest.approx(len(a) / span)]
+        assert matches
+        assert any(min(p for p, _ in a) <= prefill <= max(p for p, _ in a) for a in matches)
+        assert any(min(o for _, o in a) <= output <= max(o for _, o in a) for a in matches)
+
+
+def test_the_rate_falls_once_arrivals_stop():
+    recent = RecentArrivals(8)
+    for i in range(8):
+        recent.record(i * 0.1, 0, 32, 16)
+    (rate, prefill, output), = recent.ahead_of(1, 0.8)
+    assert rate == pytest.approx(10.0) and (prefill, output) == (32, 16)
+    assert recent.horizon(0.8) == pytest.approx(0.8)
+    (later, _, _), = recent.ahead_of(1, 8.0)
+    assert later == pytest.approx(1.0)
+    assert RecentArrivals().horizon(3.0) == 0.0
+    assert recent.ahead_of(0, 8.0) == []  # the same class does not pass it
+    with pytest.raises(ValueError, match="size"):
+        RecentArrivals(0)
