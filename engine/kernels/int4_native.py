@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from trioserve.engine.kernels import onednn
 from trioserve.engine.kernels import native
+from trioserve.engine.kernels.q4k_blocks import Q4KBlocks
 from trioserve.engine.kernels.rtn import Int4Weight, quantize_int4
 
 GROUP = 32
@@ -122,19 +123,42 @@ def pack_lanes_of(parts: list[Int4Weight]) -> torch.Tensor:
     """``pack_lanes`` of ``parts`` stacked by rows (each a multiple of 16
     rows, one width), each packed into its own panels: the same bytes, with
     no stacked copy of the values made first (a fused qkv or gate_up)."""
-    k = parts[0].q.shape[1]
-    panels = sum(part.q.shape[0] for part in parts) // LANES_CHANNELS
+    k = _shape(parts[0])[1]
+    panels = sum(_shape(part)[0] for part in parts) // LANES_CHANNELS
     lanes = np.empty((panels, k // GROUP, LANES_BLOCK_BYTES // 4), dtype=np.uint32)
     at = 0
     for part in parts:
-        n = part.q.shape[0] // LANES_CHANNELS
+        n = _shape(part)[0] // LANES_CHANNELS
         _pack_lanes_into(part, lanes[at : at + n])
         at += n
     return torch.from_numpy(lanes.view(np.uint8))
 
 
+def _shape(weight: Int4Weight) -> tuple[int, int]:
+    """``weight``'s ``(out, in)``, without making a ``Q4KBlocks``' values."""
+    return weight.shape if isinstance(weight, Q4KBlocks) else tuple(weight.q.shape)  # type: ignore[return-value]
+
+
 def _pack_lanes_into(weight: Int4Weight, lanes: np.ndarray) -> None:
-    """``weight``'s lanes blocks into ``lanes`` (uint32 ``[out // 16, in // 32, 80]``)."""
+    """``weight``'s lanes blocks into ``lanes`` (uint32 ``[out // 16, in // 32, 80]``):
+    csrc/gguf_repack.cpp's ``q4_lanes_into`` where the library is built (one
+    pass, 2-3x numpy's time less), else ``_pack_lanes_numpy``; the same bytes."""
+    try:
+        ops = native.ops()
+    except native.NativeUnavailable:
+        _pack_lanes_numpy(weight, lanes)
+        return
+    if isinstance(weight, Q4KBlocks) and not weight.decoded:  # from the file's nibbles: no values made
+        weight.pack_lanes_into(lanes, ops)
+        return
+    if weight.group_size % GROUP:
+        _steps(weight)  # raises, naming the group size
+    parts = (weight.q.contiguous(), weight.scale.float().contiguous(), weight.zero.float().contiguous())
+    ops.q4_lanes_into(*parts, weight.group_size, torch.from_numpy(lanes.view(np.uint8)))  # type: ignore[attr-defined]
+
+
+def _pack_lanes_numpy(weight: Int4Weight, lanes: np.ndarray) -> None:
+    """``_pack_lanes_into`` in numpy, a chunk of panels at a time."""
     out, k = weight.q.shape
     d, m = _steps(weight)
     q = weight.q.numpy()
@@ -275,7 +299,7 @@ class Int4NativeLinear:
 
     @classmethod
     def from_rtn(cls, weight: Int4Weight, bias: torch.Tensor | None, isa: str) -> Int4NativeLinear:
-        out, k = weight.q.shape
+        out, k = _shape(weight)
         index = native.ISAS[isa]
         blocks = pack_lanes(weight) if lanes_layout(index, out) else pack_blocks(weight)
         return cls(blocks, bias, k, out, index, native.ops())
@@ -285,11 +309,11 @@ class Int4NativeLinear:
         """``from_rtn`` of ``parts`` stacked by rows (one width and group
         size: a fused qkv or gate_up), each part packed into its own rows
         of the kernel's blocks: no stacked copy of the values made first."""
-        out, k = sum(part.q.shape[0] for part in parts), parts[0].q.shape[1]
+        out, k = sum(_shape(part)[0] for part in parts), _shape(parts[0])[1]
         index = native.ISAS[isa]
         if not lanes_layout(index, out):
             blocks = torch.from_numpy(np.concatenate([pack_blocks(part).numpy() for part in parts]))
-        elif all(part.q.shape[0] % LANES_CHANNELS == 0 for part in parts):
+        elif all(_shape(part)[0] % LANES_CHANNELS == 0 for part in parts):
             blocks = pack_lanes_of(parts)
         else:  # a panel across two parts: stacked first
             q, scale, zero = (np.concatenate([getattr(p, n).numpy() for p in parts]) for n in ("q", "scale", "zero"))

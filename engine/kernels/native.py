@@ -36,7 +36,7 @@ import torch
 
 SOURCE_DIR = Path(__file__).parent / "csrc"
 # Compiled; the headers they include count toward a build's identity too.
-SOURCES = ("linear.cpp", "decode.cpp")
+SOURCES = ("linear.cpp", "decode.cpp", "gguf_repack.cpp")
 HEADERS = (
     "kernels.h", "isa.h", "vexp.h", "panel.h", "panel_vnni.h", "rows_vnni.h", "panel_avx2.h", "panel_avx2_int16.h",
     "rows_avx2.h", "lanes_avx2.h", "q8_lanes_avx2.h", "lanes_vnni.h", "q6k_lanes_vnni.h", "attend.h", "attend64.h",

@@ -11,15 +11,20 @@ matrix's bytes down 27%), and a product closer to W x over the file's values.
 
 The layout is the file's bytes rearranged (``to_lanes``): numpy on the
 calling thread, a few panels at a time, every step on uint32 words (the
-values are below 64, so no bits cross a byte).
+values are below 64, so no bits cross a byte); ``Q6KLanes.of`` takes
+csrc/gguf_repack.cpp's ``q6k_lanes_into`` instead where the library is
+built, the same bytes in one pass.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import attrs
 import numpy as np
 import torch
 
+from trioserve.engine.kernels.q4k_blocks import read_only
 from trioserve.engine.kernels.rtn import Int8GroupWeight
 
 CHANNELS = 16  # a panel: csrc's kLanesChannels
@@ -36,15 +41,57 @@ def fits(out: int, k: int) -> bool:
     return out % CHANNELS == 0 and k % SUPER == 0
 
 
-@attrs.frozen(eq=False)
 class Q6KGroups(Int8GroupWeight):
-    """A GGUF Q6_K tensor as ``gguf_weights.decode_q6_k`` gives it (int8 in
-    groups of 16, ``(u - 32) d sc``), with the file's rows ``blocks``
-    (uint8 ``[out, in / 256 * 210]``, a view of the mapped file) kept, so a
-    kernel that reads Q6_K itself lays out the file's own bytes. Anything
-    that takes int8 groups takes it as one."""
+    """A GGUF Q6_K tensor: the file's rows ``blocks`` (uint8 ``[out, in /
+    256 * 210]``, a view of the mapped file), and as int8 groups of 16
+    (``(u - 32) d sc``) ``decode(blocks)`` gives, made only when ``q`` or
+    ``scale`` is first read. A kernel that reads Q6_K itself lays out the
+    file's own bytes (``Q6KLanes.of``) and never asks for the groups, so
+    the matrix is not decoded as well; anything that takes int8 groups
+    takes it as one (``shape`` without decoding)."""
 
-    blocks: np.ndarray
+    __slots__ = ("blocks", "_decode", "_groups")
+    group_size = 16  # Q6_K's sub-blocks (a class attribute over the parent's slot: never stored)
+
+    def __init__(self, blocks: np.ndarray, decode: Callable[[np.ndarray], Int8GroupWeight]) -> None:
+        # The parent is a frozen attrs class: its fields are set through object.
+        object.__setattr__(self, "blocks", blocks)
+        object.__setattr__(self, "_decode", decode)
+        object.__setattr__(self, "_groups", None)
+
+    def groups(self) -> Int8GroupWeight:
+        """The int8 groups, decoded on the first call and kept."""
+        if self._groups is None:
+            object.__setattr__(self, "_groups", self._decode(self.blocks))
+        return self._groups  # type: ignore[return-value]
+
+    @property  # type: ignore[override]
+    def q(self) -> torch.Tensor:
+        return self.groups().q
+
+    @property  # type: ignore[override]
+    def scale(self) -> torch.Tensor:
+        return self.groups().scale
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The matrix's ``(out, in)``, from the blocks alone."""
+        return self.blocks.shape[0], self.blocks.shape[1] // BLOCK * SUPER
+
+    @property
+    def decoded(self) -> bool:
+        """Whether the int8 groups have been made."""
+        return self._groups is not None
+
+    def rows_of(self, blocks: np.ndarray) -> Q6KGroups:
+        """The same kind of tensor over other rows ``blocks`` (decoded alike, when asked)."""
+        return Q6KGroups(blocks, self._decode)
+
+    def __repr__(self) -> str:
+        return f"Q6KGroups(shape={self.shape}, decoded={self.decoded})"
+
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
 
 
 def to_lanes(data: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,8 +160,18 @@ class Q6KLanes:
 
     @classmethod
     def of(cls, blocks: np.ndarray, ops: object) -> Q6KLanes:
-        """The Q6_K rows ``blocks`` (``[out, in / 256 * 210]`` uint8, ``fits``) laid out in lanes."""
-        return cls(*to_lanes(blocks), ops)
+        """The Q6_K rows ``blocks`` (``[out, in / 256 * 210]`` uint8, ``fits``)
+        laid out in lanes: by ``ops``' ``q6k_lanes_into`` (csrc/gguf_repack.cpp,
+        one pass) where it has one, else ``to_lanes``; the same bytes."""
+        native = getattr(ops, "q6k_lanes_into", None)
+        if native is None:
+            return cls(*to_lanes(blocks), ops)
+        out, n = blocks.shape[0], blocks.shape[1] // BLOCK
+        assert fits(out, n * SUPER) and blocks.shape[1] == n * BLOCK, blocks.shape
+        lanes = torch.empty(out // CHANNELS, n, LANES_BYTES, dtype=torch.uint8)
+        d = torch.empty(out // CHANNELS, n, CHANNELS, dtype=torch.float16)
+        native(read_only(np.ascontiguousarray(blocks)), lanes, d)
+        return cls(lanes, d, ops)
 
     @property
     def q(self) -> torch.Tensor:

@@ -43,10 +43,16 @@ class Q8Lanes:
 
     @classmethod
     def of(cls, weight: Int8GroupWeight, ops: object) -> Q8Lanes:
-        """``weight``'s values and steps laid out in lanes (``fits`` must hold)."""
+        """``weight``'s values and steps laid out in lanes (``fits`` must
+        hold): by ``ops``' ``q8_lanes_into`` where it has one, else numpy."""
         assert fits(weight), (tuple(weight.q.shape), weight.group_size)
         out, k = weight.q.shape
         panels, groups = out // CHANNELS, k // GROUP
+        native = getattr(ops, "q8_lanes_into", None)  # csrc/gguf_repack.cpp: one pass, the same bytes
+        if native is not None:
+            blocks = torch.empty(panels, groups, BLOCK_BYTES, dtype=torch.uint8)
+            native(weight.q.contiguous(), weight.scale.float().contiguous(), blocks)
+            return cls(blocks, ops)
         # Group g of panel p: for each pair of inputs, the 16 channels' two
         # values, a pair moved as one uint16 (numpy, a chunk of panels at a
         # time: moved a byte at a time by torch's permuted copy it ran at

@@ -38,6 +38,7 @@ from trioserve.engine.kernels import int4_pack
 from trioserve.engine.kernels import int8_native
 from trioserve.engine.kernels import native
 from trioserve.engine.kernels import q6k_lanes
+from trioserve.engine.kernels.q4k_blocks import Q4KBlocks, read_only
 from trioserve.engine.loading import rtn_cache
 from trioserve.engine.loading.sources import find_shards
 from trioserve.engine.kernels.choose import KERNELS, Kernel, KernelChoice, Linear, candidates, choose_kernel
@@ -72,6 +73,14 @@ def _named_shapes(config: ModelConfig) -> list[tuple[str, tuple[int, int]]]:
     return shapes
 
 
+def _shape(tensor: Tensor) -> tuple[int, ...]:
+    """A weight's ``(out, in)`` in any format, without decoding a
+    ``Q6KGroups`` or a ``Q4KBlocks`` (whose values a lanes projection never needs)."""
+    if isinstance(tensor, torch.Tensor | q6k_lanes.Q6KGroups | Q4KBlocks):
+        return tuple(tensor.shape)
+    return tuple(tensor.q.shape)
+
+
 def _rows(tensor: Tensor, rows: slice) -> Tensor:
     """Rows ``rows`` of a weight in any format: exact, each row's values and
     scales its own."""
@@ -90,7 +99,7 @@ def _unfused(name: str, tensor: Tensor, config: ModelConfig, source: Path) -> li
     parts = fused_names(name, config)
     if not parts:
         return [(name, tensor)]
-    shape = tuple(tensor.shape if isinstance(tensor, torch.Tensor) else tensor.q.shape)
+    shape = _shape(tensor)
     rows = sum(s.stop - s.start for _, s in parts)
     if len(shape) != 2 or shape[0] != rows:
         raise ModelLoadError(f"{source}: weight {name!r}: expected {rows} rows, got shape {shape}")
@@ -187,7 +196,7 @@ def _q6k_lanes(parts: list[Tensor]) -> q6k_lanes.Q6KLanes | None:
     not rounded once more into Q8_0 groups."""
     if not all(isinstance(p, q6k_lanes.Q6KGroups) for p in parts):
         return None
-    out, k = sum(p.q.shape[0] for p in parts), parts[0].q.shape[1]
+    out, k = sum(_shape(p)[0] for p in parts), _shape(parts[0])[1]
     if not q6k_lanes.fits(out, k):
         return None
     blocks = parts[0].blocks if len(parts) == 1 else np.concatenate([p.blocks for p in parts])  # type: ignore[union-attr]
@@ -220,7 +229,19 @@ def _dense_rows(weight: Tensor, rows: slice) -> np.ndarray:
 
 def _round_into(dense: np.ndarray, q: np.ndarray, scale: np.ndarray) -> None:
     """``rtn.quantize_int8_groups`` of ``dense`` in groups of 32, by its
-    float32 arithmetic (numpy's, as ``_dense_rows``), into ``q`` and ``scale``."""
+    float32 arithmetic, into ``q`` and ``scale``: csrc/gguf_repack.cpp's
+    ``q8g_round_into`` where the library is built and every value is
+    finite, else ``_round_numpy``; the same bits."""
+    ops = gguf_weights.repack_ops() if q.flags.c_contiguous and scale.flags.c_contiguous else None
+    done = ops is not None and ops.q8g_round_into(  # type: ignore[attr-defined]
+        torch.from_numpy(np.ascontiguousarray(dense)), torch.from_numpy(q), torch.from_numpy(scale)
+    )
+    if not done:
+        _round_numpy(dense, q, scale)
+
+
+def _round_numpy(dense: np.ndarray, q: np.ndarray, scale: np.ndarray) -> None:
+    """``_round_into`` in numpy (as ``_dense_rows``), infinite values and NaN too."""
     groups = dense.reshape(dense.shape[0], -1, int8_native.GROUP)
     # Each group's largest magnitude, over a transposed copy: numpy's
     # reduction along a short last axis took twice as long as this, copy
@@ -242,15 +263,22 @@ def _int8_groups(parts: list[Tensor]) -> Int8GroupWeight:
     group's largest magnitude to 127: ``rtn.quantize_int8_groups``). Each
     row is rounded on its own, so the rows go a chunk at a time, written
     into the result as they come."""
-    rows = [p.shape[0] if isinstance(p, torch.Tensor) else p.q.shape[0] for p in parts]
-    k = parts[0].shape[1] if isinstance(parts[0], torch.Tensor) else parts[0].q.shape[1]
+    rows = [_shape(p)[0] for p in parts]
+    k = _shape(parts[0])[1]
     check_group_size((sum(rows), k), int8_native.GROUP)
     q = np.empty((sum(rows), k), dtype=np.int8)
     scale = np.empty((sum(rows), k // int8_native.GROUP), dtype=np.float32)
     at, step = 0, max(1, _REGROUP_VALUES // k)
+    ops = gguf_weights.repack_ops()
     for part, n in zip(parts, rows):
         if isinstance(part, Int8GroupWeight) and part.group_size == int8_native.GROUP:
             q[at : at + n], scale[at : at + n] = part.q.numpy(), part.scale.numpy()
+        elif isinstance(part, q6k_lanes.Q6KGroups) and ops is not None and not part.decoded:
+            # Straight from the file's blocks, never decoded into groups of 16
+            # first (a Q4_K_M file's tied token table: 1.5 CPU seconds of a
+            # 1B model's start in numpy); the bits of the rounding below.
+            into = (torch.from_numpy(q[at : at + n]), torch.from_numpy(scale[at : at + n]))
+            ops.q6k_to_q8g_into(read_only(part.blocks), *into)  # type: ignore[attr-defined]
         else:
             for start in range(0, n, step):
                 end = min(n, start + step)
@@ -269,12 +297,12 @@ def _build_layer(
     def make(names: tuple[str, ...]) -> object:
         nonlocal widened
         weights = [parts[f"{n}.weight"] for n in names]
-        rows = [w.shape[0] if isinstance(w, torch.Tensor) else w.q.shape[0] for w in weights]
+        rows = [_shape(w)[0] for w in weights]
         if wide is not None and any(isinstance(w, Int8GroupWeight | Int8Weight) for w in weights):
             widened += 1
             return wide.build(weights, _bias(parts, names, rows))
         for n, w in zip(names, weights):
-            shape = tuple(w.shape if isinstance(w, torch.Tensor) else w.q.shape)
+            shape = _shape(w)
             if choice.kernel.bits == 4:
                 check_group_size(shape, choice.group_size, f"model.layers.{index}.{n}_proj.weight")
         return _stacked(choice, weights, _bias(parts, names, rows))
@@ -352,7 +380,7 @@ def build_quantized(
             if index >= config.num_hidden_layers:
                 raise ModelLoadError(f"{source}: weight {name!r}: the config has {config.num_hidden_layers} layers")
             part = f"{match.group(3)}.{match.group(4)}"
-            shape = tuple(tensor.shape if isinstance(tensor, torch.Tensor) else tensor.q.shape)
+            shape = _shape(tensor)
             if part not in shapes or (index in moe and match.group(2) == "mlp"):
                 raise ModelLoadError(f"{source}: unknown weight {name!r} for {config.architecture}")
             if shape != shapes[part]:

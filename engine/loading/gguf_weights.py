@@ -6,7 +6,7 @@ and Q4_K's sub-blocks of 32 are Q4_1's form with ``d = d_super * sc`` and
 ``m = -dmin * min``). Q8_0, Q5_0 and Q6_K as ``Int8GroupWeight``, exactly
 (Q8_0 ``q d`` and Q5_0 ``(q - 16) d`` in groups of 32, Q6_K ``(q - 32) d sc``
 in sub-blocks of 16, a ``q6k_lanes.Q6KGroups`` that keeps the file's rows for
-the kernels that read Q6_K itself); Q5_1 and Q5_K, whose 5-bit values carry an offset an
+the kernels that read Q6_K itself and decodes them only when asked); Q5_1 and Q5_K, whose 5-bit values carry an offset an
 int8 group has no room for, rounded to int8 in groups of 32 (the largest
 value of a group to 127, as Q8_0 is made: one rounding, a quarter of their
 own step or less). MXFP4 (gpt-oss's experts) as ``Int8GroupWeight``
@@ -30,7 +30,11 @@ file, so no layer's experts are ever decoded whole; the router
 Start-up reads the file once: the header without parsing the vocabulary
 (``gguf_file``), each tensor's bytes from the mapped file when the model
 reaches it, decoded a chunk of rows at a time (``by_rows``: numpy over the
-blocks, the chunk's temporaries in cache) into the result's rows.
+blocks, the chunk's temporaries in cache) into the result's rows. Where
+the native library is built (``repack_ops``), a Q4_K tensor comes as a
+``q4k_blocks.Q4KBlocks`` instead: its steps decoded in one native pass
+(csrc/gguf_repack.cpp), its values only when a consumer asks (the 4-bit
+lanes are laid out from the file's nibbles); the same bits as numpy's.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ import torch
 
 from trioserve.engine.errors import ModelLoadError
 from trioserve.engine.kernels import mxfp4
+from trioserve.engine.kernels import native
+from trioserve.engine.kernels.q4k_blocks import Q4KBlocks, read_only
 from trioserve.engine.kernels.q6k_lanes import Q6KGroups
 from trioserve.engine.loading.gguf_file import GGUFFile
 from trioserve.engine.kernels.rtn import Int4Weight, Int8GroupWeight, quantize_int8_groups
@@ -265,6 +271,12 @@ def _q6_k_into(data: np.ndarray, into: tuple[np.ndarray, ...]) -> None:
     np.multiply(_half(blocks, 208)[..., None], blocks[..., 192:208].view(np.int8).astype(np.float32), out=scale)
 
 
+def decode_q6_k_rows(data: np.ndarray) -> Int8GroupWeight:
+    """``decode_q6_k(data)``, a chunk of rows at a time (``by_rows``): how
+    a ``Q6KGroups`` makes its int8 groups when first asked."""
+    return by_rows(decode_q6_k, data)  # type: ignore[return-value]
+
+
 def requantize_int8(kind: str, data: np.ndarray) -> Int8GroupWeight:
     """Rows of ``kind`` (Q5_1, Q5_K) dequantized by gguf's reference and
     rounded to int8 in groups of 32."""
@@ -359,10 +371,12 @@ def _unpermute(weight: torch.Tensor | Compressed, heads: int) -> torch.Tensor | 
     def rows(t: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(put_back(t.numpy()))
 
+    if isinstance(weight, Q4KBlocks):  # its blocks' rows put back, with its steps': its values alike, if ever made
+        return weight.rows_of(put_back)
     if isinstance(weight, Int4Weight):
         return Int4Weight(rows(weight.q), rows(weight.scale), rows(weight.zero), weight.group_size)
-    if isinstance(weight, Q6KGroups):
-        return Q6KGroups(rows(weight.q), rows(weight.scale), weight.group_size, put_back(weight.blocks))
+    if isinstance(weight, Q6KGroups):  # its blocks' rows put back: decoded alike, if ever
+        return weight.rows_of(put_back(weight.blocks))
     if isinstance(weight, Int8GroupWeight):
         return Int8GroupWeight(rows(weight.q), rows(weight.scale), weight.group_size)
     return rows(weight)
@@ -387,9 +401,7 @@ def _check_scales(path: Path, name: str, kind: str, weight: Compressed) -> None:
                 offset = np.abs(zero - 8 * scale).max(initial=0)
                 largest = max(largest, float(np.abs(scale).max(initial=0)), float(offset))
         if not finite:
-            raise ModelLoadError(
-                f"{path}: tensor {name!r} ({kind}) has scales that are not finite numbers: the file is damaged"
-            )
+            raise _damaged(path, name, kind)
     if largest > _FLOAT16_MAX:
         raise ModelLoadError(
             f"{path}: tensor {name!r} ({kind}) has a group scale of {largest:.4g}, beyond float16's range "
@@ -398,16 +410,56 @@ def _check_scales(path: Path, name: str, kind: str, weight: Compressed) -> None:
         )
 
 
+def _damaged(path: Path, name: str, kind: str) -> ModelLoadError:
+    return ModelLoadError(f"{path}: tensor {name!r} ({kind}) has scales that are not finite numbers: the file is damaged")
+
+
+def _check_finite(path: Path, name: str, kind: str, scales: np.ndarray) -> None:
+    """Raise ``_damaged`` naming tensor ``name`` unless every one of ``scales`` is finite."""
+    if not np.isfinite(scales).all():
+        raise _damaged(path, name, kind)
+
+
+def repack_ops() -> object | None:
+    """``torch.ops.trioserve`` where the native library is built (its
+    csrc/gguf_repack.cpp decodes and lays out blocks in one pass, with the
+    bits of the numpy here), else None: numpy's, as before."""
+    try:
+        return native.ops()
+    except native.NativeUnavailable:
+        return None
+
+
+def _q4_k_values(data: np.ndarray) -> torch.Tensor:
+    """``decode_q4_k(data).q`` natively: how a ``Q4KBlocks`` makes its values when asked."""
+    ops = repack_ops()
+    if ops is None:
+        return decode_q4_k(data).q
+    return ops.q4k_values(read_only(data))  # type: ignore[attr-defined]
+
+
 def _decoded(path: Path, name: str, kind: str, data: np.ndarray) -> torch.Tensor | Compressed:
     """Tensor ``name``'s rows ``data`` of GGUF type ``kind`` as held (the module's docstring)."""
     data = np.ascontiguousarray(data)  # the decoders view a block's bytes as float16: no copy of the file's rows
-    if kind in ("Q4_0", "Q4_1", "Q5_1", "Q5_K"):
+    ops = repack_ops() if kind == "Q4_K" else None
+    if ops is not None:
+        # decode_q4_k's steps and offsets (csrc/gguf_repack.cpp, one pass);
+        # its values only when asked: the 4-bit lanes are laid out from the
+        # file's nibbles (q4k_blocks).
+        scale, zero = ops.q4k_steps(read_only(data))  # type: ignore[attr-defined]
+        value: torch.Tensor | Compressed = Q4KBlocks(data, scale, zero, _q4_k_values)
+    elif kind in ("Q4_0", "Q4_1", "Q5_1", "Q5_K"):
         rows_of = decode_q4 if kind.startswith("Q4") else requantize_int8
-        value: torch.Tensor | Compressed = by_rows(lambda rows: rows_of(kind, rows), data)
+        value = by_rows(lambda rows: rows_of(kind, rows), data)
+    elif kind == "Q6_K":
+        # The file's rows kept, decoded only if asked: avx512vnni runs them
+        # at their width (q6k_lanes), and a model that does never needs the
+        # int8 groups. Their steps ``d sc`` are finite where ``d`` is (sc
+        # is a byte), so the blocks' d are what _check_scales would check.
+        _check_finite(path, name, kind, _half(data.reshape(data.shape[0], -1, 210), 208))
+        return Q6KGroups(data, decode_q6_k_rows)
     elif kind in _DECODERS:
         value = by_rows(_DECODERS[kind], data)
-        if kind == "Q6_K":  # the file's rows kept: avx512vnni runs them at their width (q6k_lanes)
-            value = Q6KGroups(value.q, value.scale, value.group_size, data)
     elif kind == "MXFP4":
         value = by_rows(lambda rows: mxfp4.decode_gguf(rows, name), data)
     elif kind == "BF16":
