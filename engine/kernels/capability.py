@@ -7,7 +7,9 @@ on CPU. ``CpuPaths.detect`` runs one tiny trial per path (``PROBES``; a few
 milliseconds in all) and checks its result against float32; the model then
 picks the path that works (``model.choose_projections``) and says why, and a
 dtype whose matmul fails gets one ``CpuCapabilityError`` naming what the
-machine supports.
+machine supports. The trials are correctness checks, never timings, so
+``from_environment`` keeps their results per machine and build in the
+model cache (``trial_cache``) and a later start runs none.
 
 ``TRIOSERVE_CPU_ASSUME=avx2`` (or ``default``) turns off every path that
 needs more than that level, as if the CPU lacked it, so a machine with
@@ -39,6 +41,7 @@ from trioserve.engine.kernels import onednn
 from trioserve.engine.errors import CpuCapabilityError
 from trioserve.engine.kernels import int4_native as quant_int4_native
 from trioserve.engine.kernels import native
+from trioserve.engine.kernels import trial_cache
 from trioserve.engine.kernels import int4_pack as quant_int4_pack
 from trioserve.engine.kernels import int8_native as quant_int8_native
 from trioserve.engine.kernels import int8_pack as quant_int8_pack
@@ -262,16 +265,20 @@ class CpuPaths:
         assume: str | None = None,
         probes: Sequence[Probe] = PROBES,
         library_caps: Mapping[str, str] | None = None,
+        trials: Mapping[str, str | None] | None = None,
     ) -> CpuPaths:
-        """Run each probe's trial; with ``assume`` (a level of ``ISA_LEVELS``),
-        turn off the paths that need more."""
+        """Run each probe's trial (or take its result from ``trials``, probe
+        name to error or None, where it has one); with ``assume`` (a level
+        of ``ISA_LEVELS``), turn off the paths that need more."""
         assume = parse_assume(assume)
+        trials = trials or {}
         statuses = []
         for probe in probes:
             forced = None
             if assume is not None and ISA_LEVELS.index(assume) < ISA_LEVELS.index(probe.needs):
                 forced = f"{ASSUME_ENV}={assume}"
-            statuses.append(PathStatus(probe.name, probe.what, run_trial(probe), forced, probe.requirement))
+            error = trials[probe.name] if probe.name in trials else run_trial(probe)
+            statuses.append(PathStatus(probe.name, probe.what, error, forced, probe.requirement))
         return cls(
             capability=torch.backends.cpu.get_cpu_capability(),
             assume=assume,
@@ -283,10 +290,18 @@ class CpuPaths:
     def from_environment(
         cls, environ: Mapping[str, str] | None = None, *, probes: Sequence[Probe] = PROBES
     ) -> CpuPaths:
-        """``detect`` with ``TRIOSERVE_CPU_ASSUME`` from ``environ`` (default: the process's)."""
+        """``detect`` with ``TRIOSERVE_CPU_ASSUME`` from ``environ`` (default:
+        the process's). With the default probes, their trials' results are
+        kept per machine and build in the model cache (``trial_cache``): a
+        later start runs none."""
         environ = os.environ if environ is None else environ
         caps = {name: environ[name] for name in LIBRARY_CAPS if name in environ}
-        return cls.detect(assume=environ.get(ASSUME_ENV), probes=probes, library_caps=caps)
+        trials = None
+        if probes is PROBES:
+            names = [probe.name for probe in probes]
+            switches = (*LIBRARY_CAPS, native.SWITCH_ENV)
+            trials = trial_cache.results(names, lambda: {p.name: run_trial(p) for p in probes}, environ, switches)
+        return cls.detect(assume=environ.get(ASSUME_ENV), probes=probes, library_caps=caps, trials=trials)
 
     def status(self, name: str) -> PathStatus:
         for path in self.paths:
