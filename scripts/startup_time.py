@@ -10,7 +10,11 @@ stops the server (SIGTERM, SIGKILL after 10 s) and prints one JSON line a
 run: the seconds to ready, and the server's peak RSS and CPU seconds
 (``wait4``'s, its own and its waited children's). The load average is
 printed with each run: on a shared machine it says how far to trust them.
-Used for docs/benchmarks.md, "Start-up" (llama-server against trioserve serve).
+Used for docs/benchmarks.md, "Start-up" (llama-server against trioserve serve);
+where a start's time goes, and how it was measured: docs/performance.md,
+"Start-up: where the time goes". A first start also runs the capability
+trials, whose results are then kept in the same cache
+(engine/kernels/trial_cache.py): ``--fresh-cache`` measures both.
 """
 
 from __future__ import annotations
