@@ -4,12 +4,13 @@ yet to come (issue #44).
 A request's wait is not only the load it meets at the door: under the
 ``slo`` policy a request of a higher class (a lower priority value) that
 arrives while it waits runs before it. The door cannot see those, but it
-has seen their like arrive: ``RecentArrivals`` keeps the last ``size``
-judged requests, and ``ahead_of`` gives, per class that outranks a new
+has seen their like arrive: ``RecentArrivals`` keeps the requests judged
+in the last ``window`` seconds (at most ``size``), and ``ahead_of`` gives, per class that outranks a new
 request, the rate those arrive at and their mean prompt and answer, for
 ``LatencyModel.predict_ttft``'s ``arrivals``, for as long as they have
 been seen to arrive (``horizon``: the time since the oldest kept; a burst
-that has lasted a second is not assumed to last a minute). Only a
+that has lasted a second is not assumed to last a minute, and one that
+ended ``window`` seconds ago is forgotten). Only a
 strictly higher class
 counts: within a class a later arrival with the same TTFT target has a
 later deadline and runs after (one with a tighter target may pass; not
@@ -37,18 +38,26 @@ class _Arrival:
 
 @attrs.define
 class RecentArrivals:
-    """The last ``size`` requests judged at the door (``record``), for the
-    rates of the classes that outrank a new one (``ahead_of``). The rate of
-    a class is its arrivals over the time since the oldest one kept: when
-    arrivals stop, it falls as the window ages."""
+    """The requests judged at the door (``record``) in the last ``window``
+    seconds, the last ``size`` at most, for the rates of the classes that
+    outrank a new one (``ahead_of``). The rate of a class is its arrivals
+    over the time since the oldest one kept: when arrivals stop, it falls
+    as the window ages, and is gone after ``window`` seconds."""
 
     size: int = 64
+    window: float = 10.0
     _arrivals: deque[_Arrival] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         if self.size < 1:
             raise ValueError(f"size must be >= 1, got {self.size!r}")
+        if not self.window > 0:
+            raise ValueError(f"window must be > 0, got {self.window!r}")
         self._arrivals = deque(maxlen=self.size)
+
+    def _forget(self, now: float) -> None:
+        while self._arrivals and self._arrivals[0].time < now - self.window:
+            self._arrivals.popleft()
 
     def record(self, now: float, priority: int, prefill: int, output: int) -> None:
         """A request of class ``priority`` with ``prefill`` prompt tokens to
@@ -58,12 +67,14 @@ class RecentArrivals:
     def horizon(self, now: float) -> float:
         """How long the arrivals kept have been coming: the time since the
         oldest (0 with none)."""
+        self._forget(now)
         return max(0.0, now - self._arrivals[0].time) if self._arrivals else 0.0
 
     def ahead_of(self, priority: int, now: float) -> list[tuple[float, int, int]]:
         """For each class that outranks ``priority``: ``(rate per second,
         mean prefill tokens, mean output tokens)`` of its recent arrivals
         (none before ``MIN_ARRIVALS`` of it, or while no time has passed)."""
+        self._forget(now)
         if not self._arrivals:
             return []
         span = now - self._arrivals[0].time

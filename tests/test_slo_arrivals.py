@@ -17,7 +17,7 @@ arrivals = st.lists(
 @settings(max_examples=50, deadline=None)
 @given(arrivals=arrivals, priority=st.integers(-2, 3), size=st.integers(1, 64))
 def test_only_classes_that_outrank_it_at_their_recent_rate(arrivals, priority, size):
-    recent = RecentArrivals(size)
+    recent = RecentArrivals(size, window=20.0)
     times = sorted(t for t, *_ in arrivals)
     for time, (_, p, prefill, output) in zip(times, arrivals):
         recent.record(time, p, prefill, output)
@@ -47,7 +47,12 @@ def test_the_rate_falls_once_arrivals_stop():
     assert recent.horizon(0.8) == pytest.approx(0.8)
     (later, _, _), = recent.ahead_of(1, 8.0)
     assert later == pytest.approx(1.0)
+    # Past the window they are forgotten.
+    assert recent.ahead_of(1, 10.65) == [] and recent.horizon(10.65) == pytest.approx(9.95)
+    assert recent.horizon(11.0) == 0.0
     assert RecentArrivals().horizon(3.0) == 0.0
     assert recent.ahead_of(0, 8.0) == []  # the same class does not pass it
     with pytest.raises(ValueError, match="size"):
         RecentArrivals(0)
+    with pytest.raises(ValueError, match="window"):
+        RecentArrivals(window=0.0)
