@@ -146,6 +146,8 @@ def _pack_lanes_into(weight: Int4Weight, lanes: np.ndarray) -> None:
     try:
         ops = native.ops()
     except native.NativeUnavailable:
+        ops = None
+    if ops is None:
         _pack_lanes_numpy(weight, lanes)
         return
     if isinstance(weight, Q4KBlocks) and not weight.decoded:  # from the file's nibbles: no values made
