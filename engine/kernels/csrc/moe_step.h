@@ -92,20 +92,28 @@ inline void moe_mlp(const float* x, int64_t rows, int64_t dim, const Routing& ho
   std::vector<float> xs(pairs * dim), gate_up(pairs * 2 * inter), act(pairs * inter), ys(pairs * dim);
   constexpr int64_t kCopyGrain = 16;
   over_rows_of(pairs, kCopyGrain, [&](int64_t i) { std::copy_n(x + (i / k) * dim, dim, xs.data() + at[i] * dim); });
-  for (int64_t e = 0; e < how.experts; ++e) {
-    const int64_t first = start[e], count = start[e + 1] - first;
-    if (count == 0) continue;
-    const torch::Tensor* w = experts + e * kExpertParts;
-    float* gu = gate_up.data() + first * 2 * inter;
-    float* a = act.data() + first * inter;
-    Linear{w[0], w[1], torch::Tensor()}(xs.data() + first * dim, count, dim, gu, isa);
-    constexpr int64_t kSiluGrain = 4;
-    over_rows_of(count, kSiluGrain, [&](int64_t r) {
-      const float* g = gu + r * 2 * inter;
-      TRIOSERVE_BY_ISA(isa, silu_mul(g, g + inter, a + r * inter, inter));
-    });
-    Linear{w[2], w[3], torch::Tensor()}(a, count, inter, ys.data() + first * dim, isa);
-  }
+  // The experts with rows, one parallel region for all of them: each
+  // thread takes whole experts (its linears then run inline, on one
+  // thread), where a region per linear (16 a layer at one row) each waited
+  // for the other thread on a busy machine. Which thread runs an expert
+  // changes none of its bits.
+  std::vector<int64_t> used;
+  for (int64_t e = 0; e < how.experts; ++e)
+    if (start[e + 1] > start[e]) used.push_back(e);
+  parallel_chunks(int64_t(used.size()), 1, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t e = used[i], first = start[e], count = start[e + 1] - first;
+      const torch::Tensor* w = experts + e * kExpertParts;
+      float* gu = gate_up.data() + first * 2 * inter;
+      float* a = act.data() + first * inter;
+      Linear{w[0], w[1], torch::Tensor()}(xs.data() + first * dim, count, dim, gu, isa);
+      for (int64_t r = 0; r < count; ++r) {
+        const float* g = gu + r * 2 * inter;
+        TRIOSERVE_BY_ISA(isa, silu_mul(g, g + inter, a + r * inter, inter));
+      }
+      Linear{w[2], w[3], torch::Tensor()}(a, count, inter, ys.data() + first * dim, isa);
+    }
+  });
   constexpr int64_t kCombineGrain = 8;
   over_rows_of(rows, kCombineGrain, [&](int64_t r) {
     combine_row(ys.data(), at.data() + r * k, weight.data() + r * k, k, dim, out + r * dim);
