@@ -13,8 +13,9 @@ printed with each run: on a shared machine it says how far to trust them.
 Used for docs/benchmarks.md, "Start-up" (llama-server against trioserve serve);
 where a start's time goes, and how it was measured: docs/performance.md,
 "Start-up: where the time goes". A first start also runs the capability
-trials, whose results are then kept in the same cache
-(engine/kernels/trial_cache.py): ``--fresh-cache`` measures both.
+trials, whose results are then kept beside the native builds
+(engine/kernels/trial_cache.py): ``--fresh-cache`` turns that keeping off
+(``TRIOSERVE_CPU_TRIALS_CACHE=0``), so it measures both.
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=600)
-    parser.add_argument("--fresh-cache", action="store_true", help="each run with an empty TRIOSERVE_CACHE")
+    parser.add_argument("--fresh-cache", action="store_true",
+                        help="each run with an empty TRIOSERVE_CACHE and the capability trials run")  # fmt: skip
     parser.add_argument("command", nargs="+")
     args = parser.parse_args()
     for _ in range(args.runs):
@@ -91,7 +93,8 @@ def main() -> None:
             print(json.dumps(one_run(args.command, args.timeout)), flush=True)
             continue
         with tempfile.TemporaryDirectory(prefix="startup-cache-") as cache:
-            result = one_run(args.command, args.timeout, {**os.environ, "TRIOSERVE_CACHE": cache})
+            fresh = {**os.environ, "TRIOSERVE_CACHE": cache, "TRIOSERVE_CPU_TRIALS_CACHE": "0"}
+            result = one_run(args.command, args.timeout, fresh)
         print(json.dumps({**result, "fresh_cache": True}), flush=True)
 
 

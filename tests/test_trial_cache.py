@@ -28,7 +28,7 @@ class Trials:
 
 
 def test_a_second_start_reads_the_first_ones_results(tmp_path):
-    environ = {"TRIOSERVE_CACHE": str(tmp_path)}
+    environ = {"TRIOSERVE_NATIVE_CACHE": str(tmp_path)}
     trials = Trials({"a": None, "b": "RuntimeError: no"})
     first = trial_cache.results(["a", "b"], trials, environ, SWITCHES)
     second = trial_cache.results(["a", "b"], trials, environ, SWITCHES)
@@ -38,7 +38,7 @@ def test_a_second_start_reads_the_first_ones_results(tmp_path):
 
 @pytest.mark.parametrize("changed", [{"ONEDNN_MAX_CPU_ISA": "AVX2"}, {"TRIOSERVE_NATIVE_KERNELS": "0"}])
 def test_a_change_the_key_holds_runs_the_trials_again(tmp_path, changed):
-    environ = {"TRIOSERVE_CACHE": str(tmp_path)}
+    environ = {"TRIOSERVE_NATIVE_CACHE": str(tmp_path)}
     trials = Trials({"a": None})
     trial_cache.results(["a"], trials, environ, SWITCHES)
     trial_cache.results(["a"], trials, {**environ, **changed}, SWITCHES)
@@ -48,19 +48,19 @@ def test_a_change_the_key_holds_runs_the_trials_again(tmp_path, changed):
 
 def test_the_switch_and_an_unwritable_folder_run_the_trials_every_time(tmp_path):
     trials = Trials({"a": None})
-    off = {"TRIOSERVE_CACHE": str(tmp_path), trial_cache.OFF_ENV: "0"}
+    off = {"TRIOSERVE_NATIVE_CACHE": str(tmp_path), trial_cache.OFF_ENV: "0"}
     for _ in range(2):
         assert trial_cache.results(["a"], trials, off, SWITCHES) == {"a": None}
     assert trials.runs == 2 and not (tmp_path / trial_cache.FOLDER).exists()
     blocked = tmp_path / "file"
     blocked.write_text("")  # a file where the cache's folder would be
     for _ in range(2):
-        assert trial_cache.results(["a"], trials, {"TRIOSERVE_CACHE": str(blocked)}, SWITCHES) == {"a": None}
+        assert trial_cache.results(["a"], trials, {"TRIOSERVE_NATIVE_CACHE": str(blocked)}, SWITCHES) == {"a": None}
     assert trials.runs == 4
 
 
 def test_cpu_paths_found_from_kept_results_are_those_the_trials_found(tmp_path):
-    environ = {"TRIOSERVE_CACHE": str(tmp_path)}
+    environ = {"TRIOSERVE_NATIVE_CACHE": str(tmp_path)}
     first = CpuPaths.from_environment(environ)
     with mock.patch.object(capability, "run_trial", side_effect=AssertionError("a trial ran")):
         again = CpuPaths.from_environment(environ)

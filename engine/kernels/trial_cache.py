@@ -3,9 +3,10 @@ after the first runs none (``capability.CpuPaths.from_environment``).
 
 A trial (``capability.PROBES``) is a correctness check on seeded inputs,
 never a timing: given the same CPU, the same libraries and the same code,
-it finds the same thing every time. Its result is kept in
-``<cache>/cpu-paths/<key>.json`` (``<cache>`` as for a GGUF's entry:
-``$TRIOSERVE_CACHE``, else ``~/.cache/trioserve``), the key hashing all
+it finds the same thing every time. Its result is kept beside the native
+builds, in ``<native cache>/cpu-paths/<key>.json`` (``native.cache_root``:
+``$TRIOSERVE_NATIVE_CACHE``, else ``~/.cache/trioserve/native``; not the
+model cache, whose folders are a model's entries each), the key hashing all
 that decides it: the CPU's model and feature flags, torch's version and
 dispatch level, the native library (its build tag, and whether and when it
 was built), the environment that turns paths or library features off, the
@@ -33,7 +34,6 @@ from trioserve.engine.kernels import native
 logger = logging.getLogger(__name__)
 
 FOLDER = "cpu-paths"
-CACHE_ENV = "TRIOSERVE_CACHE"  # gguf_cache.CACHE_ENV: the model cache's root
 # "0" or "off": the trials run at every start, their results neither kept nor read.
 OFF_ENV = "TRIOSERVE_CPU_TRIALS_CACHE"
 
@@ -41,9 +41,8 @@ Results = dict[str, str | None]  # probe name -> its trial's error, None where i
 
 
 def cache_root(environ: Mapping[str, str]) -> Path:
-    """``$TRIOSERVE_CACHE``, else ``~/.cache/trioserve`` (gguf_cache.cache_root's rule)."""
-    env = environ.get(CACHE_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "trioserve"
+    """Where the results are kept: the native builds' root (``native.cache_root``)."""
+    return native.cache_root(environ)
 
 
 def _cpu() -> str:
