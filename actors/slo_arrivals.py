@@ -8,9 +8,10 @@ has seen their like arrive: ``RecentArrivals`` keeps the requests judged
 in the last ``window`` seconds (at most ``size``), and ``ahead_of`` gives, per class that outranks a new
 request, the rate those arrive at and their mean prompt and answer, for
 ``LatencyModel.predict_ttft``'s ``arrivals``, for as long as they have
-been seen to arrive (``horizon``: the time since the oldest kept; a burst
-that has lasted a second is not assumed to last a minute, and one that
-ended ``window`` seconds ago is forgotten). Only a
+been seen to arrive (``horizon``: the time since the run of arrivals
+began, with no gap of ``window`` seconds in it, however few of them are
+kept; a burst that has lasted a second is not assumed to last a minute,
+and one that ended ``window`` seconds ago is forgotten). Only a
 strictly higher class
 counts: within a class a later arrival with the same TTFT target has a
 later deadline and runs after (one with a tighter target may pass; not
@@ -47,6 +48,9 @@ class RecentArrivals:
     size: int = 64
     window: float = 10.0
     _arrivals: deque[_Arrival] = attrs.field(init=False)
+    # When the run of arrivals kept began: the ``size`` cap must not shorten
+    # the horizon (64 arrivals at 20 a second span 3 s of a 20 s wait).
+    _since: float = attrs.field(init=False, default=0.0)
 
     def __attrs_post_init__(self) -> None:
         if self.size < 1:
@@ -62,13 +66,16 @@ class RecentArrivals:
     def record(self, now: float, priority: int, prefill: int, output: int) -> None:
         """A request of class ``priority`` with ``prefill`` prompt tokens to
         compute and up to ``output`` to generate arrived at ``now``."""
+        self._forget(now)
+        if not self._arrivals:
+            self._since = now
         self._arrivals.append(_Arrival(now, priority, prefill, output))
 
     def horizon(self, now: float) -> float:
-        """How long the arrivals kept have been coming: the time since the
-        oldest (0 with none)."""
+        """How long the arrivals kept have been coming: the time since
+        their run began (0 with none)."""
         self._forget(now)
-        return max(0.0, now - self._arrivals[0].time) if self._arrivals else 0.0
+        return max(0.0, now - self._since) if self._arrivals else 0.0
 
     def ahead_of(self, priority: int, now: float) -> list[tuple[float, int, int]]:
         """For each class that outranks ``priority``: ``(rate per second,

@@ -48,7 +48,7 @@ def test_the_rate_falls_once_arrivals_stop():
     (later, _, _), = recent.ahead_of(1, 8.0)
     assert later == pytest.approx(1.0)
     # Past the window they are forgotten.
-    assert recent.ahead_of(1, 10.65) == [] and recent.horizon(10.65) == pytest.approx(9.95)
+    assert recent.ahead_of(1, 10.65) == [] and recent.horizon(10.65) == pytest.approx(10.65)
     assert recent.horizon(11.0) == 0.0
     assert RecentArrivals().horizon(3.0) == 0.0
     assert recent.ahead_of(0, 8.0) == []  # the same class does not pass it
@@ -56,3 +56,15 @@ def test_the_rate_falls_once_arrivals_stop():
         RecentArrivals(0)
     with pytest.raises(ValueError, match="window"):
         RecentArrivals(window=0.0)
+
+
+def test_the_horizon_is_the_runs_length_not_the_kept_arrivals_span():
+    recent = RecentArrivals(8, window=10.0)
+    for i in range(200):  # 20 a second for 10 s, 8 kept
+        recent.record(i * 0.05, 0, 32, 16)
+    (rate, _, _), = recent.ahead_of(1, 10.0)
+    assert rate == pytest.approx(8 / 0.4)
+    assert recent.horizon(10.0) == pytest.approx(10.0)
+    # A gap of a window ends the run: the next one starts its own.
+    recent.record(25.0, 0, 32, 16)
+    assert recent.horizon(26.0) == pytest.approx(1.0)
