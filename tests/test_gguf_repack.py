@@ -7,6 +7,8 @@ ops and one loaded with numpy's hold the same bytes and answer alike."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from unittest import mock
 
 import numpy as np
@@ -28,7 +30,7 @@ from trioserve.engine.sampling.sampling_params import SamplingParams
 from trioserve.engine.text.fast_tokenizer import FastTokenizer
 from trioserve.testing.tiny_model import write_word_tokenizer
 
-from test_gguf_kquants import _CONFIG, _random_tensors, _write
+from test_gguf_kquants import _CONFIG, _random_blocks, _random_tensors, _write
 from test_q6k_lanes import _LAYERS
 
 
@@ -227,3 +229,27 @@ def test_a_model_loaded_with_the_native_ops_answers_as_one_loaded_with_numpy(ops
     monkeypatch.setattr(int4_native, "_pack_lanes_into", int4_native._pack_lanes_numpy)
     monkeypatch.setattr(native, "ops", lambda environ=None: _WithoutNativeLanes(ops))
     assert _greedy(loaded(), prompt) == native_answer
+
+
+@pytest.mark.cpu_paths
+def test_no_view_of_the_mapped_file_outlives_the_load(cpu_paths, tmp_path, monkeypatch):
+    """A Q4_K token table, kept as the embeddings, owns its values: while a
+    view of the mapped file lives the map does, and every page the load
+    read stays in the server's RSS (a 4.2 GB MoE file's 4.3 GB)."""
+    rng = np.random.default_rng(14)
+    tensors = _random_tensors(_LAYERS, rng)
+    tensors["token_embd.weight"] = ("Q4_K", _random_blocks("Q4_K", _CONFIG.vocab_size, _CONFIG.hidden_size, rng))
+    _write(tmp_path / "m.gguf", tensors)
+    maps = []
+    opened = gguf_weights.GGUFFile.__init__
+
+    def recording(self, *args, **kwargs):
+        opened(self, *args, **kwargs)
+        maps.append(weakref.ref(self._map))
+
+    monkeypatch.setattr(gguf_weights.GGUFFile, "__init__", recording)
+    choice = compressed.quantization_choice(cpu_paths, torch.device("cpu"), torch.float32, "auto", _CONFIG, 32)
+    model = compressed.load_gguf_quantized(tmp_path / "m.gguf", _CONFIG, choice, cpu_paths)
+    gc.collect()
+    assert maps and all(m() is None for m in maps), "a view of the mapped file outlived the load"
+    assert model is not None

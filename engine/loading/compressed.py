@@ -399,7 +399,7 @@ def build_quantized(
             # Kept compressed (as the file has it, or Q6_K's groups of 16 in
             # groups of 32): a float32 copy would be the largest tensor of a
             # small model (113 MB for SmolLM2's 49,152 x 576).
-            tensor = _in_native_groups(tensor)
+            tensor = _in_native_groups(_owned(tensor))
             embedding = CompressedEmbedding(tensor)
             if config.tie_word_embeddings:
                 head = tensor
@@ -465,6 +465,16 @@ def _expert_layer(name: str, collectors: dict[int, ExpertCollector]) -> int | No
     index = int(match.group(1))
     collector = collectors.get(index)
     return index if collector is not None and collector.accepts(name) else None
+
+
+def _owned(tensor: Tensor) -> Tensor:
+    """A table kept past the load as values of its own: a ``Q4KBlocks``
+    decoded (its ``blocks`` view the mapped file, and while any view lives
+    the map does, each page the load read counted in the server's RSS: 4.3
+    GB of a 4.2 GB MoE file); anything else as it is."""
+    if isinstance(tensor, Q4KBlocks):
+        return Int4Weight(tensor.q, tensor.scale, tensor.zero, tensor.group_size)
+    return tensor
 
 
 def _in_native_groups(tensor: Tensor) -> Tensor:
