@@ -44,9 +44,10 @@ def format_report(document: Mapping) -> str:
     """results.json as markdown: the machine, the floors, the servers."""
     info, machine = document["info"], document["machine"]
     low, high = min(info["concurrency"]), max(info["concurrency"])
-    # Other classes than native (--isa) add a column naming the class.
-    machines = {NATIVE: machine, **{k: v for k, v in (document.get("machines") or {}).items() if k != NATIVE}}
-    classes = len(machines) > 1
+    # The classes run (--isa; results.json files from before name none: native
+    # alone); any but native alone adds a column naming the class.
+    machines = dict(document.get("machines") or {NATIVE: machine})
+    classes = list(machines) != [NATIVE]
     column, align = ("| CPU class ", "| --- ") if classes else ("", "")
     peaks = machine["peaks"]
     lines = [

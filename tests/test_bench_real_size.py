@@ -483,6 +483,19 @@ def test_the_report_shows_avx2_rows_beside_native_ones():
     assert "trioserve int8, AVX2" not in text.split("| trioserve over llama-server |")[1]
 
 
+def test_a_run_at_avx2_alone_shows_no_native_row():
+    document = _recorded_at_avx2()
+    avx2 = document["machines"]["avx2"]
+    document["machine"], document["machines"] = avx2, {"avx2": avx2}
+    run = document["runs"][0]
+    run["comparison"]["servers"] = [s for s in run["comparison"]["servers"] if s.get("isa") == "avx2"]
+    text = format_report(document)
+    # Its figures named by their class, never as native's.
+    assert "| avx2 | 33.0 GB/s | 20 GFLOP/s |" in text and "| native |" not in text
+    assert "| llama-3.2-1b | Q4_K_M | avx2 | 1.07B |" in text
+    assert "| llama-3.2-1b Q4_K_M, trioserve auto, AVX2 | 1.25x |" in text
+
+
 def test_an_unproven_avx2_row_is_left_out_of_the_plot(tmp_path):
     pytest.importorskip("matplotlib")
     document = _recorded_at_avx2()
