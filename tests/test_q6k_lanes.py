@@ -11,6 +11,8 @@ import attrs
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from trioserve.engine.config import EngineConfig
 from trioserve.engine.core.engine_core import EngineCore
@@ -81,6 +83,24 @@ def test_the_lanes_hold_the_files_values(ops):
         want = _reference("Q6_K", data)
         assert torch.equal(lanes.linear(torch.eye(k), AVX512).T, want)
         assert torch.equal(lanes.dequantize_bf16(), want.to(torch.bfloat16))
+
+
+@settings(max_examples=25, deadline=None)
+@given(panels=st.integers(1, 4), supers=st.integers(1, 3), seed=st.integers(0, 2**16),
+       picks=st.lists(st.integers(0, 10**6), min_size=0, max_size=40), many=st.booleans())  # fmt: skip
+def test_rows_looked_up_in_the_lanes_are_the_files_values(panels, supers, seed, picks, many):
+    """A tied model's embeddings read their rows out of the head's lanes
+    (``lookup``, torch on any CPU): each row is the file's groups'
+    dequantized values bit for bit, in any order, repeated, and past a
+    lookup's chunk of rows."""
+    out, k = panels * q6k_lanes.CHANNELS, supers * q6k_lanes.SUPER
+    data = _matrix(out, k, seed)
+    lanes = Q6KLanes(*q6k_lanes.to_lanes(data), None)
+    index = torch.tensor([p % out for p in picks], dtype=torch.int64)
+    if many:  # more rows than one chunk
+        index = torch.cat([index, torch.randint(0, out, (q6k_lanes._LOOKUP_ROWS + 7,), generator=torch.Generator().manual_seed(seed))])
+    want = gguf_weights.decode_q6_k(data).dequantize()
+    assert torch.equal(lanes.lookup(index), want[index])
 
 
 def test_a_rows_bits_are_the_same_at_every_row_count_and_in_any_batch(ops):

@@ -13,16 +13,18 @@ from __future__ import annotations
 import attrs
 import torch
 
+from trioserve.engine.kernels.q6k_lanes import Q6KLanes
 from trioserve.engine.kernels.q8_lanes import Q8Lanes
 from trioserve.engine.kernels.rtn import Int4Weight, Int8GroupWeight
 
 
 @attrs.frozen
 class CompressedEmbedding:
-    """``weight``'s rows, dequantized on lookup (a ``Q8Lanes`` table: the
-    LM head's, which a tied model's embeddings share)."""
+    """``weight``'s rows, dequantized on lookup (a ``Q8Lanes`` or
+    ``Q6KLanes`` table: the LM head's, which a tied model's embeddings
+    share)."""
 
-    weight: Int4Weight | Int8GroupWeight | Q8Lanes
+    weight: Int4Weight | Int8GroupWeight | Q8Lanes | Q6KLanes
 
     @property
     def num_embeddings(self) -> int:
@@ -35,12 +37,12 @@ class CompressedEmbedding:
     @property
     def _shape(self) -> tuple[int, int]:
         w = self.weight
-        return w.shape if isinstance(w, Q8Lanes) else (w.q.shape[0], w.q.shape[1])
+        return w.shape if isinstance(w, Q8Lanes | Q6KLanes) else (w.q.shape[0], w.q.shape[1])
 
     @property
     def nbytes(self) -> int:
         w = self.weight
-        if isinstance(w, Q8Lanes):
+        if isinstance(w, Q8Lanes | Q6KLanes):
             return w.nbytes
         zero = w.zero.nbytes if isinstance(w, Int4Weight) else 0
         return w.q.nbytes + w.scale.nbytes + zero
@@ -49,7 +51,7 @@ class CompressedEmbedding:
         """Float32 ``[*input_ids.shape, embedding_dim]``, the rows of ``input_ids``."""
         w = self.weight
         flat = input_ids.reshape(-1)
-        if isinstance(w, Q8Lanes):
+        if isinstance(w, Q8Lanes | Q6KLanes):
             return w.lookup(flat).view(*input_ids.shape, self.embedding_dim)
         q = w.q.index_select(0, flat)
         scale = w.scale.index_select(0, flat)

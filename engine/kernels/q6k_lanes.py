@@ -34,6 +34,9 @@ LANES_BYTES = 3328  # csrc's kQ6kLanesBytes: a panel and super-block, without it
 PAIR_BYTES = LANES_BYTES // 4  # two groups of 32 inputs: csrc's kQ6kPairBytes
 # The file's bytes laid out at once by to_lanes: the temporaries stay in a core's cache.
 _CHUNK_BYTES = 1 << 19
+# Rows Q6KLanes.lookup decodes at once: their temporaries (about 60 bytes an
+# input) a few MB.
+_LOOKUP_ROWS = 256
 
 
 def fits(out: int, k: int) -> bool:
@@ -197,6 +200,36 @@ class Q6KLanes:
         the same at every row count, or float32 activations in bfloat16
         (avx512bf16) or float32 (avx512) panels."""
         return self.ops.q6k_linear(x, self.lanes, self.d, isa)  # type: ignore[attr-defined]
+
+    def lookup(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows ``index`` (int64, 1-D) dequantized, float32 ``[n, in]``, each
+        value ``(u - 32) (d sc)`` as the file's groups have it
+        (``Q6KGroups.dequantize``, bit for bit): a tied LM head's embeddings
+        read their rows from the head's lanes blocks, so the table is held
+        once, at the file's width. A chunk of rows at a time, so a prompt's
+        thousands of tokens take a few MB of temporaries."""
+        if len(index) <= _LOOKUP_ROWS:
+            return self._rows(index)
+        return torch.cat([self._rows(index[i : i + _LOOKUP_ROWS]) for i in range(0, len(index), _LOOKUP_ROWS)])
+
+    def _rows(self, index: torch.Tensor) -> torch.Tensor:
+        panels, supers, _ = self.lanes.shape
+        pairs = self.lanes.view(panels, supers, 4, PAIR_BYTES)  # [panel, s, pair P, 832 bytes]
+        # Words (A, B, C) of (group e of the pair, half h of the group) per
+        # channel, and the int8 scale of each half's 16 inputs: views, so a
+        # lookup is one gather each.
+        words = pairs[..., :768].view(torch.int32).unflatten(-1, (2, 2, 3, CHANNELS))  # [p, s, P, e, h, t, c]
+        scales = pairs[..., 768:].view(torch.int8).unflatten(-1, (2, 2, CHANNELS))  # [p, s, P, e, h, c]
+        panel, channel = index // CHANNELS, index % CHANNELS
+        a, b, c = words[panel, :, :, :, :, :, channel].unbind(-1)  # each [n, s, P, e, h]
+        low = torch.tensor(0x3F3F3F3F, dtype=torch.int32)
+        # W[3]'s bits back out of A, B and C's top two (to_lanes put them
+        # there); the masks keep each byte's own bits (and drop the sign
+        # an arithmetic shift brings in).
+        w3 = ((a >> 2) & 0x30303030) | ((b >> 4) & 0x0C0C0C0C) | ((c >> 6) & 0x03030303)
+        u = torch.stack((a & low, b & low, c & low, w3), -1).view(torch.uint8)  # [n, s, P, e, h, 16 values]
+        step = self.d[panel, :, channel].float()[..., None, None, None] * scales[panel, :, :, :, :, channel].float()
+        return ((u.to(torch.int8) - 32).float() * step[..., None]).reshape(len(index), supers * SUPER)
 
     def dequantize_bf16(self) -> torch.Tensor:
         """The matrix in bfloat16 (each weight in float32, then rounded to nearest even)."""

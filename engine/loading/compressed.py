@@ -393,13 +393,16 @@ def build_quantized(
                 widened += n
             continue
         if name == "lm_head.weight" and not config.tie_word_embeddings:
-            head = _in_native_groups(tensor)  # kept compressed (below): the model has no float parameter for it
+            head = tensor  # kept compressed (below): the model has no float parameter for it
             continue
         if name == "model.embed_tokens.weight" and isinstance(tensor, (Int4Weight, Int8GroupWeight)):
             # Kept compressed (as the file has it, or Q6_K's groups of 16 in
             # groups of 32): a float32 copy would be the largest tensor of a
-            # small model (113 MB for SmolLM2's 49,152 x 576).
-            tensor = _in_native_groups(_owned(tensor))
+            # small model (113 MB for SmolLM2's 49,152 x 576). A tied Q6_K
+            # table waits for the head (below), which may hold it at its width.
+            tensor = _owned(tensor)
+            if not (config.tie_word_embeddings and isinstance(tensor, q6k_lanes.Q6KGroups)):
+                tensor = _in_native_groups(tensor)
             embedding = CompressedEmbedding(tensor)
             if config.tie_word_embeddings:
                 head = tensor
@@ -433,16 +436,20 @@ def build_quantized(
     if model.required_weight_names() - loaded:
         raise ModelLoadError(f"{source}: missing weights {sorted(model.required_weight_names() - loaded)[:8]}")
     assert head is not None
-    head_linear = _shared_head(cpu_paths, head, choice.kernel) or _eight_bit_kernel(cpu_paths, choice.kernel).make(
-        head, None, choice.group_size
-    )
     shared = embedding is not None and embedding.weight is head
-    if isinstance(head_linear, int8_native.Int8GroupNativeLinear):
-        head_linear = head_linear.in_lanes()
-        if shared:
-            # One table: the embeddings look their rows up in the head's lanes
-            # blocks, and the groups they replace are freed.
-            embedding = CompressedEmbedding(head_linear.weight)
+    head_linear = _q6k_head(cpu_paths, head, choice.kernel)
+    if head_linear is None:
+        head = _in_native_groups(head)
+        head_linear = _shared_head(cpu_paths, head, choice.kernel) or _eight_bit_kernel(cpu_paths, choice.kernel).make(
+            head, None, choice.group_size
+        )
+        if isinstance(head_linear, int8_native.Int8GroupNativeLinear):
+            head_linear = head_linear.in_lanes()
+    if shared:
+        # One table: the embeddings look their rows up in the head's lanes
+        # blocks, and the groups they replace are freed.
+        weight = head_linear.weight if isinstance(head_linear, int8_native.Int8GroupNativeLinear) else head
+        embedding = CompressedEmbedding(weight)
     model.set_quantized([layers[i] for i in range(config.num_hidden_layers)], head_linear, embedding)
     if widened:
         # What the model holds, for the load log and /version: "int8" where
@@ -486,6 +493,28 @@ def _in_native_groups(tensor: Tensor) -> Tensor:
     return tensor
 
 
+def _native_isa(cpu_paths: CpuPaths, kernel: Kernel) -> str | None:
+    """The native int8 kernel's variant an LM head runs on: ``kernel``'s
+    where it is native, else the best here; None without the native kernels."""
+    order = ((kernel.isa,) if kernel.isa else ()) + native.LINEAR_ISA_ORDER
+    return next((i for i in order if cpu_paths.works(f"quant_int8_native_{i}")), None)
+
+
+def _q6k_head(cpu_paths: CpuPaths, head: Tensor, kernel: Kernel) -> Linear | None:
+    """A head the file stores as Q6_K (a K-quant mix's LM head, or its tied
+    token table) held at the file's width as Q6_K lanes blocks, where it
+    runs on avx512vnni (csrc/q6k_lanes_vnni.h: int8 activations at any row
+    count, a row's bits the same at every count, as the Q8_0 lanes head's):
+    6.5625 bits a weight, not Q8_0 lanes' 9 after one more rounding (a
+    1B-shaped model's decode step reads 31 of its 697 MB less). None
+    elsewhere: the head goes into Q8_0 groups (``_shared_head``)."""
+    if not isinstance(head, q6k_lanes.Q6KGroups) or not q6k_lanes.fits(*head.shape):
+        return None
+    if _native_isa(cpu_paths, kernel) != "avx512vnni":
+        return None
+    return int8_native.Int8GroupNativeLinear.q6k(q6k_lanes.Q6KLanes.of(head.blocks, native.ops()), "avx512vnni")
+
+
 def _shared_head(cpu_paths: CpuPaths, head: Tensor, kernel: Kernel) -> Linear | None:
     """The LM head in int8 groups of 32 (GGUF's Q8_0) on the native kernel
     (``kernel``'s variant where it is native, else the best here). A head
@@ -497,11 +526,7 @@ def _shared_head(cpu_paths: CpuPaths, head: Tensor, kernel: Kernel) -> Linear | 
     at any batch size (an int8-per-channel head runs float32 activations,
     in bfloat16 or float32 panels from 10 rows). None where that does not
     run here, or for a head in another format (a 4-bit one)."""
-    isa = next(
-        (i for i in ((kernel.isa,) if kernel.isa else ()) + native.LINEAR_ISA_ORDER
-         if cpu_paths.works(f"quant_int8_native_{i}")),
-        None,
-    )
+    isa = _native_isa(cpu_paths, kernel)
     if isa is None:
         return None
     if isinstance(head, torch.Tensor) and head.shape[-1] % int8_native.GROUP == 0:
