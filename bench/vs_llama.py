@@ -16,6 +16,7 @@ from pathlib import Path
 
 import attrs
 
+from .paired import paired_lines
 from .plot import require_matplotlib, save_figure
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
@@ -325,7 +326,8 @@ def _tokens(tokens: Mapping | None) -> str:
 
 def format_tables(document: Mapping) -> str:
     """The script's JSON as markdown: latency and throughput per server and
-    concurrency, memory per server, and ratios to llama-server."""
+    concurrency, memory per server, ratios to llama-server, and the paired
+    one-stream rounds where it has them (``--paired-rounds``)."""
     servers = document["servers"]
     lines = [
         "| server | concurrency | TPOT p50 (ms) | TPOT p99 (ms) | TTFT p50 (ms) | TTFT p99 (ms) | output tok/s "
@@ -365,6 +367,9 @@ def format_tables(document: Mapping) -> str:
         for label, values in ratios:
             lines.append(f"| {label} | " + " | ".join("n/a" if v is None else f"{v:.2f}x" for v in values) + " |")
         lines.append("| target (issue #13) | " + " | ".join(target for _, target in RATIOS) + " |")
+    paired = paired_lines(document.get("paired") or [], server_label)
+    if paired:
+        lines += ["", *paired]
     return "\n".join(lines) + "\n"
 
 

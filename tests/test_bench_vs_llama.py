@@ -7,8 +7,12 @@ from __future__ import annotations
 import copy
 import json
 import os
+import statistics
+import sys
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from trioserve.bench.vs_llama import (
     Contender,
@@ -30,7 +34,9 @@ from trioserve.bench.vs_llama import (
     parse_isas,
     server_label,
 )
-from trioserve.bench.figures.vs_llama import prompts_at
+from trioserve.bench.figures import vs_llama as vs_llama_command
+from trioserve.bench.figures.vs_llama import paired_class, paired_groups, prompts_at
+from trioserve.bench.paired import abba_order, ratio_summary, round_ratios, summarize
 from trioserve.web.cli import build_parser
 from trioserve.web.engine_options import engine_config_from_args
 
@@ -330,6 +336,189 @@ def test_avx2_rows_sit_beside_native_ones_and_take_their_own_reference():
     text = format_tables(document)
     assert "| trioserve int4, AVX2 | 1 | 16.0 |" in text and "| llama-server Q4_1, AVX2 | 32 | 800.0 |" in text
     assert "| trioserve int4, AVX2 | 0.80x | 3.00x | 0.20x | 1.50x |" in text
+
+
+# -- paired one-stream rounds (--paired-rounds) --------------------------------
+
+
+@given(st.integers(1, 5), st.integers(1, 8))
+def test_each_round_runs_every_server_once_and_reverses_the_order(servers, rounds):
+    orders = [abba_order(range(servers), r) for r in range(rounds)]
+    assert all(sorted(order) == list(range(servers)) for order in orders)
+    for before, after in zip(orders, orders[1:]):
+        assert after == before[::-1]  # A B, B A, A B, ...
+    if rounds % 2 == 0:  # over whole pairs of rounds, every server sits at every place equally often
+        places = {s: sum(order.index(s) for order in orders) for s in range(servers)}
+        assert len(set(places.values())) == 1
+
+
+def test_abba_order_of_two_servers():
+    assert [abba_order("AB", r) for r in range(4)] == [["A", "B"], ["B", "A"], ["A", "B"], ["B", "A"]]
+
+
+_tpots = st.lists(st.one_of(st.none(), st.floats(0.5, 500.0)), min_size=1, max_size=9)
+
+
+@given(_tpots, _tpots)
+def test_the_ratio_summary_spans_its_rounds(ours, theirs):
+    ratios = round_ratios(ours, theirs)
+    summary = ratio_summary(ours, theirs)
+    both = [(a, b) for a, b in zip(ours, theirs) if a is not None and b is not None]
+    assert ratios == [a / b for a, b in both]  # round by round, rounds missing a figure left out
+    if not both:
+        assert summary is None
+        return
+    assert summary.rounds == len(both)
+    assert summary.low == min(ratios) and summary.high == max(ratios)
+    assert summary.low <= summary.median <= summary.high
+    assert summary.to_json() == {"median": summary.median, "min": summary.low, "max": summary.high,
+                                 "rounds": len(both)}  # fmt: skip
+
+
+def _paired_server(label, kind, tpot, ttft, bandwidth, isa="native") -> dict:
+    return {"label": label, "kind": kind, "isa": isa, "isa_check": None, "tpot_ms": tpot, "ttft_ms": ttft,
+            "bandwidth_gbs": bandwidth, "tokens_exact": [True] * len(tpot)}  # fmt: skip
+
+
+def test_the_summary_of_given_rounds():
+    servers = [
+        _paired_server("trioserve auto", "trioserve", [18.0, 25.0, 20.0, 30.0], [90.0] * 4, [55.0, 33.0, 50, 33]),
+        _paired_server("llama-server Q4_1", "llama-server", [20.0, 20.0, 20.0, 20.0], [80.0] * 4, [55.0] * 4),
+    ]
+    trio, llama = summarize(servers, "llama-server Q4_1")
+    assert trio["median_tpot_ms"] == 22.5 and trio["median_ttft_ms"] == 90.0
+    # The median of the per-round ratios (0.9, 1.25, 1.0, 1.5), not the ratio of the medians.
+    assert trio["ratio"] == {"median": pytest.approx(1.125), "min": 0.9, "max": 1.5, "rounds": 4}
+    assert llama == {"label": "llama-server Q4_1", "median_tpot_ms": 20.0, "median_ttft_ms": 80.0, "ratio": None}
+    assert summarize(servers[:1], None)[0]["ratio"] is None  # no llama-server: medians only
+
+
+def _paired_entry(isa="native") -> dict:
+    servers = [
+        _paired_server("trioserve int4", "trioserve", [9.0, 8.0, 7.0], [100.0] * 3, [33.0, 51.0, 56.5], isa),
+        _paired_server("llama-server Q4_1", "llama-server", [10.0, 10.0, 10.0], [90.0] * 3, [34.0, 50.0, 57.0], isa),
+    ]
+    return {"isa": isa, "rounds": 3, "num_prompts": 2, "num_warmups": 1, "servers": servers,
+            "order": [["trioserve int4", "llama-server Q4_1"], ["llama-server Q4_1", "trioserve int4"],
+                      ["trioserve int4", "llama-server Q4_1"]],
+            "summary": summarize(servers, "llama-server Q4_1")}  # fmt: skip
+
+
+def test_tables_with_paired_rounds_and_without():
+    assert "paired rounds" not in format_tables(DOCUMENT)  # results.json files from before render as ever
+    document = {**DOCUMENT, "paired": [_paired_entry()]}
+    text = format_tables(document)
+    assert text.startswith(format_tables(DOCUMENT).rstrip("\n"))
+    assert "one stream, paired rounds" in text
+    assert "| trioserve int4 | 3 | 8.0 | 100 | 0.80x | 0.70x | 0.90x | 33.0-56.5 |" in text
+    assert "| llama-server Q4_1 | 3 | 10.0 | 90 | n/a | n/a | n/a | 34.0-57.0 |" in text
+    failed = {**DOCUMENT, "paired": [{"isa": "native", "error": "llama-server exited with 1; see x.log",
+                                      "servers": [], "summary": []}]}  # fmt: skip
+    assert "| native | | failed: llama-server exited with 1; see x.log |" in format_tables(failed)
+
+
+def test_the_command_redraws_paired_rounds_from_its_json(tmp_path, capsys):
+    document = {**DOCUMENT, "paired": [_paired_entry()]}
+    (tmp_path / "results.json").write_text(json.dumps(document))
+    args = vs_llama("--from-json", str(tmp_path / "results.json"), "--out", str(tmp_path / "out"))
+    assert args.func(args) == 0
+    assert (tmp_path / "out" / "results.md").read_text() == format_tables(document)
+    assert "| trioserve int4 | 3 | 8.0 | 100 | 0.80x |" in capsys.readouterr().out
+
+
+def test_paired_rounds_is_a_non_negative_count(capsys):
+    assert vs_llama().paired_rounds == 0  # off: the comparison as before
+    assert vs_llama("--paired-rounds", "4").paired_rounds == 4
+    with pytest.raises(SystemExit):
+        vs_llama("--paired-rounds", "-1")
+    assert "argument --paired-rounds: must be >= 0, got -1" in capsys.readouterr().err
+
+
+def test_the_rounds_pair_the_finished_servers_of_each_class():
+    trio, llama = Contender.trioserve("int4"), Contender.llama_server("/m/x.Q4_1.gguf")
+    int8 = Contender.trioserve("int8")
+    contenders = [trio, trio.at("avx2"), int8, llama, llama.at("avx2")]
+    results = [{}, {"isa": "avx2", "isa_check": {"proven": True}}, {"error": "exited"}, {},
+               {"isa": "avx2", "isa_check": {"proven": False}}]  # fmt: skip
+    # int8 failed its runs; avx2's llama-server did not prove its class: nothing to pair at avx2.
+    assert paired_groups(contenders, results) == [("native", [(trio, {}), (llama, {})])]
+
+
+# A stand-in for a server's process: it answers /health (all the rounds ask
+# of a server besides bench serve's requests) and writes its pid down.
+_HEALTH_SERVER = """
+import http.server, os, pathlib, sys
+pathlib.Path(sys.argv[2]).write_text(str(os.getpid()))
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def _stand_ins(monkeypatch, tmp_path, failing: set[str]):
+    """Each contender's command a health-only server (its pid in tmp_path/
+    SLUG.pid), or one that exits at once for those in ``failing``; each
+    bench run a result whose TPOT is the server's from ``TPOT`` (the
+    requests bench serve sends are not what this checks)."""
+    def command(contender, args, layout, model, port):
+        if contender.kind in failing:
+            return [sys.executable, "-c", "raise SystemExit(3)"]
+        return [sys.executable, "-c", _HEALTH_SERVER, str(port), str(tmp_path / f"{contender.slug}.pid")]
+
+    calls = []
+
+    def bench(url, model, out, **kwargs):
+        calls.append((url, kwargs))
+        tpot = 10.0 + len(calls)  # every run slower than the one before: the host moving
+        return {"median_tpot_ms": tpot, "median_ttft_ms": 5.0, "output_lens": [kwargs["output_len"]] * 2,
+                "request_errors": ["", ""], "itls": [[0.01] * (kwargs["output_len"] - 1)] * 2}  # fmt: skip
+
+    monkeypatch.setattr(vs_llama_command, "server_command", command)
+    monkeypatch.setattr(vs_llama_command, "bench", bench)
+    monkeypatch.setattr("trioserve.bench.roofline.measure_bandwidth", lambda threads, **kw: 40e9)
+    return calls
+
+
+def test_the_rounds_alternate_the_servers_and_stop_them(monkeypatch, tmp_path):
+    calls = _stand_ins(monkeypatch, tmp_path, failing=set())
+    trio, llama = Contender.trioserve("auto"), Contender.llama_server("/m/x.Q4_1.gguf")
+    args = vs_llama("--paired-rounds", "4", "--output-len", "8", "--out", str(tmp_path), "--ready-timeout", "60")
+    entry = paired_class(args, LAYOUT, tmp_path / "m.gguf", [(trio, {}), (llama, {})], "native")
+    assert "error" not in entry
+    assert entry["order"] == [[trio.label, llama.label], [llama.label, trio.label]] * 2
+    assert [kwargs["concurrency"] for _, kwargs in calls] == [1] * 8
+    # The same prompts for both servers in a round, other prompts each round.
+    assert [kwargs["seed"] for _, kwargs in calls] == [3000, 3000, 3001, 3001, 3002, 3002, 3003, 3003]
+    ours, theirs = entry["servers"]
+    assert ours["tpot_ms"] == [11.0, 14.0, 15.0, 18.0] and theirs["tpot_ms"] == [12.0, 13.0, 16.0, 17.0]
+    assert ours["bandwidth_gbs"] == [40.0] * 4 and ours["tokens_exact"] == [True] * 4
+    ratio = entry["summary"][0]["ratio"]
+    assert ratio["min"] == 11 / 12 and ratio["max"] == 14 / 13
+    assert ratio["median"] == statistics.median([11 / 12, 14 / 13, 15 / 16, 18 / 17])
+    for slug in (trio.slug, llama.slug):
+        assert _gone(int((tmp_path / f"{slug}.pid").read_text()))
+
+
+def test_a_server_that_fails_to_start_ends_its_class_and_stops_the_others(monkeypatch, tmp_path):
+    calls = _stand_ins(monkeypatch, tmp_path, failing={"llama-server"})
+    trio, llama = Contender.trioserve("auto"), Contender.llama_server("/m/x.Q4_1.gguf")
+    args = vs_llama("--paired-rounds", "2", "--out", str(tmp_path), "--ready-timeout", "60")
+    entry = paired_class(args, LAYOUT, tmp_path / "m.gguf", [(trio, {}), (llama, {})], "native")
+    assert "exited with 3" in entry["error"] and calls == []
+    assert _gone(int((tmp_path / f"{trio.slug}.pid").read_text()))  # started, then stopped
+    assert "| native | | failed: " in format_tables({**DOCUMENT, "paired": [entry]})
 
 
 # -- end to end, on the default model -------------------------------------------

@@ -30,6 +30,21 @@ trioserve held to AVX2 by the variables engine/kernels/capability.py names
 ``--llama-server-avx2``; a row is labelled AVX2 only where the server's own
 report (trioserve's ``/version``, llama-server's system_info line) shows
 nothing above it, and its ratios are to llama-server's row of its class.
+
+``--paired-rounds N`` adds a phase after those runs, because on a shared VM
+the host moves between runs: its read bandwidth changes over minutes (the
+vCPUs landing on shared or separate physical cores) and one stream's time
+per token follows it, so servers timed minutes apart measure the host as
+much as the engines. For each class it starts every server that finished
+its runs at once (the same command lines, each on its own free port), then
+for N rounds times one stream on each in turn (``bench serve`` at
+concurrency 1, 2 requests after 1 warmup, the same prompts for all in a
+round), the order reversed every other round (ABBA), with a read-bandwidth
+probe before each run. results.json's ``paired`` keeps each round's TPOT
+p50, TTFT p50 and bandwidth per server, and the median over rounds of the
+per-round ratios to llama-server with their min and max (``trioserve.bench
+.paired``); the tables show them. It needs the memory of all the servers of
+a class at once.
 """
 
 from __future__ import annotations
@@ -55,26 +70,37 @@ from trioserve.engine.loading.sources import DEFAULT_MODEL_NAME, default_model_p
 from ..arguments import int_list, non_negative_int, positive_int, usage_error
 from ..datasets import load_tokenizer, random_dataset
 from ..memory import tree_memory
+from ..paired import abba_order, summarize
 from ..plot import require_matplotlib
 from ..process import TRIOSERVE, ServerStartError, free_port, running
 from ..vs_llama import (
     LLAMA_SERVER,
     NATIVE,
+    TRIOSERVE as TRIOSERVE_KIND,
     Contender,
     Layout,
     check_llama_isa,
     check_trioserve_isa,
+    check_tokens,
     format_tables,
     llama_server_command,
     logprob_token_count,
     parse_isas,
     parse_quantizations,
     plot_comparison,
+    proven,
     run_summary,
     trioserve_command,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
+# A paired round's run on each server: few requests, so that a round is
+# short next to the minutes over which the host moves.
+PAIRED_PROMPTS = 2
+PAIRED_WARMUPS = 1
+# Round r's prompts are seeded seed + PAIRED_SEED + r: the same for every
+# server in a round, apart from the sequential runs' and the token count's.
+PAIRED_SEED = 3000
 
 
 class ServerFailed(RuntimeError):
@@ -169,6 +195,11 @@ def add_comparison_arguments(p: argparse.ArgumentParser, *, quantizations: tuple
     load.add_argument("--memory-output-len", type=positive_int, default=16,
                       help="output tokens of the requests sent to reach --memory-after")
     load.add_argument("--seed", type=int, default=0, help="prompts (the same for every server)")
+    load.add_argument("--paired-rounds", type=non_negative_int, default=0, metavar="N",
+                      help="after the runs, start every server of a class at once and time one stream on each, "
+                           f"N rounds, order ABBA, {PAIRED_PROMPTS} requests each after {PAIRED_WARMUPS} warmup, a "
+                           "bandwidth probe before each run: the host moves between runs, a round does not; needs "
+                           "the memory of all the servers at once (default: 0, off)")  # fmt: skip
 
 
 def prompts_at(num_prompts: list[int] | None, index: int, concurrency: int) -> int:
@@ -259,6 +290,15 @@ def trioserve_cpu(url: str) -> dict | None:
     return httpx.get(f"{url}/version", timeout=30).json().get("cpu")
 
 
+def server_command(contender: Contender, args: argparse.Namespace, layout: Layout, model: Path,
+                   port: int) -> list[str]:  # fmt: skip
+    """The command line that serves ``contender`` on ``port``."""
+    if contender.kind == LLAMA_SERVER:
+        return llama_server_command(llama_binary(args, contender.isa), model, contender, layout, port)
+    command = trioserve_command(TRIOSERVE, contender, layout, port)
+    return command + (["--model", str(model)] if args.model is not None else [])
+
+
 def measure(contender: Contender, args: argparse.Namespace, layout: Layout, model: Path, prompt: str) -> dict:
     """Start one server, check that it runs at its class, run every part
     against it, stop it."""
@@ -266,15 +306,11 @@ def measure(contender: Contender, args: argparse.Namespace, layout: Layout, mode
     url = f"http://127.0.0.1:{port}"
     result: dict = {"label": contender.label, "kind": contender.kind, "quantization": contender.quantization,
                     "isa": contender.isa}  # fmt: skip
+    command = server_command(contender, args, layout, model, port)
     if contender.kind == LLAMA_SERVER:
-        binary = llama_binary(args, contender.isa)
-        command = llama_server_command(binary, model, contender, layout, port)
-        result["system_info"] = system_info = llama_system_info(binary, layout.threads, args.out)
+        result["system_info"] = system_info = llama_system_info(llama_binary(args, contender.isa), layout.threads,
+                                                                args.out)  # fmt: skip
         check = check_llama_isa(contender.isa, system_info)
-    else:
-        command = trioserve_command(TRIOSERVE, contender, layout, port)
-        if args.model is not None:
-            command += ["--model", str(model)]
     result.update(command=command, loadavg_before=os.getloadavg(), runs={})
     started = time.monotonic()
     with running(command, url, args.out / f"{contender.slug}.log", args.ready_timeout) as proc:
@@ -370,7 +406,7 @@ def run(args: argparse.Namespace) -> int:
     document = compare(args, model, contenders, llama_version)
     write_outputs(document, args.out, args.plot)
     print(format_tables(document))
-    return 1 if any(s.get("error") for s in document["servers"]) else 0
+    return 1 if any(s.get("error") for s in [*document["servers"], *document.get("paired", [])]) else 0
 
 
 def at_classes(contenders: list[Contender], isas: tuple[str, ...]) -> list[Contender]:
@@ -411,6 +447,7 @@ def compare(args: argparse.Namespace, model: Path, contenders: list[Contender], 
             "memory_after_requests": args.memory_after,
             "memory_request": [args.memory_input_len, args.memory_output_len],
             "seed": args.seed,
+            "paired_rounds": getattr(args, "paired_rounds", 0),
             "trioserve_commit": _version(["git", "-C", str(ROOT), "describe", "--always", "--dirty"]),
             "llama_server_version": llama_version,
             "isas": list(getattr(args, "isas", (NATIVE,))),
@@ -433,4 +470,76 @@ def compare(args: argparse.Namespace, model: Path, contenders: list[Contender], 
                                         "quantization": contender.quantization, "isa": contender.isa,
                                         "error": str(exc)})  # fmt: skip
         write_outputs(document, args.out, None)  # what is done survives a later failure
+    if getattr(args, "paired_rounds", 0):
+        document["paired"] = [paired_class(args, layout, model, group, isa)
+                              for isa, group in paired_groups(contenders, document["servers"])]  # fmt: skip
+        write_outputs(document, args.out, None)
     return document
+
+
+def paired_groups(contenders: list[Contender], results: list[dict]) -> list[tuple[str, list[tuple[Contender, dict]]]]:
+    """The servers of each class that the paired rounds run, with their
+    results: those that finished their runs at the class they asked for,
+    where a class has a llama-server and a trioserve among them (else there
+    is nothing to pair)."""
+    groups: dict[str, list[tuple[Contender, dict]]] = {}
+    for contender, result in zip(contenders, results):
+        if not result.get("error") and proven(result):
+            groups.setdefault(contender.isa, []).append((contender, result))
+    paired = []
+    for isa, group in groups.items():
+        if {c.kind for c, _ in group} == {TRIOSERVE_KIND, LLAMA_SERVER}:
+            paired.append((isa, group))
+        else:
+            print(f"paired rounds at {isa}: skipped, no llama-server and trioserve both finished", flush=True)
+    return paired
+
+
+def paired_class(args: argparse.Namespace, layout: Layout, model: Path, members: list[tuple[Contender, dict]],
+                 isa: str) -> dict:  # fmt: skip
+    """``args.paired_rounds`` rounds of one-stream runs on every server of
+    ``members`` (one class, each with its result of the runs) up at once, order ABBA, a bandwidth probe before
+    each run; the class's entry of results.json's ``paired``. A server that
+    fails to start or a run that fails ends the rounds with ``error`` set
+    (what was measured kept); every server is stopped, also then."""
+    from ..roofline import measure_bandwidth  # torch: only where the rounds run
+
+    group = [contender for contender, _ in members]
+    print(f"== paired rounds at {isa}: {', '.join(c.label for c in group)}", flush=True)
+    # The label's class is the one the runs proved (vs_llama.server_label).
+    servers = [{"label": c.label, "kind": c.kind, "isa": c.isa, "isa_check": result.get("isa_check"),
+                "tpot_ms": [], "ttft_ms": [], "bandwidth_gbs": [], "tokens_exact": []}
+               for c, result in members]  # fmt: skip
+    entry: dict = {"isa": isa, "rounds": args.paired_rounds, "num_prompts": PAIRED_PROMPTS,
+                   "num_warmups": PAIRED_WARMUPS, "order": [], "servers": servers}  # fmt: skip
+    try:
+        with contextlib.ExitStack() as stack:
+            urls = []
+            for contender in group:  # each started once the one before listens: free_port gives a new port
+                port = free_port()
+                urls.append(url := f"http://127.0.0.1:{port}")
+                stack.enter_context(running(server_command(contender, args, layout, model, port), url,
+                                            args.out / f"paired-{contender.slug}.log", args.ready_timeout))  # fmt: skip
+            for index in range(args.paired_rounds):
+                order = abba_order(range(len(group)), index)
+                entry["order"].append([group[k].label for k in order])
+                for k in order:
+                    bandwidth = measure_bandwidth(layout.threads, nbytes=2**29, repeats=3)
+                    result = bench(urls[k], model, args.out / f"paired-{group[k].slug}-r{index}.json",
+                                   concurrency=1, num_prompts=PAIRED_PROMPTS, warmups=PAIRED_WARMUPS,
+                                   input_len=args.input_len, output_len=args.output_len,
+                                   seed=args.seed + PAIRED_SEED + index)  # fmt: skip
+                    server = servers[k]
+                    server["tpot_ms"].append(result.get("median_tpot_ms"))
+                    server["ttft_ms"].append(result.get("median_ttft_ms"))
+                    server["bandwidth_gbs"].append(bandwidth / 1e9)
+                    server["tokens_exact"].append(check_tokens(result, args.output_len).exact)
+                    tpot = server["tpot_ms"][-1]
+                    print(f"round {index} {group[k].label}: TPOT p50 "
+                          f"{'n/a' if tpot is None else f'{tpot:.1f}'} ms, bandwidth {bandwidth / 1e9:.1f} GB/s",
+                          flush=True)  # fmt: skip
+    except (ServerFailed, ServerStartError, OSError, httpx.HTTPError, ValueError, KeyError) as exc:
+        print(f"paired rounds at {isa}: {exc}", file=sys.stderr, flush=True)
+        entry["error"] = str(exc)
+    entry["summary"] = summarize(servers, next(c.label for c in group if c.kind == LLAMA_SERVER))
+    return entry
