@@ -113,18 +113,36 @@ def format_report(document: Mapping) -> str:
                 f"| {_num(None if rss is None else rss / 2**20, ',.0f')} |"
             )
     ratios = [row for run in document["runs"] for row in ratio_rows(run, low, high)]
+    # The paired rounds' one-stream ratio (--paired-rounds), where a run has them.
+    paired = any(row[2] is not None for row in ratios)
     if ratios:
-        lines += ["", f"| trioserve over llama-server | TPOT p50, {low} stream | output tok/s, {high} streams "
-                      f"| TTFT p99, {high} streams | RSS after |", "| --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
-        for label, values in ratios:
-            lines.append(f"| {label} | " + " | ".join(_num(v, ".2f") + ("x" if v is not None else "")
-                                                    for v in values) + " |")  # fmt: skip
+        lines += ["", f"| trioserve over llama-server | TPOT p50, {low} stream "
+                      + ("| paired rounds: median (min-max) " if paired else "")
+                      + f"| output tok/s, {high} streams | TTFT p99, {high} streams | RSS after |",
+                  "| --- | ---: |" + (" ---: |" if paired else "") + " ---: | ---: | ---: |"]  # fmt: skip
+        for label, values, ratio in ratios:
+            cells = [_num(v, ".2f") + ("x" if v is not None else "") for v in values]
+            if paired:
+                cells.insert(1, "n/a" if ratio is None else
+                             f"{ratio['median']:.2f}x ({ratio['min']:.2f}-{ratio['max']:.2f})")  # fmt: skip
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
-def ratio_rows(run: Mapping, low: int, high: int) -> list[tuple[str, list[float | None]]]:
+def paired_ratio(comparison: Mapping | None, server: Mapping) -> Mapping | None:
+    """A trioserve server's ratio to llama-server over the paired rounds of
+    its class (median, min, max; ``trioserve.bench.paired``), or None."""
+    for entry in (comparison or {}).get("paired") or []:
+        if entry.get("isa", NATIVE) == server.get("isa", NATIVE):
+            for row in entry.get("summary") or []:
+                if row["label"] == server["label"]:
+                    return row.get("ratio")
+    return None
+
+
+def ratio_rows(run: Mapping, low: int, high: int) -> list[tuple[str, list[float | None], Mapping | None]]:
     """Each trioserve row of one shape and quantization over llama-server's
-    of the same class."""
+    of the same class, and its ratio over the paired rounds (``paired_ratio``)."""
     servers = _ok_servers(run.get("comparison"))
     reference_of = references(servers)
 
@@ -136,7 +154,7 @@ def ratio_rows(run: Mapping, low: int, high: int) -> list[tuple[str, list[float 
         _ratio(_figure(s, high, "output_throughput"), _figure(reference, high, "output_throughput")),
         _ratio(_figure(s, high, "p99_ttft_ms"), _figure(reference, high, "p99_ttft_ms")),
         _ratio(rss(s), rss(reference)),
-    ]) for s in servers if s["kind"] == TRIOSERVE
+    ], paired_ratio(run.get("comparison"), s)) for s in servers if s["kind"] == TRIOSERVE
         for reference in [reference_of.get(s.get("isa", NATIVE))] if reference is not None]  # fmt: skip
 
 

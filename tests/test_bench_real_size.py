@@ -346,6 +346,27 @@ def test_the_report_from_a_recorded_run():
     assert "trioserve auto: failed did not start |" in text
 
 
+def test_the_report_shows_the_paired_ratio_beside_the_one_stream_one():
+    document = copy.deepcopy(RECORDED)
+    document["runs"][0]["comparison"]["paired"] = [{"isa": "native", "summary": [
+        {"label": "trioserve auto", "median_tpot_ms": 21.0, "median_ttft_ms": 900.0,
+         "ratio": {"median": 0.95, "min": 0.92, "max": 1.4, "rounds": 6}},
+        {"label": "llama-server Q4_K_M", "median_tpot_ms": 22.0, "median_ttft_ms": 950.0, "ratio": None}]}]  # fmt: skip
+    text = format_report(document)
+    assert ("| trioserve over llama-server | TPOT p50, 1 stream | paired rounds: median (min-max) "
+            "| output tok/s, 32 streams |") in text  # fmt: skip
+    assert "| llama-3.2-1b Q4_K_M, trioserve auto | 1.66x | 0.95x (0.92-1.40) | 1.24x | 1.04x | 0.93x |" in text
+    assert "paired rounds" not in format_report(RECORDED)  # without them the table is as before
+    args = real_size("--paired-rounds", "3")
+    assert args.paired_rounds == 3 and real_size().paired_rounds == 0
+
+
+def test_paired_rounds_is_a_non_negative_count(capsys):
+    with pytest.raises(SystemExit):
+        real_size("--paired-rounds", "-1")
+    assert "argument --paired-rounds: must be >= 0, got -1" in capsys.readouterr().err
+
+
 def test_the_report_redrawn_from_json(tmp_path):
     pytest.importorskip("matplotlib")
     source = tmp_path / "in.json"
