@@ -27,6 +27,7 @@ from test_model_equivalence import _save_gpt_oss_mxfp4, _save_tiny
 
 from trioserve.engine.config import ModelConfig
 from trioserve.engine.errors import ModelLoadError
+from trioserve.engine.kernels.q6k_lanes import Q6KLanes
 from trioserve.engine.loading import rtn_cache
 from trioserve.engine.loading.loader import load_model
 from trioserve.engine.models.llama import LlamaForCausalLM
@@ -225,6 +226,13 @@ def test_a_moe_gguf_loads_as_its_weights_compute(tmp_path, cpu_paths, kind, qtyp
     auto = load_model(str(path), quantization="auto", cache_dir=cache)
     assert_experts_compressed(auto.model)
     assert_near(prompt_logits(auto.model, PROMPT), want, 0.08)
+    if qtype == "Q6_K" and "avx512vnni" in auto.model.projection_choice.reason:
+        # avx512vnni holds a file's Q6_K experts at their width (q6k_lanes), as
+        # its dense Q6_K projections, and the fused decode step takes them.
+        for block in _expert_blocks(auto.model):
+            for expert in block.experts(pack=False).experts:
+                assert isinstance(expert.gate_up.weight, Q6KLanes) and isinstance(expert.down.weight, Q6KLanes)
+        assert auto.model._projections().decode is not None
 
 
 def _gpt_oss_as_stored(hf: transformers.PreTrainedModel, qtype: str, expert_qtype: str) -> transformers.PreTrainedModel:

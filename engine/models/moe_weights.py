@@ -21,11 +21,12 @@ import re
 from typing import Any
 
 import attrs
+import numpy as np
 import torch
 
 from trioserve.engine.errors import ModelLoadError
 from trioserve.engine.model_config import MOE_MODEL_TYPES, moe_fields  # noqa: F401  # moe_fields: where the config reads them
-from trioserve.engine.kernels import int8_native, mxfp4
+from trioserve.engine.kernels import int8_native, mxfp4, native, q6k_lanes
 from trioserve.engine.kernels.choose import ROW_INVARIANT_ISAS, KernelChoice, Linear
 from trioserve.engine.kernels.int4_native import Int4NativeLinear
 from trioserve.engine.kernels.rtn import Int4Weight, Int8GroupWeight, Int8Weight, regroup_int8
@@ -96,6 +97,8 @@ def stack_rows(parts: list[Weight]) -> Weight:
     """Matrices stacked by rows: exact when all share one compressed format,
     else float32 (one expert's gate and up: never more than an expert)."""
     first = parts[0]
+    if all(isinstance(w, q6k_lanes.Q6KGroups) for w in parts):  # still the file's rows: kept so, undecoded
+        return first.rows_of(np.concatenate([w.blocks for w in parts]))  # type: ignore[union-attr]
     if all(isinstance(w, Int4Weight) and w.group_size == first.group_size for w in parts):
         return Int4Weight(
             torch.cat([w.q for w in parts]), torch.cat([w.scale for w in parts]),  # type: ignore[union-attr]
@@ -115,16 +118,23 @@ def expert_linear(choice: KernelChoice, weight: Weight, bias: torch.Tensor | Non
     Q6_K, Q5_0; MXFP4) run as they are on the native group kernel of the
     choice's variant (Q6_K's groups of 16 rounded into groups of 32), held
     as Q8_0 lanes blocks where ``in_lanes`` says (avx512vnni: the layout its
-    kernels stream fastest, as the dense layers' wider projections), any
-    other weight as ``choice.make`` holds it. With ``batch_invariant``, a
+    kernels stream fastest, as the dense layers' wider projections); on
+    avx512vnni a file's Q6_K matrix is held at its width instead, as Q6_K
+    lanes blocks (a Q4_K_M mixture's wider expert downs: 6.5625 bits a
+    weight, not 9, of the bytes a routed token reads), as the dense
+    layers' Q6_K projections are; any other weight as ``choice.make``
+    holds it. With ``batch_invariant``, a
     native linear of ``choose.ROW_INVARIANT_ISAS`` runs its int8 kernels at
     every row count, so an expert's row gets the same bits however many
     tokens the step routes to that expert."""
     isa = choice.kernel.isa
-    if isinstance(weight, Int8GroupWeight) and isa:
+    if isa == "avx512vnni" and isinstance(weight, q6k_lanes.Q6KGroups) and q6k_lanes.fits(*weight.shape):
+        held = q6k_lanes.Q6KLanes.of(weight.blocks, native.ops())
+        linear: Linear = int8_native.Int8GroupNativeLinear.q6k(held, isa, bias, choice.gemm_from_rows)
+    elif isinstance(weight, Int8GroupWeight) and isa:
         if weight.group_size != int8_native.GROUP:
             weight = regroup_int8(weight, int8_native.GROUP)
-        linear: Linear = int8_native.Int8GroupNativeLinear.over(weight, isa, bias, choice.gemm_from_rows)
+        linear = int8_native.Int8GroupNativeLinear.over(weight, isa, bias, choice.gemm_from_rows)
         linear = linear.in_lanes(head=False)
     else:
         linear = choice.make(weight, bias)
