@@ -110,7 +110,7 @@ class SloRefused(EngineOverloaded):
 def admission_order(message: AddRequest) -> tuple[float, ...]:
     """The order the slo policy's admission queue hands requests to the
     scheduler (``AdmissionQueue.order``): its key without aging, (priority,
-    first token's deadline). ``requests_ahead`` predicts by it."""
+    first token's deadline). ``requests_around`` predicts by it."""
     request = message.request
     return (request.priority, request.objectives.first_token_deadline(message.arrival_time))
 
@@ -132,7 +132,7 @@ def output_budget(new: NewRequest, max_model_len: int) -> int:
     return _output_left(new.params.max_tokens, 0, max_model_len - new.num_tokens)
 
 
-def requests_ahead(
+def requests_around(
     new: NewRequest,
     now: float,
     waiting: Iterable[Request],
@@ -140,24 +140,26 @@ def requests_ahead(
     queued_arrivals: Iterable[float] = (),
     *,
     max_model_len: int,
-) -> list[tuple[int, int]]:
-    """The requests that run before ``new``, in the order the policy runs
-    them, as ``(prefill tokens left, output tokens left)``: the core's
-    ``waiting`` (already in the policy's order) then the admission queue's
-    ``queued`` (arrived at ``queued_arrivals``), those that run before
-    ``new`` by the ``slo`` policy's key (engine/core/slo_policy.py): a lower
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """The waiting requests as ``(prefill tokens left, output tokens
+    left)``, in the order the policy runs them: the core's ``waiting``
+    (already in the policy's order) then the admission queue's ``queued``
+    (arrived at ``queued_arrivals``), split into those that run before
+    ``new`` by the ``slo`` policy's key (engine/core/slo_policy.py: a lower
     priority value, or the same and a deadline no later than its first
-    token's."""
+    token's) and those after it, whose prompts take what a step's token
+    budget leaves after ``new``'s."""
     own = new.objectives.first_token_deadline(now)
-    ahead = []
+    ahead: list[tuple[int, int]] = []
+    behind: list[tuple[int, int]] = []
     for request in waiting:
-        if _runs_before(request.priority, next_token_deadline(request), new.priority, own):
-            ahead.append((request.num_tokens - request.num_computed_tokens, output_left(request, max_model_len)))
+        into = ahead if _runs_before(request.priority, next_token_deadline(request), new.priority, own) else behind
+        into.append((request.num_tokens - request.num_computed_tokens, output_left(request, max_model_len)))
     for other, arrival in zip(queued, queued_arrivals, strict=True):
-        if _runs_before(other.priority, other.objectives.first_token_deadline(arrival), new.priority, own):
-            output = _output_left(other.params.max_tokens, 0, max_model_len - other.num_tokens)
-            ahead.extend([(other.num_tokens, output)] * other.params.n)
-    return ahead
+        runs_before = _runs_before(other.priority, other.objectives.first_token_deadline(arrival), new.priority, own)
+        output = _output_left(other.params.max_tokens, 0, max_model_len - other.num_tokens)
+        (ahead if runs_before else behind).extend([(other.num_tokens, output)] * other.params.n)
+    return ahead, behind
 
 
 def predict(
@@ -168,22 +170,28 @@ def predict(
     *,
     token_budget: int,
     max_num_seqs: int,
+    behind: Sequence[tuple[int, int]] = (),
     cached_tokens: int = 0,
     step_left: float = 0.0,
     arrivals: Sequence[tuple[float, int, int]] = (),
     arrivals_for: float = math.inf,
 ) -> SloPrediction:
     """``new``'s predicted TTFT (``LatencyModel.predict_ttft`` over the
-    ``running`` load, the requests ``ahead`` and those of higher classes
+    ``running`` load, the requests ``ahead``, those ``behind`` that share
+    its prompt's step where slots are free for them now (a full batch
+    frees its slots one at a time, and a prompt that waits for one is
+    computed alone), and those of higher classes
     yet to arrive in the next ``arrivals_for`` seconds, ``arrivals``
     (``RecentArrivals``), its prompt's
     ``cached_tokens`` at a cached prefix's cost: none, after the
     ``step_left`` seconds the step in flight still runs) and TPOT (a decode
     step of the batch it joins, at the context halfway through its answer)."""
+    room = max(0, max_num_seqs - len(running) - len(ahead) - new.params.n)
     ttft = step_left + model.predict_ttft(
         new.num_tokens,
         cached_tokens=cached_tokens,
         ahead=ahead,
+        behind=behind[:room],
         running=running,
         arrivals=arrivals,
         arrivals_for=arrivals_for,
@@ -236,7 +244,7 @@ def predict_on(
     gone, and so is each request ahead of it, one victim each while they
     last (``SloPrediction.preempts``)."""
     limit = scheduler.running_limit
-    ahead = requests_ahead(
+    ahead, behind = requests_around(
         new, now, scheduler.waiting_requests, queued, queued_arrivals, max_model_len=scheduler.max_context_len
     )
     running = scheduler.running_requests
@@ -249,6 +257,7 @@ def predict_on(
             running_load(load, max_context_len=scheduler.max_context_len, in_flight=in_flight.tokens),
             token_budget=scheduler.max_num_batched_tokens,
             max_num_seqs=limit,
+            behind=behind,
             cached_tokens=cached_tokens,
             step_left=in_flight.left,
             arrivals=arrivals,

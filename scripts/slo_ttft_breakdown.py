@@ -54,6 +54,7 @@ def main(rates, n, out_path):
         step_left = kwargs.get("step_left", 0.0)
         simulated = model.predict_ttft_parts(
             new.num_tokens, cached_tokens=kwargs.get("cached_tokens", 0), ahead=ahead, running=running,
+            behind=kwargs.get("behind", ())[: max(0, kwargs["max_num_seqs"] - len(running) - len(ahead) - new.params.n)],
             arrivals=kwargs.get("arrivals", ()), arrivals_for=kwargs.get("arrivals_for", math.inf),
             token_budget=kwargs["token_budget"],
             max_num_seqs=kwargs["max_num_seqs"],

@@ -121,22 +121,26 @@ streams = st.lists(st.tuples(st.floats(0.0, 50.0), st.integers(1, 600), st.integ
 @given(
     running=loads,
     ahead=queues,
+    behind=queues,
     arrivals=streams,
     horizon=st.floats(0.0, 100.0),
     prompt=st.integers(1, 600),
     seqs=st.integers(1, 8),
 )
-def test_the_ttft_parts_add_up_and_arrivals_only_delay_it(running, ahead, arrivals, horizon, prompt, seqs):
+def test_the_ttft_parts_add_up_and_arrivals_only_delay_it(running, ahead, behind, arrivals, horizon, prompt, seqs):
     """The TTFT is the wait before its prompt's first step plus its own
-    steps; requests of a higher class arriving while it waits never make
-    it sooner."""
+    steps; requests of a higher class arriving while it waits, or prompts
+    waiting behind it, never make it sooner, and those behind never hold
+    up the steps before its own."""
     model = LatencyModel(prior=(0.005, 0.005, 0.0, 0.001, 0.0))
     kwargs = dict(ahead=ahead, running=running, token_budget=512, max_num_seqs=seqs)
     parts = model.predict_ttft_parts(prompt, arrivals=arrivals, arrivals_for=horizon, **kwargs)
     assert parts.before >= 0 and parts.own > 0
     assert parts.total == pytest.approx(model.predict_ttft(prompt, arrivals=arrivals, arrivals_for=horizon, **kwargs))
-    without = model.predict_ttft(prompt, **kwargs)
-    assert parts.total >= without - 1e-12
+    without = model.predict_ttft_parts(prompt, **kwargs)
+    assert parts.total >= without.total - 1e-12
+    shared = model.predict_ttft_parts(prompt, behind=behind, **kwargs)
+    assert shared.total >= without.total - 1e-12 and shared.before == pytest.approx(without.before)
 
 
 def test_arrivals_of_a_higher_class_are_queued_ahead_while_it_waits():
@@ -155,6 +159,24 @@ def test_arrivals_of_a_higher_class_are_queued_ahead_while_it_waits():
     assert alone.total < brief.total < passed.total
     free = dict(running=[(50, 0, 40)], max_num_seqs=2)
     assert model.predict_ttft(100, arrivals=[(10.0, 100, 20)], **free) == model.predict_ttft(100, **free)
+
+
+def test_prompts_behind_it_share_its_step_only_as_far_as_the_budget_and_slots_go():
+    """An interactive prompt of 32 tokens with a batch prompt of 128 waiting
+    behind it: the scheduler fills the step's budget with both, so its
+    first token waits for 160 tokens' step; a budget of its own tokens, or
+    no slot left, keeps the batch prompt out of its step."""
+    model = LatencyModel(prior=(0.005, 0.005, 0.0, 0.001, 0.0))  # 50 us a prefill token
+    alone = model.predict_ttft(32)
+    shared = model.predict_ttft(32, behind=[(128, 16)])
+    assert shared == pytest.approx(0.005 + 160 * 0.05e-3) and alone == pytest.approx(0.005 + 32 * 0.05e-3)
+    assert model.predict_ttft(32, behind=[(128, 16)], token_budget=32) == pytest.approx(alone)
+    assert model.predict_ttft(32, behind=[(128, 16)], max_num_seqs=1) == pytest.approx(alone)
+    # Arrivals of a higher class still go ahead of it, not behind the batch.
+    full = dict(running=[(50, 0, 40), (50, 0, 40)], max_num_seqs=2)
+    assert model.predict_ttft(100, arrivals=[(10.0, 100, 20)], behind=[(128, 16)], **full) == pytest.approx(
+        model.predict_ttft(100, arrivals=[(10.0, 100, 20)], **full)
+    )
 
 
 def test_arrivals_that_fill_the_engine_are_bounded():

@@ -319,6 +319,7 @@ class LatencyModel:
         *,
         cached_tokens: int = 0,
         ahead: Iterable[tuple[int, int]] = (),
+        behind: Iterable[tuple[int, int]] = (),
         running: Iterable[tuple[int, int, int]] = (),
         arrivals: Iterable[tuple[float, int, int]] = (),
         arrivals_for: float = math.inf,
@@ -330,6 +331,7 @@ class LatencyModel:
             prompt_tokens,
             cached_tokens=cached_tokens,
             ahead=ahead,
+            behind=behind,
             running=running,
             arrivals=arrivals,
             arrivals_for=arrivals_for,
@@ -343,6 +345,7 @@ class LatencyModel:
         *,
         cached_tokens: int = 0,
         ahead: Iterable[tuple[int, int]] = (),
+        behind: Iterable[tuple[int, int]] = (),
         running: Iterable[tuple[int, int, int]] = (),
         arrivals: Iterable[tuple[float, int, int]] = (),
         arrivals_for: float = math.inf,
@@ -358,6 +361,11 @@ class LatencyModel:
         - ``ahead``: the waiting requests the policy runs before it, in
           that order, each ``(prefill, output)``;
         - then its own ``prompt_tokens - cached_tokens``;
+        - ``behind``: the waiting requests the policy runs after it, each
+          ``(prefill, output)``: they take what is left of a step's token
+          budget, so the step that computes its prompt may carry theirs
+          too (an interactive prompt's step was three times its own cost
+          with a batch prompt filling it);
         - ``arrivals``: requests yet to come that the policy will run
           before it (a higher class), each stream ``(rate, prefill,
           output)``: per second, and each request's tokens. While it waits
@@ -375,6 +383,8 @@ class LatencyModel:
         active = [_Simulated(max(0, prefill), max(1, output), max(0, context)) for context, prefill, output in running]
         queue = deque(_Simulated(max(1, prefill), max(1, output), 0) for prefill, output in ahead)
         queue.append(own)
+        after = [_Simulated(max(1, prefill), max(1, output), 0) for prefill, output in behind]
+        queue.extend(after)  # all still queued while it is: it leaves the queue before them
         streams = [(rate, max(1, prefill), max(1, output)) for rate, prefill, output in arrivals if rate > 0]
         credit = [0.0] * len(streams)  # each stream's arrivals due, in requests
         num_arrived = 0
@@ -385,7 +395,8 @@ class LatencyModel:
             # The requests arriving in the ``seconds`` up to ``total``, while
             # it is still queued, go just ahead of it.
             nonlocal num_arrived
-            if not queue or queue[-1] is not own:
+            at = len(queue) - len(after) - 1  # its place, while it waits
+            if at < 0 or queue[at] is not own:
                 return
             seconds = max(0.0, min(total, arrivals_for) - (total - seconds))
             for k, (rate, prefill, output) in enumerate(streams):
@@ -393,7 +404,8 @@ class LatencyModel:
                 while credit[k] >= 1.0 and num_arrived < MAX_SIMULATED_ARRIVALS:
                     credit[k] -= 1.0
                     num_arrived += 1
-                    queue.insert(len(queue) - 1, _Simulated(prefill, output, 0))
+                    queue.insert(at, _Simulated(prefill, output, 0))
+                    at += 1
 
         for _ in range(MAX_SIMULATED_STEPS):
             while queue and len(active) < max_num_seqs:
