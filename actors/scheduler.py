@@ -232,13 +232,16 @@ class SchedulerActor:
     def _take_urgent(self) -> bool:
         """With the slo policy and the bound reached, take the admission
         queue's head (the earliest first-token deadline of the best class)
-        into the core when its first token is at risk: it would run before
-        the requests the core holds waiting, and the policy would preempt a
-        running request with slack for its slot (``slot_victim``), which it
-        cannot do for a request it does not see. At most ``max_urgent``
-        past ``max_ready`` and ``max_live``, so the queue's bound still
-        holds the backlog back. Asked when a request is queued or a route
-        closes. True if one was taken."""
+        into the core when the policy runs it before a request the core
+        holds waiting (held there, that request would take the next free
+        slot and the bound would invert the policy's order: interactive
+        requests predicted to wait for one slot waited for two or three
+        behind batch prompts), or when its first token is at risk: the
+        policy would preempt a running request with slack for its slot
+        (``slot_victim``), which it cannot do for a request it does not
+        see. At most ``max_urgent`` past ``max_ready`` and ``max_live``, so
+        the queue's bound still holds the backlog back. Asked when a
+        request is queued or a route closes. True if one was taken."""
         if not self.max_urgent or not self.admission.num_queued:
             return False
         scheduler = self.core.scheduler
@@ -247,9 +250,13 @@ class SchedulerActor:
         head = self.admission.peek()
         assert head is not None
         key = admission_order(head)
+        held = [(r.priority, next_token_deadline(r)) for r in scheduler.waiting_requests]
+        if any(key < h for h in held):
+            self._admit(self.admission.receive_nowait())
+            return True
         if math.isinf(key[-1]):
             return False  # no TTFT target: nothing is at risk
-        if any((r.priority, next_token_deadline(r)) <= key for r in scheduler.waiting_requests):
+        if held:
             return False  # the policy would run a held request first: that one preempts, if any
         own = Request(
             request_id=head.request_id,

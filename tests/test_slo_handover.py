@@ -54,6 +54,50 @@ async def test_a_tight_ttft_request_behind_the_held_bound_gets_its_first_token_i
                 if first is None and out.new_token_ids:
                     first = trio.current_time() - start
             assert first is not None and first <= TIGHT_TTFT
-            # Taken past the bound, it took a slot; loose requests stayed queued.
+            # Taken past the bound, it took a slot. The preempted request's next
+            # token is due after the queued ones' first (30 s + 1 s a token),
+            # so the policy runs those first and they may be taken too: within
+            # the bound's urgent share, and with no further preemption.
             assert engine.core.scheduler.statistics().num_preemptions == 1
-            assert engine.statistics().num_queued == 2
+            assert engine.statistics().scheduler.num_live <= 3 * MAX_NUM_SEQS
+
+
+async def test_a_better_class_is_taken_past_the_bound_and_runs_before_those_held(autojump_clock):
+    """With the bound held by loose requests, a request of a better class
+    whose target is far off (nothing at risk, nothing preempted) is taken
+    into the core all the same, so the next free slot is its: held in the
+    admission queue, a loose request waiting in the core would take it."""
+    async with actor_fixtures.fake_engine(
+        step_time=0.01, token_time=0.001, scheduling_policy="slo", max_num_seqs=MAX_NUM_SEQS
+    ) as engine:
+        prompts = [[11 + 7 * i + j for j in range(40)] for i in range(2 * MAX_NUM_SEQS + 2)]
+        loose = [engine.generate_nowait(p, greedy(150), priority=1, objectives=LOOSE) for p in prompts]
+        started = [trio.Event() for _ in loose]
+        first_tokens: dict[int, float] = {}
+
+        async def drain(i: int, stream, event: trio.Event) -> None:
+            async for out in stream:
+                if out.new_token_ids:
+                    first_tokens.setdefault(i, trio.current_time())
+                if out.num_output_tokens >= 10:
+                    event.set()
+
+        async with trio.open_nursery() as nursery:
+            for i, (stream, event) in enumerate(zip(loose, started, strict=True)):
+                nursery.start_soon(drain, i, stream, event)
+            for event in started[:MAX_NUM_SEQS]:
+                await event.wait()
+            stats = engine.statistics()
+            assert (stats.scheduler.num_running, stats.scheduler.num_waiting) == (MAX_NUM_SEQS, MAX_NUM_SEQS)
+            chat = engine.generate_nowait([900 + i for i in range(20)], greedy(4), priority=0, objectives=LOOSE)
+            first = None
+            async for out in chat:
+                if first is None and out.new_token_ids:
+                    first = trio.current_time()
+            assert first is not None
+            assert engine.core.scheduler.statistics().num_preemptions == 0
+            # No request held waiting when it came started before it (the
+            # running ones end together: it shares their successors' step),
+            # and it took one of the slots they left.
+            assert all(first <= t for i, t in first_tokens.items() if i >= MAX_NUM_SEQS)
+            assert len([i for i in first_tokens if i >= MAX_NUM_SEQS]) < MAX_NUM_SEQS
