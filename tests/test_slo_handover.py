@@ -23,37 +23,52 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
-async def _drain(stream, started: trio.Event) -> None:
+async def _drain(stream, started: trio.Event, first_tokens: dict[int, float], i: int) -> None:
     async for out in stream:
+        if out.new_token_ids:
+            first_tokens.setdefault(i, trio.current_time())
         if out.num_output_tokens >= 10:
             started.set()
+
+
+async def _hold_the_bound(engine, nursery: trio.Nursery) -> dict[int, float]:
+    """2 * MAX_NUM_SEQS + 2 loose requests, each holding a slot for ~2 s once
+    running (a request waiting for a slot misses 1 s), drained in
+    ``nursery``; returns once the scheduler holds its bound (every slot
+    running, as many waiting, the rest in the admission queue), with the
+    dict their first tokens' times fill in, by their index."""
+    prompts = [[11 + 7 * i + j for j in range(40)] for i in range(2 * MAX_NUM_SEQS + 2)]
+    loose = [engine.generate_nowait(p, greedy(150), priority=1, objectives=LOOSE) for p in prompts]
+    started = [trio.Event() for _ in loose]
+    first_tokens: dict[int, float] = {}
+    for i, (stream, event) in enumerate(zip(loose, started, strict=True)):
+        nursery.start_soon(_drain, stream, event, first_tokens, i)
+    for event in started[:MAX_NUM_SEQS]:
+        await event.wait()
+    stats = engine.statistics()
+    assert (stats.scheduler.num_running, stats.scheduler.num_waiting) == (MAX_NUM_SEQS, MAX_NUM_SEQS)
+    assert stats.scheduler.num_live == 2 * MAX_NUM_SEQS and stats.num_queued == 2
+    return first_tokens
+
+
+async def _first_token_at(stream) -> float:
+    first = None
+    async for out in stream:
+        if first is None and out.new_token_ids:
+            first = trio.current_time()
+    assert first is not None
+    return first
 
 
 async def test_a_tight_ttft_request_behind_the_held_bound_gets_its_first_token_in_time(autojump_clock):
     async with actor_fixtures.fake_engine(
         step_time=0.01, token_time=0.001, scheduling_policy="slo", max_num_seqs=MAX_NUM_SEQS
     ) as engine:
-        prompts = [[11 + 7 * i + j for j in range(40)] for i in range(2 * MAX_NUM_SEQS + 2)]
-        # Each holds a slot for ~2 s once running: a request waiting for a slot misses 1 s.
-        loose = [engine.generate_nowait(p, greedy(150), priority=1, objectives=LOOSE) for p in prompts]
-        started = [trio.Event() for _ in loose]
         async with trio.open_nursery() as nursery:
-            for stream, event in zip(loose, started, strict=True):
-                nursery.start_soon(_drain, stream, event)
-            for event in started[:MAX_NUM_SEQS]:
-                await event.wait()
-            stats = engine.statistics()
-            # The scheduler holds its bound (every slot running, as many
-            # waiting); the rest wait in the admission queue.
-            assert (stats.scheduler.num_running, stats.scheduler.num_waiting) == (MAX_NUM_SEQS, MAX_NUM_SEQS)
-            assert stats.scheduler.num_live == 2 * MAX_NUM_SEQS and stats.num_queued == 2
+            await _hold_the_bound(engine, nursery)
             start = trio.current_time()
             chat = engine.generate_nowait([900 + i for i in range(20)], greedy(4), objectives=LatencyObjectives(ttft=TIGHT_TTFT))
-            first = None
-            async for out in chat:
-                if first is None and out.new_token_ids:
-                    first = trio.current_time() - start
-            assert first is not None and first <= TIGHT_TTFT
+            assert await _first_token_at(chat) - start <= TIGHT_TTFT
             # Taken past the bound, it took a slot. The preempted request's next
             # token is due after the queued ones' first (30 s + 1 s a token),
             # so the policy runs those first and they may be taken too: within
@@ -70,31 +85,10 @@ async def test_a_better_class_is_taken_past_the_bound_and_runs_before_those_held
     async with actor_fixtures.fake_engine(
         step_time=0.01, token_time=0.001, scheduling_policy="slo", max_num_seqs=MAX_NUM_SEQS
     ) as engine:
-        prompts = [[11 + 7 * i + j for j in range(40)] for i in range(2 * MAX_NUM_SEQS + 2)]
-        loose = [engine.generate_nowait(p, greedy(150), priority=1, objectives=LOOSE) for p in prompts]
-        started = [trio.Event() for _ in loose]
-        first_tokens: dict[int, float] = {}
-
-        async def drain(i: int, stream, event: trio.Event) -> None:
-            async for out in stream:
-                if out.new_token_ids:
-                    first_tokens.setdefault(i, trio.current_time())
-                if out.num_output_tokens >= 10:
-                    event.set()
-
         async with trio.open_nursery() as nursery:
-            for i, (stream, event) in enumerate(zip(loose, started, strict=True)):
-                nursery.start_soon(drain, i, stream, event)
-            for event in started[:MAX_NUM_SEQS]:
-                await event.wait()
-            stats = engine.statistics()
-            assert (stats.scheduler.num_running, stats.scheduler.num_waiting) == (MAX_NUM_SEQS, MAX_NUM_SEQS)
+            first_tokens = await _hold_the_bound(engine, nursery)
             chat = engine.generate_nowait([900 + i for i in range(20)], greedy(4), priority=0, objectives=LOOSE)
-            first = None
-            async for out in chat:
-                if first is None and out.new_token_ids:
-                    first = trio.current_time()
-            assert first is not None
+            first = await _first_token_at(chat)
             assert engine.core.scheduler.statistics().num_preemptions == 0
             # No request held waiting when it came started before it (the
             # running ones end together: it shares their successors' step),
