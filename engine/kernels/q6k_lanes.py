@@ -222,11 +222,11 @@ class Q6KLanes:
         scales = pairs[..., 768:].view(torch.int8).unflatten(-1, (2, 2, CHANNELS))  # [p, s, P, e, h, c]
         panel, channel = index // CHANNELS, index % CHANNELS
         a, b, c = words[panel, :, :, :, :, :, channel].unbind(-1)  # each [n, s, P, e, h]
-        low = torch.tensor(0x3F3F3F3F, dtype=torch.int32)
         # W[3]'s bits back out of A, B and C's top two (to_lanes put them
         # there); the masks keep each byte's own bits (and drop the sign
         # an arithmetic shift brings in).
         w3 = ((a >> 2) & 0x30303030) | ((b >> 4) & 0x0C0C0C0C) | ((c >> 6) & 0x03030303)
+        low = 0x3F3F3F3F
         u = torch.stack((a & low, b & low, c & low, w3), -1).view(torch.uint8)  # [n, s, P, e, h, 16 values]
         step = self.d[panel, :, channel].float()[..., None, None, None] * scales[panel, :, :, :, :, channel].float()
         return ((u.to(torch.int8) - 32).float() * step[..., None]).reshape(len(index), supers * SUPER)
