@@ -165,7 +165,17 @@ class _Recorder:
             e2el=self.last - self.start,
             start_time=self.start,
             generated_text="".join(self.texts),
+            predicted_ttft=_slo_seconds(self.usage, "predicted"),
+            server_ttft=_slo_seconds(self.usage, "measured"),
         )
+
+
+def _slo_seconds(usage: Mapping[str, Any], which: str) -> float | None:
+    """``usage.slo.<which>.ttft_ms`` in seconds, None where the response has none."""
+    slo = usage.get("slo")
+    part = slo.get(which) if isinstance(slo, dict) else None
+    value = part.get("ttft_ms") if isinstance(part, dict) else None
+    return value / 1000 if isinstance(value, int | float) else None
 
 
 async def _stream(

@@ -3,7 +3,9 @@ fake server that keeps or misses latency objectives on purpose.
 
 The fake refuses (429) a request whose TTFT target is under 500 ms, answers
 priority 0 after 0.2 s and anything else after 3 s; under ``autojump_clock``
-those delays cost no real time and the client's timings are exact.
+those delays cost no real time and the client's timings are exact. Like
+the slo policy, it reports a predicted TTFT in ``usage.slo`` (for priority
+0 only: 250 ms, against the 200 it measures).
 """
 
 from __future__ import annotations
@@ -19,7 +21,14 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 
 from trioserve.bench.client import Target
-from trioserve.bench.figures.slo import GOODPUT_PNG, REFUSED_PNG, TTFT_CDF_PNG, requests_for, write_plots
+from trioserve.bench.figures.slo import (
+    GOODPUT_PNG,
+    REFUSED_PNG,
+    TTFT_CDF_PNG,
+    print_predictions,
+    requests_for,
+    write_plots,
+)
 from trioserve.bench.measurement import RequestMeasurement
 from trioserve.bench.datasets import SampleRequest
 from trioserve.bench.slo import (
@@ -28,6 +37,7 @@ from trioserve.bench.slo import (
     RequestClass,
     capacity_rps,
     goal,
+    prediction_error,
     mixed_requests,
     run_mix,
     summarize,
@@ -69,6 +79,10 @@ class ObjectivesFake:
                 await trio.sleep(0.05)
             chunk = {"choices": [{"index": 0, "text": f"t{i} "}]}
             await send({"type": "http.response.body", "body": f"data: {json.dumps(chunk)}\n\n".encode(), "more_body": True})
+        if request.get("priority") == 0:
+            slo = {"predicted": {"ttft_ms": 250.0}, "measured": {"ttft_ms": 200.0}}
+            usage = {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": request["max_tokens"], "slo": slo}}
+            await send({"type": "http.response.body", "body": f"data: {json.dumps(usage)}\n\n".encode(), "more_body": True})
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
 
@@ -104,6 +118,10 @@ async def test_goodput_counts_the_requests_within_both_targets(fake, autojump_cl
     interactive = summary["classes"]["interactive"]
     assert interactive["met"] == 3 and interactive["ttft_ms"] == pytest.approx([200.0] * 3, abs=1)
     assert summary["classes"]["impossible"]["refused"] == 1
+    # The server's predictions, read from usage.slo: priority 0's only.
+    assert interactive["ttft_prediction"] == pytest.approx({"n": 3, "rel_err_p50": 0.25, "rel_err_p90": 0.25, "bias": 1.25})
+    assert summary["classes"]["batch"]["ttft_prediction"] is None
+    assert summary["ttft_prediction"] == interactive["ttft_prediction"]
 
 
 async def test_without_priorities_the_interactive_class_misses_and_is_late(fake, autojump_clock):
@@ -122,6 +140,18 @@ def test_a_request_that_never_got_a_token_is_late_not_timed():
     summary = summarize(run)
     assert (summary["admitted"], summary["met"], summary["late"]) == (1, 0, 1)
     assert summary["classes"]["interactive"]["ttft_ms"] == []
+
+
+@given(st.lists(st.tuples(st.floats(0.001, 100), st.floats(0.001, 100)), min_size=1, max_size=40))
+def test_the_prediction_error_is_relative_to_what_was_measured(pairs):
+    error = prediction_error(pairs)
+    assert error["n"] == len(pairs)
+    assert 0 <= error["rel_err_p50"] <= error["rel_err_p90"] <= max(abs(p - m) / m for p, m in pairs) + 1e-9
+    exact = prediction_error([(m, m) for _, m in pairs])
+    assert (exact["rel_err_p90"], exact["bias"]) == (0, pytest.approx(1))
+    doubled = prediction_error([(2 * m, m) for _, m in pairs])
+    assert (doubled["rel_err_p50"], doubled["bias"]) == (pytest.approx(1), pytest.approx(2))
+    assert prediction_error([]) is None
 
 
 @attrs.frozen
@@ -156,6 +186,18 @@ async def test_the_plots_are_written(fake, autojump_clock, tmp_path):
     paths = write_plots(summary, tmp_path)
     assert {p.name for p in paths} == {GOODPUT_PNG, REFUSED_PNG, TTFT_CDF_PNG}
     assert all(p.read_bytes().startswith(PNG_MAGIC) for p in paths)
+
+
+async def test_the_prediction_table_has_a_row_per_predicted_run(fake, autojump_clock, capsys):
+    _, target = fake
+    runs = {
+        "fcfs": [summarize(await run_mix(target, mix(), request_rate=2.0, with_priority=False))],
+        "slo": [summarize(await run_mix(target, mix(), request_rate=2.0))],
+    }
+    print_predictions({"classes": [attrs.asdict(c) for c in (INTERACTIVE, BATCH)], "setups": runs})
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| slo") or line.startswith("| fcfs")]
+    # fcfs sent no priority, so the fake predicted none of its requests.
+    assert rows == ["| slo | Poisson | 2 | 0.25 / 0.25 / 1.25 (3) | 0.25 / 0.25 / 1.25 (3) | - |"]
 
 
 def _run(rate: float, attainment: float, goodput: float | None = None, late: int = 0) -> dict:

@@ -19,7 +19,9 @@ short burst never lets a queue grow past a loose target).
 
 Reported per run: goodput (requests that met both targets per second of
 offered load), the share refused at the door, and per class the admitted
-requests whose TTFT overran its target by more than 20%. With
+requests whose TTFT overran its target by more than 20%; where the server
+predicted TTFTs (slo), how far the admitted requests' predictions were
+from the TTFTs it measured (p50 and p90 relative error, bias). With
 ``--plots``: goodput against offered load, the TTFT CDF per class at the
 highest rate, and the refused share against load. Where fcfs and slo
 both ran, the issue's goal is read off: FCFS's capacity (the highest rate
@@ -142,6 +144,8 @@ async def sweep(
             )
             results.append(summarize(mix))
             line = {k: results[-1][k] for k in ("offered_rps", "burstiness", "goodput_rps", "refused", "late")}
+            if results[-1]["ttft_prediction"] is not None:
+                line["ttft_prediction_p90"] = results[-1]["ttft_prediction"]["rel_err_p90"]
             print(json.dumps(line), flush=True)
     return results
 
@@ -175,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
     summary["goal"] = goals(summary)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print_table(summary)
+    print_predictions(summary)
     print_goals(summary)
     if args.plots is not None:
         for path in write_plots(summary, args.plots):
@@ -224,6 +229,31 @@ def print_table(summary: dict) -> None:
             r = summary["setups"][name][i]
             cells.append(f"{r['goodput_rps']:.2f} / {r['refused_fraction']:.0%} / {r['late']}")
         print(f"| {shape} | {first['offered_rps']:g} | " + " | ".join(cells) + " |")
+
+
+def print_predictions(summary: dict) -> None:
+    """A markdown table of the TTFT predictions' relative error on the
+    admitted requests (p50 / p90 / bias, bench/slo.py's
+    ``prediction_error``), in all and per class, for every run whose
+    server predicted (the slo policy); nothing where none did."""
+    rows = [(name, r) for name, runs in summary["setups"].items() for r in runs if r.get("ttft_prediction")]
+    if not rows:
+        return
+    classes = [c["name"] for c in summary["classes"]]
+
+    def cell(error: dict | None) -> str:
+        if error is None:
+            return "-"
+        return f"{error['rel_err_p50']:.2f} / {error['rel_err_p90']:.2f} / {error['bias']:.2f} ({error['n']})"
+
+    print()
+    print("| setup | arrivals | offered (req/s) | TTFT prediction error p50 / p90 / bias (n): all | "
+          + " | ".join(classes) + " |")  # fmt: skip
+    print("| --- | --- | --- | --- |" + " --- |" * len(classes))
+    for name, r in rows:
+        shape = "Poisson" if r["burstiness"] == 1 else f"gamma {r['burstiness']:g}"
+        per_class = [cell(r["classes"].get(c, {}).get("ttft_prediction")) for c in classes]
+        print(f"| {name} | {shape} | {r['offered_rps']:g} | {cell(r['ttft_prediction'])} | " + " | ".join(per_class) + " |")
 
 
 def write_plots(summary: dict, directory: Path) -> list[Path]:
