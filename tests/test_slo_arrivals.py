@@ -3,6 +3,8 @@ classes that will pass a waiting request."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -68,3 +70,21 @@ def test_the_horizon_is_the_runs_length_not_the_kept_arrivals_span():
     # A gap of a window ends the run: the next one starts its own.
     recent.record(25.0, 0, 32, 16)
     assert recent.horizon(26.0) == pytest.approx(1.0)
+
+
+def test_a_steady_stream_s_rate_is_read_within_a_sixth_at_p10_and_p90():
+    # Poisson arrivals at 15 a second, half of them of the class that passes
+    # a batch request: the rate the door reads at each batch arrival. A
+    # batch request's wait for that class scales with it.
+    rng = random.Random(0)
+    recent = RecentArrivals()
+    now, reads = 0.0, []
+    for _ in range(3000):
+        now += rng.expovariate(15.0)
+        priority = rng.randrange(2)
+        recent.record(now, priority, 32, 16)
+        if priority == 1 and now > 20.0:
+            (rate, _, _), = recent.ahead_of(1, now)
+            reads.append(rate / 7.5)
+    reads.sort()
+    assert 0.84 < reads[len(reads) // 10] and reads[9 * len(reads) // 10] < 1.17
