@@ -17,7 +17,7 @@ from trioserve.engine.layers.forward_batch import ForwardBatch, SeqChunk
 from trioserve.engine.layers.kv_cache import KVCache
 from trioserve.engine.models.llama import LlamaForCausalLM
 from trioserve.engine.loading import gguf_weights
-from trioserve.engine.kernels import native
+from trioserve.engine.kernels import native, q6k_lanes
 from trioserve.engine.kernels.choose import KERNELS, KernelChoice, candidates
 from trioserve.engine.kernels.int4_native import Int4NativeLinear
 from trioserve.engine.kernels.int8_native import Int8GroupNativeLinear
@@ -256,8 +256,8 @@ def test_a_q4_k_m_style_file_loads_compressed_with_its_wider_matrices_in_int8(cp
     """With "auto" on the best 4-bit kernel here (the one it takes wherever a
     4-bit kernel is within reach of the fastest), the projections stored in
     4 bits run on it; one with a Q6_K, Q5_0 or Q5_K matrix runs int8 (in
-    groups of 32 on the native kernels; on avx512vnni one all Q6_K at the
-    file's width, as the test after the next says) rather than being
+    groups of 32 on the native kernels; on avx512vnni and avx2int8 one all
+    Q6_K at the file's width, as the test after the next says) rather than being
     rounded to 4 bits; the Q6_K embeddings become one int8 table in groups of 32 shared
     with the LM head; and where the native kernels run, a decode step still
     runs all layers in one call."""
@@ -277,12 +277,12 @@ def test_a_q4_k_m_style_file_loads_compressed_with_its_wider_matrices_in_int8(cp
     table = model._embedding.weight
     dense_table = dense["model.embed_tokens.weight"]
     if isinstance(table, Q6KLanes):
-        # On avx512vnni the one table is held as the LM head's Q6_K lanes
-        # blocks: every row looked up is the file's values exactly.
+        # On avx512vnni and avx2int8 the one table is held as the LM head's
+        # Q6_K lanes blocks: every row looked up is the file's values exactly.
         rows = torch.randperm(_CONFIG.vocab_size, generator=torch.Generator().manual_seed(0))
         assert torch.equal(model._embedding(rows), dense_table[rows])
     else:
-        # On avx2int8 the one table is held as the LM head's Q8_0 lanes blocks (the same values).
+        # Elsewhere one table in int8 groups of 32.
         embedding = table.groups() if isinstance(table, Q8Lanes) else table
         assert isinstance(embedding, Int8GroupWeight) and embedding.group_size == 32
         # Rounded once from Q6_K's groups of 16: within half a step of the file's values.
@@ -293,8 +293,7 @@ def test_a_q4_k_m_style_file_loads_compressed_with_its_wider_matrices_in_int8(cp
         held = layer1.o_linear.weight  # avx512vnni's in Q8_0 lanes blocks, the same values
         assert (held.groups() if isinstance(held, Q8Lanes) else held).q.shape == (256, 256)  # Q5_0's values as the file has them
         assert isinstance(made.head, Int8GroupNativeLinear) and made.head.weight is table
-        assert isinstance(table, Q8Lanes) == (made.head.isa == native.ISAS["avx2int8"])
-        assert isinstance(table, Q6KLanes) == (made.head.isa == native.ISAS["avx512vnni"])
+        assert isinstance(table, Q6KLanes) == (made.head.isa in {native.ISAS[i] for i in q6k_lanes.ISAS})
         assert made.decode is not None and made.decode.isa == layer1.qkv_linear.isa  # the fused step takes them
 
 
@@ -389,9 +388,10 @@ def test_the_writers_k_quants_are_the_format_gguf_reads(kind, group):
 
 
 @pytest.mark.cpu_paths
-def test_on_avx512vnni_a_mixed_files_q6_k_projection_runs_the_files_values(cpu_paths, mixed_gguf):
-    """The rule above on avx512vnni, where a projection whose every matrix
-    is Q6_K is held at the file's width (q6k_lanes): what the file holds is
+def test_on_avx512vnni_and_avx2int8_a_mixed_files_q6_k_projection_runs_the_files_values(cpu_paths, mixed_gguf):
+    """The rule above on avx512vnni and avx2int8 (under
+    TRIOSERVE_CPU_ASSUME=avx2), where a projection whose every matrix is
+    Q6_K is held at the file's width (q6k_lanes): what the file holds is
     what runs. Layer 0's Q6_K down projection holds the file's values
     exactly (decoded back through float32 panels against the identity);
     its qkv, fusing Q4_K q and k with a Q6_K v, holds them rounded to int8
@@ -402,8 +402,8 @@ def test_on_avx512vnni_a_mixed_files_q6_k_projection_runs_the_files_values(cpu_p
     projection no longer takes moves them under 1%)."""
     path, dense = mixed_gguf
     kernel = candidates(cpu_paths, "int4")[0]
-    if kernel.isa != "avx512vnni":
-        pytest.skip(f"the 4-bit kernel here is {kernel.name}, not avx512vnni's")
+    if kernel.isa not in q6k_lanes.ISAS:
+        pytest.skip(f"the 4-bit kernel here is {kernel.name}, not avx512vnni's or avx2int8's")
     model = load_gguf_quantized(path, _CONFIG, KernelChoice(kernel, "auto", 32), cpu_paths)
     made = model._projections()
     assert made.decode is not None
@@ -413,7 +413,7 @@ def test_on_avx512vnni_a_mixed_files_q6_k_projection_runs_the_files_values(cpu_p
     assert torch.equal(down.linear(torch.eye(_CONFIG.intermediate_size), native.ISAS["avx512"]).T,
                        dense["model.layers.0.mlp.down_proj.weight"])  # fmt: skip
     qkv = torch.cat([dense[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
-    assert isinstance(layer0.qkv_linear.weight, Q8Lanes)
+    assert isinstance(layer0.qkv_linear.weight, Q8Lanes if kernel.isa == "avx512vnni" else Int8GroupWeight)
     assert torch.equal(layer0.qkv_linear.weight.dequantize(), quantize_int8_groups(qkv, 32).dequantize())
     _assert_logits_follow_the_roundings(
         model, dense, cpu_paths, exact=("model.layers.0.mlp.down_proj", "model.embed_tokens"), prompt_tol=5e-2,

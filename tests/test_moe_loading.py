@@ -27,6 +27,7 @@ from test_model_equivalence import _save_gpt_oss_mxfp4, _save_tiny
 
 from trioserve.engine.config import ModelConfig
 from trioserve.engine.errors import ModelLoadError
+from trioserve.engine.kernels import q6k_lanes
 from trioserve.engine.kernels.q6k_lanes import Q6KLanes
 from trioserve.engine.loading import rtn_cache
 from trioserve.engine.loading.loader import load_model
@@ -226,9 +227,10 @@ def test_a_moe_gguf_loads_as_its_weights_compute(tmp_path, cpu_paths, kind, qtyp
     auto = load_model(str(path), quantization="auto", cache_dir=cache)
     assert_experts_compressed(auto.model)
     assert_near(prompt_logits(auto.model, PROMPT), want, 0.08)
-    if qtype == "Q6_K" and "avx512vnni" in auto.model.projection_choice.reason:
-        # avx512vnni holds a file's Q6_K experts at their width (q6k_lanes), as
-        # its dense Q6_K projections, and the fused decode step takes them.
+    if qtype == "Q6_K" and any(f"({isa})" in auto.model.projection_choice.reason for isa in q6k_lanes.ISAS):
+        # avx512vnni and avx2int8 hold a file's Q6_K experts at their width
+        # (q6k_lanes), as their dense Q6_K projections, and the fused decode
+        # step takes them.
         for block in _expert_blocks(auto.model):
             for expert in block.experts(pack=False).experts:
                 assert isinstance(expert.gate_up.weight, Q6KLanes) and isinstance(expert.down.weight, Q6KLanes)

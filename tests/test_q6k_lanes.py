@@ -1,9 +1,11 @@
-"""GGUF's Q6_K held at the file's width on avx512vnni (engine/kernels/q6k_lanes.py,
-csrc/q6k_lanes_vnni.h): the lanes hold the file's values; a row's result
-has the same bits at every row count and batch composition, the bits of a
-numpy emulation of the kernel's operations, and is close to float64 W x
-over the file's values; a Q4_K_M-style file's Q6_K projections load so,
-and an engine over it answers a request alike alone and in a batch."""
+"""GGUF's Q6_K held at the file's width on avx512vnni and avx2int8
+(engine/kernels/q6k_lanes.py, csrc/q6k_lanes_vnni.h, csrc/q6k_lanes_avx2.h):
+the lanes hold the file's values; a row's result has the same bits at every
+row count and batch composition, the bits of a numpy emulation of the
+kernel's operations (the AVX2 kernel's the vnni kernel's), and is close to
+float64 W x over the file's values; a Q4_K_M-style file's Q6_K projections,
+head and experts load so, and an engine over it answers a request alike
+alone and in a batch."""
 
 from __future__ import annotations
 
@@ -17,14 +19,16 @@ from hypothesis import strategies as st
 from trioserve.engine.config import EngineConfig
 from trioserve.engine.core.engine_core import EngineCore
 from trioserve.engine.kernels import native, q6k_lanes
-from trioserve.engine.kernels.choose import KernelChoice
+from trioserve.engine.kernels.choose import KERNELS, KernelChoice
 from trioserve.engine.kernels.int4_native import bf16_gemm
 from trioserve.engine.kernels.int8_native import Int8GroupNativeLinear
 from trioserve.engine.kernels.q6k_lanes import Q6KGroups, Q6KLanes
 from trioserve.engine.kernels.q8_lanes import Q8Lanes
+from trioserve.engine.kernels.rtn import Int8GroupWeight
 from trioserve.engine.loading import gguf_weights
 from trioserve.engine.loading.compressed import load_gguf_quantized, quantization_choice
 from trioserve.engine.loading.loader import LoadedModel
+from trioserve.engine.models.moe_weights import expert_linear
 from trioserve.engine.sampling.sampling_params import SamplingParams
 from trioserve.engine.text.fast_tokenizer import FastTokenizer
 from trioserve.testing.tiny_model import write_word_tokenizer
@@ -32,6 +36,7 @@ from trioserve.testing.tiny_model import write_word_tokenizer
 from test_gguf_kquants import _CONFIG, _random_blocks, _random_tensors, _reference, _write
 
 VNNI, BF16, AVX512 = native.ISAS["avx512vnni"], native.ISAS["avx512bf16"], native.ISAS["avx512"]
+AVX2_INT8, AVX2 = native.ISAS["avx2int8"], native.ISAS["avx2"]
 ROWS = (1, 2, 5, 17, 40)
 SHAPES = ((16, 256), (48, 768), (96, 2048))
 
@@ -43,12 +48,19 @@ def ops(isas) -> object:
     return native.ops()
 
 
+@pytest.fixture(scope="module")
+def avx2_ops(isas) -> object:
+    if "avx2int8" not in isas:
+        pytest.skip(f"this CPU cannot run avx2int8 ({native.ISA_REQUIREMENTS['avx2int8']})")
+    return native.ops()
+
+
 def _matrix(out: int, k: int, seed: int) -> np.ndarray:
     return _random_blocks("Q6_K", out, k, np.random.default_rng(seed))
 
 
 def _emulate(x: torch.Tensor, data: np.ndarray) -> torch.Tensor:
-    """csrc/q6k_lanes_vnni.h's operations in numpy: the rows rounded to int8
+    """csrc/q6k_lanes_vnni.h's operations (and q6k_lanes_avx2.h's) in numpy: the rows rounded to int8
     in groups of 32 (quantize_rows_q8), each group's exact int32 sum of its
     two sub-blocks' scaled dots, then in float32 ``acc = fma(t * dx, d,
     acc)`` group after group (the fma exact in float64, then rounded)."""
@@ -148,6 +160,81 @@ def test_the_linear_takes_int8_activations_only_where_asked(ops):
     assert torch.equal(linear(x), bf16_gemm(x, lanes.dequantize_bf16()) + bias)
 
 
+@pytest.mark.cpu_paths
+def test_the_avx2_kernel_has_the_vnni_kernels_bits(avx2_ops, isas):
+    """avx2int8's kernel (csrc/q6k_lanes_avx2.h) gives avx512vnni's bits for
+    the same inputs, where this CPU runs both (a zero group among them)."""
+    if "avx512vnni" not in isas:
+        pytest.skip(f"this CPU cannot run avx512vnni ({native.ISA_REQUIREMENTS['avx512vnni']}) to compare with")
+    for out, k in SHAPES:
+        lanes = Q6KLanes.of(_matrix(out, k, 3 * out), avx2_ops)
+        x = torch.randn(max(ROWS), k, generator=torch.Generator().manual_seed(k + 1))
+        x[5, 32:64] = 0.0
+        for rows in ROWS:
+            assert torch.equal(lanes.linear(x[:rows], AVX2_INT8), lanes.linear(x[:rows], VNNI)), (out, k, rows)
+
+
+@pytest.mark.cpu_paths
+def test_the_avx2_kernel_computes_the_documented_operations_and_is_close_to_w_x(avx2_ops):
+    for out, k in SHAPES:
+        data = _matrix(out, k, 2 * out)
+        x = torch.randn(max(ROWS), k, generator=torch.Generator().manual_seed(out))
+        got = Q6KLanes.of(data, avx2_ops).linear(x, AVX2_INT8)
+        assert torch.equal(got, _emulate(x, data))
+        exact = x.double() @ _reference("Q6_K", data).double().T
+        assert (got.double() - exact).abs().max() <= 1e-2 * exact.abs().max()
+        # A prompt's float32 panels (avx2): the file's values, float sums.
+        floats = Q6KLanes.of(data, avx2_ops).linear(x, AVX2)
+        assert (floats.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
+
+
+@pytest.mark.cpu_paths
+@settings(max_examples=20, deadline=None)
+@given(panels=st.integers(1, 3), supers=st.integers(1, 3), rows=st.integers(1, 23), row=st.integers(0, 22),
+       seed=st.integers(0, 2**16))  # fmt: skip
+def test_an_avx2_rows_bits_are_the_same_at_every_row_count(avx2_ops, panels, supers, rows, row, seed):
+    """A row's result on avx2int8 alone equals it among ``rows`` rows at any
+    place (tiles of 4 rows and their remainders), and so do avx2's panels."""
+    out, k = panels * q6k_lanes.CHANNELS, supers * q6k_lanes.SUPER
+    lanes = Q6KLanes.of(_matrix(out, k, seed), avx2_ops)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed))
+    row %= rows
+    for isa in (AVX2_INT8, AVX2):
+        assert torch.equal(lanes.linear(x, isa)[row], lanes.linear(x[row : row + 1], isa)[0]), isa
+
+
+@pytest.mark.cpu_paths
+def test_the_avx2int8_linear_takes_int8_activations_only_where_asked(avx2_ops):
+    """As on avx512vnni: decode steps (``int8_panels``) run the int8 kernel,
+    a prompt's rows avx2's float32 panels at any row count, as avx2int8's
+    Q8_0 groups take float32 activations there; the bias added after."""
+    out, k = 48, 768
+    lanes = Q6KLanes.of(_matrix(out, k, 9), avx2_ops)
+    bias = torch.randn(out, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(20, k, generator=torch.Generator().manual_seed(3))
+    linear = Int8GroupNativeLinear.q6k(lanes, "avx2int8", bias)
+    assert torch.equal(attrs.evolve(linear, int8_panels=True)(x), lanes.linear(x, AVX2_INT8) + bias)
+    for rows in (3, 20):
+        assert torch.equal(linear(x[:rows]), lanes.linear(x[:rows], AVX2) + bias)
+
+
+@pytest.mark.cpu_paths
+@pytest.mark.parametrize("isa", sorted(q6k_lanes.ISAS))
+def test_a_files_q6_k_expert_is_held_as_q6_k_lanes(isas, isa):
+    """A mixture's Q6_K expert matrix on avx512vnni or avx2int8 keeps the
+    file's values in Q6_K lanes, on the int8 kernel when batch-invariant."""
+    if isa not in isas:
+        pytest.skip(f"this CPU cannot run {isa}")
+    data = _matrix(96, 512, 4)
+    weight = Q6KGroups(data, gguf_weights.decode_q6_k_rows)
+    choice = KernelChoice(next(k for k in KERNELS if k.name == f"quant_int4_native_{isa}"), "auto", 32)
+    linear = expert_linear(choice, weight, None, batch_invariant=True)
+    assert isinstance(linear, Int8GroupNativeLinear) and isinstance(linear.weight, Q6KLanes)
+    assert linear.isa == native.ISAS[isa] and linear.int8_panels and not weight.decoded
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(linear(x), _emulate(x, data))
+
+
 def test_shapes_without_whole_panels_do_not_fit():
     assert q6k_lanes.fits(16, 256) and q6k_lanes.fits(512, 8192)
     assert not q6k_lanes.fits(24, 256) and not q6k_lanes.fits(16, 288)
@@ -171,22 +258,27 @@ def q6k_file(tmp_path_factory):
 
 
 @pytest.mark.cpu_paths
-def test_a_files_q6_k_projections_load_as_q6_k_lanes_on_avx512vnni(cpu_paths, q6k_file):
+def test_a_files_q6_k_projections_load_as_q6_k_lanes_on_avx512vnni_and_avx2int8(cpu_paths, q6k_file):
     """Every Q6_K projection of whole panels (layer 0's down, layer 1's
     fused q, k and v, its q and k rows put back in Hugging Face's order) is
-    held as Q6_K lanes of the file's values; a qkv fusing Q4_K with Q6_K
-    keeps Q8_0 lanes; the fused decode step takes every layer."""
+    held as Q6_K lanes of the file's values, and so is the tied Q6_K table
+    as the head; a qkv fusing Q4_K with Q6_K keeps Q8_0 groups (in lanes on
+    avx512vnni); the fused decode step takes every layer. Under
+    TRIOSERVE_CPU_ASSUME=avx2 the kernel is avx2int8's."""
     folder, tensors = q6k_file
     choice = quantization_choice(cpu_paths, torch.device("cpu"), torch.float32, "auto", _CONFIG, 32)
-    if choice.kernel.isa != "avx512vnni":
-        pytest.skip(f"the 4-bit kernel here is {choice.kernel.name}, not avx512vnni's")
+    if choice.kernel.isa not in q6k_lanes.ISAS:
+        pytest.skip(f"the 4-bit kernel here is {choice.kernel.name}, not avx512vnni's or avx2int8's")
+    isa = native.ISAS[choice.kernel.isa]
     model = load_gguf_quantized(folder / "q6k.gguf", _CONFIG, choice, cpu_paths)
+    assert "Q6_K lanes blocks" in model.projection_choice.reason
     made = model._projections()
     layer0, layer1 = made.layers
-    assert isinstance(layer0.qkv_linear.weight, Q8Lanes)
-    for linear in (layer0.down_linear, layer1.qkv_linear):
+    assert isinstance(layer0.qkv_linear.weight, Q8Lanes if isa == VNNI else Int8GroupWeight)
+    for linear in (layer0.down_linear, layer1.qkv_linear, made.head):
         assert isinstance(linear, Int8GroupNativeLinear) and isinstance(linear.weight, Q6KLanes)
-    assert made.decode is not None and made.decode.isa == VNNI
+        assert linear.isa == isa
+    assert made.decode is not None and made.decode.isa == isa
     down = layer0.down_linear.weight.linear(torch.eye(_CONFIG.intermediate_size), AVX512).T
     assert torch.equal(down, _reference("Q6_K", tensors["blk.0.ffn_down.weight"][1]))
     qkv = layer1.qkv_linear.weight.linear(torch.eye(_CONFIG.hidden_size), AVX512).T

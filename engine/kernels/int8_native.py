@@ -70,8 +70,9 @@ class Int8GroupNativeLinear:
     """``x @ W.T + bias`` with ``W = q * scale`` per group of 32, over
     ``weight``'s own tensors (shared, not copied: a tied LM head and the
     embeddings are one table). An avx2int8 LM head, and any avx512vnni
-    table, is held as Q8_0 lanes blocks (``in_lanes``); on avx512vnni a
-    file's Q6_K projection as Q6_K lanes blocks (``q6k``), at its width."""
+    table, is held as Q8_0 lanes blocks (``in_lanes``); on avx512vnni and
+    avx2int8 a file's Q6_K matrix as Q6_K lanes blocks (``q6k``), at its
+    width."""
 
     weight: Int8GroupWeight | Q8Lanes | Q6KLanes
     isa: int
@@ -92,8 +93,9 @@ class Int8GroupNativeLinear:
     def q6k(
         cls, weight: Q6KLanes, isa: str, bias: torch.Tensor | None = None, gemm_from_rows: int | None = None
     ) -> Int8GroupNativeLinear:
-        """Over a Q6_K matrix in lanes blocks (avx512vnni's; its decode steps
-        and batch-invariant prompts run csrc/q6k_lanes_vnni.h)."""
+        """Over a Q6_K matrix in lanes blocks (avx512vnni's and avx2int8's;
+        their decode steps and batch-invariant prompts run
+        csrc/q6k_lanes_vnni.h and csrc/q6k_lanes_avx2.h, the same bits)."""
         return cls(weight, native.ISAS[isa], weight.ops, bias=bias, gemm_from_rows=gemm_from_rows)
 
     def in_lanes(self, head: bool = True) -> Int8GroupNativeLinear:
@@ -144,12 +146,15 @@ class Int8GroupNativeLinear:
         return self.ops.q8g_linear(x, w.q, w.scale, isa)  # type: ignore[attr-defined]
 
     def _q6k_product(self, w: Q6KLanes, x: torch.Tensor) -> torch.Tensor:
-        """As the Q8_0 lanes blocks run: int8 activations where asked
-        (``int8_panels``: decode steps, batch-invariant prompts), torch's
-        bfloat16 GEMM from ``gemm_from_rows``, else avx512bf16's bfloat16
-        panels at any row count (a prompt's float activations)."""
-        if self.int8_panels or self.isa != _VNNI:
+        """As the Q8_0 groups run: int8 activations where asked
+        (``int8_panels``: decode steps, batch-invariant prompts); else a
+        prompt's float activations, on avx512vnni torch's bfloat16 GEMM from
+        ``gemm_from_rows`` and below it avx512bf16's bfloat16 panels, on
+        avx2int8 avx2's float32 panels, at any row count."""
+        if self.int8_panels or self.isa not in (_VNNI, _AVX2_INT8):
             return w.linear(x, self.isa)
+        if self.isa == _AVX2_INT8:
+            return w.linear(x, _AVX2)
         if self.gemm_from_rows is not None and x.shape[0] >= self.gemm_from_rows:
             return bf16_gemm(x, w.dequantize_bf16())
         return w.linear(x, _BF16)

@@ -39,8 +39,8 @@ SOURCE_DIR = Path(__file__).parent / "csrc"
 SOURCES = ("linear.cpp", "decode.cpp", "gguf_repack.cpp")
 HEADERS = (
     "kernels.h", "isa.h", "vexp.h", "panel.h", "panel_vnni.h", "rows_vnni.h", "panel_avx2.h", "panel_avx2_int16.h",
-    "rows_avx2.h", "lanes_avx2.h", "q8_lanes_avx2.h", "lanes_vnni.h", "q6k_lanes_vnni.h", "attend.h", "attend64.h",
-    "rows.h", "moe_router.h", "moe_step.h",
+    "rows_avx2.h", "lanes_avx2.h", "q8_lanes_avx2.h", "lanes_vnni.h", "q6k_lanes_vnni.h", "q6k_lanes_avx2.h",
+    "attend.h", "attend64.h", "rows.h", "moe_router.h", "moe_step.h",
 )
 LIBRARY_NAME = "trioserve_native"
 SWITCH_ENV = "TRIOSERVE_NATIVE_KERNELS"

@@ -1,7 +1,10 @@
 """GGUF's Q6_K matrices held at the file's own width ("Q6_K lanes blocks",
-csrc/q6k_lanes_vnni.h, whose header says the layout): how avx512vnni holds
-a projection every part of which a file stores as Q6_K (a Q4_K_M file's
-ffn_down and some attn_v), read by one zmm kernel at every row count.
+csrc/q6k_lanes_vnni.h, whose header says the layout): how avx512vnni and
+avx2int8 (``ISAS``) hold a projection every part of which a file stores as
+Q6_K (a Q4_K_M file's ffn_down and some attn_v), a Q6_K LM head or tied
+table, and Q6_K experts, read at every row count by one kernel with the
+same bits on both: zmm on avx512vnni, ymm on avx2int8
+(csrc/q6k_lanes_avx2.h).
 
 Before, such a matrix was rounded into Q8_0 groups of 32 at load (one more
 rounding: ~94% of its values moved, by up to half a Q8_0 step) and held as
@@ -28,6 +31,9 @@ from trioserve.engine.kernels.q4k_blocks import read_only
 from trioserve.engine.kernels.rtn import Int8GroupWeight
 
 CHANNELS = 16  # a panel: csrc's kLanesChannels
+# The native variants that hold a file's Q6_K matrices as these blocks (the
+# others round them into Q8_0 groups at load).
+ISAS = frozenset({"avx512vnni", "avx2int8"})
 SUPER = 256  # inputs a super-block
 BLOCK = 210  # GGUF's bytes a row and super-block: 128 low nibbles, 64 high bit pairs, 16 scales, d
 LANES_BYTES = 3328  # csrc's kQ6kLanesBytes: a panel and super-block, without its d
@@ -195,10 +201,11 @@ class Q6KLanes:
         return self.lanes.numel() + self.d.nbytes
 
     def linear(self, x: torch.Tensor, isa: int) -> torch.Tensor:
-        """``x @ W.T`` (float32 ``[rows, in]``) on variant ``isa``:
-        avx512vnni's int8 activations at any row count with a row's bits
-        the same at every row count, or float32 activations in bfloat16
-        (avx512bf16) or float32 (avx512) panels."""
+        """``x @ W.T`` (float32 ``[rows, in]``) on variant ``isa``: int8
+        activations on avx512vnni or avx2int8 (the same bits on both), at
+        any row count with a row's bits the same at every row count; or
+        float32 activations in bfloat16 (avx512bf16) or float32 (avx512,
+        avx2) panels."""
         return self.ops.q6k_linear(x, self.lanes, self.d, isa)  # type: ignore[attr-defined]
 
     def lookup(self, index: torch.Tensor) -> torch.Tensor:

@@ -168,9 +168,10 @@ class _Wide:
         Q8_0 or Q5_0 matrix exactly; the fused decode step takes the layer;
         a prompt's rows on the bfloat16 GEMM from where the 4-bit kernel's
         do; held as Q8_0 lanes blocks where ``in_lanes`` says: on
-        avx512vnni; there a projection whose every matrix the file stores
-        as Q6_K is held as Q6_K lanes blocks instead, at the file's width:
-        ``_q6k_lanes``), else int8 per channel on the int8 kernel here."""
+        avx512vnni; there and on avx2int8, ``q6k_lanes.ISAS``, a projection
+        whose every matrix the file stores as Q6_K is held as Q6_K lanes
+        blocks instead, at the file's width: ``_q6k_lanes``), else int8 per
+        channel on the int8 kernel here."""
         if choice.scheme != "auto" or choice.kernel.bits != 4:
             return None
         kernel = _eight_bit_kernel(cpu_paths, choice.kernel)
@@ -179,12 +180,12 @@ class _Wide:
             rows = choice.gemm_from_rows
 
             def native_groups(parts: list[Tensor], bias: torch.Tensor | None) -> Linear:
-                held = _q6k_lanes(parts) if isa == "avx512vnni" else None
+                held = _q6k_lanes(parts) if isa in q6k_lanes.ISAS else None
                 if held is not None:
                     return int8_native.Int8GroupNativeLinear.q6k(held, isa, bias, rows)
                 return int8_native.Int8GroupNativeLinear.over(_int8_groups(parts), isa, bias, rows).in_lanes(head=False)
 
-            q6k = "; those all Q6_K as Q6_K lanes blocks, the file's values" if isa == "avx512vnni" else ""
+            q6k = "; those all Q6_K as Q6_K lanes blocks, the file's values" if isa in q6k_lanes.ISAS else ""
             return cls(native_groups, f"int8 in groups of 32, native kernel ({isa}){q6k}")
         return cls(lambda parts, bias: kernel.make(_cat(parts), bias, choice.group_size), kernel.what)
 
@@ -503,16 +504,18 @@ def _native_isa(cpu_paths: CpuPaths, kernel: Kernel) -> str | None:
 def _q6k_head(cpu_paths: CpuPaths, head: Tensor, kernel: Kernel) -> Linear | None:
     """A head the file stores as Q6_K (a K-quant mix's LM head, or its tied
     token table) held at the file's width as Q6_K lanes blocks, where it
-    runs on avx512vnni (csrc/q6k_lanes_vnni.h: int8 activations at any row
-    count, a row's bits the same at every count, as the Q8_0 lanes head's):
-    6.5625 bits a weight, not Q8_0 lanes' 9 after one more rounding (a
-    1B-shaped model's decode step reads 31 of its 697 MB less). None
-    elsewhere: the head goes into Q8_0 groups (``_shared_head``)."""
+    runs on avx512vnni or avx2int8 (``q6k_lanes.ISAS``: csrc/q6k_lanes_vnni.h,
+    csrc/q6k_lanes_avx2.h; int8 activations at any row count, a row's bits
+    the same at every count and on both variants): 6.5625 bits a weight,
+    not Q8_0 lanes' 9 after one more rounding (a 1B-shaped model's decode
+    step reads 31 of its 697 MB less). None elsewhere: the head goes into
+    Q8_0 groups (``_shared_head``)."""
     if not isinstance(head, q6k_lanes.Q6KGroups) or not q6k_lanes.fits(*head.shape):
         return None
-    if _native_isa(cpu_paths, kernel) != "avx512vnni":
+    isa = _native_isa(cpu_paths, kernel)
+    if isa not in q6k_lanes.ISAS:
         return None
-    return int8_native.Int8GroupNativeLinear.q6k(q6k_lanes.Q6KLanes.of(head.blocks, native.ops()), "avx512vnni")
+    return int8_native.Int8GroupNativeLinear.q6k(q6k_lanes.Q6KLanes.of(head.blocks, native.ops()), isa)
 
 
 def _shared_head(cpu_paths: CpuPaths, head: Tensor, kernel: Kernel) -> Linear | None:

@@ -119,7 +119,8 @@ def expert_linear(choice: KernelChoice, weight: Weight, bias: torch.Tensor | Non
     choice's variant (Q6_K's groups of 16 rounded into groups of 32), held
     as Q8_0 lanes blocks where ``in_lanes`` says (avx512vnni: the layout its
     kernels stream fastest, as the dense layers' wider projections); on
-    avx512vnni a file's Q6_K matrix is held at its width instead, as Q6_K
+    avx512vnni and avx2int8 (``q6k_lanes.ISAS``) a file's Q6_K matrix is
+    held at its width instead, as Q6_K
     lanes blocks (a Q4_K_M mixture's wider expert downs: 6.5625 bits a
     weight, not 9, of the bytes a routed token reads), as the dense
     layers' Q6_K projections are; any other weight as ``choice.make``
@@ -128,7 +129,7 @@ def expert_linear(choice: KernelChoice, weight: Weight, bias: torch.Tensor | Non
     every row count, so an expert's row gets the same bits however many
     tokens the step routes to that expert."""
     isa = choice.kernel.isa
-    if isa == "avx512vnni" and isinstance(weight, q6k_lanes.Q6KGroups) and q6k_lanes.fits(*weight.shape):
+    if isa in q6k_lanes.ISAS and isinstance(weight, q6k_lanes.Q6KGroups) and q6k_lanes.fits(*weight.shape):
         held = q6k_lanes.Q6KLanes.of(weight.blocks, native.ops())
         linear: Linear = int8_native.Int8GroupNativeLinear.q6k(held, isa, bias, choice.gemm_from_rows)
     elif isinstance(weight, Int8GroupWeight) and isa:

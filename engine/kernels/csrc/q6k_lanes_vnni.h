@@ -52,9 +52,12 @@
 // up to half a Q8_0 step): here the file's values run, closer to W x over
 // them (tests/test_q6k_lanes.py).
 //
-// Outside avx512vnni (a prompt's rows outside batch-invariant mode run
-// avx512bf16, as the Q8_0 lanes blocks do) each channel is decoded from the
-// lanes into panel.h's bfloat16 (or float32) panels, at any row count.
+// avx2int8 reads the same blocks with the same bits on AVX2
+// (q6k_lanes_avx2.h). Outside those two (a prompt's rows outside
+// batch-invariant mode run avx512bf16, or avx2 on avx2int8, as the Q8_0
+// lanes blocks do) each channel is decoded from the lanes into panel.h's
+// bfloat16 (or float32) panels, or panel_avx2.h's float32 ones, at any row
+// count.
 
 #pragma once
 
@@ -244,20 +247,35 @@ inline void q6k_lanes_channel_bf16(const uint8_t* panel, const uint16_t* d, int6
   to_bf16_avx512(values, k, dst, bf16_padded(k));
 }
 
+}  // namespace trioserve_native
+
+#include "q6k_lanes_avx2.h"
+
+namespace trioserve_native {
+
 // y[rows, out] = x[rows, k] @ W.T for W in Q6_K lanes blocks on the variant
-// ``isa`` names: kAvx512Vnni's int8 activations (q6k_lanes_matmul_vnni, any
-// row count, batch-invariant), or float32 activations in panel.h's panels
-// (bfloat16 ones from kAvx512Bf16, float32 on kAvx512) at any row count, each
-// channel decoded from the lanes: a prompt's rows outside batch-invariant
-// mode, as int8_native runs the Q8_0 lanes blocks.
+// ``isa`` names: int8 activations on kAvx512Vnni (q6k_lanes_matmul_vnni) or
+// kAvx2Int8 (q6k_lanes_matmul_avx2, the same bits), at any row count and
+// batch-invariant; or float32 activations in panels at any row count, each
+// channel decoded from the lanes: panel.h's (bfloat16 ones from
+// kAvx512Bf16, float32 on kAvx512) or panel_avx2.h's float32 ones on kAvx2,
+// a prompt's rows outside batch-invariant mode, as int8_native runs the
+// Q8_0 lanes blocks.
 inline void q6k_lanes_by_isa(const float* x, int64_t rows, int64_t k, const uint8_t* w, const uint16_t* d, int64_t out,
                              float* y, int64_t isa) {
   if (isa == kAvx512Vnni) return q6k_lanes_matmul_vnni(x, rows, k, w, d, out, y);
-  TORCH_CHECK(isa >= kAvx512, "trioserve native linear: Q6_K lanes blocks run from isa ", int64_t(kAvx512),
-              " (avx512); not isa ", isa);
+  if (isa == kAvx2Int8) return q6k_lanes_matmul_avx2(x, rows, k, w, d, out, y);
+  TORCH_CHECK(isa >= kAvx512 || isa == kAvx2, "trioserve native linear: Q6_K lanes blocks run on isa ", int64_t(kAvx2),
+              " (avx2) and from isa ", int64_t(kAvx2Int8), " (avx2int8); not isa ", isa);
   if (rows == 0) return;
   const int64_t supers = k / kQ6kSuper, panel_bytes = supers * kQ6kLanesBytes, d_stride = supers * kLanesChannels;
   const auto at = [&](int64_t n) { return n / kLanesChannels; };
+  if (isa == kAvx2) {
+    panel_matmul_avx2(x, rows, k, out, y, [&](int64_t n, float* dst) {
+      q6k_lanes_channel(w + at(n) * panel_bytes, d + at(n) * d_stride, supers, n % kLanesChannels, dst);
+    });
+    return;
+  }
   panel_matmul(
       x, rows, k, out, y, isa,
       [&](int64_t n, float* dst) {
