@@ -50,9 +50,11 @@ inline std::vector<int32_t> q6k_sub_sum_pairs(const QuantizedRows& xq, int64_t r
   std::vector<int32_t> pairs(rows * groups);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t b = 0; b < groups; ++b) {
-      int32_t s[2] = {0, 0};
-      for (int64_t i = 0; i < kGroup; ++i) s[i / 16] += xq.q[r * k + b * kGroup + i];
-      pairs[r * groups + b] = int32_t(uint32_t(uint16_t(-s[0])) | uint32_t(uint16_t(-s[1])) << 16);
+      const int8_t* q = xq.q.data() + r * k + b * kGroup;
+      int32_t s0 = 0, s1 = 0;
+      for (int64_t i = 0; i < 16; ++i) s0 += q[i];
+      for (int64_t i = 0; i < 16; ++i) s1 += q[16 + i];
+      pairs[r * groups + b] = int32_t(uint32_t(uint16_t(-s0)) | uint32_t(uint16_t(-s1)) << 16);
     }
   return pairs;
 }
@@ -121,11 +123,18 @@ inline void q6k_lanes_tile_avx2(const int8_t* qx, const float* step, const int32
             const int8_t* x = qx + r * k + b * kGroup + 16 * h;
             __m256i p[2];
             for (int i = 0; i < 2; ++i) {
-              int32_t four[2];
-              std::memcpy(four, x + 8 * i, 8);
-              // weights (unsigned) first; two products' pairs add in int16
-              p[i] = _mm256_add_epi16(_mm256_maddubs_epi16(w[2 * i], _mm256_set1_epi32(four[0])),
-                                      _mm256_maddubs_epi16(w[2 * i + 1], _mm256_set1_epi32(four[1])));
+              // Two products' pairs added in int16, weights (unsigned)
+              // first; each row's 4 inputs broadcast where they are used, in
+              // assembly: from the intrinsics GCC hoisted a group's 16
+              // broadcasts ahead and kept them on the stack (as
+              // lanes_avx2.h's tile).
+              __m256i other;
+              asm("vpbroadcastd %[x0], %[p]\n\tvpmaddubsw %[p], %[w0], %[p]\n\t"
+                  "vpbroadcastd %[x1], %[o]\n\tvpmaddubsw %[o], %[w1], %[o]\n\tvpaddw %[o], %[p], %[p]"
+                  : [p] "=&x"(p[i]), [o] "=&x"(other)
+                  : [w0] "x"(w[2 * i]), [w1] "x"(w[2 * i + 1]),
+                    [x0] "m"(*reinterpret_cast<const int32_t*>(x + 8 * i)),
+                    [x1] "m"(*reinterpret_cast<const int32_t*>(x + 8 * i + 4)));
             }
             t[r] = _mm256_add_epi32(t[r], _mm256_add_epi32(_mm256_madd_epi16(p[0], sc[h]), _mm256_madd_epi16(p[1], sc[h])));
           }
