@@ -2,8 +2,8 @@
 // engine/kernels/q6k_lanes.py) read on AVX2: avx2int8 holds a GGUF's Q6_K
 // matrices so (a Q4_K_M file's ffn_down and some attn_v, its Q6_K LM head or
 // tied table, its Q6_K experts), at the file's 6.5625 bits a weight, where
-// before they were rounded into Q8_0 groups at load and held as Q8_0 lanes
-// blocks (9 bits a weight, one more rounding). Included by q6k_lanes_vnni.h,
+// before they were rounded into Q8_0 groups at load (one more rounding) and
+// held so, the head as Q8_0 lanes blocks: 9 bits a weight. Included by q6k_lanes_vnni.h,
 // after its constants, so its dispatch (q6k_lanes_by_isa) takes this too.
 //
 // A panel's 16 channels are two ymm halves (channels 0-7 in a vector's first
@@ -28,9 +28,20 @@
 //   acc = fma(float(t) * dx_b, d, acc)
 // as there (tests/test_q6k_lanes.py compares the two bit for bit).
 //
-// Speed (scripts/q6k_lanes_bench.py --isa avx2int8; Zen 4 held to AVX2, the
-// Q8_0 lanes blocks of q8_lanes_avx2.h, int16 activations, for comparison):
-// see docs/performance.md, "Q6_K lanes blocks".
+// Speed (scripts/q6k_lanes_bench.py --isa avx2int8 --rows 1 32; the Zen 4
+// held to AVX2, against the Q8_0 lanes blocks of q8_lanes_avx2.h on int16
+// activations, how avx2int8 held such a head before): in cache on
+// one thread 1.18x their time a weight at 1 row (30.8 against 26.0 us a
+// million weights), 1.10x at 32; from memory (2048 x 8192 matrices, 2
+// threads) 0.76x at 1 row (745 against 980 us a call: 27% fewer bytes),
+// 1.07x at 32 rows. About half of a one-row group's operations unpack the
+// values and scales (54 a group and panel, against 56 a row for the
+// products, the offset and the float sum). A group's 16 broadcasts of a
+// row's inputs are in assembly beside their VPMADDUBSW: from the
+// intrinsics GCC hoisted them and kept them on the stack (the tile alone in
+// a loop, in cache: 76-78 -> 67 us a million weights at 4 rows, 40 -> 36
+// at 2). Tiles of 4 rows: 16.7 us a million weights a row, 2 rows' 18.
+// docs/performance.md, "The Q6_K kernel", has the figures.
 
 #pragma once
 
