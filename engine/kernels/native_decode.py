@@ -308,7 +308,10 @@ def decode_head(head: object) -> object | None:
     panels' bits (csrc/rows_avx2.h; a 4-bit head held as lanes blocks runs
     csrc/lanes_avx2.h at every row count, a Q8_0 one csrc/q8_lanes_avx2.h;
     on avx512vnni a head in lanes blocks, 4-bit or Q8_0, runs
-    csrc/lanes_vnni.h at every row count, with the panels' bits);
+    csrc/lanes_vnni.h at every row count, with the panels' bits; a head
+    the file stores as Q6_K, held as Q6_K lanes blocks, runs
+    csrc/q6k_lanes_vnni.h or csrc/q6k_lanes_avx2.h on int8 activations at
+    every row count, with the same bits on both);
     else None (``head`` itself serves). A batch-invariant model takes it
     for a prompt's logits too; outside that mode a prompt's logits keep ``head``:
     float32 activations, from 10 rows in bfloat16 panels, or on AVX2 panels

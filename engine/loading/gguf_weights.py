@@ -452,10 +452,11 @@ def _decoded(path: Path, name: str, kind: str, data: np.ndarray) -> torch.Tensor
         rows_of = decode_q4 if kind.startswith("Q4") else requantize_int8
         value = by_rows(lambda rows: rows_of(kind, rows), data)
     elif kind == "Q6_K":
-        # The file's rows kept, decoded only if asked: avx512vnni runs them
-        # at their width (q6k_lanes), and a model that does never needs the
-        # int8 groups. Their steps ``d sc`` are finite where ``d`` is (sc
-        # is a byte), so the blocks' d are what _check_scales would check.
+        # The file's rows kept, decoded only if asked: avx512vnni and
+        # avx2int8 run them at their width (q6k_lanes), and a model that
+        # does never needs the int8 groups. Their steps ``d sc`` are finite
+        # where ``d`` is (sc is a byte), so the blocks' d are what
+        # _check_scales would check.
         _check_finite(path, name, kind, _half(data.reshape(data.shape[0], -1, 210), 208))
         return Q6KGroups(data, decode_q6_k_rows)
     elif kind in _DECODERS:

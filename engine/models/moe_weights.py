@@ -120,11 +120,10 @@ def expert_linear(choice: KernelChoice, weight: Weight, bias: torch.Tensor | Non
     as Q8_0 lanes blocks where ``in_lanes`` says (avx512vnni: the layout its
     kernels stream fastest, as the dense layers' wider projections); on
     avx512vnni and avx2int8 (``q6k_lanes.ISAS``) a file's Q6_K matrix is
-    held at its width instead, as Q6_K
-    lanes blocks (a Q4_K_M mixture's wider expert downs: 6.5625 bits a
-    weight, not 9, of the bytes a routed token reads), as the dense
-    layers' Q6_K projections are; any other weight as ``choice.make``
-    holds it. With ``batch_invariant``, a
+    held at its width instead, as Q6_K lanes blocks (a Q4_K_M mixture's
+    wider expert downs: 6.5625 bits a weight, not 9, of the bytes a routed
+    token reads), as the dense layers' Q6_K projections are; any other
+    weight as ``choice.make`` holds it. With ``batch_invariant``, a
     native linear of ``choose.ROW_INVARIANT_ISAS`` runs its int8 kernels at
     every row count, so an expert's row gets the same bits however many
     tokens the step routes to that expert."""
