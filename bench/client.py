@@ -215,10 +215,21 @@ async def send_request(
     return RequestMeasurement(False, sample.prompt_len, start_time=start, error=error)
 
 
+# Seconds an idle pooled connection is reused for: under the servers' own
+# idle timeouts (trioserve's --keep-alive-timeout and llama-server's, 5 s
+# each, httpx's default expiry too). At equal timeouts the server can close
+# a connection just as the client sends on it, and that request fails with
+# a ReadError no server did anything to cause (one in 3,000 of a goodput
+# run did).
+KEEPALIVE_EXPIRY = 2.0
+
+
 def open_client(target: Target, max_concurrency: int | None) -> httpx.AsyncClient:
     """An HTTP client whose pool is as wide as the concurrency, so requests
     wait on the benchmark's limiter and not, unseen, on the pool."""
-    limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
+    limits = httpx.Limits(
+        max_connections=max_concurrency, max_keepalive_connections=max_concurrency, keepalive_expiry=KEEPALIVE_EXPIRY
+    )
     timeout = None if math.isinf(target.request_timeout) else target.request_timeout
     return httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(timeout))
 
