@@ -28,8 +28,8 @@
 //   acc = fma(float(t) * dx_b, d, acc)
 // as there (tests/test_q6k_lanes.py compares the two bit for bit).
 //
-// Speed (scripts/q6k_lanes_bench.py --isa avx2int8 --rows 1 32; the Zen 4
-// held to AVX2, against the Q8_0 lanes blocks of q8_lanes_avx2.h on int16
+// Speed (scripts/q6k_lanes_bench.py --isa avx2int8 --rows 1 32; a 2-core
+// Intel Xeon with AMX held to AVX2, against the Q8_0 lanes blocks of q8_lanes_avx2.h on int16
 // activations, how avx2int8 held such a head before): in cache on
 // one thread 1.18x their time a weight at 1 row (30.8 against 26.0 us a
 // million weights), 1.10x at 32; from memory (2048 x 8192 matrices, 2
