@@ -285,6 +285,14 @@ def test_without_llama_server_the_command_says_how_to_build_it(tmp_path, capsys)
     assert "build_llama_server.sh" in capsys.readouterr().err
 
 
+def test_without_trioserve_s_native_build_the_command_says_how_to_build_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TRIOSERVE_NATIVE_CACHE", str(tmp_path / "no-builds"))
+    args = real_size("--shapes", "llama-3.2-1b", "--no-llama-server", "--cache-dir", str(tmp_path))
+    assert args.func(args) == 2
+    assert "python -m trioserve.engine.kernels.native" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # refused before any file was made
+
+
 def test_without_the_avx2_llama_server_the_command_says_how_to_build_it(tmp_path, capsys):
     native = tmp_path / "llama-server"
     native.write_text("#!/bin/sh\n")

@@ -35,7 +35,7 @@ from trioserve.bench.vs_llama import (
     server_label,
 )
 from trioserve.bench.figures import vs_llama as vs_llama_command
-from trioserve.bench.figures.vs_llama import paired_class, paired_groups, prompts_at
+from trioserve.bench.figures.vs_llama import paired_class, paired_groups, prompts_at, unbuilt_native_kernels
 from trioserve.bench.paired import abba_order, ratio_summary, round_ratios, summarize
 from trioserve.web.cli import build_parser
 from trioserve.web.engine_options import engine_config_from_args
@@ -202,6 +202,26 @@ def test_no_llama_server_binary_is_a_usage_error(tmp_path, capsys):
     args = vs_llama("--llama-server", str(tmp_path / "missing"), "--trioserve-quantization", "", "--out", str(tmp_path))
     assert args.func(args) == 2
     assert "no llama-server binary" in capsys.readouterr().err
+
+
+def test_trioserve_without_its_native_build_is_a_usage_error(tmp_path, capsys, monkeypatch):
+    # After an edit of the kernels' sources and before a build, a server
+    # falls back to ATen's kernels: the comparison refuses to time those.
+    monkeypatch.setenv("TRIOSERVE_NATIVE_CACHE", str(tmp_path / "no-builds"))
+    args = vs_llama("--no-llama-server", "--trioserve-quantization", "auto", "--out", str(tmp_path / "out"))
+    assert args.func(args) == 2
+    err = capsys.readouterr().err
+    assert "native kernels are not built for this source" in err and "trioserve.engine.kernels.native" in err
+    assert not (tmp_path / "out").exists()  # refused before any server started
+    monkeypatch.setenv("TRIOSERVE_NATIVE_KERNELS", "0")  # the fallback timed on purpose
+    assert unbuilt_native_kernels() is None
+    monkeypatch.delenv("TRIOSERVE_NATIVE_KERNELS")
+    (tmp_path / "no-builds").mkdir()
+    from trioserve.engine.kernels import native
+
+    native.library_path().parent.mkdir(parents=True)
+    native.library_path().write_bytes(b"")
+    assert unbuilt_native_kernels() is None
 
 
 def test_plot_needs_a_finished_server(tmp_path):

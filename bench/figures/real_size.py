@@ -239,6 +239,9 @@ def run(args: argparse.Namespace) -> int:
     missing = [] if args.prepare_only or args.no_llama_server else vs_llama.missing_llama_binaries(args)
     if missing:
         return usage_error("real-size", "; ".join(missing) + ", or give --no-llama-server")
+    unbuilt = None if args.prepare_only or not args.quantizations else vs_llama.unbuilt_native_kernels()
+    if unbuilt:
+        return usage_error("real-size", unbuilt)
     if args.plot is not None:
         from ..plot import require_matplotlib
 

@@ -267,6 +267,25 @@ def missing_llama_binaries(args: argparse.Namespace) -> list[str]:
     return missing
 
 
+def unbuilt_native_kernels() -> str | None:
+    """Why trioserve's servers here would run without their native kernels
+    (none built for this source: after an edit of engine/kernels/csrc, until
+    a build), or None. They would still serve, on ATen's fallback kernels
+    at about half the speed, and a comparison would time those under
+    trioserve's name. None too where the kernels are switched off on
+    purpose (``TRIOSERVE_NATIVE_KERNELS=0``)."""
+    from trioserve.engine.kernels import native
+
+    if os.environ.get(native.SWITCH_ENV, "1").strip() == "0":
+        return None
+    path = native.library_path()
+    if path.is_file():
+        return None
+    return (f"trioserve's native kernels are not built for this source (no {path}), so its servers would run "
+            f"ATen's fallback kernels: build them with python -m trioserve.engine.kernels.native (or "
+            f"scripts/setup.sh), or set {native.SWITCH_ENV}=0 to time the fallback")  # fmt: skip
+
+
 def llama_system_info(binary: str | Path, threads: int, folder: Path) -> str | None:
     """The system_info line llama-server ``binary`` prints on this machine
     (the CPU features its backend runs); None if it printed none. It prints
@@ -388,6 +407,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.plot is not None:
         require_matplotlib()  # fail before the runs, not after them
+    unbuilt = unbuilt_native_kernels() if args.quantizations else None
+    if unbuilt:
+        return usage_error("vs-llama", unbuilt)
     model = Path(args.model) if args.model else default_model_path()
     contenders = [Contender.trioserve(q, shlex.split(args.trioserve_args)) for q in args.quantizations]
     llama_version = None
