@@ -134,15 +134,26 @@ def test_a_rows_bits_are_the_same_at_every_row_count_and_in_any_batch(ops):
             assert torch.equal(lanes.linear(x[:5], isa), panels[:5]) and torch.equal(lanes.linear(mixed, isa)[11], panels[7])
 
 
-def test_the_kernel_computes_its_documented_operations_and_is_close_to_w_x(ops):
+def _assert_documented_operations(ops, isa: int, float_isa: int | None = None) -> None:
+    """The int8 kernel of ``isa`` computes ``_emulate``'s operations and is
+    close to W x; with ``float_isa``, that variant's float panels closer."""
     for out, k in SHAPES:
         data = _matrix(out, k, 2 * out)
         x = torch.randn(max(ROWS), k, generator=torch.Generator().manual_seed(out))
-        got = Q6KLanes.of(data, ops).linear(x, VNNI)
+        lanes = Q6KLanes.of(data, ops)
+        got = lanes.linear(x, isa)
         assert torch.equal(got, _emulate(x, data))
         exact = x.double() @ _reference("Q6_K", data).double().T
         # The int8 activations' rounding alone (at most amax / 254 a value).
         assert (got.double() - exact).abs().max() <= 1e-2 * exact.abs().max()
+        if float_isa is not None:
+            # A prompt's float panels: the file's values, float sums.
+            floats = lanes.linear(x, float_isa)
+            assert (floats.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
+
+
+def test_the_kernel_computes_its_documented_operations_and_is_close_to_w_x(ops):
+    _assert_documented_operations(ops, VNNI)
 
 
 def test_the_linear_takes_int8_activations_only_where_asked(ops):
@@ -176,16 +187,7 @@ def test_the_avx2_kernel_has_the_vnni_kernels_bits(avx2_ops, isas):
 
 @pytest.mark.cpu_paths
 def test_the_avx2_kernel_computes_the_documented_operations_and_is_close_to_w_x(avx2_ops):
-    for out, k in SHAPES:
-        data = _matrix(out, k, 2 * out)
-        x = torch.randn(max(ROWS), k, generator=torch.Generator().manual_seed(out))
-        got = Q6KLanes.of(data, avx2_ops).linear(x, AVX2_INT8)
-        assert torch.equal(got, _emulate(x, data))
-        exact = x.double() @ _reference("Q6_K", data).double().T
-        assert (got.double() - exact).abs().max() <= 1e-2 * exact.abs().max()
-        # A prompt's float32 panels (avx2): the file's values, float sums.
-        floats = Q6KLanes.of(data, avx2_ops).linear(x, AVX2)
-        assert (floats.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
+    _assert_documented_operations(avx2_ops, AVX2_INT8, float_isa=AVX2)
 
 
 @pytest.mark.cpu_paths
