@@ -158,7 +158,10 @@ def test_a_rows_delta_has_the_same_bits_whatever_rows_come_with_it(rows, pick):
     i = pick.draw(st.integers(0, rows - 1))
     together = lora_delta(x, delta)
     assert torch.equal(together[i : i + 1], lora_delta(x[i : i + 1], delta))
-    torch.testing.assert_close(together, 0.7 * (x @ delta.a.T) @ delta.b.T, rtol=1e-5, atol=1e-5)
+    # Against the plain product in float32: its sums of ~10 and ~30 differ
+    # from the delta's in rounding by up to a few 1e-5 (1.5e-5 seen on a
+    # Xeon with AVX-512, at 8 rows).
+    torch.testing.assert_close(together, 0.7 * (x @ delta.a.T) @ delta.b.T, rtol=1e-4, atol=1e-4)
 
 
 def test_prefix_cache_is_keyed_by_adapter(tiny):
