@@ -178,16 +178,13 @@ def summarize(run: MixRun) -> dict:
         if not output.success:
             key = output.error.split(":", 1)[0][:60]
             entry["errors"][key] = entry["errors"].get(key, 0) + 1
+    pairs = []
     for entry in classes.values():
         entry["ttft_ms"].sort()
         entry["ttft_p90_ms"] = percentile(entry["ttft_ms"], 90) if entry["ttft_ms"] else None
+        pairs += entry["predictions"]
         entry["ttft_prediction"] = prediction_error(entry.pop("predictions"))
     total = {key: sum(e[key] for e in classes.values()) for key in ("requests", "refused", "admitted", "met", "late")}
-    pairs = [
-        (output.predicted_ttft, output.server_ttft)
-        for output in run.outputs
-        if output.success and output.predicted_ttft is not None and output.server_ttft
-    ]
     return {
         "offered_rps": run.offered_rps,
         "burstiness": run.burstiness,
