@@ -85,6 +85,11 @@ def request_input(
     ``repetition_penalty`` left out (or null) stay unset: the served model's
     sampling defaults fill them (engine/loading/generation_config.py)."""
     given = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
+    # JSON's logit_bias is an object; the engine also takes a list of
+    # (id, bias) pairs from Python, under which an empty list would pass.
+    if "logit_bias" in given and not isinstance(given["logit_bias"], dict):
+        found = type(given["logit_bias"]).__name__
+        raise InvalidRequest(f"logit_bias must be an object mapping token ids to numbers, got {found}", param="logit_bias")
     priority = body.get("priority")
     try:
         params = SamplingParams(
