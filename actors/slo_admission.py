@@ -244,10 +244,17 @@ def predict_on(
     gone, and so is each request ahead of it, one victim each while they
     last (``SloPrediction.preempts``)."""
     limit = scheduler.running_limit
+    waiting, running = scheduler.waiting_requests, scheduler.running_requests
+    if in_flight.tokens:
+        # A step still being planned starts its admissions from the waiting
+        # queue: they run in it, so they are running, not ahead.
+        started = tuple(r for r in waiting if r.request_id in in_flight.tokens)
+        if started:
+            waiting = tuple(r for r in waiting if r.request_id not in in_flight.tokens)
+            running = (*running, *started)
     ahead, behind = requests_around(
-        new, now, scheduler.waiting_requests, queued, queued_arrivals, max_model_len=scheduler.max_context_len
+        new, now, waiting, queued, queued_arrivals, max_model_len=scheduler.max_context_len
     )
-    running = scheduler.running_requests
 
     def on(load: Sequence[Request]) -> SloPrediction:
         return predict(

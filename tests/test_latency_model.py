@@ -185,3 +185,45 @@ def test_arrivals_that_fill_the_engine_are_bounded():
     model = LatencyModel(prior=(0.005, 0.005, 0.0, 0.001, 0.0))
     ttft = model.predict_ttft(100, running=[(50, 0, 40)], arrivals=[(1000.0, 500, 100)], max_num_seqs=1)
     assert 1.0 < ttft < float("inf")
+
+
+def test_a_step_in_flight_is_expected_to_end_as_recent_steps_did():
+    """Steps of one shape that took 1 s or 3 s: one that has run 1.5 s is
+    a long one, 1.5 s from its end (not the prediction's rest, 0.5 s);
+    one past every recent end has nothing left."""
+    model = LatencyModel(forgetting=1.0)
+    shape = StepShape(decodes=4, decode_context=100)
+    for i in range(600):
+        model.observe(shape, 1.0 if i % 2 else 3.0)
+    assert model.step_seconds(shape) == pytest.approx(2.0, rel=0.01)
+    assert model.seconds_left(shape, 0.0) == pytest.approx(2.0, rel=0.01)
+    assert model.seconds_left(shape, 1.5) == pytest.approx(1.5, rel=0.02)
+    assert model.seconds_left(shape, 2.5) == pytest.approx(0.5, abs=0.05)
+    assert model.seconds_left(shape, 3.5) == 0.0
+
+
+@given(st.lists(st.floats(0.01, 1.0), min_size=1, max_size=50), st.floats(0.0, 2.0), st.floats(0.0, 2.0))
+def test_a_step_that_has_run_longer_is_expected_to_end_no_sooner(durations, elapsed, later):
+    """What is left is never negative, and the expected end (``elapsed``
+    plus what is left) never moves earlier as the step runs on."""
+    model = LatencyModel()
+    shape = StepShape(prefill_tokens=64)
+    for seconds in durations:
+        model.observe(shape, seconds)
+    early, late = sorted((elapsed, later))
+    assert model.seconds_left(shape, early) >= 0.0
+    assert early + model.seconds_left(shape, early) <= late + model.seconds_left(shape, late) + 1e-9
+
+
+def test_one_stalled_step_does_not_stretch_every_later_overrun():
+    """A step that once took fifty times its prediction counts as the
+    slowest of the rest: a step a fifth past its prediction is expected to
+    end as the slower steps did, not fifty times later."""
+    model = LatencyModel(forgetting=1.0)
+    shape = StepShape(decodes=4, decode_context=100)
+    rng = random.Random(3)
+    for _ in range(255):
+        model.observe(shape, rng.uniform(0.9, 1.3))
+    model.observe(shape, 55.0)
+    predicted = model.step_seconds(shape)
+    assert model.seconds_left(shape, 1.2 * predicted) < 0.2 * predicted

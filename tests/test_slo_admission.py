@@ -223,3 +223,65 @@ async def test_a_request_judged_during_a_step_waits_for_its_end(autojump_clock):
         # 0.11 s left of the long prompt's step, then its own with the long one's decode.
         assert first == pytest.approx(0.11 + 0.031)
         assert stream.slo.prediction.ttft == pytest.approx(first, rel=0.05)
+
+
+async def test_a_slot_freed_by_the_step_in_flight_is_predicted_free(autojump_clock):
+    """The only slot's request is in the step that samples its last
+    token when a request arrives: it takes the slot right after that step,
+    and the door predicts so, not one more step of the leaving request
+    (a third of the interactive requests' error at 10 req/s on the bench's
+    mix, where every slot was busy)."""
+    exact = LatencyModel(forgetting=1.0)
+    for prefill, decodes in [(1, 0), (8, 1), (32, 2), (64, 0), (2, 3), (16, 1), (48, 4), (200, 0), (0, 6)] * 40:
+        exact.observe(StepShape(prefill, 0, decodes, 0), 0.01 + 0.001 * (prefill + decodes))
+    async with actor_fixtures.fake_engine(
+        step_time=0.01, token_time=0.001, scheduling_policy="slo", max_num_seqs=1
+    ) as engine:
+        engine.latency_models()[0].adopt(exact)
+        leaving = engine.generate_nowait([t + 3000 for t in PROMPT], params(2))
+        async for out in leaving:
+            if out.new_token_ids:
+                break  # its prompt's step is done: its last token's step is next
+        await trio.testing.wait_all_tasks_blocked()  # that step is running
+        await trio.sleep(0.005)  # virtual time: into it
+        start = trio.current_time()
+        stream = engine.generate_nowait([t + 4000 for t in PROMPT[:20]], params(2), objectives=LatencyObjectives(ttft=100.0))
+        first = None
+        async for out in stream:
+            if first is None and out.new_token_ids:
+                first = trio.current_time() - start
+        [out async for out in leaving]
+        # 6 ms left of the decode step, then its own prompt's step alone.
+        assert first == pytest.approx(0.006 + 0.030)
+        assert stream.slo.prediction.ttft == pytest.approx(first, rel=0.05)
+
+
+async def test_a_request_judged_while_a_step_is_planned_waits_for_that_step(autojump_clock):
+    """A step is planned (the pool's answer awaited) when a request of a
+    better class arrives: the step is fixed without it and its prompt runs
+    in the next, after the one planned. The door predicts so, with the
+    prompt that step admits running, not waiting behind it."""
+    exact = LatencyModel(forgetting=1.0)
+    for prefill, decodes in [(1, 0), (8, 1), (32, 2), (64, 0), (2, 3), (16, 1), (48, 4), (200, 0), (0, 6)] * 40:
+        exact.observe(StepShape(prefill, 0, decodes, 0), 0.1 + 0.001 * (prefill + decodes))
+    async with actor_fixtures.fake_engine(step_time=0.1, token_time=0.001, scheduling_policy="slo") as engine:
+        engine.latency_models()[0].adopt(exact)
+        scheduler = engine._scheduler
+        planned = engine.generate_nowait([t + 3000 for t in PROMPT], params(3), priority=1)
+        for _ in range(1000):
+            await trio.lowlevel.checkpoint()
+            if scheduler._proposed is not None:
+                break
+        assert scheduler._proposed is not None, "never caught a step being planned"
+        start = trio.current_time()
+        stream = engine.generate_nowait(
+            [t + 4000 for t in PROMPT[:20]], params(2), objectives=LatencyObjectives(ttft=100.0)
+        )
+        first = None
+        async for out in stream:
+            if first is None and out.new_token_ids:
+                first = trio.current_time() - start
+        [out async for out in planned]
+        # The planned prompt's step, then its own with that one's decode.
+        assert first == pytest.approx(0.3 + 0.121)
+        assert stream.slo.prediction.ttft == pytest.approx(first, rel=0.05)

@@ -33,6 +33,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from trioserve.engine.core.kv_batch import KVAllocation
 from trioserve.engine.runtime.step_plan import StepPlan
 
 # Features are scaled so that a step's features are of order one: tokens
@@ -53,6 +54,9 @@ MIN_STEP_SECONDS = 1e-4
 # negative slope; held, they take only what the first-order terms cannot
 # explain.
 PRIOR_SHAPE = np.array([1.0, 1.0, 0.01, 1.0, 0.01])
+# The share of recent steps' spread (measured over predicted) that
+# ``seconds_left`` takes as it is; the slower rest count as this quantile.
+TAIL_QUANTILE = 0.95
 # Steps simulated at most for one TTFT prediction (a bound on its cost).
 MAX_SIMULATED_STEPS = 10_000
 # Requests yet to arrive simulated at most for one TTFT prediction: the
@@ -140,6 +144,23 @@ class StepShape:
                 pairs += chunk.num_tokens * (chunk.start + (chunk.num_tokens + 1) // 2)
         return cls(prefill, pairs, decodes, context)
 
+    @classmethod
+    def of_allocations(cls, allocations: Iterable[KVAllocation]) -> StepShape:
+        """The shape of a step known only by its pool requests (the
+        scheduler's proposal, before the pool answers and the plan exists):
+        a request holding blocks that needs room for one token decodes, the
+        rest prefill (drafts and prefix-cache hits are not told apart)."""
+        prefill = pairs = decodes = context = 0
+        for allocation in allocations:
+            start, count = allocation.num_computed_tokens, allocation.num_new_tokens
+            if count == 1 and not allocation.token_ids:
+                decodes += 1
+                context += start + 1
+            else:
+                prefill += count
+                pairs += count * (start + (count + 1) // 2)
+        return cls(prefill, pairs, decodes, context)
+
     def features(self) -> np.ndarray:
         raw = np.array([1.0, self.prefill_tokens, self.prefill_pairs, self.decodes, self.decode_context])
         return raw * _SCALE
@@ -200,6 +221,7 @@ class LatencyModel:
     _covariance: np.ndarray = attrs.field(init=False)
     _num_steps: int = attrs.field(init=False, default=0)
     _errors: deque[float] = attrs.field(init=False)
+    _ratios: deque[float] = attrs.field(init=False)  # measured / predicted, the recent steps
 
     @forgetting.validator
     def _check_forgetting(self, _attribute: object, value: float) -> None:
@@ -212,6 +234,7 @@ class LatencyModel:
         self._theta = np.array(self.prior, dtype=float)
         self._covariance = np.diag(PRIOR_SHAPE) * self.prior_variance
         self._errors = deque(maxlen=self.window)
+        self._ratios = deque(maxlen=self.window)
 
     # -- a saved fit ------------------------------------------------------------
 
@@ -276,6 +299,7 @@ class LatencyModel:
         self._covariance = other._covariance.copy()
         self._num_steps = other._num_steps
         self._errors = deque(maxlen=self.window)
+        self._ratios = deque(maxlen=self.window)
 
     # -- learning ---------------------------------------------------------------
 
@@ -287,6 +311,7 @@ class LatencyModel:
             return
         predicted = self.step_seconds(shape)
         self._errors.append(abs(predicted - seconds) / seconds)
+        self._ratios.append(seconds / predicted)
         x = shape.features()
         px = self._covariance @ x
         gain = px / (self.forgetting + x @ px)
@@ -312,6 +337,27 @@ class LatencyModel:
     def step_seconds(self, shape: StepShape) -> float:
         """A step of ``shape``'s predicted duration."""
         return max(MIN_STEP_SECONDS, float(shape.features() @ self._theta))
+
+    def seconds_left(self, shape: StepShape, elapsed: float) -> float:
+        """What a step of ``shape`` that has run ``elapsed`` seconds is
+        expected to run still: the mean over the recent steps' spread
+        (measured over predicted) of the ends still ahead, less
+        ``elapsed``. Not the prediction less ``elapsed``: a request is
+        likelier to arrive during a long step than a short one, and a step
+        past its prediction is not about to end (it was predicted to have
+        nothing left, while it ran on). The spread is cut at its
+        ``TAIL_QUANTILE``: one step stalled by a page fault storm or a
+        neighbour must not make every later overrun look as long (an
+        interactive request refused for it). Before any step, or past every
+        recent end, the prediction's rest, at least nothing."""
+        predicted = self.step_seconds(shape)
+        ratios = sorted(self._ratios)
+        cut = ratios[int(TAIL_QUANTILE * (len(ratios) - 1))] if ratios else 0.0
+        ends = [min(ratio, cut) * predicted for ratio in ratios]
+        ends = [end for end in ends if end > elapsed]
+        if not ends:
+            return max(0.0, predicted - elapsed)
+        return sum(ends) / len(ends) - elapsed
 
     def predict_ttft(
         self,

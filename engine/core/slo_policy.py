@@ -92,8 +92,9 @@ def running_load(
     ``(context, prefill left, output left)``, the tokens computed, the known
     tokens not yet computed but the one a decode step computes, and the
     tokens they may still generate. ``in_flight``: the tokens the step
-    running now computes, per request: counted as computed, and a request
-    it completes as having its next token."""
+    running now computes, per request: counted as computed, a request it
+    completes as having its next token, and one whose last token it
+    samples as gone (its slot is free for a request arriving now)."""
     load = []
     for request in running:
         computed = request.num_computed_tokens
@@ -105,7 +106,9 @@ def running_load(
             computed += running_now
             prefill -= running_now
             if prefill <= 0:  # the step samples its next token
-                prefill, output = 0, max(1, output - 1)
+                if output == 1:  # its last: it leaves with the step
+                    continue
+                prefill, output = 0, output - 1
         load.append((computed, max(0, prefill), output))
     return load
 
