@@ -189,13 +189,14 @@ def test_arrivals_that_fill_the_engine_are_bounded():
 
 def test_a_step_in_flight_is_expected_to_end_as_recent_steps_did():
     """Steps of one shape that took 1 s or 3 s: one that has run 1.5 s is
-    a long one, 1.5 s from its end (not the prediction's rest, 0.5 s);
-    one past every recent end has nothing left."""
+    a long one, 1.5 s from its end (not the prediction's rest: the fit on
+    relative errors predicts about 1.3 s); one past every recent end has
+    nothing left."""
     model = LatencyModel(forgetting=1.0)
     shape = StepShape(decodes=4, decode_context=100)
     for i in range(600):
         model.observe(shape, 1.0 if i % 2 else 3.0)
-    assert model.step_seconds(shape) == pytest.approx(2.0, rel=0.01)
+    assert 1.0 < model.step_seconds(shape) < 1.5
     assert model.seconds_left(shape, 0.0) == pytest.approx(2.0, rel=0.01)
     assert model.seconds_left(shape, 1.5) == pytest.approx(1.5, rel=0.02)
     assert model.seconds_left(shape, 2.5) == pytest.approx(0.5, abs=0.05)
