@@ -38,7 +38,15 @@ from .allocator import AllocatorActor
 from .degradation import Degradation
 from .errors import DuplicateRequestError, EngineClosed, EngineOverloaded
 from .executor import Executor
-from .slo_admission import SloDecision, SloRefused, cached_prefix, decide, output_budget, predict_on
+from .slo_admission import (
+    SloDecision,
+    SloRefused,
+    arrivals_horizon,
+    cached_prefix,
+    decide,
+    output_budget,
+    predict_on,
+)
 from .slo_arrivals import RecentArrivals
 from .messages import AbortAll, AddRequest, LoadLora, UnloadLora
 from .request import RequestActor
@@ -384,8 +392,9 @@ class Engine:
             return None
         now = time.monotonic()
         # The higher classes' recent arrivals: those arriving while it waits
-        # run first, expected for as long as they have been coming. With
-        # replicas each gets its share of them.
+        # run first, expected for as long as they have been coming and at
+        # least until its first token is due. With replicas each gets its
+        # share of them.
         views = self._slo_views()
         arrivals = [(rate / len(views), p, o) for rate, p, o in self._arrivals.ahead_of(new.priority, now)]
         output = output_budget(new, self.core.scheduler.max_context_len)
@@ -406,7 +415,7 @@ class Engine:
                 cached_tokens=cached_prefix(core.block_manager, new),
                 in_flight=scheduler.step_in_flight(),
                 arrivals=arrivals,
-                arrivals_for=self._arrivals.horizon(now),
+                arrivals_for=arrivals_horizon(self._arrivals.horizon(now), new.objectives),
             )
             predictions.append(prediction)
         best = min(predictions, key=lambda prediction: prediction.ttft)

@@ -9,7 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from trioserve.actors.slo_admission import arrivals_horizon
 from trioserve.actors.slo_arrivals import MIN_ARRIVALS, RecentArrivals
+from trioserve.engine.core.latency_model import LatencyModel
+from trioserve.engine.latency_objectives import LatencyObjectives
 
 arrivals = st.lists(
     st.tuples(st.floats(0.0, 10.0), st.integers(-2, 2), st.integers(1, 500), st.integers(1, 100)), max_size=80
@@ -88,3 +91,20 @@ def test_a_steady_stream_s_rate_is_read_within_a_sixth_at_p10_and_p90():
             reads.append(rate / 7.5)
     reads.sort()
     assert 0.84 < reads[len(reads) // 10] and reads[9 * len(reads) // 10] < 1.17
+
+
+def test_a_request_the_load_would_hold_past_its_target_is_not_promised_it():
+    """Interactive requests seen arriving for 2 s at 25 a second, more than
+    two slots serve: a batch request with a 10 s target waits for as long
+    as they come. Expected for the 2 s seen, it would be predicted in 3 s
+    and admitted to miss; the door expects them until its token is due,
+    and predicts it past the target."""
+    model = LatencyModel(prior=(0.005, 0.005, 0.0, 0.001, 0.0))
+    load = dict(running=[(50, 0, 40), (50, 0, 40)], max_num_seqs=2, arrivals=[(25.0, 32, 16)])
+    objectives = LatencyObjectives(ttft=10.0)
+    seen_only = model.predict_ttft(128, arrivals_for=2.0, **load)
+    at_door = model.predict_ttft(128, arrivals_for=arrivals_horizon(2.0, objectives), **load)
+    assert seen_only < 5.0 < objectives.ttft < at_door
+    # Without a target, as long as they were seen; never less than that.
+    assert arrivals_horizon(2.0, LatencyObjectives()) == 2.0
+    assert arrivals_horizon(30.0, objectives) == 30.0
