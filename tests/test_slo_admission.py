@@ -43,6 +43,34 @@ async def _learn(engine) -> None:
             [out async for out in stream]
 
 
+def _exact_law(step_time: float, token_time: float = 0.001) -> LatencyModel:
+    """A latency model that has learned the fake executor's law exactly."""
+    exact = LatencyModel(forgetting=1.0)
+    for prefill, decodes in [(1, 0), (8, 1), (32, 2), (64, 0), (2, 3), (16, 1), (48, 4), (200, 0), (0, 6)] * 40:
+        exact.observe(StepShape(prefill, 0, decodes, 0), step_time + token_time * (prefill + decodes))
+    return exact
+
+
+async def _judge_now(engine, before) -> tuple[float | None, float]:
+    """A 20-token request with a TTFT target, sent now, read to its end
+    (then ``before``, a stream sent earlier): its measured first-token
+    time and the door's prediction of it."""
+    start = trio.current_time()
+    stream = engine.generate_nowait([t + 4000 for t in PROMPT[:20]], params(2), objectives=LatencyObjectives(ttft=100.0))
+    first = await _first_token_after(stream, start)
+    [out async for out in before]
+    return first, stream.slo.prediction.ttft
+
+
+async def _first_token_after(stream, start: float) -> float | None:
+    """Read ``stream`` to its end; its first token's time after ``start``."""
+    first = None
+    async for out in stream:
+        if first is None and out.new_token_ids:
+            first = trio.current_time() - start
+    return first
+
+
 async def test_a_request_that_cannot_meet_its_ttft_is_refused_at_once(autojump_clock):
     async with slo_engine() as engine:
         await _learn(engine)
@@ -77,10 +105,7 @@ async def test_the_prediction_tracks_the_measured_ttft(autojump_clock):
         streams = [engine.generate_nowait([t + 300 * (i + 1) for t in PROMPT], params(2), priority=-1) for i in range(3)]
         start = trio.current_time()
         stream = engine.generate_nowait([t + 2000 for t in PROMPT[:40]], params(2), objectives=LatencyObjectives(ttft=100.0))
-        first = None
-        async for out in stream:
-            if first is None and out.new_token_ids:
-                first = trio.current_time() - start
+        first = await _first_token_after(stream, start)
         for other in streams:
             [out async for out in other]
         # After 20 steps of training the fit is rough; it improves with every step.
@@ -205,24 +230,16 @@ async def test_a_request_judged_during_a_step_waits_for_its_end(autojump_clock):
     (``SchedulerActor.step_in_flight``) and counts its prompt as computed,
     not to compute again. With the fake executor's law learned exactly,
     the prediction is the measured TTFT."""
-    exact = LatencyModel(forgetting=1.0)
-    for prefill, decodes in [(1, 0), (8, 1), (32, 2), (64, 0), (2, 3), (16, 1), (48, 4), (200, 0), (0, 6)] * 40:
-        exact.observe(StepShape(prefill, 0, decodes, 0), 0.01 + 0.001 * (prefill + decodes))
+    exact = _exact_law(step_time=0.01)
     async with slo_engine() as engine:
         engine.latency_models()[0].adopt(exact)
         long = engine.generate_nowait([t + 3000 for t in PROMPT], params(2), priority=-1)
         await trio.testing.wait_all_tasks_blocked()  # its prefill step is running
         await trio.sleep(0.1)  # virtual time: into the step
-        start = trio.current_time()
-        stream = engine.generate_nowait([t + 4000 for t in PROMPT[:20]], params(2), objectives=LatencyObjectives(ttft=100.0))
-        first = None
-        async for out in stream:
-            if first is None and out.new_token_ids:
-                first = trio.current_time() - start
-        [out async for out in long]
+        first, predicted = await _judge_now(engine, long)
         # 0.11 s left of the long prompt's step, then its own with the long one's decode.
         assert first == pytest.approx(0.11 + 0.031)
-        assert stream.slo.prediction.ttft == pytest.approx(first, rel=0.05)
+        assert predicted == pytest.approx(first, rel=0.05)
 
 
 async def test_a_slot_freed_by_the_step_in_flight_is_predicted_free(autojump_clock):
@@ -231,9 +248,7 @@ async def test_a_slot_freed_by_the_step_in_flight_is_predicted_free(autojump_clo
     and the door predicts so, not one more step of the leaving request
     (a third of the interactive requests' error at 10 req/s on the bench's
     mix, where every slot was busy)."""
-    exact = LatencyModel(forgetting=1.0)
-    for prefill, decodes in [(1, 0), (8, 1), (32, 2), (64, 0), (2, 3), (16, 1), (48, 4), (200, 0), (0, 6)] * 40:
-        exact.observe(StepShape(prefill, 0, decodes, 0), 0.01 + 0.001 * (prefill + decodes))
+    exact = _exact_law(step_time=0.01)
     async with actor_fixtures.fake_engine(
         step_time=0.01, token_time=0.001, scheduling_policy="slo", max_num_seqs=1
     ) as engine:
@@ -244,16 +259,10 @@ async def test_a_slot_freed_by_the_step_in_flight_is_predicted_free(autojump_clo
                 break  # its prompt's step is done: its last token's step is next
         await trio.testing.wait_all_tasks_blocked()  # that step is running
         await trio.sleep(0.005)  # virtual time: into it
-        start = trio.current_time()
-        stream = engine.generate_nowait([t + 4000 for t in PROMPT[:20]], params(2), objectives=LatencyObjectives(ttft=100.0))
-        first = None
-        async for out in stream:
-            if first is None and out.new_token_ids:
-                first = trio.current_time() - start
-        [out async for out in leaving]
+        first, predicted = await _judge_now(engine, leaving)
         # 6 ms left of the decode step, then its own prompt's step alone.
         assert first == pytest.approx(0.006 + 0.030)
-        assert stream.slo.prediction.ttft == pytest.approx(first, rel=0.05)
+        assert predicted == pytest.approx(first, rel=0.05)
 
 
 async def test_a_request_judged_while_a_step_is_planned_waits_for_that_step(autojump_clock):
@@ -261,9 +270,7 @@ async def test_a_request_judged_while_a_step_is_planned_waits_for_that_step(auto
     better class arrives: the step is fixed without it and its prompt runs
     in the next, after the one planned. The door predicts so, with the
     prompt that step admits running, not waiting behind it."""
-    exact = LatencyModel(forgetting=1.0)
-    for prefill, decodes in [(1, 0), (8, 1), (32, 2), (64, 0), (2, 3), (16, 1), (48, 4), (200, 0), (0, 6)] * 40:
-        exact.observe(StepShape(prefill, 0, decodes, 0), 0.1 + 0.001 * (prefill + decodes))
+    exact = _exact_law(step_time=0.1)
     async with actor_fixtures.fake_engine(step_time=0.1, token_time=0.001, scheduling_policy="slo") as engine:
         engine.latency_models()[0].adopt(exact)
         scheduler = engine._scheduler
@@ -273,15 +280,7 @@ async def test_a_request_judged_while_a_step_is_planned_waits_for_that_step(auto
             if scheduler._proposed is not None:
                 break
         assert scheduler._proposed is not None, "never caught a step being planned"
-        start = trio.current_time()
-        stream = engine.generate_nowait(
-            [t + 4000 for t in PROMPT[:20]], params(2), objectives=LatencyObjectives(ttft=100.0)
-        )
-        first = None
-        async for out in stream:
-            if first is None and out.new_token_ids:
-                first = trio.current_time() - start
-        [out async for out in planned]
+        first, predicted = await _judge_now(engine, planned)
         # The planned prompt's step, then its own with that one's decode.
         assert first == pytest.approx(0.3 + 0.121)
-        assert stream.slo.prediction.ttft == pytest.approx(first, rel=0.05)
+        assert predicted == pytest.approx(first, rel=0.05)
