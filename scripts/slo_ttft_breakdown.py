@@ -7,7 +7,7 @@ computes its prompt (``before``: the load ahead and the step in flight at
 its arrival; ``own``: its prompt's step, shared with the others' tokens)
 against the parts the prediction simulated
 (``LatencyModel.predict_ttft_parts``). Prints a table per rate and class
-and writes every row to OUT.
+and writes every row, and every step the engine ran, to OUT.
 
     python scripts/slo_ttft_breakdown.py RATES REQUESTS OUT.json
     python scripts/slo_ttft_breakdown.py 1,10,20 90 /tmp/slo_breakdown.json
@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+import attrs
 import trio
 
 from trioserve.actors import open_engine
@@ -107,7 +108,11 @@ def main(rates, n, out_path):
                 first_step = len(steps)
                 times = await run_rate(engine, rate, 1, f"r{rate}")
                 rows = analyse(rate, times, steps[first_step:])
-                out.append({"rate": rate, "load_average": round(load, 2), "rows": rows})
+                # The steps too (end, seconds, predicted, shape): a request's
+                # wait read step by step found the door's misreadings of
+                # the step in flight (acb46c0).
+                log = [(end, sec, pred, attrs.asdict(shape)) for end, sec, pred, shape in steps[first_step:]]
+                out.append({"rate": rate, "load_average": round(load, 2), "rows": rows, "steps": log})
                 report(rate, load, rows)
                 out_path.write_text(json.dumps(out, indent=1))
         return out
