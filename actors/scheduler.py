@@ -393,8 +393,9 @@ class SchedulerActor:
             return StepInFlight(left, {chunk.request_id: chunk.num_tokens for chunk in plan.chunks})
         if self._proposed is not None and self._proposed.allocations:
             # Planned already, the pool's answer awaited: a request arriving
-            # now is not in this step (one in ten at 10 req/s of the bench's
-            # mix arrived so and waited a step it was not predicted).
+            # now is not in this step and waits for it, though no step runs
+            # yet (the breakdown at 10 req/s of the bench's mix showed such
+            # requests predicted into a batch prompt's step they waited out).
             allocations = self._proposed.allocations
             left = self.latency.seconds_left(StepShape.of_allocations(allocations), elapsed)
             return StepInFlight(left, {a.request_id: a.num_new_tokens for a in allocations})
