@@ -222,8 +222,9 @@ class LatencyModel:
     _theta: np.ndarray = attrs.field(init=False)
     _covariance: np.ndarray = attrs.field(init=False)
     _num_steps: int = attrs.field(init=False, default=0)
-    _errors: deque[float] = attrs.field(init=False)
-    _ratios: deque[float] = attrs.field(init=False)  # measured / predicted, the recent steps
+    # Measured over predicted, the recent steps: their relative errors
+    # (``statistics``) and spread (``seconds_left``).
+    _ratios: deque[float] = attrs.field(init=False)
 
     @forgetting.validator
     def _check_forgetting(self, _attribute: object, value: float) -> None:
@@ -235,7 +236,6 @@ class LatencyModel:
             raise ValueError(f"prior must have {NUM_FEATURES} coefficients, got {len(self.prior)}")
         self._theta = np.array(self.prior, dtype=float)
         self._covariance = np.diag(PRIOR_SHAPE) * self.prior_variance
-        self._errors = deque(maxlen=self.window)
         self._ratios = deque(maxlen=self.window)
 
     # -- a saved fit ------------------------------------------------------------
@@ -300,7 +300,6 @@ class LatencyModel:
         self._theta = other._theta.copy()
         self._covariance = other._covariance.copy()
         self._num_steps = other._num_steps
-        self._errors = deque(maxlen=self.window)
         self._ratios = deque(maxlen=self.window)
 
     # -- learning ---------------------------------------------------------------
@@ -312,7 +311,6 @@ class LatencyModel:
         if not seconds > 0:
             return
         predicted = self.step_seconds(shape)
-        self._errors.append(abs(predicted - seconds) / seconds)
         self._ratios.append(seconds / predicted)
         # Least squares on relative errors: each step weighed by its length
         # (the longer of measured and predicted, so that neither a tiny
@@ -515,7 +513,8 @@ class LatencyModel:
         return self.step_seconds(StepShape(decodes=max(1, batch_size), decode_context=max(0, context_tokens)))
 
     def statistics(self) -> LatencyModelStatistics:
-        errors = sorted(self._errors)
+        # |predicted - measured| / measured, from measured / predicted.
+        errors = sorted(abs(1.0 - 1.0 / ratio) for ratio in self._ratios)
         p50 = p90 = None
         if errors:
             p50 = errors[len(errors) // 2]
