@@ -133,6 +133,58 @@ def _tokenizer(writer, hf: dict) -> None:
         writer.add_pad_token_id(int(hf["pad_token_id"]))
 
 
+def write_tokenizer_gguf(
+    tokenizer: dict, config: dict, path: Path, *, pre: str, chat_template: str | None = None, flags: dict | None = None
+) -> Path:
+    """A GGUF holding a byte-level BPE tokenizer (``tokenizer``, a
+    ``tokenizer.json``'s content; ``config``, its ``tokenizer_config.json``'s)
+    under llama.cpp's keys, as its converter writes one: every id's token
+    (added tokens by their content), added special tokens as CONTROL and the
+    other added tokens as USER_DEFINED, the merges, ``pre`` as
+    ``tokenizer.ggml.pre``, the special ids the config names, and the
+    ``add_*_token`` ``flags``; a tiny Llama's keys and a 4-wide embedding
+    table (llama.cpp's files always have both); return ``path``."""
+    import gguf
+
+    vocab = dict(tokenizer["model"]["vocab"])
+    added = {t["id"]: t for t in tokenizer["added_tokens"]}
+    size = max([*vocab.values(), *added]) + 1
+    tokens = [f"[PAD{i}]" for i in range(size)]
+    types = [gguf.TokenType.UNUSED] * size
+    for token, index in vocab.items():
+        tokens[index], types[index] = token, gguf.TokenType.NORMAL
+    for index, token in added.items():
+        tokens[index] = token["content"]
+        types[index] = gguf.TokenType.CONTROL if token["special"] else gguf.TokenType.USER_DEFINED
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tokenizer")
+    _metadata(writer, {"max_position_embeddings": 4096, "hidden_size": 4, "num_hidden_layers": 1,
+                       "intermediate_size": 8, "num_attention_heads": 1, "rms_norm_eps": 1e-5,
+                       "vocab_size": size}, "llama")  # fmt: skip
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types([int(t) for t in types])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]])
+    ids = {token: index for index, token in enumerate(tokens)}
+    for name, add in (("bos_token", writer.add_bos_token_id), ("eos_token", writer.add_eos_token_id),
+                      ("unk_token", writer.add_unk_token_id), ("pad_token", writer.add_pad_token_id)):  # fmt: skip
+        value = config.get(name)
+        value = value["content"] if isinstance(value, dict) else value
+        if value is not None:
+            add(ids[value])
+    for flag, value in (flags or {}).items():
+        writer.add_bool(f"tokenizer.ggml.{flag}", bool(value))
+    if chat_template:
+        writer.add_chat_template(chat_template)
+    writer.add_tensor("token_embd.weight", np.zeros((size, 4), dtype=np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)
+
+
 def _arch_tensors(tensors: dict[str, torch.Tensor], hf: dict, arch: str):
     """The checkpoint's tensors as llama.cpp stores them, plus the rotary
     tables it derives, under Hugging Face names (``rope_*`` as GGUF names)."""

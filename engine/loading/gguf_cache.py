@@ -30,6 +30,14 @@ The conversion runs in a child process: transformers' modeling code, which
 it needs, imports torch's compiler stack (dynamo, inductor, triton, sympy),
 about 240 MiB that would otherwise stay in a server started on a cold cache
 for its whole life (docs/benchmarks.md, "Memory at ready").
+
+An entry without weights for a file whose config ``gguf_config`` builds
+and whose tokenizer is a byte-level BPE (``gguf_tokenizer``: Llama 3,
+Qwen, SmolLM, gpt-oss) is written in this process instead, without
+transformers (``describe_here``): no child importing torch and transformers
+again, 5-8 CPU seconds of a first start (docs/performance.md, "Start-up:
+where the time goes"). Sentencepiece vocabularies and the families it does
+not describe keep the child.
 """
 
 from __future__ import annotations
@@ -200,8 +208,45 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
 def describe_gguf(gguf_path: Path, out_dir: Path) -> None:
     """``convert_gguf`` without the weights: ``config.json`` and the
-    tokenizer files only."""
-    _run_child(gguf_path, out_dir, [_NO_WEIGHTS])
+    tokenizer files only. In this process where trioserve reads the file's
+    config and tokenizer itself (``describe_here``), else in the child."""
+    if not describe_here(gguf_path, out_dir):
+        _run_child(gguf_path, out_dir, [_NO_WEIGHTS])
+
+
+def describe_here(gguf_path: Path, out_dir: Path) -> bool:
+    """Write ``describe_gguf``'s files without transformers, from the
+    file's metadata (``gguf_config.native_config``,
+    ``gguf_tokenizer.tokenizer_files``), and return True; return False,
+    writing nothing, for a file whose architecture or tokenizer model
+    neither builds. Raises ``ModelLoadError`` naming the file."""
+    from trioserve.engine.loading import gguf_tokenizer
+    from trioserve.engine.loading.gguf_file import GGUFFile
+
+    file = GGUFFile(
+        gguf_path, want_strings=lambda key: gguf_config.metadata_strings(key) or gguf_tokenizer.wants_strings(key)
+    )
+    metadata, tables = gguf_config.read_metadata(gguf_path, file)
+    if not (gguf_config.describable(metadata) and gguf_tokenizer.reads(file.fields)):
+        return False
+    progress = Progress(f"reading the config and tokenizer of {gguf_path.name}", total=2)
+    try:
+        embedding = next(t for t in file.tensors if t.name == "token_embd.weight")
+        hf_config = gguf_config.native_config(metadata, tables, vocab_size=int(embedding.dims[-1]))
+        resolve_model_config(hf_config, source=str(gguf_path))  # as the child does: a refusal names the file
+        (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True))
+        progress.advance(note="config written")
+        tokenizer_json, tokenizer_config = gguf_tokenizer.tokenizer_files(file.fields)
+        (out_dir / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
+        (out_dir / "tokenizer_config.json").write_text(gguf_tokenizer.config_json(tokenizer_config), encoding="utf-8")
+        progress.advance(note="tokenizer written")
+    except StopIteration:
+        raise ModelLoadError(f"{gguf_path}: incomplete GGUF model: no tensor 'token_embd.weight'") from None
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ModelLoadError(f"{gguf_path}: not a readable GGUF model: {type(exc).__name__}: {exc}") from None
+    finally:
+        progress.close()
+    return True
 
 
 def _run_child(gguf_path: Path, out_dir: Path, flags: list[str]) -> None:

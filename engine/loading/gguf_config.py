@@ -18,7 +18,11 @@ Files transformers' reader cannot make a model of (SmolLM3; a Llama with
 experts, which is how llama.cpp writes Mixtral; Qwen3-MoE, whose expert
 width it drops; gpt-oss, whose metadata it fails on) are converted by
 trioserve's own reader instead, and ``native_config`` builds their config
-from the metadata alone.
+from the metadata alone. It builds the dense Llama's, Qwen2's and Qwen3's
+too, for a cache entry without weights (``describable``): the config and
+tokenizer written without importing transformers (gguf_cache.py), the
+same ``ModelConfig`` as transformers' reading gives
+(tests/test_gguf_tokenizer.py).
 
 A llama3 rotary's four parameters are recovered from its table
 (``llama3_parameters``): the table fixes ``factor`` and the two wavelength
@@ -44,6 +48,12 @@ _NATIVE = {
     "mixtral": ("mixtral", "MixtralForCausalLM"),
     "gpt-oss": ("gpt_oss", "GptOssForCausalLM"),
 }
+# The dense families native_config also builds (transformers reads them too).
+_DENSE = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+}
 # llama.cpp's SmolLM3 without a no_rope_layers array: every 4th layer has no rotary.
 _SMOLLM3_NO_ROPE_STEP = 4
 # llama.cpp's LLM_TYPE_27B, by layer count: the one Gemma whose attention
@@ -51,17 +61,19 @@ _SMOLLM3_NO_ROPE_STEP = 4
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
-def read_metadata(path: Path) -> tuple[dict[str, Any], dict[str, list[float]]]:
+def read_metadata(path: Path, file: Any = None) -> tuple[dict[str, Any], dict[str, list[float]]]:
     """The GGUF's metadata (scalars and arrays, by key; its tensors' names
     under ``"tensors"``), and its rotary factor tables
     (``rope_factors_long``/``_short``, ``rope_freqs``) as lists. Read from
-    the header alone (``gguf_file``): of the tokenizer's keys only its
-    special ids (native_config's) are kept."""
+    the header alone (``gguf_file``; ``file``, a ``GGUFFile`` of ``path``
+    that reads ``metadata_strings``, where one is at hand): of the
+    tokenizer's keys only its special ids (native_config's) are kept."""
     import gguf
 
     from trioserve.engine.loading.gguf_file import GGUFFile
 
-    file = GGUFFile(path, want_strings=lambda key: not key.startswith("tokenizer."))
+    if file is None:
+        file = GGUFFile(path, want_strings=metadata_strings)
     metadata = {
         key: value
         for key, value in file.fields.items()
@@ -78,6 +90,11 @@ def read_metadata(path: Path) -> tuple[dict[str, Any], dict[str, list[float]]]:
     return metadata, tables
 
 
+def metadata_strings(key: str) -> bool:
+    """The string arrays ``read_metadata`` keeps: all but the tokenizer's."""
+    return not key.startswith("tokenizer.")
+
+
 def native_kind(metadata: dict[str, Any]) -> str | None:
     """Which ``_NATIVE`` family the file is, for a file trioserve converts
     itself (see the module's docstring); None for one transformers reads."""
@@ -87,14 +104,27 @@ def native_kind(metadata: dict[str, Any]) -> str | None:
     return arch if arch in _NATIVE else None
 
 
+def describable(metadata: dict[str, Any]) -> bool:
+    """Whether ``native_config`` builds this file's config as transformers
+    reads it: a ``native_kind`` or a dense family of ``_DENSE``, but for a
+    Llama named exactly "mistral", which transformers reads as a Mistral
+    (its name test compares the whole name), with its class's default
+    sliding window; a weights conversion of the file, which transformers
+    makes, must find the same model."""
+    arch = str(metadata.get("general.architecture", ""))
+    if arch == "llama" and metadata.get("general.name") == "mistral":
+        return False
+    return native_kind(metadata) is not None or arch in _DENSE
+
+
 def native_config(metadata: dict[str, Any], tables: dict[str, list[float]], vocab_size: int) -> dict[str, Any]:
-    """The config.json of a ``native_kind`` file, from its metadata (and its
+    """The config.json of a ``describable`` file, from its metadata (and its
     embedding table's rows, ``vocab_size``, where it states no vocabulary
     size): the fields transformers' config class of the family reads."""
     arch = str(metadata.get("general.architecture", ""))
     kind = native_kind(metadata)
-    assert kind is not None
-    model_type, architecture = _NATIVE[kind]
+    dense = kind is None
+    model_type, architecture = _DENSE[arch] if dense else _NATIVE[kind]
 
     def key(name: str, default: Any = None) -> Any:
         value = metadata.get(f"{arch}.{name}", default)
@@ -116,11 +146,11 @@ def native_config(metadata: dict[str, Any], tables: dict[str, list[float]], voca
         "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
         "vocab_size": int(metadata.get(f"{arch}.vocab_size") or vocab_size),
         "tie_word_embeddings": "output.weight" not in metadata.get("tensors", ()),
-        "attention_bias": False,
+        "attention_bias": dense and any(name.endswith("attn_q.bias") for name in metadata.get("tensors", ())),
         "rope_theta": float(key("rope.freq_base", 10000.0)),
     }
-    for name in ("bos", "eos", "pad"):
-        token = metadata.get(f"tokenizer.ggml.{name}_token_id")
+    for name, gguf_name in (("bos", "bos"), ("eos", "eos"), ("pad", "padding")):
+        token = metadata.get(f"tokenizer.ggml.{gguf_name}_token_id")
         if token is not None:
             hf[f"{name}_token_id"] = int(token)
     if kind == "smollm3":
@@ -129,7 +159,7 @@ def native_config(metadata: dict[str, Any], tables: dict[str, list[float]], voca
             flags = [int((i + 1) % _SMOLLM3_NO_ROPE_STEP != 0) for i in range(layers)]
         hf["no_rope_layers"] = [int(f) for f in flags]
         hf["mlp_bias"] = False
-    else:
+    elif kind is not None:  # the mixtures
         hf["num_experts_per_tok"] = int(key("expert_used_count"))
         if kind == "qwen3moe":
             hf["num_experts"] = int(key("expert_count"))
