@@ -281,9 +281,11 @@ def test_a_files_q6_k_projections_load_as_q6_k_lanes_on_avx512vnni_and_avx2int8(
         assert isinstance(linear, Int8GroupNativeLinear) and isinstance(linear.weight, Q6KLanes)
         assert linear.isa == isa
     assert made.decode is not None and made.decode.isa == isa
-    down = layer0.down_linear.weight.linear(torch.eye(_CONFIG.intermediate_size), AVX512).T
+    # Float32 panels on the widest variant this CPU runs (an AVX2-only CPU has no avx512).
+    panels = AVX512 if "avx512" in native.cpu_isas() else AVX2
+    down = layer0.down_linear.weight.linear(torch.eye(_CONFIG.intermediate_size), panels).T
     assert torch.equal(down, _reference("Q6_K", tensors["blk.0.ffn_down.weight"][1]))
-    qkv = layer1.qkv_linear.weight.linear(torch.eye(_CONFIG.hidden_size), AVX512).T
+    qkv = layer1.qkv_linear.weight.linear(torch.eye(_CONFIG.hidden_size), panels).T
     heads = {"attn_q": _CONFIG.num_attention_heads, "attn_k": _CONFIG.num_key_value_heads, "attn_v": None}
     parts = [_reference("Q6_K", tensors[f"blk.1.{p}.weight"][1]) for p in heads]
     parts = [w if h is None else gguf_weights._unpermute(w, h) for w, h in zip(parts, heads.values())]
