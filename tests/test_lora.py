@@ -325,11 +325,14 @@ def test_compressed_base_weights_run_with_an_adapter(compressed_default, default
 
     # The whole model: through the compressed weights, the next token's
     # logits stray from the float model's of the same weights (dequantized:
-    # the int8 rounding of activations) with the adapter as they do without
-    # (measured: 39 against 19 in norm; a random adapter pushes activations
-    # where rounding costs more, so up to 3x is allowed), while the adapter
-    # moves them several times more than that; and the greedy choice with
-    # the adapter is the float model's.
+    # the rounding of activations) with the adapter as they do without
+    # (measured on avx512vnni: 39 against 19 in norm; on an AVX2-only CPU,
+    # whose prompts round activations to int16 per row: 104 against 109; a
+    # random adapter pushes activations where rounding costs more, so up to
+    # 3x is allowed), while the adapter moves them more than that (200 in
+    # norm: 1.9x the AVX2 stray; were the adapter lost on the compressed
+    # path, its stray would be about the effect itself); and the greedy
+    # choice with the adapter is the float model's.
     floating = EngineCore(default_loaded, EngineConfig(kv_cache_memory=64 << 20, warm_up=False, lora=lora))
     prompt = compressed.tokenize("The capital of France is")
     logits = {
@@ -340,7 +343,7 @@ def test_compressed_base_weights_run_with_an_adapter(compressed_default, default
     stray = {a: float((logits[("compressed", a)] - logits[("float", a)]).norm()) for a in (None, "a")}
     effect = float((logits[("float", "a")] - logits[("float", None)]).norm())
     assert stray["a"] < 3 * stray[None], stray
-    assert effect > 3 * stray["a"], (effect, stray)
+    assert effect > 1.5 * stray["a"], (effect, stray)
     assert int(logits[("compressed", "a")].argmax()) == int(logits[("float", "a")].argmax())
 
 
