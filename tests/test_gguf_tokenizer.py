@@ -95,7 +95,8 @@ def test_a_described_entry_serves_the_same_tokens(vocabulary, tmp_path):
     assert ours.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == (
         reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     )
-    assert (ours.bos_token, ours.eos_token, ours.pad_token) == (reference.bos_token, reference.eos_token, reference.pad_token)
+    for name in ("bos_token", "eos_token", "pad_token"):
+        assert getattr(ours, name) == getattr(reference, name)
 
 
 def test_a_byte_level_file_is_described_without_the_converting_child(tmp_path, monkeypatch):
