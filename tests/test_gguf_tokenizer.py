@@ -99,6 +99,16 @@ def test_a_described_entry_serves_the_same_tokens(vocabulary, tmp_path):
         assert getattr(ours, name) == getattr(reference, name)
 
 
+def test_the_split_patterns_and_byte_alphabet_are_transformers():
+    """The tables gguf_tokenizer keeps are transformers' own: a split added
+    or changed there shows here."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+
+    assert gguf_tokenizer.PRE_TOKENIZER_SPLITS == GGUF_PRE_TOKENIZER_SPLITS
+    assert gguf_tokenizer.byte_alphabet() == bytes_to_unicode()
+
+
 def test_a_byte_level_file_is_described_without_the_converting_child(tmp_path, monkeypatch):
     """The default model's first start writes its cache entry in process:
     no child importing torch and transformers (5-8 CPU seconds)."""
