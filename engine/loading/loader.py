@@ -21,7 +21,10 @@ import torch
 
 from trioserve.engine.loading import gguf_cache
 from trioserve.engine.loading import compressed as quant_load
+from trioserve.engine.loading import model_snapshot
+from trioserve.engine.kernels import native
 from trioserve.engine.kernels.capability import CpuPaths
+from trioserve.engine.kernels.choose import KernelChoice
 from trioserve.engine.config import EngineConfig, ModelConfig
 from trioserve.engine.errors import CpuCapabilityError, ModelLoadError
 from trioserve.engine.loading.gguf_cache import Progress
@@ -78,6 +81,9 @@ class LoadedModel:
     path: Path
     dtype: torch.dtype
     device: torch.device
+    # A GGUF model built this start: its snapshot being written for the next
+    # (model_snapshot); None where it was mapped from one, or none is kept.
+    snapshot_writer: model_snapshot.SnapshotWriter | None = None
 
     @property
     def cpu_paths(self) -> CpuPaths | None:
@@ -166,6 +172,12 @@ def load_model(
     one arithmetic, whatever shares its step; False lets prompts take
     faster arithmetic that decode steps do not share.
 
+    Where this start builds a compressed GGUF model, what it built is kept
+    in its cache entry (``model_snapshot``, written by
+    ``LoadedModel.snapshot_writer``; ``$TRIOSERVE_MODEL_SNAPSHOT=0`` turns it
+    off), and a later start with the same file, code, kernel and CPU maps
+    it instead of building again.
+
     Raises ``ModelLoadError`` naming the file or field at fault, and its
     ``CpuCapabilityError`` for a dtype or quantization this CPU cannot run,
     before anything is read.
@@ -192,6 +204,7 @@ def load_model(
         quantization, is_gguf=source.is_file(), device=torch_device, dtype=torch_dtype
     )
     choice = None
+    writer = None
     if compressed:
         try:
             choice = quant_load.quantization_choice(
@@ -217,7 +230,8 @@ def load_model(
                 folder, model_config, dtype=torch_dtype, device=torch_device, cpu_paths=cpu_paths
             )
         elif source.is_file():
-            loaded = quant_load.load_gguf_quantized(source, model_config, choice, cpu_paths)
+            assert cpu_paths is not None  # compressed weights run on CPU
+            loaded, writer = _gguf_model(source, folder, model_config, choice, cpu_paths, name)
         else:
             loaded = quant_load.load_safetensors_quantized(folder, model_config, choice, cpu_paths, cache_dir)
         tokenizer_error = tokenizer_future.exception()
@@ -242,7 +256,35 @@ def load_model(
         path=folder,
         dtype=torch_dtype,
         device=torch_device,
+        snapshot_writer=writer,
     )
+
+
+def _gguf_model(
+    source: Path, folder: Path, config: ModelConfig, choice: KernelChoice, cpu_paths: CpuPaths, name: str
+) -> tuple[LlamaForCausalLM, model_snapshot.SnapshotWriter | None]:
+    """``source``'s compressed model: mapped from the build an earlier start
+    kept in its cache entry ``folder``, else built (and kept)."""
+
+    def build() -> LlamaForCausalLM:
+        return quant_load.load_gguf_quantized(source, config, choice, cpu_paths)
+
+    key = None
+    if model_snapshot.enabled():
+        try:
+            library = native.build_tag()
+        except OSError:
+            library = "absent"
+        kernel = choice.kernel
+        key = model_snapshot.snapshot_key(
+            source,
+            {
+                "choice": f"{kernel.name} {kernel.isa} {choice.scheme} {choice.group_size} {choice.gemm_from_rows}",
+                "cpu_paths": repr(cpu_paths),
+                "native": library,
+            },
+        )
+    return model_snapshot.load_or_build(folder, key, build, name)
 
 
 @attrs.frozen
