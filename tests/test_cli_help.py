@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from trioserve.web.cli import build_parser, package_version
+from trioserve.web.cli import BUILT_IN_COMMANDS, build_parser, command_named, package_version
 from trioserve.web.engine_options import GROUPS
 from trioserve.web.serve_options import build_serve_parser
 
@@ -110,3 +110,38 @@ def test_version_without_an_install_is_pyprojects(monkeypatch):
     monkeypatch.setattr(metadata, "version", not_installed)
     pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
     assert package_version() == pyproject["project"]["version"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "command"),
+    [
+        (["serve", "--port", "1"], "serve"),
+        (["--log-level", "debug", "generate", "hi"], "generate"),
+        (["--log-level", "DEBUG", "bench", "vs-llama"], "bench"),
+        (["-h"], None),
+        ([], None),
+    ],
+)
+def test_the_command_is_read_past_the_top_level_options(argv, command):
+    assert command_named(argv) == command
+
+
+def test_the_built_in_commands_parse_without_the_installed_ones():
+    """What main builds for ``serve``: every built-in command, no bench (nor its imports)."""
+    names = {name for name, _ in walk(build_parser(installed=False), "trioserve")}
+    assert {f"trioserve {c}" for c in BUILT_IN_COMMANDS} <= names
+    assert not any(name.startswith("trioserve bench") for name in names)
+    assert build_parser(installed=False).parse_args(["serve"]).command == "serve"
+
+
+def test_serve_does_not_import_the_bench_and_bench_still_runs():
+    code = (
+        "import sys; from trioserve.web import cli; "
+        "p = cli.build_parser(installed=cli.command_named(['serve']) not in cli.BUILT_IN_COMMANDS); "
+        "print('trioserve.bench' in sys.modules)"
+    )
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+    help_text = subprocess.run(
+        [sys.executable, "-m", "trioserve.web.cli", "bench", "-h"], capture_output=True, text=True, check=True
+    ).stdout
+    assert "vs-llama" in help_text
