@@ -266,6 +266,10 @@ def read(path: Path, key: str) -> Any:
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         except ValueError as exc:  # an empty file
             raise SnapshotError(f"cannot map it: {exc}") from None
+    # Read ahead whatever of it the page cache lacks (after a reboot, say),
+    # so the first step does not wait on the disk page by page. Populating
+    # the mapping instead would copy every page: it is private and writable.
+    mapped.madvise(mmap.MADV_WILLNEED)
     try:
         if mapped[: len(MAGIC)] != MAGIC:
             raise SnapshotError("not a snapshot")
