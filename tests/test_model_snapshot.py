@@ -171,6 +171,13 @@ def test_a_snapshot_naming_a_class_outside_the_project_is_refused_without_runnin
     assert not marker.exists()
 
 
+def test_a_module_reached_through_an_allowed_one_is_refused(tmp_path):
+    """``torch.serialization.os`` names the os module through an allowed package."""
+    model_snapshot.Snapshot("k", b"ctorch.serialization\nos\n.", ()).write(tmp_path / "m.snapshot")
+    with pytest.raises(model_snapshot.SnapshotError, match="not allowed"):
+        model_snapshot.read(tmp_path / "m.snapshot", "k")
+
+
 def test_a_snapshot_under_another_key_or_not_a_snapshot_is_refused(tmp_path):
     model_snapshot.Snapshot("k", pickle.dumps([1, 2]), ()).write(tmp_path / "m.snapshot")
     assert model_snapshot.read(tmp_path / "m.snapshot", "k") == [1, 2]

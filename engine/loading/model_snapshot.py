@@ -8,19 +8,20 @@ the same bytes again. So the first start keeps what it built: ``take``
 pickles the model's objects on the loading thread (milliseconds: the
 tensors are referred to, not copied), and ``SnapshotWriter`` writes that
 and the tensors' bytes to ``<name>.snapshot`` on a thread of its own while
-the server starts serving (and which the process waits for at exit). A later start ``read``\\ s it: the file is
-mapped copy-on-write, each tensor a view of its pages (the page cache's,
-shared with any other process that maps it, as llama.cpp maps a GGUF), and
-nothing is laid out again.
+the server starts serving (the process waits for it at exit). A later
+start reads it (``read``): the file is mapped copy-on-write, each tensor a
+view of its pages (the page cache's, shared with any other process that
+maps it, as llama.cpp maps a GGUF), and nothing is laid out again.
 
 The file is ``MAGIC``, the length of a JSON header, the header (the key,
 each tensor storage's offset and length, the pickle's), then the pickle
 and the storages, each at a page boundary. ``snapshot_key`` names what the
 bytes depend on; a file under another key, or one that does not read back
-whole, is not used (and is replaced after the next build). Only the
-project's own, torch's, numpy's and the standard library's classes are
-unpickled (``_Unpickler``): the file is the user's own cache, like the
-native builds beside it, but nothing else in it runs.
+whole, is not used (and is replaced after the next build). The unpickler
+takes classes from the project's, torch's, numpy's and a few standard
+modules only, and no module as a value: a guard against a stray file, not
+a sandbox (torch's modules are large). The cache is trusted as the native
+builds beside it are, which run as they are found.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import struct
 import sys
 import threading
 import time
+import types
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -56,9 +58,11 @@ OFF_ENV = "TRIOSERVE_MODEL_SNAPSHOT"  # "0" or "off": build every start, keep no
 _PAGE = 4096
 _INLINE_BYTES = 4096  # numpy arrays smaller than this stay in the pickle
 _ENGINE = Path(__file__).resolve().parent.parent  # trioserve/engine
-# Where an unpickled class may come from: the project's, torch's, numpy's
-# and the few standard modules their pickles name.
-_ALLOWED = ("trioserve.", "torch", "numpy", "attr", "collections", "copyreg", "functools", "_codecs", "threading", "_thread")
+# The packages an unpickled class may come from: the project's, torch's,
+# numpy's and the few standard modules their pickles name.
+_ALLOWED = frozenset(
+    {"trioserve", "torch", "numpy", "attr", "collections", "copyreg", "functools", "_codecs", "threading", "_thread"}
+)
 
 
 class SnapshotError(Exception):
@@ -108,6 +112,14 @@ def _ops_namespace(name: str) -> object:
     return native.ops() if name == "trioserve" else getattr(torch.ops, name)
 
 
+def _op(namespace: object, name: str) -> object:
+    """An op of ``namespace`` (``torch.ops.<ns>.<name>``), nothing else."""
+    op = getattr(namespace, name)
+    if not isinstance(op, torch._ops.OpOverloadPacket):
+        raise SnapshotError(f"{name!r} is not an op")
+    return op
+
+
 def _array(tensor: torch.Tensor) -> np.ndarray:
     return tensor.numpy()
 
@@ -144,7 +156,7 @@ class _Pickler(pickle.Pickler):
             return _ops_namespace, (obj.name,)
         if kind is torch._ops.OpOverloadPacket:
             namespace, name = obj._qualified_op_name.split("::")
-            return getattr, (_ops_namespace(namespace), name)
+            return _op, (_ops_namespace(namespace), name)
         if kind is _LOCK:
             return threading.Lock, ()
         if kind is _RLOCK:
@@ -175,11 +187,13 @@ class _Unpickler(pickle.Unpickler):
         return self._storage(pid)
 
     def find_class(self, module: str, name: str) -> Any:
-        if module == "builtins" and name in ("getattr", "set", "frozenset", "slice", "complex", "range"):
-            return super().find_class(module, name)
-        if module.startswith(_ALLOWED):
-            return super().find_class(module, name)
-        raise SnapshotError(f"the snapshot names {module}.{name}, which is not allowed")
+        allowed = module.split(".")[0] in _ALLOWED or (
+            module == "builtins" and name in ("set", "frozenset", "slice", "complex", "range")
+        )
+        found = super().find_class(module, name) if allowed else None
+        if found is None or isinstance(found, types.ModuleType):
+            raise SnapshotError(f"the snapshot names {module}.{name}, which is not allowed")
+        return found
 
 
 @attrs.frozen
