@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -201,3 +202,15 @@ def test_tensors_sharing_a_storage_are_kept_once_and_still_share_it(tmp_path):
     assert torch.equal(back["table"], table) and torch.equal(back["head"], table[1024:])
     assert back["head"].untyped_storage().data_ptr() == back["table"].untyped_storage().data_ptr()
     assert back["copy"].untyped_storage().data_ptr() != back["table"].untyped_storage().data_ptr()
+
+
+def test_a_write_removes_what_a_killed_writer_left_but_not_a_live_ones(tmp_path):
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tmp_path / f".old.snapshot.{dead.pid}.1.tmp"
+    live = tmp_path / f".old.snapshot.{os.getpid()}.1.tmp"
+    for leftover in (stale, live):
+        leftover.write_bytes(b"partial")
+    model_snapshot.Snapshot("k", pickle.dumps(1), ()).write(tmp_path / "m.snapshot")
+    assert not stale.exists() and live.exists()
+    assert model_snapshot.read(tmp_path / "m.snapshot", "k") == 1

@@ -509,11 +509,12 @@ def _remove_stale_temps(target: Path) -> None:
     """Delete temporary folders left by killed conversions of ``target``."""
     for tmp in target.parent.glob(f"{_TMP_PREFIX}*-{target.name}"):
         pid_text = tmp.name[len(_TMP_PREFIX) :].split("-", 1)[0]
-        if pid_text.isdigit() and not _pid_alive(int(pid_text)):
+        if pid_text.isdigit() and not pid_alive(int(pid_text)):
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` is running (one of another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

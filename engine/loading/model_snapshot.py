@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from trioserve.engine.kernels import native
+from trioserve.engine.loading.gguf_cache import pid_alive
 
 logger = logging.getLogger(__name__)
 
@@ -237,18 +238,8 @@ class Snapshot:
                 other.unlink(missing_ok=True)
         for stale in path.parent.glob(f".*{SUFFIX}.*.tmp"):
             pid = stale.name.split(".")[-3]
-            if pid.isdigit() and not _pid_alive(int(pid)):
+            if pid.isdigit() and not pid_alive(int(pid)):
                 stale.unlink(missing_ok=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _align(n: int) -> int:
