@@ -291,13 +291,17 @@ def read(path: Path, key: str) -> Any:
         raise SnapshotError(f"damaged header: {exc}") from None
 
     def storage(pid: tuple[Any, ...]) -> Any:
-        _, index, dtype_name, numel, untyped = pid
+        _, index, dtype_name, _numel, untyped = pid
         offset, nbytes = spans[index]
-        whole = torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes, offset=offset) if nbytes else torch.empty(0, dtype=torch.uint8)
+        if nbytes:
+            whole = torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes, offset=offset)
+        else:
+            whole = torch.empty(0, dtype=torch.uint8)
         untyped_storage = whole.untyped_storage()
         if untyped:
             return untyped_storage
-        return torch.storage.TypedStorage(wrap_storage=untyped_storage, dtype=getattr(torch, dtype_name), _internal=True)
+        dtype = getattr(torch, dtype_name)
+        return torch.storage.TypedStorage(wrap_storage=untyped_storage, dtype=dtype, _internal=True)
 
     try:
         return _Unpickler(io.BytesIO(pickled), storage).load()
@@ -320,9 +324,7 @@ class SnapshotWriter:
         self._done = threading.Event()
         self._error: str | None = None
         self._seconds: float | None = None
-        self._thread = threading.Thread(
-            target=self._run, args=(snapshot,), name="model-snapshot", daemon=False
-        )
+        self._thread = threading.Thread(target=self._run, args=(snapshot,), name="model-snapshot", daemon=False)
         self._thread.start()
 
     def _run(self, snapshot: Snapshot) -> None:
@@ -330,12 +332,14 @@ class SnapshotWriter:
         try:
             snapshot.write(self.path)
             self._seconds = time.perf_counter() - started
-            logger.info("kept the built model for the next start: %s (%.0f MB in %.1f s)", self.path, self.nbytes / 1e6, self._seconds)
+            logger.info(
+                "kept the built model for the next start: %s (%.0f MB in %.1f s)",
+                self.path, self.nbytes / 1e6, self._seconds,
+            )
         except OSError as exc:
             self._error = f"{type(exc).__name__}: {exc}"
             logger.warning("could not keep the built model in %s: %s", self.path, self._error)
         finally:
-            del snapshot  # the storages it held may go now
             self._done.set()
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -370,7 +374,8 @@ def load_or_build(
     except (SnapshotError, OSError) as exc:
         logger.warning("%s: not using the kept build %s (%s); building again", name, path, exc)
     else:
-        logger.info("%s: mapped the build kept from an earlier start (%s, %.2f s)", name, path, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        logger.info("%s: mapped the build kept from an earlier start (%s, %.2f s)", name, path, seconds)
         return model, None
     model = build()
     try:
