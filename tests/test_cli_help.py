@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from trioserve.web.cli import BUILT_IN_COMMANDS, build_parser, command_named, package_version
+from trioserve.web.cli import build_parser, command_named, package_version, parser_for
 from trioserve.web.engine_options import GROUPS
 from trioserve.web.serve_options import build_serve_parser
 
@@ -128,16 +128,18 @@ def test_the_command_is_read_past_the_top_level_options(argv, command):
 
 def test_the_built_in_commands_parse_without_the_installed_ones():
     """What main builds for ``serve``: every built-in command, no bench (nor its imports)."""
-    names = {name for name, _ in walk(build_parser(installed=False), "trioserve")}
-    assert {f"trioserve {c}" for c in BUILT_IN_COMMANDS} <= names
+    names = {name for name, _ in walk(parser_for(["serve"]), "trioserve")}
+    assert {f"trioserve {c}" for c in ("generate", "serve", "run-batch", "worker")} <= names
     assert not any(name.startswith("trioserve bench") for name in names)
-    assert build_parser(installed=False).parse_args(["serve"]).command == "serve"
+    assert parser_for(["serve"]).parse_args(["serve"]).command == "serve"
+    bench = {name for name, _ in walk(parser_for(["bench", "vs-llama"]), "trioserve")}
+    assert "trioserve bench vs-llama" in bench
 
 
 def test_serve_does_not_import_the_bench_and_bench_still_runs():
     code = (
         "import sys; from trioserve.web import cli; "
-        "p = cli.build_parser(installed=cli.command_named(['serve']) not in cli.BUILT_IN_COMMANDS); "
+        "p = cli.parser_for(['serve']); "
         "print('trioserve.bench' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"

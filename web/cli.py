@@ -127,11 +127,6 @@ def package_version() -> str:
             return "unknown"
 
 
-# The commands build_parser adds itself; the installed ones (entry points)
-# are loaded only when another is asked for, or for help.
-BUILT_IN_COMMANDS = frozenset({"generate", "serve", "run-batch", "worker"})
-
-
 def build_parser(*, installed: bool = True) -> argparse.ArgumentParser:
     """The command line's parser, with the installed commands (``bench``)
     unless ``installed`` is False."""
@@ -244,11 +239,18 @@ def command_named(argv: list[str]) -> str | None:
     return None
 
 
+def parser_for(argv: list[str]) -> argparse.ArgumentParser:
+    """The parser ``argv`` needs: without the installed commands where it
+    names one of the built-in ones (loading them imports what they are
+    made of: bench's figures, 0.2 s of a 2 s start), else with them."""
+    built_in = build_parser(installed=False)
+    commands = next(a for a in built_in._actions if isinstance(a, argparse._SubParsersAction))
+    return built_in if command_named(argv) in commands.choices else build_parser()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    # Loading the installed commands imports what they are made of (bench's
-    # figures: 0.3 s of a 2 s start); a built-in command does without.
-    args = build_parser(installed=command_named(argv) not in BUILT_IN_COMMANDS).parse_args(argv)
+    args = parser_for(argv).parse_args(argv)
     logging.basicConfig(level=args.log_level, format=LOG_FORMAT)
     for handler in logging.getLogger().handlers:
         handler.addFilter(RequestIdFilter())  # %(request_id)s: the X-Request-Id being served, or -
